@@ -1,0 +1,38 @@
+"""rllib-exgrpo: experience-driven RL (ExGRPO, XRPO, GRPO) for LLM reasoning on Ray RLlib."""
+from setuptools import find_packages, setup
+
+setup(
+    name="rllib-exgrpo",
+    version="0.1.0",
+    description="ExGRPO / XRPO / GRPO for LLM reasoning as a Ray RLlib custom algorithm",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rllib_exgrpo", "rllib_exgrpo.*", "envs", "envs.*"]),
+    package_data={"rllib_exgrpo": ["py.typed"]},
+    install_requires=[
+        # Install torch first (CPU: `pip install torch==2.13.0`), or pip may fetch a CUDA build.
+        "torch>=2.4",
+        "ray[rllib]>=2.60,<2.61",
+        "gymnasium>=1.2,<1.3",
+        "transformers>=5.0,<6",
+        "tokenizers>=0.22",
+        "safetensors>=0.4",
+        "math-verify[antlr4_13_2]>=0.9,<0.10",
+        "mlflow>=3.0",
+        "pandas>=2.0",
+        "pyarrow>=15",
+        "numpy>=1.26",
+        "scipy>=1.11",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "vllm": ["vllm>=0.10"],
+        "deepspeed": ["deepspeed>=0.15"],
+        "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+    entry_points={"console_scripts": ["rllib=rllib_exgrpo.cli:main"]},
+)
