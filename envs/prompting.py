@@ -11,8 +11,9 @@ from typing import Any, Optional
 #: The answer-format instruction of the official Qwen2.5-Math / ExGRPO prompts.
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
-#: Used when no tokenizer (hence no chat template) is given.
-PLAIN_TEMPLATE = "{system}Question: {question}\n{instruction}\nAnswer:"
+#: Used when no tokenizer (hence no chat template) is given; ``{user}`` is the question
+#: followed by the instruction lines.
+PLAIN_TEMPLATE = "{system}Question: {user}\nAnswer:"
 
 
 def render_prompt(
@@ -46,4 +47,4 @@ def render_prompt(
         messages.append({"role": "user", "content": user})
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     system = f"{system_prompt.strip()}\n\n" if system_prompt else ""
-    return PLAIN_TEMPLATE.format(system=system, question=question.strip(), instruction=user[len(question.strip()):].strip())
+    return PLAIN_TEMPLATE.format(system=system, user=user)
