@@ -1,0 +1,722 @@
+"""Pure-torch advantage estimators and policy losses for GRPO / ExGRPO / XRPO.
+
+Nothing here imports RLlib: every function takes tensors and returns tensors, so the
+learner (and the tests) can call them directly. The formulas follow
+``/work/shared/design/ALGORITHMS.md``; the conventions (names of the aggregation modes,
+clamps, unbiased std, one registry per kind, a shape line per docstring) follow verl's
+``verl/trainer/ppo/core_algos.py``. The code is our own.
+
+Shape letters used in the docstrings:
+
+* ``N``: number of completions (rows) in the batch, over all groups together;
+* ``T``: padded response length (token positions per row);
+* ``V``: vocabulary size;
+* ``K``: number of distinct groups (questions) in ``group_index``.
+
+A ``mask`` is ``[N, T]``, bool or float (1 = a real response token, 0 = padding). Per-row
+quantities (advantages, rewards) are ``[N]`` and are broadcast over the row's tokens.
+
+Registries (name -> function):
+
+* :data:`ADVANTAGE_ESTIMATORS`: ``"mean_centered"``, ``"std_normalized"``;
+* :data:`LOSS_AGG_MODES`: ``"token-mean"``, ``"seq-mean-token-mean"``,
+  ``"seq-mean-token-sum-norm"``, ``"seq-mean-token-sum-norm-official"``;
+* :data:`RATIO_MODES`: ``"token"``, ``"sequence"`` (GSPO);
+* :data:`POLICY_LOSSES`: ``"clipped"`` (:func:`clipped_surrogate`),
+  ``"shaped"`` (:func:`shaped_surrogate`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "RATIO_MODES",
+    "POLICY_LOSSES",
+    "group_advantages",
+    "zero_variance_group_mask",
+    "masked_mean",
+    "log_ratio",
+    "clipped_surrogate",
+    "policy_shaping",
+    "shaped_surrogate",
+    "agg_loss",
+    "entropy_from_logits",
+    "token_logprobs_from_logits",
+    "k3_kl",
+    "mixed_policy_loss",
+    "novelty_sharpened_advantages",
+]
+
+
+# --------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------
+
+
+def _dense_groups(group_index: Tensor) -> Tuple[Tensor, int]:
+    """Map arbitrary group ids to dense ids ``0..K-1``.
+
+    Shapes: ``group_index [N]`` (any integer ids, need not be contiguous or sorted)
+    -> ``(inverse [N] long, K)``. Dense id ``k`` is the ``k``-th smallest original id
+    (``torch.unique`` sorts), which fixes the order of every per-group output here.
+    """
+    if group_index.dim() != 1:
+        raise ValueError(f"group_index must be 1-D [N], got shape {tuple(group_index.shape)}")
+    uniq, inverse = torch.unique(group_index, sorted=True, return_inverse=True)
+    return inverse, int(uniq.numel())
+
+
+def _group_sum(x: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    """Scatter-sum ``x [N]`` into ``[K]`` by dense group id ``inverse [N]``."""
+    out = torch.zeros(num_groups, dtype=x.dtype, device=x.device)
+    return out.index_add(0, inverse, x)
+
+
+def _float_mask(mask: Tensor, like: Tensor) -> Tensor:
+    """Return ``mask`` as a float tensor of ``like``'s dtype (bool/int/float accepted)."""
+    return mask.to(dtype=like.dtype if like.is_floating_point() else torch.float32)
+
+
+def _broadcast_adv(advantages: Tensor, like: Tensor) -> Tensor:
+    """Broadcast per-row advantages ``[N]`` to ``[N, T]``; ``[N, T]`` passes through."""
+    if advantages.dim() == like.dim() - 1:
+        return advantages.unsqueeze(-1)
+    if advantages.shape != like.shape:
+        raise ValueError(
+            f"advantages must be [N] or [N, T] matching {tuple(like.shape)}, "
+            f"got {tuple(advantages.shape)}"
+        )
+    return advantages
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is non-zero.
+
+    Shapes: ``x`` and ``mask`` broadcastable to each other (typically both ``[N, T]``);
+    ``dim=None`` -> scalar, ``dim=d`` -> ``x`` reduced over ``d``.
+
+    Formula: ``sum(x * m) / sum(m)`` with ``m`` the (float) mask, so a float mask acts as
+    weights. Where ``sum(m) == 0`` the result is ``0`` (not NaN); the zero still carries
+    ``x``'s autograd graph. Masked-out entries of ``x`` are replaced by 0 before the
+    product, so a NaN/inf in padding cannot leak into the value.
+    (verl: ``verl.utils.torch_functional.masked_mean``, which adds 1e-8 instead.)
+    """
+    m = _float_mask(mask, x)
+    xm = torch.where(m != 0, x, torch.zeros((), dtype=x.dtype, device=x.device)) * m
+    if dim is None:
+        num = xm.sum()
+        den = m.sum()
+    else:
+        num = xm.sum(dim=dim)
+        den = m.sum(dim=dim)
+        num, den = torch.broadcast_tensors(num, den)
+    safe_den = torch.where(den != 0, den, torch.ones_like(den))
+    return torch.where(den != 0, num / safe_den, num * 0)
+
+
+# --------------------------------------------------------------------------------------
+# Advantages
+# --------------------------------------------------------------------------------------
+
+
+def _adv_mean_centered(rewards: Tensor, group_index: Tensor, eps: float = 1e-6) -> Tensor:
+    """Dr.GRPO / official ExGRPO advantage: ``A_i = r_i - mean_{j in g(i)} r_j``.
+
+    Shapes: ``rewards [N]``, ``group_index [N]`` -> ``[N]``. ``eps`` is unused (kept
+    for a uniform registry signature). Ref: Dr.GRPO (Liu et al. 2025, arXiv 2503.20783);
+    official ExGRPO (ElliottYan/LUFFY, ExGRPO/, ``use_std=False``).
+    """
+    del eps
+    r = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
+    inverse, k = _dense_groups(group_index)
+    counts = _group_sum(torch.ones_like(r), inverse, k)
+    mean = _group_sum(r, inverse, k) / counts
+    return r - mean[inverse]
+
+
+def _adv_std_normalized(rewards: Tensor, group_index: Tensor, eps: float = 1e-6) -> Tensor:
+    """Classic GRPO advantage: ``A_i = (r_i - mean_g) / (std_g + eps)``.
+
+    Shapes: ``rewards [N]``, ``group_index [N]`` -> ``[N]``. ``std_g`` is the *unbiased*
+    sample std (denominator ``n_g - 1``) as in verl ``compute_grpo_outcome_advantage``
+    (``torch.std``). A group of size 1 has no std: its advantage is 0 (r - mean = 0 and we
+    keep it 0). Ref: DeepSeekMath GRPO (arXiv 2402.03300), verl core_algos.
+    """
+    r = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
+    inverse, k = _dense_groups(group_index)
+    counts = _group_sum(torch.ones_like(r), inverse, k)
+    mean = _group_sum(r, inverse, k) / counts
+    centered = r - mean[inverse]
+    sq = _group_sum(centered * centered, inverse, k)
+    var = sq / (counts - 1).clamp_min(1)
+    std = var.sqrt()
+    adv = centered / (std[inverse] + eps)
+    single = counts[inverse] <= 1
+    return torch.where(single, torch.zeros_like(adv), adv)
+
+
+#: name -> fn(rewards [N], group_index [N], eps) -> advantages [N]
+ADVANTAGE_ESTIMATORS: Dict[str, Callable[..., Tensor]] = {
+    "mean_centered": _adv_mean_centered,
+    "std_normalized": _adv_std_normalized,
+}
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_index: Tensor,
+    *,
+    mode: str = "mean_centered",
+    eps: float = 1e-6,
+) -> Tensor:
+    """Group-relative outcome advantage, one scalar per completion.
+
+    Shapes: ``rewards [N]`` (float, or int/bool cast to float32), ``group_index [N]``
+    (integer question/group id per completion; arbitrary ids, groups may have *different
+    sizes*) -> ``advantages [N]``.
+
+    Modes (:data:`ADVANTAGE_ESTIMATORS`):
+
+    * ``"mean_centered"`` (default; Dr.GRPO and official ExGRPO):
+      ``A_i = r_i - mean_{g(i)}(r)``.
+    * ``"std_normalized"`` (classic GRPO): ``A_i = (r_i - mean) / (std + eps)``, unbiased
+      std like verl (``eps`` = 1e-6 as verl; TRL uses 1e-4). A group of size 1 gets 0.
+
+    Groups of different sizes are what XRPO's planner produces; an ExGRPO replayed group is
+    1 replayed + (G-1) fresh completions, all sharing one group id, so the replayed
+    trajectory takes part in the group mean. Vectorised with ``index_add`` (no Python loop
+    over groups). The result is not detached from ``rewards`` (rewards normally carry no
+    graph anyway).
+    """
+    try:
+        fn = ADVANTAGE_ESTIMATORS[mode]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage mode {mode!r}; choose from {sorted(ADVANTAGE_ESTIMATORS)}"
+        ) from None
+    if rewards.shape != group_index.shape or rewards.dim() != 1:
+        raise ValueError(
+            f"rewards and group_index must both be [N]; got {tuple(rewards.shape)} and "
+            f"{tuple(group_index.shape)}"
+        )
+    return fn(rewards, group_index, eps=eps)
+
+
+def zero_variance_group_mask(rewards: Tensor, group_index: Tensor) -> Tensor:
+    """Which groups have all-equal rewards (no learning signal).
+
+    Shapes: ``rewards [N]``, ``group_index [N]`` -> ``BoolTensor [K]``, one entry per
+    distinct group id **in increasing order of the id** (``torch.unique`` order). A group
+    of size 1 counts as zero-variance. Compares each group's max and min exactly, so it is
+    right for binary and for continuous rewards. For the metric "fraction of zero-variance
+    groups" use ``mask.float().mean()``.
+    """
+    r = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
+    inverse, k = _dense_groups(group_index)
+    big = torch.full((k,), float("inf"), dtype=r.dtype, device=r.device)
+    gmax = (-big).scatter_reduce(0, inverse, r, reduce="amax", include_self=True)
+    gmin = big.scatter_reduce(0, inverse, r, reduce="amin", include_self=True)
+    return gmax == gmin
+
+
+# --------------------------------------------------------------------------------------
+# Ratios and surrogates
+# --------------------------------------------------------------------------------------
+
+
+def log_ratio(logp: Tensor, old_logp: Tensor, clamp: float = 20.0) -> Tensor:
+    """Per-token log importance ratio ``log w_t = clamp(logp_t - old_logp_t, -c, c)``.
+
+    Shapes: ``logp [N, T]``, ``old_logp [N, T]`` -> ``[N, T]``. ``old_logp`` is the
+    behaviour policy's log-prob recorded at sampling time (for replayed ExGRPO
+    trajectories: the one stored in the pool). The clamp (``c = 20`` as verl
+    ``compute_policy_loss``) keeps ``exp`` finite; outside it the gradient is 0.
+    """
+    return torch.clamp(logp - old_logp, min=-clamp, max=clamp)
+
+
+def _sequence_log_ratio(lw: Tensor, mask: Tensor, clamp: float) -> Tensor:
+    """GSPO sequence log-ratio ``log s_i = mean_{valid t} log w_t``: ``[N, T] -> [N]``.
+
+    Rows with no valid token get ``log s_i = 0`` (s_i = 1).
+    """
+    return torch.clamp(masked_mean(lw, mask, dim=-1), min=-clamp, max=clamp)
+
+
+#: names of the importance-ratio granularities accepted by :func:`clipped_surrogate`
+RATIO_MODES = ("token", "sequence")
+
+
+def clipped_surrogate(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Optional[Tensor] = None,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    clip: bool = True,
+    ratio_mode: str = "token",
+    log_ratio_clamp: float = 20.0,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """PPO/GRPO clipped surrogate, per token (no aggregation).
+
+    Shapes: ``logp [N, T]`` (current policy, with grad), ``old_logp [N, T]`` (behaviour),
+    ``advantages [N]`` (broadcast over tokens) or ``[N, T]``, ``mask [N, T]`` (needed for
+    ``ratio_mode="sequence"``; ``None`` = all tokens valid) ->
+    ``(per_token_loss [N, T], stats)``.
+
+    Formula (GRPO, DeepSeekMath; DAPO clip-higher for ``eps_high != eps_low``)::
+
+        l_t = -min(w_t * A, clip(w_t, 1 - eps_low, 1 + eps_high) * A)      (clip=True)
+        l_t = -w_t * A                                                     (clip=False)
+
+    ``clip=False`` is the official ExGRPO mixed-mode ``loss_remove_clip`` for fresh tokens.
+
+    Ratio modes (:data:`RATIO_MODES`):
+
+    * ``"token"``: ``w_t = exp(log_ratio(logp, old_logp))`` (log ratio clamped to
+      +-``log_ratio_clamp`` = 20, as verl).
+    * ``"sequence"`` (GSPO, Zheng et al. 2025, arXiv 2507.18071; verl ``gspo`` loss):
+      ``s_i = exp(mean_{valid t} log w_t)`` over the row's *valid* tokens, applied to
+      every token as ``w_{i,t} = sg[s_i] * pi(t) / sg[pi(t)]`` (the "GSPO-token" form).
+      Its *value* is ``s_i`` on every token (so all tokens of a row are clipped together),
+      and its gradient is ``s_i * grad log pi(t)``; with a per-row advantage and
+      ``seq-mean-token-mean`` aggregation this equals the GSPO sequence gradient
+      ``s_i * A_i * mean_t grad log pi(t)``. GSPO uses much smaller clip ranges (paper:
+      3e-4 / 4e-4); pass them via ``eps_low`` / ``eps_high``.
+
+    Stats (all detached, ``[N, T]`` float):
+
+    * ``"ratio"``: the ratio value ``w_t`` (``s_i`` broadcast in sequence mode);
+    * ``"clipped"``: 1 where the clip is *active* (the clipped branch is strictly the
+      larger loss, i.e. ``A > 0 and w > 1 + eps_high`` or ``A < 0 and w < 1 - eps_low``;
+      verl's ``pg_clipfrac``); all zeros when ``clip=False``;
+    * ``"outside_trust_region"``: the same condition regardless of ``clip`` (what *would*
+      be clipped) -- a useful off-policyness metric in ExGRPO's no-clip mixed mode.
+
+    Stats are not masked; mask them when reducing.
+    """
+    if ratio_mode not in RATIO_MODES:
+        raise ValueError(f"unknown ratio_mode {ratio_mode!r}; choose from {RATIO_MODES}")
+    adv = _broadcast_adv(advantages, logp).to(logp.dtype)
+    lw = log_ratio(logp, old_logp, clamp=log_ratio_clamp)
+    if ratio_mode == "token":
+        ratio = torch.exp(lw)
+    else:
+        m = torch.ones_like(logp) if mask is None else mask
+        seq_lw = _sequence_log_ratio(lw, m, log_ratio_clamp)  # [N]
+        # value: sg[log s_i]; gradient: d logp_t (pi / sg[pi] in log space).
+        log_w = seq_lw.detach().unsqueeze(-1) + logp - logp.detach()
+        ratio = torch.exp(log_w)
+
+    unclipped = -ratio * adv
+    clipped_ratio = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    clipped_loss = -clipped_ratio * adv
+    would_clip = (clipped_loss > unclipped).detach()
+    if clip:
+        per_token = torch.maximum(unclipped, clipped_loss)
+        active = would_clip
+    else:
+        per_token = unclipped
+        active = torch.zeros_like(would_clip)
+    stats = {
+        "ratio": ratio.detach(),
+        "clipped": active.to(logp.dtype),
+        "outside_trust_region": would_clip.to(logp.dtype),
+    }
+    return per_token, stats
+
+
+def policy_shaping(w: Tensor, beta: float = 0.1) -> Tensor:
+    """ExGRPO / LUFFY policy shaping ``f(w) = w / (w + beta)``.
+
+    Shapes: any -> same. ``f'(w) = beta / (w + beta)^2``: the gradient through a token is
+    damped when ``w`` (or the probability) is already large, so replayed low-entropy
+    trajectories do not collapse exploration. ``beta = 0.1`` (ExGRPO paper section 3.2;
+    LUFFY ``off_policy_reshape="p_div_p_0.1"``).
+    """
+    return w / (w + beta)
+
+
+def shaped_surrogate(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    *,
+    beta: float = 0.1,
+    log_ratio_clamp: float = 20.0,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """ExGRPO surrogate for *replayed* tokens: ``l_t = -A * f(w_t)``, no clipping.
+
+    Shapes: ``logp [N, T]``, ``old_logp [N, T]`` (log-probs recorded when the replayed
+    trajectory was sampled, stored in the experience pool), ``advantages [N]`` or
+    ``[N, T]`` -> ``(per_token_loss [N, T], stats)``.
+
+    Formula (ExGRPO arXiv 2510.02245, section 3.2 / eq. mixed objective)::
+
+        w_t = exp(clamp(logp_t - old_logp_t, +-20)),   f(w) = w / (w + beta)
+        l_t = -A * f(w_t)
+
+    (The LUFFY code base this descends from uses ``w_t = pi_theta(t)`` for demonstrations
+    with unknown behaviour probabilities; ExGRPO stores the behaviour log-probs, so the
+    ratio is used here, as ALGORITHMS.md 2.4 specifies.)
+
+    Stats (detached, ``[N, T]``): ``"ratio"`` = ``w_t``, ``"shaping"`` = ``f(w_t)``.
+    """
+    adv = _broadcast_adv(advantages, logp).to(logp.dtype)
+    ratio = torch.exp(log_ratio(logp, old_logp, clamp=log_ratio_clamp))
+    shaped = policy_shaping(ratio, beta=beta)
+    per_token = -adv * shaped
+    return per_token, {"ratio": ratio.detach(), "shaping": shaped.detach()}
+
+
+#: name -> surrogate fn returning (per_token_loss [N, T], stats)
+POLICY_LOSSES: Dict[str, Callable[..., Tuple[Tensor, Dict[str, Tensor]]]] = {
+    "clipped": clipped_surrogate,
+    "shaped": shaped_surrogate,
+}
+
+
+# --------------------------------------------------------------------------------------
+# Aggregation
+# --------------------------------------------------------------------------------------
+
+
+def _masked_loss(per_token_loss: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
+    m = _float_mask(mask, per_token_loss)
+    zero = torch.zeros((), dtype=per_token_loss.dtype, device=per_token_loss.device)
+    return torch.where(m != 0, per_token_loss, zero) * m, m
+
+
+def _agg_token_mean(per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None) -> Tensor:
+    """``sum_{i,t} m l / sum_{i,t} m`` (DAPO / verl ``token-mean``)."""
+    del max_len
+    lm, m = _masked_loss(per_token_loss, mask)
+    # An all-zero mask gives 0 / 1e-8 = 0, still attached to the graph (no host sync).
+    return lm.sum() / m.sum().clamp_min(1e-8)
+
+
+def _agg_seq_mean_token_mean(
+    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None
+) -> Tensor:
+    """``mean_{i: n_i>0} (sum_t m l / n_i)``; rows with no valid token are excluded."""
+    del max_len
+    lm, m = _masked_loss(per_token_loss, mask)
+    n_tok = m.sum(dim=-1)
+    has = n_tok > 0
+    seq = lm.sum(dim=-1) / torch.where(has, n_tok, torch.ones_like(n_tok))
+    n_seq = has.sum().to(seq.dtype)
+    # rows without tokens contribute 0 to the sum and are not counted (no host sync).
+    return (seq * has.to(seq.dtype)).sum() / n_seq.clamp_min(1.0)
+
+
+def _agg_seq_mean_token_sum_norm(
+    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None
+) -> Tensor:
+    """Dr.GRPO: ``sum_{i,t} m l / (N * L)``, ``L = max_len or T``, N = all rows."""
+    lm, _ = _masked_loss(per_token_loss, mask)
+    n_rows = lm.shape[0] if lm.dim() > 1 else 1
+    L = lm.shape[-1] if max_len is None else max_len
+    return lm.sum() / float(max(n_rows, 1) * max(L, 1))
+
+
+def _agg_seq_mean_token_sum_norm_official(
+    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None
+) -> Tensor:
+    """Official ExGRPO: ``sum_{i,t} m l / L`` (no division by the number of rows)."""
+    lm, _ = _masked_loss(per_token_loss, mask)
+    L = lm.shape[-1] if max_len is None else max_len
+    return lm.sum() / float(max(L, 1))
+
+
+#: name -> fn(per_token_loss [N, T], mask [N, T], max_len) -> scalar
+LOSS_AGG_MODES: Dict[str, Callable[..., Tensor]] = {
+    "token-mean": _agg_token_mean,
+    "seq-mean-token-mean": _agg_seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _agg_seq_mean_token_sum_norm,
+    "seq-mean-token-sum-norm-official": _agg_seq_mean_token_sum_norm_official,
+}
+
+
+def agg_loss(
+    per_token_loss: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    *,
+    max_len: Optional[int] = None,
+) -> Tensor:
+    """Aggregate a per-token loss to a scalar (names as verl ``agg_loss``).
+
+    Shapes: ``per_token_loss [N, T]``, ``mask [N, T]`` -> scalar. ``m`` = float mask,
+    ``n_i = sum_t m_{i,t}``.
+
+    * ``"token-mean"``: ``sum_{i,t} m l / sum_{i,t} m`` -- every valid token weighs the
+      same (DAPO; verl default).
+    * ``"seq-mean-token-mean"``: ``mean_i (sum_t m l / n_i)`` over rows with ``n_i > 0``
+      (original GRPO); rows with no valid token are excluded from the mean.
+    * ``"seq-mean-token-sum-norm"``: ``sum_{i,t} m l / (N * L)`` with ``N`` = number of rows
+      (all of them) and ``L = max_len`` (or ``T`` if ``None``) -- Dr.GRPO's constant
+      normaliser (arXiv 2503.20783), verl's mode of the same name.
+    * ``"seq-mean-token-sum-norm-official"``: ``sum_{i,t} m l / L`` -- what the official
+      ExGRPO code does (it does not divide by the number of sequences). The gradient is
+      ``N`` times larger than Dr.GRPO's, i.e. it scales with the (micro-)batch size; with
+      a fixed lr this is an effective learning-rate change, not a change of direction.
+
+    Set ``max_len`` to the configured max response length for the sum-norm modes so the
+    normaliser does not depend on each batch's padding. An all-zero mask returns 0 that is
+    still attached to ``per_token_loss``'s graph (backward gives zero grads).
+    """
+    try:
+        fn = LOSS_AGG_MODES[mode]
+    except KeyError:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose from {sorted(LOSS_AGG_MODES)}") from None
+    return fn(per_token_loss, mask, max_len=max_len)
+
+
+# --------------------------------------------------------------------------------------
+# Logits utilities, KL
+# --------------------------------------------------------------------------------------
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the categorical distribution ``softmax(logits)`` along the last dim.
+
+    Shapes: ``logits [..., V]`` -> ``[...]`` (float32 for half/bf16 input).
+
+    Formula: ``H = logsumexp(z) - sum_v softmax(z)_v * z_v`` (verl
+    ``entropy_from_logits``), numerically stable; ``-inf`` logits (masked vocabulary)
+    contribute 0 instead of NaN. For a temperature ``tau``, pass ``logits / tau``.
+    """
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    p = torch.exp(z - lse)
+    pz = torch.where(p > 0, p * z, torch.zeros((), dtype=z.dtype, device=z.device))
+    return lse.squeeze(-1) - pz.sum(dim=-1)
+
+
+def token_logprobs_from_logits(
+    logits: Tensor, token_ids: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """Log-probability of the given tokens: ``log softmax(logits / tau)[token_ids]``.
+
+    Shapes: ``logits [N, T, V]`` (any leading dims), ``token_ids [N, T]`` long (must be
+    valid vocabulary indices everywhere -- fill padding with any valid id and mask it)
+    -> ``[N, T]`` (float32 for half/bf16 input).
+
+    Computed as ``z.gather(token) - logsumexp(z)`` so no full ``[N, T, V]`` log-softmax
+    copy is made for float32 logits (verl ``logprobs_from_logits_v2``). Half/bf16 logits
+    are upcast row by row (first dim) to limit the float32 copy to one ``[T, V]`` slice.
+    ``temperature != 1`` divides the logits first (one copy, needed anyway).
+    """
+    if temperature != 1.0:
+        logits = logits / temperature
+    ids = token_ids.long().unsqueeze(-1)
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, ids).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+    out = []
+    for row_logits, row_ids in zip(logits, ids):
+        z = row_logits.float()
+        out.append(z.gather(-1, row_ids).squeeze(-1) - torch.logsumexp(z, dim=-1))
+    return torch.stack(out, dim=0)
+
+
+def k3_kl(
+    logp: Tensor,
+    ref_logp: Tensor,
+    *,
+    log_ratio_clamp: float = 10.0,
+    max_kl: float = 10.0,
+) -> Tensor:
+    """k3 (low-variance, always >= 0) estimator of KL(pi_theta || pi_ref), per token.
+
+    Shapes: ``logp [N, T]``, ``ref_logp [N, T]`` -> ``[N, T]``.
+
+    Formula (Schulman, "Approximating KL divergence", 2020; verl ``low_var_kl``)::
+
+        d = clamp(ref_logp - logp, -10, 10);   k3 = exp(d) - d - 1,  clamped to <= 10
+
+    ``exp(d) - d - 1 >= 0`` for every real ``d``.
+    """
+    d = torch.clamp(ref_logp - logp, min=-log_ratio_clamp, max=log_ratio_clamp)
+    kl = torch.exp(d) - d - 1.0
+    return torch.clamp(kl, min=-max_kl, max=max_kl)
+
+
+# --------------------------------------------------------------------------------------
+# ExGRPO mixed-policy objective
+# --------------------------------------------------------------------------------------
+
+
+def _masked_stat(x: Tensor, m: Tensor, how: str) -> Tensor:
+    """Detached mean/max/min of ``x`` over ``m != 0``; 0 when ``m`` selects nothing."""
+    x = x.detach()
+    sel = m != 0
+    if not bool(sel.any()):
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    vals = x[sel]
+    if how == "mean":
+        return vals.mean()
+    if how == "max":
+        return vals.max()
+    return vals.min()
+
+
+def mixed_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    is_replayed: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    clip_fresh: bool = True,
+    beta: float = 0.1,
+    agg_mode: str = "token-mean",
+    max_len: Optional[int] = None,
+    entropy: Optional[Tensor] = None,
+    entropy_coeff: float = 0.0,
+    ref_logp: Optional[Tensor] = None,
+    kl_coeff: float = 0.0,
+    ratio_mode: str = "token",
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """ExGRPO mixed-policy objective over one (mini/micro-)batch.
+
+    Shapes: ``logp, old_logp, mask [N, T]``; ``advantages [N]`` (or ``[N, T]``);
+    ``is_replayed [N]`` bool (row is a replayed trajectory from the experience pool,
+    its ``old_logp`` are the stored behaviour log-probs); optional ``entropy [N, T]``
+    (per-token entropy of the current policy, *with* grad if ``entropy_coeff > 0``) and
+    ``ref_logp [N, T]``. Returns ``(loss scalar, metrics dict of 0-d detached tensors)``.
+
+    Formula (ExGRPO arXiv 2510.02245 section 3.2; ALGORITHMS.md 2.4)::
+
+        l_t = clipped_surrogate(...; clip=clip_fresh, ratio_mode)   fresh rows
+        l_t = -A * f(w_t),  f(w) = w / (w + beta)                    replayed rows
+        loss = agg(l, mask, agg_mode)                 <- ONE aggregation over all tokens
+               - entropy_coeff * agg(entropy, mask, agg_mode)      (if entropy given)
+               + kl_coeff * agg(k3_kl(logp, ref_logp), mask, agg_mode)  (if kl_coeff>0)
+
+    Official ExGRPO: ``clip_fresh=False`` in mixed mode (``loss_remove_clip``),
+    ``entropy_coeff = 0.001``, no KL. With ``is_replayed`` all False this is exactly the
+    plain GRPO loss ``agg(clipped_surrogate(...))`` (+ the same entropy/KL terms).
+    Replayed rows always use the token-level ratio (``ratio_mode`` only affects fresh rows).
+
+    Metrics: ``policy_loss``; ``clip_fraction`` (active clip over fresh valid tokens),
+    ``trust_region_violation_fraction`` (would-clip fraction over fresh tokens, meaningful
+    when ``clip_fresh=False``); ``ratio_mean/ratio_max/ratio_min`` (fresh tokens);
+    ``replay_ratio_mean``, ``replay_shaping_mean`` (mean f(w) on replayed tokens);
+    ``entropy`` (token mean, if given); ``kl`` (token mean of k3, if ``kl_coeff > 0``);
+    ``fresh_token_fraction`` / ``replayed_token_fraction`` (shares of the valid tokens).
+    A statistic over an empty token set is reported as 0.
+    """
+    if is_replayed.dim() != 1 or is_replayed.shape[0] != logp.shape[0]:
+        raise ValueError(f"is_replayed must be [N]={logp.shape[0]}, got {tuple(is_replayed.shape)}")
+    m = _float_mask(mask, logp)
+    rep = is_replayed.to(torch.bool).unsqueeze(-1)  # [N, 1]
+    rep_tok = m * rep.to(m.dtype)
+    fresh_tok = m * (~rep).to(m.dtype)
+
+    fresh_loss, fresh_stats = clipped_surrogate(
+        logp, old_logp, advantages, m,
+        eps_low=eps_low, eps_high=eps_high, clip=clip_fresh, ratio_mode=ratio_mode,
+    )
+    if bool(is_replayed.any()):
+        rep_loss, rep_stats = shaped_surrogate(logp, old_logp, advantages, beta=beta)
+        per_token = torch.where(rep, rep_loss, fresh_loss)
+    else:
+        rep_stats = None
+        per_token = fresh_loss
+
+    pg_loss = agg_loss(per_token, m, agg_mode, max_len=max_len)
+    loss = pg_loss
+
+    metrics: Dict[str, Tensor] = {"policy_loss": pg_loss.detach()}
+    if entropy is not None:
+        if entropy_coeff != 0.0:
+            loss = loss - entropy_coeff * agg_loss(entropy, m, agg_mode, max_len=max_len)
+        metrics["entropy"] = masked_mean(entropy.detach(), m)
+    if ref_logp is not None and kl_coeff != 0.0:
+        kl = k3_kl(logp, ref_logp)
+        loss = loss + kl_coeff * agg_loss(kl, m, agg_mode, max_len=max_len)
+        metrics["kl"] = masked_mean(kl.detach(), m)
+
+    metrics["clip_fraction"] = masked_mean(fresh_stats["clipped"], fresh_tok)
+    metrics["trust_region_violation_fraction"] = masked_mean(
+        fresh_stats["outside_trust_region"], fresh_tok
+    )
+    metrics["ratio_mean"] = _masked_stat(fresh_stats["ratio"], fresh_tok, "mean")
+    metrics["ratio_max"] = _masked_stat(fresh_stats["ratio"], fresh_tok, "max")
+    metrics["ratio_min"] = _masked_stat(fresh_stats["ratio"], fresh_tok, "min")
+    if rep_stats is not None:
+        metrics["replay_ratio_mean"] = _masked_stat(rep_stats["ratio"], rep_tok, "mean")
+        metrics["replay_shaping_mean"] = _masked_stat(rep_stats["shaping"], rep_tok, "mean")
+    else:
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        metrics["replay_ratio_mean"] = zero
+        metrics["replay_shaping_mean"] = zero
+    n_valid = m.sum()
+    if bool(n_valid > 0):
+        metrics["fresh_token_fraction"] = (fresh_tok.sum() / n_valid).detach()
+        metrics["replayed_token_fraction"] = (rep_tok.sum() / n_valid).detach()
+    else:
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        metrics["fresh_token_fraction"] = zero
+        metrics["replayed_token_fraction"] = zero
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------
+# XRPO novelty-guided advantage sharpening
+# --------------------------------------------------------------------------------------
+
+
+def novelty_sharpened_advantages(
+    advantages: Tensor,
+    rewards: Tensor,
+    seq_logp_mean: Tensor,
+    group_index: Tensor,
+    *,
+    lambda_nov: float = 1.0,
+    kappa: float = 1.0,
+) -> Tuple[Tensor, Tensor]:
+    """XRPO section 3.3: novelty bonus for correct but unlikely completions.
+
+    Shapes: ``advantages [N]``, ``rewards [N]``, ``seq_logp_mean [N]`` (``s_i =
+    (1/|y_i|) sum_t log pi(y_t)``, length-normalised log-likelihood of completion ``i``),
+    ``group_index [N]`` -> ``(new_advantages [N], bonus [N])``. Inputs are detached.
+
+    Formula (XRPO arXiv 2510.06672, eq. for novelty sharpening)::
+
+        mean_s_g = mean of s over the WHOLE group g(i) (correct and incorrect completions;
+                   our documented choice, the paper says "the group average")
+        if r_i > 0 and s_i < mean_s_g and A_i > 0:
+            bonus_i = min(max(lambda_nov * (1 - exp(s_i - mean_s_g)), 0), kappa * A_i)
+        else:
+            bonus_i = 0
+        A_i <- A_i + bonus_i
+
+    The bonus is never negative and never exceeds ``kappa * A_i``. When ``A_i <= 0`` (a
+    correct completion in an all-correct group has ``A_i = 0`` under mean-centring) the
+    literal formula's cap ``kappa * A_i <= 0`` would give a bonus ``<= 0``; we set it to 0
+    instead, so sharpening can only add credit, never penalise a correct answer. The
+    result is also clamped at 0 from below for ``kappa < 0`` or ``lambda_nov < 0``.
+    """
+    adv = advantages.detach()
+    r = rewards.detach()
+    s = seq_logp_mean.detach().to(adv.dtype)
+    inverse, k = _dense_groups(group_index)
+    counts = _group_sum(torch.ones_like(s), inverse, k)
+    mean_s = (_group_sum(s, inverse, k) / counts)[inverse]
+    raw = torch.clamp(lambda_nov * (1.0 - torch.exp(s - mean_s)), min=0.0)
+    capped = torch.minimum(raw, kappa * adv)
+    eligible = (r > 0) & (s < mean_s) & (adv > 0)
+    bonus = torch.where(eligible, capped.clamp_min(0.0), torch.zeros_like(adv))
+    return adv + bonus, bonus
