@@ -1,0 +1,224 @@
+"""``ExGRPO`` (and on-policy ``GRPO``) as RLlib Algorithms.
+
+One ``training_step``::
+
+    plan -> sample (generate + score on the env runners) -> group & advantages
+         -> learner update -> weight sync [-> held-out evaluation]
+
+each stage timed in ``timers/``. With experience replay off this is on-policy GRPO.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ray.rllib.algorithms.algorithm import Algorithm
+from ray.rllib.utils.metrics import (
+    ENV_RUNNER_RESULTS,
+    LEARNER_RESULTS,
+    LEARNER_UPDATE_TIMER,
+    NUM_ENV_STEPS_SAMPLED_LIFETIME,
+    SYNCH_WORKER_WEIGHTS_TIMER,
+    TIMERS,
+)
+
+from rllib_exgrpo import columns as C
+from rllib_exgrpo.batching import (
+    learner_batch,
+    score_groups,
+    to_multi_agent_batch,
+    trajectories_from_episodes,
+)
+from rllib_exgrpo.config import ExGRPOConfig, GRPOConfig
+from rllib_exgrpo.question_sampler import QuestionSampler
+
+logger = logging.getLogger(__name__)
+
+PLAN_TIMER = "plan"
+SAMPLE_TIMER = "sample"
+ADVANTAGE_TIMER = "advantages"
+HELDOUT_TIMER = "heldout_eval"
+HELDOUT = "heldout"
+STATE_KEY = "exgrpo"
+
+
+class ExGRPO(Algorithm):
+    """Experience-driven GRPO on RLlib's env-runner / learner stack."""
+
+    @classmethod
+    def get_default_config(cls) -> ExGRPOConfig:
+        return ExGRPOConfig()
+
+    def setup(self, config) -> None:
+        super().setup(config)
+        from envs.reasoning_env import ReasoningEnv
+
+        cfg = self.config
+        train_env = ReasoningEnv({k: v for k, v in cfg.env_config.items() if k != "tokenizer"})
+        self.sampler = QuestionSampler([p.id for p in train_env.problems], seed=cfg.seed or 0)
+        self._heldout_ids: Optional[List[str]] = None
+        if cfg.heldout_dataset:
+            heldout_env = ReasoningEnv(self._heldout_env_config())
+            self._heldout_ids = [p.id for p in heldout_env.problems][: cfg.heldout_num_questions]
+        self._pad_id = self._tokenizer_pad_id()
+        # Remote runners build their module lazily; give them the learner's weights now.
+        self.env_runner_group.sync_weights(
+            from_worker_or_learner_group=self.learner_group, inference_only=True
+        )
+
+    def _heldout_env_config(self) -> dict:
+        cfg = self.config
+        env_config = {k: v for k, v in cfg.env_config.items() if k not in ("tokenizer", "problems")}
+        env_config.update(dataset=cfg.heldout_dataset, split=cfg.heldout_split)
+        return env_config
+
+    def _tokenizer_pad_id(self) -> int:
+        from rllib_exgrpo.env_runner import load_tokenizer
+
+        return load_tokenizer(self.config.model).pad_token_id
+
+    # ---- the training step ---------------------------------------------------------
+    def training_step(self) -> None:
+        cfg = self.config
+        if self._should_evaluate_heldout(before_update=True):
+            self._evaluate_heldout()
+
+        with self.metrics.log_time((TIMERS, PLAN_TIMER)):
+            question_ids = self.sampler.next_batch(cfg.questions_per_step)
+
+        with self.metrics.log_time((TIMERS, SAMPLE_TIMER)):
+            episodes, runner_metrics = self._sample(question_ids, [cfg.group_size] * len(question_ids))
+        self.metrics.aggregate(runner_metrics, key=ENV_RUNNER_RESULTS)
+
+        with self.metrics.log_time((TIMERS, ADVANTAGE_TIMER)):
+            trajectories = trajectories_from_episodes(episodes)
+            groups = score_groups(trajectories, estimator=cfg.advantage_estimator, eps=cfg.advantage_eps)
+            batch = learner_batch(groups.trajectories, groups.advantages, self._pad_id)
+            self._log_group_metrics(groups)
+
+        with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
+            learner_results = self.learner_group.update(
+                batch=to_multi_agent_batch(batch),
+                minibatch_size=cfg.minibatch_size,
+                num_epochs=cfg.num_epochs,
+                shuffle_batch_per_epoch=True,
+                timesteps={
+                    NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
+                        (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0
+                    )
+                },
+            )
+        self.metrics.aggregate(learner_results, key=LEARNER_RESULTS)
+
+        with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
+            self.env_runner_group.sync_weights(
+                from_worker_or_learner_group=self.learner_group, inference_only=True
+            )
+
+    # ---- sampling across runners -----------------------------------------------------
+    def _sample(self, question_ids: Sequence[str], num_samples: Sequence[int], **sample_kwargs):
+        """Spread questions over the healthy runners; a question's group stays together."""
+        group = self.env_runner_group
+        remote_ids = group.healthy_worker_ids() if group.num_remote_workers() > 0 else []
+        if not remote_ids:
+            runner = group.local_env_runner
+            episodes = runner.sample(question_ids=list(question_ids), num_samples=list(num_samples), **sample_kwargs)
+            return episodes, [runner.get_metrics()]
+        shards = _split_evenly(list(zip(question_ids, num_samples)), len(remote_ids))
+        funcs, workers = [], []
+        for wid, shard in zip(remote_ids, shards):
+            if not shard:
+                continue
+            qs, ns = [q for q, _ in shard], [n for _, n in shard]
+            funcs.append(
+                lambda r, qs=qs, ns=ns: (r.sample(question_ids=qs, num_samples=ns, **sample_kwargs), r.get_metrics())
+            )
+            workers.append(wid)
+        results = group.foreach_env_runner(funcs, remote_worker_ids=workers, local_env_runner=False)
+        episodes = [e for eps, _ in results for e in eps]
+        if len(results) < len(workers):
+            logger.warning(
+                "%d of %d env runners failed this step; training on the %d episodes that came back",
+                len(workers) - len(results), len(workers), len(episodes),
+            )
+        return episodes, [m for _, m in results]
+
+    # ---- metrics -----------------------------------------------------------------------
+    def _log_group_metrics(self, groups) -> None:
+        rewards = np.asarray([t.reward for t in groups.trajectories], dtype=np.float64)
+        n = max(len(rewards), 1)
+        self.metrics.log_value("reward_mean", float(rewards.mean()) if len(rewards) else 0.0, window=1)
+        self.metrics.log_value("solve_rate", float((rewards >= 1.0).sum() / n), window=1)
+        self.metrics.log_value(
+            "zero_variance_group_fraction",
+            float(groups.zero_variance.mean()) if len(groups.zero_variance) else 0.0,
+            window=1,
+        )
+        self.metrics.log_value(
+            "all_correct_group_fraction",
+            float(np.mean(groups.group_correct == groups.group_size)) if len(groups.group_size) else 0.0,
+            window=1,
+        )
+        self.metrics.log_value("num_completions", len(rewards), reduce="sum")
+
+    # ---- held-out evaluation ---------------------------------------------------------
+    def _should_evaluate_heldout(self, before_update: bool) -> bool:
+        if not self._heldout_ids:
+            return False
+        it = self.iteration  # completed iterations so far
+        interval = self.config.heldout_interval
+        return it == 0 or (interval > 0 and it % interval == 0)
+
+    def evaluate_heldout(self) -> Dict[str, float]:
+        """Accuracy on the held-out questions under the current weights (avg@k)."""
+        cfg = self.config
+        if not self._heldout_ids:
+            raise ValueError("no held-out set: set heldout_dataset in the config")
+        episodes, _ = self._sample(
+            self._heldout_ids,
+            [cfg.heldout_samples] * len(self._heldout_ids),
+            heldout=True,
+            temperature=cfg.heldout_temperature,
+            max_new_tokens=cfg.heldout_max_response_tokens or cfg.max_response_tokens,
+            return_logprobs=False,
+        )
+        rewards = np.asarray([e.get_return() for e in episodes], dtype=np.float64)
+        return {
+            "accuracy": float(rewards.mean()) if len(rewards) else 0.0,
+            "num_questions": len(self._heldout_ids),
+            "samples_per_question": cfg.heldout_samples,
+        }
+
+    def _evaluate_heldout(self) -> None:
+        with self.metrics.log_time((TIMERS, HELDOUT_TIMER)):
+            result = self.evaluate_heldout()
+        self.metrics.log_value((HELDOUT, "accuracy"), result["accuracy"], window=1)
+        self.metrics.log_value((HELDOUT, "iteration"), self.iteration, window=1)
+        logger.info("held-out accuracy at iteration %d: %.4f", self.iteration, result["accuracy"])
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def get_state(self, components=None, *, not_components=None, **kwargs):
+        state = super().get_state(components, not_components=not_components, **kwargs)
+        state[STATE_KEY] = {"sampler": self.sampler.get_state()}
+        return state
+
+    def set_state(self, state) -> None:
+        super().set_state(state)
+        if STATE_KEY in state:
+            self.sampler.set_state(state[STATE_KEY]["sampler"])
+
+
+class GRPO(ExGRPO):
+    """On-policy GRPO: the same stack with experience replay off."""
+
+    @classmethod
+    def get_default_config(cls) -> GRPOConfig:
+        return GRPOConfig()
+
+
+def _split_evenly(items: list, parts: int) -> List[list]:
+    size = math.ceil(len(items) / parts) if parts else 0
+    return [items[i * size : (i + 1) * size] for i in range(parts)]

@@ -1,0 +1,26 @@
+"""Names of the columns that travel between the env runners, the algorithm and the learner.
+
+A learner batch row is one completion. ``input_ids`` holds the prompt left-padded to the
+batch's longest prompt followed by the completion right-padded to the batch's longest
+completion, so the completion tokens of every row sit in the last ``R`` columns::
+
+    [pad pad p0 p1 p2 | c0 c1 c2 pad]     attention_mask  [0 0 1 1 1 | 1 1 1 0]
+                                           response_mask   [1 1 1 0]
+"""
+
+INPUT_IDS = "input_ids"  # int64 [N, P + R]
+ATTENTION_MASK = "attention_mask"  # int64 [N, P + R]
+RESPONSE_MASK = "response_mask"  # float32 [N, R], 1 on completion tokens
+OLD_LOGP = "old_logp"  # float32 [N, R], behaviour log-probs recorded at sampling time
+ADVANTAGES = "advantages"  # float32 [N], one scalar per completion
+REWARDS = "rewards"  # float32 [N]
+IS_REPLAYED = "is_replayed"  # float32 [N], 1 for trajectories drawn from the experience pool
+REF_LOGP = "ref_logp"  # float32 [N, R], frozen reference policy (only with KL on)
+
+# Outputs of the module's train forward pass.
+LOGP = "logp"  # [N, R] log-probs of the completion tokens under the current policy
+ENTROPY = "entropy"  # [N, R] token entropy of the current policy
+
+# Keys of an episode's infos / extra model outputs.
+QUESTION_ID = "question_id"
+ACTION_LOGP = "action_logp"  # RLlib's Columns.ACTION_LOGP: per-token behaviour log-probs

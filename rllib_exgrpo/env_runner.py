@@ -1,0 +1,334 @@
+"""``LLMEnvRunner``: an RLlib EnvRunner that samples groups of LLM completions.
+
+RLlib's ``SingleAgentEnvRunner`` steps one action per env per forward pass and corrupts
+text observations (see RLLIB_NOTES.md). An LLM wants the opposite: many prompts batched
+into one ``generate`` call, G completions each. This runner
+
+1. takes question ids (or draws them from its env's own sampler),
+2. renders each prompt through ``ReasoningEnv`` and tokenises it,
+3. generates ``num_samples[i]`` completions per prompt with its generation backend,
+4. scores every completion through the env's verifier,
+5. returns RLlib ``SingleAgentEpisode``s: obs = prompt token ids, action = completion
+   token ids, reward = verifier score, per-token behaviour log-probs in the extra model
+   outputs (``action_logp``), question id in the infos.
+
+The module (hence the model) is built lazily, at the first sample or weight sync, so a
+runner that only answers ``get_spaces`` costs no model memory.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Sequence
+
+import gymnasium as gym
+import numpy as np
+
+from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
+from ray.rllib.env import INPUT_ENV_SINGLE_SPACES, INPUT_ENV_SPACES
+from ray.rllib.env.env_runner import EnvRunner
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+from ray.rllib.utils.metrics import (
+    EPISODE_RETURN_MEAN,
+    NUM_ENV_STEPS_SAMPLED,
+    NUM_ENV_STEPS_SAMPLED_LIFETIME,
+    NUM_EPISODES,
+    WEIGHTS_SEQ_NO,
+)
+
+from rllib_exgrpo import columns as C
+from rllib_exgrpo.generation.base import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model: str):
+    """The tokenizer that belongs to the policy ``model`` (resolved like the module)."""
+    from transformers import AutoTokenizer
+
+    from rllib_exgrpo.models import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def token_spaces(vocab_size: int, max_prompt_tokens: int, max_response_tokens: int):
+    """Observation (prompt ids) and action (completion ids) spaces.
+
+    Arrays are variable-length, at most the space's shape; the shape states the bound.
+    """
+    obs = gym.spaces.Box(0, vocab_size - 1, shape=(max_prompt_tokens,), dtype=np.int64)
+    act = gym.spaces.Box(0, vocab_size - 1, shape=(max_response_tokens,), dtype=np.int64)
+    return obs, act
+
+
+class LLMEnvRunner(EnvRunner):
+    """Samples groups of completions for given questions; see the module docstring."""
+
+    def __init__(self, *, config, **kwargs):
+        super().__init__(config=config, **kwargs)
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.obs_space, self.act_space = token_spaces(
+            len(self.tokenizer), self.config.max_prompt_tokens, self.config.max_response_tokens
+        )
+        self.env = self.make_env()
+        self._heldout_env = None
+        self.module = None
+        self.backend = None
+        self._pending_module_state = None
+        self._weights_seq_no = 0
+        self._stop_token_ids = None
+
+    # ---- construction -------------------------------------------------------------
+    def make_env(self, overrides: Optional[dict] = None):
+        env_config = dict(self.config.env_config)
+        env_config.update(overrides or {})
+        env_config["tokenizer"] = self.tokenizer
+        env_config.setdefault("seed", (self.config.seed or 0) + (self.worker_index or 0))
+        env_cls = self.config.env
+        if isinstance(env_cls, str):
+            from ray.tune.registry import ENV_CREATOR, _global_registry
+
+            return _global_registry.get(ENV_CREATOR, env_cls)(env_config)
+        return env_cls(env_config)
+
+    def make_module(self):
+        spec = self.config.get_rl_module_spec(
+            spaces={DEFAULT_MODULE_ID: (self.obs_space, self.act_space)}, inference_only=True
+        )
+        self.module = spec.build()
+        self.module.eval()
+        if self._pending_module_state is not None:
+            self.module.set_state(self._pending_module_state)
+            self._pending_module_state = None
+        self.backend = self._make_backend()
+
+    def _make_backend(self):
+        if self.config.generation_backend == "vllm":
+            from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
+
+            return VLLMGenerationBackend(self.config, self.module, self.tokenizer)
+        from rllib_exgrpo.generation.hf import HFGenerationBackend
+
+        return HFGenerationBackend(
+            self.module.model,
+            pad_token_id=self.tokenizer.pad_token_id,
+            batch_size=self.config.generation_batch_size,
+        )
+
+    def _ensure_module(self):
+        if self.module is None:
+            self.make_module()
+
+    @property
+    def stop_token_ids(self) -> tuple:
+        if self._stop_token_ids is None:
+            ids = {self.tokenizer.eos_token_id}
+            gen_eos = getattr(getattr(self.module.model, "generation_config", None), "eos_token_id", None)
+            if gen_eos is not None:
+                ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+            self._stop_token_ids = tuple(sorted(i for i in ids if i is not None))
+        return self._stop_token_ids
+
+    # ---- EnvRunner API -------------------------------------------------------------
+    def assert_healthy(self):
+        assert self.env is not None and self.tokenizer is not None, "LLMEnvRunner not set up"
+
+    def get_spaces(self):
+        return {
+            INPUT_ENV_SPACES: (self.obs_space, self.act_space),
+            INPUT_ENV_SINGLE_SPACES: (self.obs_space, self.act_space),
+            DEFAULT_MODULE_ID: (self.obs_space, self.act_space),
+        }
+
+    @property
+    def heldout_env(self):
+        """The env over the held-out set (``heldout_dataset``), built on first use."""
+        if self._heldout_env is None:
+            if not self.config.heldout_dataset:
+                raise ValueError("no held-out set configured (heldout_dataset is None)")
+            self._heldout_env = self.make_env(
+                {"dataset": self.config.heldout_dataset, "split": self.config.heldout_split}
+            )
+        return self._heldout_env
+
+    def encode_prompt(self, question_id: str, prefix: Optional[str] = None, env=None) -> List[int]:
+        """Prompt token ids of a question, left-truncated to ``max_prompt_tokens``."""
+        text = (env or self.env).prompt_for(question_id)
+        if prefix:
+            text = prefix + text
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        limit = self.config.max_prompt_tokens
+        return ids[-limit:] if len(ids) > limit else ids
+
+    def sample(
+        self,
+        *,
+        question_ids: Optional[Sequence[str]] = None,
+        num_samples: Optional[Sequence[int] | int] = None,
+        num_episodes: Optional[int] = None,
+        explore: bool = True,
+        temperature: Optional[float] = None,
+        max_new_tokens: Optional[int] = None,
+        return_logprobs: bool = True,
+        heldout: bool = False,
+        **kwargs,
+    ) -> List[SingleAgentEpisode]:
+        """Sample completions and return them as single-step episodes.
+
+        Args:
+            question_ids: Questions to answer; when None, ``num_episodes // group_size``
+                questions are drawn from the env's own sampler.
+            num_samples: Completions per question (an int for all, or one per question);
+                default ``group_size``.
+            explore: False samples greedily (temperature 0) unless ``temperature`` is given.
+            temperature, max_new_tokens: Override the config for this call (evaluation).
+            return_logprobs: Record behaviour log-probs (needed for training).
+            heldout: Take the questions from the held-out env instead of the training one.
+        """
+        self._ensure_module()
+        cfg = self.config
+        if question_ids is None:
+            n_questions = max(1, (num_episodes or cfg.completions_per_step) // cfg.group_size)
+            question_ids = [self.env.reset()[1][C.QUESTION_ID] for _ in range(n_questions)]
+        question_ids = list(question_ids)
+        if num_samples is None:
+            num_samples = cfg.group_size
+        if isinstance(num_samples, int):
+            num_samples = [num_samples] * len(question_ids)
+        if temperature is None:
+            temperature = cfg.temperature if explore else 0.0
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens or cfg.max_response_tokens,
+            temperature=temperature,
+            top_p=cfg.top_p,
+            stop_token_ids=self.stop_token_ids,
+            return_logprobs=return_logprobs,
+        )
+
+        t0 = time.perf_counter()
+        env = self.heldout_env if heldout else self.env
+        prompts = [self.encode_prompt(q, env=env) for q in question_ids]
+        groups = self.backend.generate(prompts, num_samples, params)
+        t1 = time.perf_counter()
+        flat = [(qi, c) for qi, group in enumerate(groups) for c in group]
+        texts = self.tokenizer.batch_decode([c.token_ids for _, c in flat], skip_special_tokens=True)
+        results = env.score([question_ids[qi] for qi, _ in flat], texts)
+        t2 = time.perf_counter()
+
+        episodes = [
+            self._episode(question_ids[qi], prompts[qi], c, text, res)
+            for (qi, c), text, res in zip(flat, texts, results)
+        ]
+        if not heldout:
+            self._log_sample_metrics(episodes, results, generation_s=t1 - t0, scoring_s=t2 - t1)
+        return episodes
+
+    def _episode(self, question_id, prompt_ids, completion, text, result) -> SingleAgentEpisode:
+        obs = np.asarray(prompt_ids, dtype=np.int64)
+        info = {
+            C.QUESTION_ID: question_id,
+            "completion_text": text,
+            "finish_reason": completion.finish_reason,
+            "parsed": result.parsed,
+            "timed_out": result.timed_out,
+            "format_ok": result.format_ok,
+        }
+        extra = {}
+        if completion.logp is not None:
+            extra[C.ACTION_LOGP] = [completion.logp.astype(np.float32)]
+        return SingleAgentEpisode(
+            observations=[obs, obs],
+            actions=[completion.token_ids.astype(np.int64)],
+            rewards=[float(result.score)],
+            infos=[{C.QUESTION_ID: question_id}, info],
+            extra_model_outputs=extra,
+            terminated=True,
+            observation_space=self.obs_space,
+            action_space=self.act_space,
+            len_lookback_buffer=0,
+        )
+
+    def _log_sample_metrics(self, episodes, results, *, generation_s, scoring_s):
+        n = len(episodes)
+        self.num_env_steps_sampled_lifetime += n
+        rewards = [e.get_return() for e in episodes]
+        self.metrics.log_value(EPISODE_RETURN_MEAN, float(np.mean(rewards)) if n else 0.0, window=1)
+        self.metrics.log_value(NUM_EPISODES, n, reduce="sum", clear_on_reduce=True)
+        self.metrics.log_value(NUM_ENV_STEPS_SAMPLED, n, reduce="sum", clear_on_reduce=True)
+        self.metrics.log_value(NUM_ENV_STEPS_SAMPLED_LIFETIME, n, reduce="sum")
+        self.metrics.log_value("generation_time_s", generation_s, reduce="sum", clear_on_reduce=True)
+        self.metrics.log_value("scoring_time_s", scoring_s, reduce="sum", clear_on_reduce=True)
+        self.metrics.log_value(
+            "response_length_mean", float(np.mean([len(e.actions[0]) for e in episodes])) if n else 0.0, window=1
+        )
+        self.metrics.log_value(
+            "truncated_fraction",
+            float(np.mean([e.get_infos(-1)["finish_reason"] == "length" for e in episodes])) if n else 0.0,
+            window=1,
+        )
+        self.metrics.log_value(
+            "reward_timeouts", sum(r.timed_out for r in results), reduce="sum", clear_on_reduce=True
+        )
+        self.metrics.log_value(
+            "reward_errors", sum(r.error is not None for r in results), reduce="sum", clear_on_reduce=True
+        )
+
+    def score_trajectories(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> tuple[List[np.ndarray], List[np.ndarray]]:
+        """Per-token log-probs and entropies of stored trajectories under the current
+        weights, in one batched pass (ExGRPO's trajectory selection)."""
+        self._ensure_module()
+        return self.backend.score(prompts, completions, temperature=self.config.temperature)
+
+    def get_metrics(self):
+        return self.metrics.reduce()
+
+    # ---- state -----------------------------------------------------------------------
+    def get_state(self, components=None, *, not_components=None, **kwargs):
+        state = {NUM_ENV_STEPS_SAMPLED_LIFETIME: self.num_env_steps_sampled_lifetime}
+        if self._check_component(COMPONENT_RL_MODULE, components, not_components):
+            self._ensure_module()
+            state[COMPONENT_RL_MODULE] = self.module.get_state(**kwargs)
+            state[WEIGHTS_SEQ_NO] = self._weights_seq_no
+        return state
+
+    def set_state(self, state: Dict[str, Any]) -> None:
+        if COMPONENT_RL_MODULE in state:
+            seq_no = state.get(WEIGHTS_SEQ_NO, 0)
+            if seq_no == 0 or self._weights_seq_no < seq_no:
+                module_state = state[COMPONENT_RL_MODULE]
+                if isinstance(module_state, dict) and DEFAULT_MODULE_ID in module_state:
+                    module_state = module_state[DEFAULT_MODULE_ID]
+                if self.module is None:
+                    self._pending_module_state = module_state
+                else:
+                    self.module.set_state(module_state)
+                    self.backend.load_weights(module_state)
+            if seq_no > 0:
+                self._weights_seq_no = seq_no
+        if NUM_ENV_STEPS_SAMPLED_LIFETIME in state:
+            self.num_env_steps_sampled_lifetime = state[NUM_ENV_STEPS_SAMPLED_LIFETIME]
+
+    def get_ctor_args_and_kwargs(self):
+        return ((), {"config": self.config})
+
+    def get_checkpointable_components(self):
+        return []
+
+    def stop(self):
+        for env in (self.env, self._heldout_env):
+            if env is not None:
+                env.close()
+
+
+def group_by_question(episodes: Sequence[SingleAgentEpisode]) -> Dict[str, List[SingleAgentEpisode]]:
+    """Episodes grouped by their question id, in first-seen order."""
+    groups: Dict[str, List[SingleAgentEpisode]] = defaultdict(list)
+    for e in episodes:
+        groups[e.get_infos(0)[C.QUESTION_ID]].append(e)
+    return groups

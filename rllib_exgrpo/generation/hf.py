@@ -1,0 +1,133 @@
+"""Generation with Hugging Face ``generate``: batched, KV-cached, left-padded. CPU default.
+
+The backend shares the RLModule's network: when RLlib syncs new weights into the env
+runner's module, this backend samples from them at once, so ``load_weights`` has nothing
+to do. Behaviour log-probs come from one scoring forward pass over prompt + completion
+with the same function the learner uses, so that at the first epoch the importance ratio
+is exactly 1 (verl recomputes ``old_log_prob`` for the same reason).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import numpy as np
+import torch
+
+from rllib_exgrpo.generation.base import Completion, SamplingParams
+from rllib_exgrpo.module import completion_logprobs_and_entropy
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[list of id lists] -> input_ids, attention_mask  [N, max_len], padded on the left."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def prompt_completion_batch(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts followed by right-padded completions (see ``columns.py``).
+
+    Returns input_ids, attention_mask [N, P + R] and response_mask [N, R].
+    """
+    p_ids, p_mask = left_pad(prompts, pad_id)
+    width = max(1, max(len(c) for c in completions))
+    c_ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
+    c_mask = torch.zeros((len(completions), width), dtype=torch.long)
+    for i, c in enumerate(completions):
+        if len(c):
+            c_ids[i, : len(c)] = torch.as_tensor(np.asarray(c), dtype=torch.long)
+            c_mask[i, : len(c)] = 1
+    return torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), c_mask
+
+
+class HFGenerationBackend:
+    """Sample with ``model.generate`` in chunks of at most ``batch_size`` sequences."""
+
+    def __init__(self, model, *, pad_token_id: int, batch_size: int = 256):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: Sequence[Sequence[int]], num_samples: Sequence[int], params: SamplingParams
+    ) -> List[List[Completion]]:
+        flat = [(i, prompts[i]) for i, n in enumerate(num_samples) for _ in range(n)]
+        # Sorting by prompt length keeps padding (wasted compute) small within a chunk.
+        order = sorted(range(len(flat)), key=lambda j: len(flat[j][1]))
+        results: List[List[Completion]] = [[] for _ in prompts]
+        done: Dict[int, Completion] = {}
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            for j, completion in zip(chunk, self._generate_chunk([flat[j] for j in chunk], params)):
+                done[j] = completion
+        for j in range(len(flat)):
+            results[flat[j][0]].append(done[j])
+        return results
+
+    def _generate_chunk(self, items, params: SamplingParams) -> List[Completion]:
+        prompt_rows = [list(p) for _, p in items]
+        input_ids, attention_mask = left_pad(prompt_rows, self.pad_token_id)
+        device = next(self.model.parameters()).device
+        greedy = params.temperature == 0
+        kwargs = dict(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not greedy,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=list(params.stop_token_ids) or None,
+        )
+        if not greedy:
+            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs
+        )
+        self.model.train(was_training)
+        generated = out[:, input_ids.shape[1] :].cpu().numpy()
+        stops = set(params.stop_token_ids)
+        token_rows, reasons = [], []
+        for row in generated:
+            cut = next((k + 1 for k, t in enumerate(row) if t in stops), None)
+            token_rows.append(row[: cut if cut is not None else params.max_new_tokens].astype(np.int32))
+            reasons.append("stop" if cut is not None else "length")
+        logps = [None] * len(items)
+        if params.return_logprobs:
+            logps, _ = self.score(
+                prompt_rows, token_rows, temperature=params.temperature or 1.0, with_entropy=False
+            )
+        return [
+            Completion(prompt_index=i, token_ids=t, logp=lp, finish_reason=r)
+            for (i, _), t, lp, r in zip(items, token_rows, logps, reasons)
+        ]
+
+    @torch.no_grad()
+    def score(self, prompts, completions, *, temperature: float, with_entropy: bool = True):
+        """Log-probs (and entropies) of ``completions`` given ``prompts``, batched."""
+        logps: List[np.ndarray] = []
+        entropies: List[np.ndarray] = []
+        device = next(self.model.parameters()).device
+        for start in range(0, len(prompts), self.batch_size):
+            p, c = prompts[start : start + self.batch_size], completions[start : start + self.batch_size]
+            ids, mask, resp_mask = prompt_completion_batch(p, c, self.pad_token_id)
+            logp, ent = completion_logprobs_and_entropy(
+                self.model, ids.to(device), mask.to(device), resp_mask.shape[1],
+                temperature=temperature, with_entropy=with_entropy,
+            )
+            logp = logp.float().cpu().numpy()
+            ent = ent.float().cpu().numpy() if ent is not None else None
+            for k, comp in enumerate(c):
+                logps.append(logp[k, : len(comp)].copy())
+                if ent is not None:
+                    entropies.append(ent[k, : len(comp)].copy())
+        return logps, entropies
+
+    def load_weights(self, state_dict) -> None:
+        """Nothing to do: the backend samples from the module's own (synced) parameters."""
