@@ -33,11 +33,15 @@ from rllib_exgrpo.batching import (
     trajectories_from_episodes,
 )
 from rllib_exgrpo.config import ExGRPOConfig, GRPOConfig
+from rllib_exgrpo.experience import ExperienceManager
 from rllib_exgrpo.question_sampler import QuestionSampler
 
 logger = logging.getLogger(__name__)
 
 PLAN_TIMER = "plan"
+REPLAY_CHOICE_TIMER = "replay_choice"
+BUFFER_TIMER = "buffer_update"
+EXPERIENCE = "experience"
 SAMPLE_TIMER = "sample"
 ADVANTAGE_TIMER = "advantages"
 HELDOUT_TIMER = "heldout_eval"
@@ -59,6 +63,8 @@ class ExGRPO(Algorithm):
         cfg = self.config
         train_env = ReasoningEnv({k: v for k, v in cfg.env_config.items() if k != "tokenizer"})
         self.sampler = QuestionSampler([p.id for p in train_env.problems], seed=cfg.seed or 0)
+        self.experience = ExperienceManager(cfg, seed=cfg.seed or 0)
+        self._sync_learner_mode()
         self._heldout_ids: Optional[List[str]] = None
         if cfg.heldout_dataset:
             heldout_env = ReasoningEnv(self._heldout_env_config())
@@ -83,18 +89,26 @@ class ExGRPO(Algorithm):
     # ---- the training step ---------------------------------------------------------
     def training_step(self) -> None:
         cfg = self.config
-        if self._should_evaluate_heldout(before_update=True):
+        if self._should_evaluate_heldout():
             self._evaluate_heldout()
 
         with self.metrics.log_time((TIMERS, PLAN_TIMER)):
-            question_ids = self.sampler.next_batch(cfg.questions_per_step)
+            fresh_ids, replay_ids = self.experience.plan(
+                cfg.questions_per_step, self.sampler, len(self.sampler.question_ids)
+            )
+        with self.metrics.log_time((TIMERS, REPLAY_CHOICE_TIMER)):
+            replayed, replay_metrics = self.experience.replayed_trajectories(replay_ids, self._score_trajectories)
 
         with self.metrics.log_time((TIMERS, SAMPLE_TIMER)):
-            episodes, runner_metrics = self._sample(question_ids, [cfg.group_size] * len(question_ids))
+            # A replayed question gets G - 1 fresh completions next to its replayed one.
+            episodes, runner_metrics = self._sample(
+                list(fresh_ids) + list(replay_ids),
+                [cfg.group_size] * len(fresh_ids) + [cfg.group_size - 1] * len(replay_ids),
+            )
         self.metrics.aggregate(runner_metrics, key=ENV_RUNNER_RESULTS)
 
         with self.metrics.log_time((TIMERS, ADVANTAGE_TIMER)):
-            trajectories = trajectories_from_episodes(episodes)
+            trajectories = trajectories_from_episodes(episodes) + replayed
             groups = score_groups(trajectories, estimator=cfg.advantage_estimator, eps=cfg.advantage_eps)
             batch = learner_batch(groups.trajectories, groups.advantages, self._pad_id)
             self._log_group_metrics(groups)
@@ -113,10 +127,34 @@ class ExGRPO(Algorithm):
             )
         self.metrics.aggregate(learner_results, key=LEARNER_RESULTS)
 
+        with self.metrics.log_time((TIMERS, BUFFER_TIMER)):
+            was_mixed = self.experience.mixed_mode
+            update_metrics = self.experience.observe(groups, iteration=self.iteration)
+            if self.experience.mixed_mode != was_mixed:
+                logger.info("ExGRPO delayed start: mixed mode on from iteration %d", self.iteration)
+                self._sync_learner_mode()
+        self._log_experience_metrics({**replay_metrics, **update_metrics}, groups)
+
         with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
             self.env_runner_group.sync_weights(
                 from_worker_or_learner_group=self.learner_group, inference_only=True
             )
+
+    def _sync_learner_mode(self) -> None:
+        mixed = self.experience.mixed_mode and self.config.experience_replay
+        self.learner_group.foreach_learner(lambda learner: learner.set_mixed_mode(mixed))
+
+    def _score_trajectories(self, prompts, completions):
+        """Re-score stored trajectories where current weights live: one runner, one pass."""
+        group = self.env_runner_group
+        remote_ids = group.healthy_worker_ids() if group.num_remote_workers() > 0 else []
+        if not remote_ids:
+            return group.local_env_runner.score_trajectories(prompts, completions)
+        return group.foreach_env_runner(
+            lambda r: r.score_trajectories(prompts, completions),
+            remote_worker_ids=remote_ids[:1],
+            local_env_runner=False,
+        )[0]
 
     # ---- sampling across runners -----------------------------------------------------
     def _sample(self, question_ids: Sequence[str], num_samples: Sequence[int], **sample_kwargs):
@@ -164,8 +202,21 @@ class ExGRPO(Algorithm):
         )
         self.metrics.log_value("num_completions", len(rewards), reduce="sum")
 
+    def _log_experience_metrics(self, step_metrics: Dict[str, float], groups) -> None:
+        replayed = sum(t.is_replayed for t in groups.trajectories)
+        values = {
+            **self.experience.metrics(),
+            **step_metrics,
+            "replayed_fraction": replayed / max(len(groups.trajectories), 1),
+            "replayed_questions": replayed,
+        }
+        for key, value in values.items():
+            if isinstance(value, float) and np.isnan(value):
+                continue
+            self.metrics.log_value((EXPERIENCE, key), value, window=1)
+
     # ---- held-out evaluation ---------------------------------------------------------
-    def _should_evaluate_heldout(self, before_update: bool) -> bool:
+    def _should_evaluate_heldout(self) -> bool:
         if not self._heldout_ids:
             return False
         it = self.iteration  # completed iterations so far
@@ -202,13 +253,15 @@ class ExGRPO(Algorithm):
     # ---- checkpoints -----------------------------------------------------------------
     def get_state(self, components=None, *, not_components=None, **kwargs):
         state = super().get_state(components, not_components=not_components, **kwargs)
-        state[STATE_KEY] = {"sampler": self.sampler.get_state()}
+        state[STATE_KEY] = {"sampler": self.sampler.get_state(), "experience": self.experience.get_state()}
         return state
 
     def set_state(self, state) -> None:
         super().set_state(state)
         if STATE_KEY in state:
             self.sampler.set_state(state[STATE_KEY]["sampler"])
+            self.experience.set_state(state[STATE_KEY]["experience"])
+            self._sync_learner_mode()
 
 
 class GRPO(ExGRPO):

@@ -51,6 +51,32 @@ FIELD_DOCS: Dict[str, str] = {
     "kl_coeff": "k3 KL penalty to the frozen initial policy (official ExGRPO: 0, off).",
     "skip_update_grad_norm": "Skip the optimiser step when the pre-clip gradient norm "
     "exceeds this (official: 500); None disables.",
+    # --- ExGRPO experience management (ALGORITHMS.md section 2) -------------------------
+    "experience_replay": "Replay correct trajectories from the experience pool (ExGRPO). "
+    "False gives on-policy GRPO.",
+    "experience_ratio": "rho: share of a step's B questions drawn from the pool (official 0.5).",
+    "delayed_start_solve_rate": "Mixed mode switches on (for good) once a step's solve rate "
+    "exceeds this (official 0.35); 0 switches it on from the first step (ablation).",
+    "fill_pool_before_start": "Collect experience before the delayed start fires (official: "
+    "False, the pool starts filling at the switch).",
+    "bucket_weighting": "How pooled questions are drawn: 'gaussian' over correctness buckets "
+    "(official), 'uniform' over questions (ablation), 'uniform_buckets'.",
+    "bucket_mu": "Mean of the Gaussian bucket weight on the correctness-rate scale (0.5).",
+    "bucket_sigma": "Std of the Gaussian bucket weight on the rate scale (0.125 = 1/G for G=8).",
+    "trajectory_selection": "Which stored trajectory of a replayed question is used: "
+    "'lowest_entropy' under the current policy (official), 'highest_logp', 'lowest_logp', "
+    "'random' (ablation).",
+    "policy_shaping": "Shape replayed tokens with f(w) = w / (w + beta) (official); False "
+    "treats them like fresh tokens (ablation).",
+    "policy_shaping_beta": "beta of the policy shaping f(w) = w / (w + beta) (official 0.1).",
+    "remove_clip_in_mixed_mode": "Drop the PPO clip on fresh tokens once mixed mode is on "
+    "(official loss_remove_clip: True).",
+    "retire_solved": "Retire questions solved G/G: out of the pool and of the fresh data.",
+    "retire_min_remaining": "Retired questions leave the fresh data only while it keeps more "
+    "than questions_per_step + this many questions (official: 20).",
+    "buffer_capacity": "Max stored trajectories; beyond it the oldest trajectory of the "
+    "question holding the most is evicted.",
+    "buffer_logp_dtype": "Storage dtype of recorded log-probs: float16, bfloat16, float32.",
     # --- evaluation on held-out questions ----------------------------------------------
     "heldout_dataset": "Dataset spec / path of the held-out set evaluated during training "
     "(None: no held-out evaluation). Same loader as env_config['dataset'].",
@@ -124,6 +150,21 @@ class ExGRPOConfig(AlgorithmConfig):
         self.entropy_coeff = 0.001
         self.kl_coeff = 0.0
         self.skip_update_grad_norm: Optional[float] = 500.0
+        self.experience_replay = True
+        self.experience_ratio = 0.5
+        self.delayed_start_solve_rate = 0.35
+        self.fill_pool_before_start = False
+        self.bucket_weighting = "gaussian"
+        self.bucket_mu = 0.5
+        self.bucket_sigma = 0.125
+        self.trajectory_selection = "lowest_entropy"
+        self.policy_shaping = True
+        self.policy_shaping_beta = 0.1
+        self.remove_clip_in_mixed_mode = True
+        self.retire_solved = True
+        self.retire_min_remaining = 20
+        self.buffer_capacity = 100_000
+        self.buffer_logp_dtype = "float16"
         self.heldout_dataset: Optional[str] = None
         self.heldout_split = "test"
         self.heldout_interval = 10
@@ -218,6 +259,22 @@ class ExGRPOConfig(AlgorithmConfig):
             yield f"heldout_interval must be >= 0, got {self.heldout_interval!r}"
         if self.heldout_temperature < 0:
             yield f"heldout_temperature must be >= 0 (0 = greedy), got {self.heldout_temperature!r}"
+        from rllib_exgrpo.buffer import BUCKET_WEIGHTINGS, LOGP_DTYPES, TRAJECTORY_SELECTIONS
+
+        yield from one_of("bucket_weighting", BUCKET_WEIGHTINGS)
+        yield from one_of("trajectory_selection", TRAJECTORY_SELECTIONS)
+        yield from one_of("buffer_logp_dtype", LOGP_DTYPES)
+        if not (0 <= self.experience_ratio <= 1):
+            yield f"experience_ratio must be in [0, 1], got {self.experience_ratio!r}"
+        if not (0 <= self.delayed_start_solve_rate < 1):
+            yield f"delayed_start_solve_rate must be in [0, 1), got {self.delayed_start_solve_rate!r}"
+        if self.bucket_sigma <= 0:
+            yield f"bucket_sigma must be > 0, got {self.bucket_sigma!r}"
+        if self.policy_shaping_beta <= 0:
+            yield f"policy_shaping_beta must be > 0, got {self.policy_shaping_beta!r}"
+        yield from positive_int("buffer_capacity")
+        if not isinstance(self.retire_min_remaining, int) or self.retire_min_remaining < 0:
+            yield f"retire_min_remaining must be an integer >= 0, got {self.retire_min_remaining!r}"
         if not isinstance(self.vllm_kwargs, dict):
             yield f"vllm_kwargs must be a dict, got {type(self.vllm_kwargs).__name__}"
 
@@ -229,3 +286,4 @@ class GRPOConfig(ExGRPOConfig):
         from rllib_exgrpo.algorithm import GRPO
 
         super().__init__(algo_class=algo_class or GRPO)
+        self.experience_replay = False

@@ -22,6 +22,7 @@ class ExGRPOTorchLearner(TorchLearner):
     def build(self) -> None:
         super().build()
         self._skip_step = False
+        self.mixed_mode = False
         self._reference_models: Dict[str, torch.nn.Module] = {}
         if self.config.kl_coeff > 0:
             # The frozen reference is the policy as it was when training started.
@@ -31,9 +32,13 @@ class ExGRPOTorchLearner(TorchLearner):
                     p.requires_grad_(False)
                 self._reference_models[mid] = ref
 
+    def set_mixed_mode(self, on: bool) -> None:
+        """Called by the algorithm when ExGRPO's delayed start fires (and on restore)."""
+        self.mixed_mode = bool(on)
+
     def use_clip_for_fresh_tokens(self, config) -> bool:
         """Whether fresh tokens are clipped; ExGRPO's mixed mode may remove the clip."""
-        return True
+        return not (self.mixed_mode and config.remove_clip_in_mixed_mode)
 
     def compute_loss_for_module(self, *, module_id, config, batch: Dict[str, Any], fwd_out) -> torch.Tensor:
         ref_logp = None
@@ -52,11 +57,12 @@ class ExGRPOTorchLearner(TorchLearner):
             batch[C.OLD_LOGP],
             batch[C.ADVANTAGES],
             batch[C.RESPONSE_MASK],
-            batch[C.IS_REPLAYED] > 0.5,
+            # Without policy shaping (ablation) replayed tokens get the fresh-token loss.
+            (batch[C.IS_REPLAYED] > 0.5) & bool(config.policy_shaping),
             eps_low=config.clip_eps_low,
             eps_high=config.clip_eps_high,
             clip_fresh=self.use_clip_for_fresh_tokens(config),
-            beta=getattr(config, "policy_shaping_beta", 0.1),
+            beta=config.policy_shaping_beta,
             agg_mode=config.loss_agg_mode,
             max_len=config.max_response_tokens,
             entropy=fwd_out[C.ENTROPY],
@@ -68,6 +74,7 @@ class ExGRPOTorchLearner(TorchLearner):
         for key, value in metrics.items():
             self.metrics.log_value((module_id, key), float(value), window=1)
         self.metrics.log_value((module_id, "total_loss"), float(loss.detach()), window=1)
+        self.metrics.log_value((module_id, "clip_on_fresh_tokens"), float(self.use_clip_for_fresh_tokens(config)), window=1)
         return loss
 
     def postprocess_gradients_for_module(self, *, module_id, config=None, module_gradients_dict):
