@@ -1,0 +1,283 @@
+"""The ``rllib`` command of this project (Ray removed RLlib's own after 2.40).
+
+Usage::
+
+    rllib train file tuned_examples/exgrpo.yaml [--stop JSON] [--config JSON] ...
+    rllib train -f tuned_examples/exgrpo.yaml ...          # old RLlib spelling
+    rllib train file X.yaml --dry-run                      # parse + validate only
+
+Runs classic RLlib experiment files on RLlib's **new API stack** through Ray Tune;
+see :mod:`rllib_exgrpo.yaml_config` for the file schema and the library API
+(``build_experiments`` / ``run_experiments``).
+
+Adding a subcommand (e.g. a future ``rllib evaluate``): write
+``add_<name>_parser(subparsers)`` that creates its parser and sets
+``func=<handler>`` via ``set_defaults``, where the handler takes the parsed
+``argparse.Namespace`` and returns an exit code; then append it to
+:data:`SUBCOMMANDS`. Nothing else changes.
+
+Exit codes: 0 all trials finished, 1 a trial errored (its error file is printed),
+2 bad command line or experiment file (nothing was started), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable, List, Optional, Sequence
+
+PROG = "rllib"
+
+_TRAIN_EPILOG = """\
+experiment file (classic RLlib schema; several experiments run in file order):
+
+  cartpole-ppo:
+    run: PPO                     # ExGRPO | GRPO | RLlib name (PPO, APPO, ...) | pkg.mod:Class
+    env: CartPole-v1             # registered name | gymnasium id | pkg.mod:Class
+    stop: {training_iteration: 20}
+    num_samples: 1
+    storage_path: ./results
+    checkpoint_config: {checkpoint_frequency: 5, checkpoint_at_end: true, num_to_keep: 2}
+    mlflow: {tracking_uri: "sqlite:///results/mlflow.db", experiment_name: cartpole}
+    config:                      # AlgorithmConfig attributes (new API stack)
+      num_env_runners: 0
+      lr: {grid_search: [0.0001, 0.001]}
+      env_config: {}
+
+  Unknown keys are errors (with suggestions); search spaces: grid_search, choice,
+  uniform, quniform, loguniform, qloguniform, randint, qrandint, lograndint,
+  qlograndint, randn, qrandn -- e.g. {loguniform: [1.0e-5, 1.0e-3]}.
+
+examples:
+  rllib train file tuned_examples/exgrpo.yaml
+  rllib train file cartpole.yaml --stop '{"training_iteration": 2}' \\
+      --config '{"lr": 0.0003}' --storage-path /tmp/results
+  rllib train -f cartpole.yaml --dry-run
+
+Ray: an address from --ray-address or RAY_ADDRESS is joined; otherwise a private
+local instance is started (and stopped at the end). Ray's token authentication
+stays as Ray configures it (on by default in 2.60; its token lives in
+~/.ray/auth_token); export RAY_AUTH_MODE=disabled to opt out.
+MLflow: a `mlflow:` block or --mlflow-uri adds MLflowLoggerCallback; its default
+store is sqlite:///<storage_path>/mlflow.db. File stores (file:, plain paths) set
+MLFLOW_ALLOW_FILE_STORE=true, which mlflow 3 requires.
+"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+# Defaults of the train options. The options are declared on both `train` (for
+# `rllib train -f X.yaml ...`) and `train file` (for `rllib train file X.yaml ...`)
+# with SUPPRESS defaults, so neither parser overwrites what the other parsed.
+_TRAIN_DEFAULTS = {
+    "config_file": None,
+    "stop": None,
+    "config": None,
+    "env": None,
+    "storage_path": None,
+    "num_samples": None,
+    "experiment_name": None,
+    "checkpoint_freq": None,
+    "checkpoint_at_end": None,
+    "mlflow_uri": None,
+    "verbose": 0,
+    "dry_run": False,
+    "no_validate": False,
+    "ray_address": None,
+    "ray_num_cpus": None,
+    "ray_num_gpus": None,
+    "ray_ui": False,
+}
+
+
+def _add_train_options(p: argparse.ArgumentParser) -> None:
+    S = argparse.SUPPRESS
+    g = p.add_argument_group("experiment overrides (apply to every experiment in the file)")
+    g.add_argument("--stop", type=_json_object, default=S, metavar="JSON",
+                   help='stopping criteria merged over the file\'s `stop`, e.g. \'{"training_iteration": 2}\'')
+    g.add_argument("--config", type=_json_object, default=S, metavar="JSON",
+                   help="AlgorithmConfig settings deep-merged over the file's `config` (checked the same way)")
+    g.add_argument("--env", default=S, metavar="ENV", help="environment overriding the file's `env`")
+    g.add_argument("--storage-path", "--local-dir", dest="storage_path", default=S, metavar="DIR",
+                   help="results root (Tune storage_path); default: the file's, else ./results")
+    g.add_argument("--num-samples", type=_positive_int, default=S, metavar="N",
+                   help="Tune samples per experiment (repeats of the grid)")
+    g.add_argument("--experiment-name", default=S, metavar="NAME",
+                   help="rename the experiment (Tune folder, MLflow experiment); the file must hold exactly one")
+    g.add_argument("--checkpoint-freq", type=int, default=S, metavar="N",
+                   help="checkpoint every N training iterations (0: never)")
+    g.add_argument("--checkpoint-at-end", action="store_true", default=S,
+                   help="write a checkpoint when a trial ends")
+    g.add_argument("--mlflow-uri", default=S, metavar="URI",
+                   help="log to MLflow at this tracking URI (also for experiments without an `mlflow:` block)")
+    r = p.add_argument_group("running")
+    r.add_argument("-v", "--verbose", action="count", default=S,
+                   help="more output: -v Tune verbosity 2 and RLlib log_level INFO; -vv verbosity 3 and DEBUG")
+    r.add_argument("--dry-run", action="store_true", default=S,
+                   help="parse and validate the file, print the experiments, start nothing")
+    r.add_argument("--no-validate", action="store_true", default=S,
+                   help="skip AlgorithmConfig.validate() of the search-space variants before starting")
+    r.add_argument("--ray-address", default=S, metavar="ADDR",
+                   help="join this Ray cluster (default: RAY_ADDRESS, else a private local instance)")
+    r.add_argument("--ray-num-cpus", type=int, default=S, metavar="N", help="CPUs of a local Ray instance")
+    r.add_argument("--ray-num-gpus", type=int, default=S, metavar="N", help="GPUs of a local Ray instance")
+    r.add_argument("--ray-ui", action="store_true", default=S,
+                   help="start the Ray dashboard with a local Ray instance")
+
+
+def add_train_parser(subparsers: Any) -> None:
+    train = subparsers.add_parser(
+        "train",
+        help="train from an experiment YAML file (classic RLlib schema, new API stack)",
+        description="Train RLlib algorithms (this project's ExGRPO/GRPO, RLlib's built-ins, or "
+        "any Algorithm class) from a classic RLlib experiment YAML file, on RLlib's new "
+        "API stack, through Ray Tune.",
+        epilog=_TRAIN_EPILOG,
+        formatter_class=_Formatter,
+    )
+    train.add_argument("-f", "--config-file", dest="config_file", default=argparse.SUPPRESS,
+                       metavar="FILE", help="experiment YAML file (old RLlib spelling of `train file FILE`)")
+    _add_train_options(train)
+    train_sub = train.add_subparsers(dest="train_command", metavar="{file}")
+    file_p = train_sub.add_parser(
+        "file",
+        help="train from an experiment YAML file",
+        description="Train from an experiment YAML file.",
+        epilog=_TRAIN_EPILOG,
+        formatter_class=_Formatter,
+    )
+    file_p.add_argument("config_file", metavar="FILE", help="experiment YAML file")
+    _add_train_options(file_p)
+    train.set_defaults(func=run_train, _train_parser=train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Handler of ``rllib train``; returns the exit code."""
+    for k, v in _TRAIN_DEFAULTS.items():
+        if not hasattr(args, k):
+            setattr(args, k, v)
+    if not args.config_file:
+        args._train_parser.error("an experiment file is required: `rllib train file FILE` or `rllib train -f FILE`")
+
+    from rllib_exgrpo.yaml_config import CliConfigError, build_experiments, run_experiments
+
+    overrides = dict(args.config or {})
+    if args.verbose >= 1:
+        overrides.setdefault("log_level", "DEBUG" if args.verbose >= 2 else "INFO")
+    try:
+        experiments = build_experiments(
+            args.config_file,
+            stop=args.stop,
+            config_overrides=overrides or None,
+            storage_path=args.storage_path,
+            num_samples=args.num_samples,
+            experiment_name=args.experiment_name,
+            env=args.env,
+            mlflow_uri=args.mlflow_uri,
+            checkpoint_freq=args.checkpoint_freq,
+            checkpoint_at_end=args.checkpoint_at_end,
+            validate=not args.no_validate,
+        )
+    except CliConfigError as e:
+        print(f"{PROG} train: error: {e}", file=sys.stderr)
+        return 2
+
+    if args.dry_run:
+        for exp in experiments:
+            print(exp.summary())
+        print(f"{PROG} train: dry run: {len(experiments)} experiment(s) valid; nothing started.")
+        return 0
+
+    ray_init_kwargs = {}
+    if args.ray_num_cpus is not None:
+        ray_init_kwargs["num_cpus"] = args.ray_num_cpus
+    if args.ray_num_gpus is not None:
+        ray_init_kwargs["num_gpus"] = args.ray_num_gpus
+    if args.ray_ui:
+        ray_init_kwargs["include_dashboard"] = True
+
+    results = run_experiments(
+        experiments,
+        verbose=min(1 + args.verbose, 3),
+        ray_address=args.ray_address,
+        ray_init_kwargs=ray_init_kwargs,
+    )
+    failed = 0
+    for res in results:
+        exp = res.experiment
+        where = os.path.join(exp.storage_path, exp.name)
+        if res.ok:
+            print(f"{PROG} train: experiment {exp.name!r}: all trials finished; results in {where}")
+        for trial_path, err_file in res.errors:
+            failed += 1
+            print(
+                f"{PROG} train: experiment {exp.name!r}: trial {trial_path} errored; "
+                f"error file: {err_file or '(none written)'}",
+                file=sys.stderr,
+            )
+    return 1 if failed else 0
+
+
+#: Subcommand registry: each entry adds one subparser and sets ``func``.
+#: A future ``rllib evaluate`` appends its ``add_evaluate_parser`` here.
+SUBCOMMANDS: List[Callable[[Any], None]] = [add_train_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="RLlib command line of rllib-exgrpo: runs classic RLlib experiment YAML "
+        "files on Ray RLlib's new API stack (Ray removed its own `rllib` command after 2.40).",
+        epilog="Run `rllib train --help` for the experiment file schema and all options.",
+        formatter_class=_Formatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    # `pkg.mod:Class` paths in experiment files resolve against the current directory
+    # too, as under `python -m` (a console script's sys.path lacks it). Appended, so
+    # installed packages win over same-named local files.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
