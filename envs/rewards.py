@@ -1,0 +1,769 @@
+"""Verifier rewards: math-verify scoring that is safe in every execution context.
+
+Why this module is more than ``verify(parse(gt), parse(answer))``:
+
+* math-verify bounds its own work with ``signal.alarm``. Off the main thread (thread
+  pools, Ray actors with ``max_concurrency > 1``) that raises ``ValueError``, and a
+  ``try/except`` around it silently turns every reward into 0 (a real verl bug).
+* A signal cannot stop a hang in C code anyway: sympy evaluating ``9^{9^{9^{9^9}}}``
+  holds the GIL inside big-integer arithmetic and never returns.
+
+So every math-verify call runs in a small pool of persistent worker *processes*
+(plain ``subprocess`` children, so the scheme also works inside daemonic
+multiprocessing workers and Ray actors, and never re-imports the caller's ``__main__``).
+Each worker runs parse/verify in its own main thread with math-verify's timeouts
+disabled; the caller enforces a wall-clock deadline per item and kills and replaces a
+worker that overruns. Only the overrunning item times out; the other items of the batch
+go on on the other workers. Genuine failures (a worker that dies, an exception in the
+verifier, an unparseable ground truth) are reported in :attr:`RewardResult.error` and
+counted in :func:`reward_stats`, never turned into a silent 0.
+
+Cheap work stays in the caller: extracting the answer, a normalised exact-match fast
+path (equal -> 1 without math-verify) and de-duplication of identical
+(ground truth, answer) pairs inside a batch, which GRPO groups produce a lot of.
+
+This file must stay importable as a bare script (workers load it by path): it imports
+nothing from the ``envs`` package at module level.
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection, wait as _wait_conns
+from typing import Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable that overrides the default number of verifier processes.
+WORKERS_ENV = "ENVS_REWARD_WORKERS"
+#: Default cap on verifier processes per calling process (several env runners may share
+#: a node; eight processes verify thousands of short answers per second).
+MAX_DEFAULT_WORKERS = 8
+#: How long a fresh worker may take to import math-verify before we call it broken.
+BOOT_TIMEOUT_S = 120.0
+#: Longest ``parsed`` string carried back from a worker.
+_MAX_REPR = 200
+
+
+@dataclass
+class RewardResult:
+    """The verifier's verdict on one completion.
+
+    Attributes:
+        score: 1.0 when the answer matches the ground truth, else 0.0.
+        parsed: The extracted answer text (content of the last ``\\boxed{}``, or with
+            ``think_format`` what math-verify extracted after ``</think>``); None when
+            no answer was found.
+        timed_out: Verification overran ``timeout_s`` and was cut (score 0).
+        format_ok: The completion had the required form (a ``\\boxed{}`` answer, or a
+            ``</think>`` tag in think format).
+        error: Set when verification failed for a reason other than a wrong answer
+            (worker crash, verifier exception, unparseable ground truth). Score is 0
+            but the sample should be treated as unscored, not as wrong.
+    """
+
+    score: float
+    parsed: Optional[str]
+    timed_out: bool
+    format_ok: bool
+    error: Optional[str] = None
+
+    @property
+    def correct(self) -> bool:
+        return self.score >= 1.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- answers
+
+_BOXED = ("\\boxed", "\\fbox")
+
+
+def _match_braces(text: str, start: int) -> Optional[int]:
+    """Index just past the brace group opening at ``text[start] == '{'``, or None."""
+    depth, i, n = 0, start, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == "\\":
+            i += 2  # an escaped brace (\{ or \}) is content, not structure
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last *complete* ``\\boxed{...}`` (or ``\\fbox{}``) in ``text``.
+
+    Nested braces are handled; a final box cut off by the length limit is skipped in
+    favour of the previous complete one. ``\\boxed 5`` (no braces) yields ``5``.
+    """
+    end = len(text)
+    while True:
+        pos = max(text.rfind(tag, 0, end) for tag in _BOXED)
+        if pos < 0:
+            return None
+        tag = "\\boxed" if text.startswith("\\boxed", pos) else "\\fbox"
+        i = pos + len(tag)
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            close = _match_braces(text, i)
+            if close is not None:
+                return text[i + 1 : close - 1].strip()
+        elif i > pos + len(tag) and i < len(text):
+            m = re.match(r"[^\s$]+", text[i:])
+            if m:
+                return m.group(0).rstrip(".")
+        end = pos
+
+
+_NORM_DROP = re.compile(r"\s+|\$|\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\[!,;: ]")
+
+
+def _normalise(s: str) -> str:
+    return _NORM_DROP.sub("", s)
+
+
+def _after_think(completion: str) -> Optional[str]:
+    tag = "</think>"
+    pos = completion.rfind(tag)
+    return None if pos < 0 else completion[pos + len(tag) :]
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _set_parent_death_signal(parent_pid: int) -> None:
+    """Die with the parent even while stuck in C code (Linux; elsewhere best effort)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception:  # pragma: no cover - exotic libc
+            pass
+    if os.getppid() != parent_pid:  # parent already gone before prctl took effect
+        os._exit(0)
+
+
+class _CapturedErrors(logging.Handler):
+    """Collects the exceptions math-verify swallows and logs at debug level."""
+
+    def __init__(self):
+        super().__init__(level=logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None:
+            self.messages.append(f"{type(exc).__name__}: {str(exc)[:_MAX_REPR]}")
+
+
+def _worker_main(in_fd: int, out_fd: int, parent_pid: int) -> None:
+    """Loop of a verifier process: receive (task id, gold text, answer text), verify."""
+    _set_parent_death_signal(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    # Keep the protocol pipe ours alone: stray prints from libraries go to stderr.
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    inbox, outbox = Connection(in_fd, writable=False), Connection(out_fd, readable=False)
+
+    import functools
+
+    import math_verify.grader as mv_grader
+    import math_verify.parser as mv_parser
+    from math_verify import parse, verify
+
+    # We disable math-verify's signal timeouts on purpose (the parent enforces
+    # deadlines); silence its once-per-process warning about that.
+    mv_parser.TIMEOUT_WARNING_SHOWN = True
+    mv_grader.TIMEOUT_WARNING_SHOWN = True
+    captured = _CapturedErrors()
+    mv_logger = logging.getLogger("math_verify")
+    mv_logger.handlers[:] = [captured]
+    mv_logger.setLevel(logging.DEBUG)
+    mv_logger.propagate = False
+
+    @functools.lru_cache(maxsize=16384)
+    def gold_of(gt: str):
+        # "$gt$" is the official ExGRPO form; the others rescue ground truths that only
+        # parse boxed or bare. A fallback chain, not a union: the bare parse of a latex
+        # tuple such as "\left( 3, \frac{\pi}{2} \right)" is just "3".
+        for text in ("$" + gt + "$", "\\boxed{" + gt + "}", gt):
+            parsed = parse(text, parsing_timeout=None)
+            if parsed:
+                return parsed
+        return []
+
+    def answer_repr(pred) -> Optional[str]:
+        # Only string elements: str() of a huge sympy object can itself hang.
+        for item in pred:
+            if isinstance(item, str):
+                return item[:_MAX_REPR]
+        return None
+
+    def verify_one(gt: str, pred_text: str):
+        captured.messages.clear()
+        gold = gold_of(gt)
+        if not gold:
+            return False, None, f"ground truth could not be parsed by math-verify: {gt[:_MAX_REPR]!r}", 0
+        pred = parse(pred_text, parsing_timeout=None)
+        if not pred:
+            return False, None, None, len(captured.messages)
+        ok = bool(verify(gold, pred, timeout_seconds=None))
+        return ok, answer_repr(pred), None, len(captured.messages)
+
+    verify_one("1", "\\boxed{1}")  # import the lazy parts of sympy/antlr before "ready"
+    outbox.send(("ready", os.getpid()))
+    while True:
+        try:
+            task_id, gt, pred_text = inbox.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            ok, parsed, error, swallowed = verify_one(gt, pred_text)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller, not hidden
+            ok, parsed, error, swallowed = False, None, f"{type(exc).__name__}: {str(exc)[:_MAX_REPR]}", 0
+        try:
+            outbox.send((task_id, ok, parsed, error, swallowed))
+        except (BrokenPipeError, OSError):
+            return
+
+
+_BOOT = (
+    "import sys, importlib.util as u\n"
+    # The caller's cwd may hold modules that shadow real packages: keep it off the path.
+    "sys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
+    "s = u.spec_from_file_location('_envs_reward_worker', sys.argv[1])\n"
+    "m = u.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m)\n"
+    "m._worker_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))\n"
+)
+
+
+# --------------------------------------------------------------------------- caller side
+
+_STATS: Counter = Counter()
+_STATS_LOCK = threading.Lock()
+
+
+def _count(**increments: int) -> None:
+    with _STATS_LOCK:
+        _STATS.update(increments)
+
+
+def reward_stats() -> dict:
+    """Counters of this process since import (or :func:`reset_reward_stats`).
+
+    Keys: ``scored`` (results returned), ``fast_path`` (decided by exact match),
+    ``verified`` (sent to math-verify, after de-duplication), ``timeouts``, ``errors``,
+    ``swallowed_exceptions`` (exceptions math-verify caught internally while comparing,
+    which it counts as "not equal" by design), ``worker_starts``, ``worker_kills``,
+    ``worker_deaths`` (died without being killed by us), ``retries``.
+    """
+    with _STATS_LOCK:
+        return dict(_STATS)
+
+
+def reset_reward_stats() -> None:
+    with _STATS_LOCK:
+        _STATS.clear()
+
+
+class _Worker:
+    __slots__ = ("proc", "inbox", "outbox", "ready", "killed")
+
+    def __init__(self, proc, inbox: Connection, outbox: Connection):
+        self.proc, self.inbox, self.outbox = proc, inbox, outbox
+        self.ready = False
+        self.killed = False
+
+    def kill(self) -> None:
+        self.killed = True
+        try:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except Exception:  # pragma: no cover - already reaped
+            pass
+        for conn in (self.inbox, self.outbox):
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+
+class _Spawner:
+    """Starts workers from one long-lived thread.
+
+    Linux delivers the parent-death signal when the *thread* that started a child exits,
+    so workers started from a short-lived caller thread would die with it.
+    """
+
+    def __init__(self):
+        self._requests: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="envs-reward-spawner", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            fut = self._requests.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(self._start())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+
+    @staticmethod
+    def _start() -> _Worker:
+        if not sys.executable:
+            raise RuntimeError("cannot start math-verify workers: sys.executable is empty")
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, os.path.abspath(__file__),
+                 str(to_child_r), str(from_child_w), str(os.getpid())],
+                pass_fds=(to_child_r, from_child_w),
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        _count(worker_starts=1)
+        return _Worker(proc, Connection(to_child_w, readable=False), Connection(from_child_r, writable=False))
+
+    def spawn(self) -> _Worker:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._requests.put(fut)
+        return fut.result()
+
+
+_SPAWNER: Optional[_Spawner] = None
+_SPAWNER_PID = -1
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawner() -> _Spawner:
+    """One spawner thread per process, for the life of the process (see :class:`_Spawner`)."""
+    global _SPAWNER, _SPAWNER_PID
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None or _SPAWNER_PID != os.getpid():  # threads do not survive fork
+            _SPAWNER, _SPAWNER_PID = _Spawner(), os.getpid()
+        return _SPAWNER
+
+
+class _Pool:
+    """Thread-safe set of verifier workers, checked out by callers one at a time."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)
+        self._idle: list[_Worker] = []
+        self._all: set[_Worker] = set()
+        self._reserved = 0  # being spawned right now
+        self._spawner = _spawner()
+
+    # -- membership
+    def _spawn_into_idle(self) -> None:
+        try:
+            w = self._spawner.spawn()
+        except BaseException:
+            with self._lock:
+                self._reserved -= 1
+                self._released.notify_all()
+            raise
+        with self._lock:
+            self._reserved -= 1
+            self._all.add(w)
+            self._idle.append(w)
+            self._released.notify_all()
+
+    def grow_to(self, size: int) -> None:
+        with self._lock:
+            self.size = max(self.size, size)
+
+    def checkout(self) -> Optional[_Worker]:
+        """A ready idle worker, else a booting one, else a new one, else None (all busy)."""
+        with self._lock:
+            for w in list(self._idle):
+                if w.proc.poll() is not None:  # died while idle (killed from outside)
+                    self._idle.remove(w)
+                    self._all.discard(w)
+                    _count(worker_deaths=1)
+                    w.kill()
+            for w in self._idle:
+                if w.ready:
+                    self._idle.remove(w)
+                    return w
+            if self._idle:
+                return self._idle.pop()
+            if len(self._all) + self._reserved >= self.size:
+                return None
+            self._reserved += 1
+        self._spawn_into_idle()
+        return self.checkout()
+
+    def release(self, w: _Worker) -> None:
+        with self._lock:
+            self._idle.append(w)
+            self._released.notify_all()
+
+    def discard(self, w: _Worker, *, replace: bool) -> None:
+        w.kill()
+        with self._lock:
+            self._all.discard(w)
+            if replace:
+                self._reserved += 1
+        if replace:  # boot the successor now, while the rest of the batch goes on
+            try:
+                self._spawn_into_idle()
+            except Exception:
+                logger.exception("could not start a replacement math-verify worker")
+
+    def wait_for_release(self, timeout: float) -> None:
+        with self._lock:
+            self._released.wait(timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._all, self._idle = list(self._all), set(), []
+        for w in workers:
+            w.kill()
+
+    def warm(self, n: int) -> None:
+        """Start ``n`` workers (or up to the pool size) and wait until they are ready."""
+        held = []
+        try:
+            while len(held) < n:
+                w = self.checkout()
+                if w is None:
+                    break
+                held.append(w)
+            deadline = time.monotonic() + BOOT_TIMEOUT_S
+            for w in held:
+                if not w.ready:
+                    if not w.outbox.poll(max(0.0, deadline - time.monotonic())):
+                        raise RuntimeError("math-verify worker did not start in time")
+                    try:
+                        msg = w.outbox.recv()
+                    except (EOFError, OSError):
+                        raise RuntimeError(
+                            f"a math-verify worker exited while starting (exit code {w.proc.poll()}); "
+                            "its stderr above says why"
+                        ) from None
+                    if msg[0] != "ready":  # pragma: no cover - protocol bug
+                        raise RuntimeError(f"unexpected first message from worker: {msg!r}")
+                    w.ready = True
+        finally:
+            for w in held:
+                self.release(w)
+
+    # -- the dispatch loop
+    def run(self, tasks: Sequence[tuple[str, str]], timeout_s: float, max_parallel: int) -> list[tuple]:
+        """Verify ``tasks`` = [(ground truth, answer text)] -> [(ok, parsed, error, timed_out)]."""
+        results: list = [None] * len(tasks)
+        pending: deque = deque(range(len(tasks)))
+        retried: set = set()
+        active: dict = {}  # worker -> [task index or None while booting, deadline]
+        swallowed = 0
+
+        def send(w: _Worker) -> None:
+            idx = pending.popleft()
+            try:
+                w.inbox.send((idx, tasks[idx][0], tasks[idx][1]))
+            except (OSError, ValueError):  # worker gone: not the task's fault, retry it
+                pending.appendleft(idx)
+                _count(worker_deaths=1)
+                self.discard(w, replace=True)
+                return
+            active[w] = [idx, time.monotonic() + timeout_s]
+
+        def dead(w: _Worker, idx: Optional[int]) -> None:
+            code = w.proc.poll()
+            del active[w]
+            self.discard(w, replace=True)
+            _count(worker_deaths=1)
+            if idx is None:
+                raise RuntimeError(
+                    f"a math-verify worker exited while starting (exit code {code}); "
+                    "its stderr above says why (is math-verify installed for "
+                    f"{sys.executable}?)"
+                )
+            if idx not in retried:  # e.g. killed from outside: give the item one more go
+                retried.add(idx)
+                pending.appendleft(idx)
+                _count(retries=1)
+            else:
+                results[idx] = (False, None, f"math-verify worker died while verifying (exit code {code})", False)
+
+        try:
+            while pending or active:
+                while pending and len(active) < max_parallel:
+                    w = self.checkout()
+                    if w is None:
+                        break
+                    if w.ready:
+                        send(w)
+                    else:
+                        active[w] = [None, time.monotonic() + BOOT_TIMEOUT_S]
+                if not active:  # every worker is busy with other callers' batches
+                    self.wait_for_release(0.05)
+                    continue
+                timeout = max(0.0, min(d for _, d in active.values()) - time.monotonic())
+                by_conn = {w.outbox: w for w in active}
+                for conn in _wait_conns(list(by_conn), timeout):
+                    w = by_conn[conn]
+                    idx = active[w][0]
+                    try:
+                        msg = conn.recv()
+                    except (EOFError, OSError):
+                        dead(w, idx)
+                        continue
+                    del active[w]
+                    if idx is None:
+                        w.ready = True
+                    else:
+                        _, ok, parsed, error, n_swallowed = msg
+                        swallowed += n_swallowed
+                        results[idx] = (ok, parsed, error, False)
+                    if pending:
+                        send(w)
+                    else:
+                        self.release(w)
+                now = time.monotonic()
+                for w, (idx, deadline) in list(active.items()):
+                    if deadline <= now and not w.outbox.poll(0):
+                        del active[w]
+                        _count(worker_kills=1)
+                        self.discard(w, replace=True)
+                        if idx is None:
+                            raise RuntimeError(f"math-verify worker did not start within {BOOT_TIMEOUT_S} s")
+                        results[idx] = (False, None, None, True)
+        finally:
+            # Interrupted mid-batch: the state of in-flight workers is unknown.
+            for w in list(active):
+                self.discard(w, replace=False)
+            if swallowed:
+                _count(swallowed_exceptions=swallowed)
+        return results
+
+
+_POOL: Optional[_Pool] = None
+_POOL_LOCK = threading.Lock()
+
+
+def default_num_workers() -> int:
+    """``$ENVS_REWARD_WORKERS`` if set, else the usable cores capped at 8."""
+    env = os.environ.get(WORKERS_ENV)
+    if env:
+        n = int(env)
+        if n < 1:
+            raise ValueError(f"{WORKERS_ENV} must be >= 1, got {env!r}")
+        return n
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_DEFAULT_WORKERS))
+
+
+def _pool() -> _Pool:
+    global _POOL
+    with _POOL_LOCK:
+        # After a fork the child must not touch the parent's pipes: start its own pool.
+        if _POOL is None or _POOL.pid != os.getpid():
+            _POOL = _Pool(default_num_workers())
+        return _POOL
+
+
+def shutdown_workers() -> None:
+    """Kill the verifier processes (they are restarted lazily on the next call)."""
+    global _POOL
+    with _POOL_LOCK:
+        pool, _POOL = _POOL, None
+    if pool is not None and pool.pid == os.getpid():
+        pool.close()
+
+
+atexit.register(shutdown_workers)
+
+
+def _after_fork_in_child() -> None:
+    # The parent's workers stay the parent's: drop our copies of their pipes, and fresh
+    # locks in case another thread held one at the fork.
+    global _POOL, _POOL_LOCK, _SPAWNER, _SPAWNER_LOCK, _STATS_LOCK
+    old, _POOL = _POOL, None
+    if old is not None:
+        for w in list(old._all):
+            for conn in (w.inbox, w.outbox):
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+    _SPAWNER = None
+    _POOL_LOCK, _SPAWNER_LOCK, _STATS_LOCK = threading.Lock(), threading.Lock(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def warm_up(num_workers: Optional[int] = None) -> None:
+    """Start the verifier processes now rather than on the first call (~0.5 s each, in parallel)."""
+    pool = _pool()
+    n = num_workers or pool.size
+    pool.grow_to(n)
+    pool.warm(n)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _prepare(completion: str, ground_truth, think_format: bool):
+    """-> (final RewardResult or None, answer text for math-verify, parsed)."""
+    if not isinstance(completion, str):
+        raise TypeError(f"completion must be a str, got {type(completion).__name__}")
+    if isinstance(ground_truth, bool) or not isinstance(ground_truth, (str, int, float)):
+        raise TypeError(f"ground_truth must be a str, got {type(ground_truth).__name__}")
+    gt = str(ground_truth).strip()
+    if think_format:
+        after = _after_think(completion)
+        if after is None:  # official ExGRPO: no </think>, no reward
+            return RewardResult(0.0, None, False, False), None, None
+        boxed = last_boxed(after)
+        answer_text, parsed = after, boxed
+    else:
+        boxed = last_boxed(completion)
+        if boxed is None:
+            return RewardResult(0.0, None, False, False), None, None
+        answer_text, parsed = "\\boxed{" + boxed + "}", boxed
+    if not gt:
+        return RewardResult(0.0, parsed, False, True, error="empty ground truth"), None, parsed
+    if boxed is not None:
+        if not boxed:
+            return RewardResult(0.0, "", False, True), None, parsed
+        if _normalise(boxed) == _normalise(gt):
+            return RewardResult(1.0, parsed, False, True), None, parsed
+    if not answer_text.strip():
+        return RewardResult(0.0, parsed, False, True), None, parsed
+    return None, answer_text, parsed
+
+
+def score_batch(
+    completions: Sequence[str],
+    ground_truths: Sequence[str],
+    *,
+    timeout_s: float = 5.0,
+    think_format: bool = False,
+    num_workers: Optional[int] = None,
+    fast_path: bool = True,
+) -> list[RewardResult]:
+    """Score ``completions[i]`` against ``ground_truths[i]``, in parallel across processes.
+
+    Args:
+        completions: Model outputs.
+        ground_truths: Reference answers (latex or plain numbers), one per completion.
+        timeout_s: Wall-clock limit per verification, counted from when the item reaches
+            a worker. An overrun scores 0 with ``timed_out=True``; its worker is killed
+            and replaced while the other items continue.
+        think_format: Official ExGRPO reward: the completion must contain ``</think>`` and
+            only the text after the last one is verified.
+        num_workers: At most this many verifier processes for this call (default: the
+            pool size, :func:`default_num_workers`). The pool grows if asked for more.
+        fast_path: Decide equal normalised strings without math-verify (tests of the
+            verifier itself turn this off).
+
+    Safe from any thread, any Ray actor and any subprocess.
+    """
+    if len(completions) != len(ground_truths):
+        raise ValueError(f"{len(completions)} completions but {len(ground_truths)} ground truths")
+    if not timeout_s or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if num_workers is not None and num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1 or None, got {num_workers!r}")
+    results: list[Optional[RewardResult]] = [None] * len(completions)
+    parsed_of: dict[int, Optional[str]] = {}
+    unique: dict[tuple[str, str], int] = {}
+    users: list[list[int]] = []
+    n_fast = 0
+    for i, (completion, gt) in enumerate(zip(completions, ground_truths)):
+        done, answer_text, parsed = _prepare(completion, gt, think_format)
+        if done is not None and (fast_path or done.score == 0.0):
+            results[i] = done
+            n_fast += done.score == 1.0
+            continue
+        if answer_text is None:  # fast-path hit with fast_path off
+            answer_text = "\\boxed{" + parsed + "}" if not think_format else _after_think(completion)
+        parsed_of[i] = parsed
+        key = (str(gt).strip(), answer_text)
+        if key not in unique:
+            unique[key] = len(users)
+            users.append([])
+        users[unique[key]].append(i)
+
+    if users:
+        pool = _pool()
+        if num_workers:
+            pool.grow_to(num_workers)
+        tasks = list(unique)
+        verdicts = pool.run(tasks, timeout_s, min(num_workers or pool.size, len(tasks)))
+        n_err = n_timeouts = 0
+        for (ok, parsed_repr, error, timed_out), idxs in zip(verdicts, users):
+            n_err += (error is not None) * len(idxs)
+            n_timeouts += timed_out * len(idxs)
+            for i in idxs:
+                results[i] = RewardResult(
+                    score=1.0 if ok else 0.0,
+                    parsed=parsed_of[i] if parsed_of[i] is not None else parsed_repr,
+                    timed_out=timed_out,
+                    format_ok=True,
+                    error=error,
+                )
+        if n_err:
+            first = next(v[2] for v in verdicts if v[2])
+            logger.warning("%d of %d verifications failed with an error (first: %s)", n_err, len(completions), first)
+        _count(verified=len(tasks), errors=n_err, timeouts=n_timeouts)
+    _count(scored=len(completions), fast_path=n_fast)
+    return results  # type: ignore[return-value]
+
+
+def math_reward(
+    completion: str,
+    ground_truth: str,
+    *,
+    timeout_s: float = 5.0,
+    think_format: bool = False,
+    fast_path: bool = True,
+) -> RewardResult:
+    """Score one completion; see :func:`score_batch` for the arguments.
+
+    The answer is the content of the last ``\\boxed{...}`` (no box: score 0,
+    ``format_ok=False``), or with ``think_format`` the text after ``</think>`` (no tag:
+    score 0, ``format_ok=False``), verified by math-verify against
+    ``parse("$" + ground_truth + "$")``.
+    """
+    return score_batch([completion], [ground_truth], timeout_s=timeout_s, think_format=think_format,
+                       num_workers=1, fast_path=fast_path)[0]
