@@ -18,6 +18,15 @@ Adding a subcommand (e.g. a future ``rllib evaluate``): write
 
 Exit codes: 0 all trials finished, 1 a trial errored (its error file is printed),
 2 bad command line or experiment file (nothing was started), 130 interrupted.
+
+Ray: ``--ray-address`` / ``RAY_ADDRESS`` joins a cluster; otherwise a private local
+instance is started with ``ray.init(address="local")`` (never an unrelated cluster
+found on the machine) without the dashboard (``--ray-ui`` turns it on), and shut
+down at the end. Ray's token authentication is left as Ray configures it: on by
+default in 2.60, which writes ``~/.ray/auth_token``. The local instance's ports
+listen on the node's address, so the token is what keeps other users and hosts out;
+a CLI should not switch that off silently. Export ``RAY_AUTH_MODE=disabled`` to opt
+out (the tests do).
 """
 
 from __future__ import annotations

@@ -652,10 +652,10 @@ def _build_mlflow(
     block = spec.get("mlflow")
     if block is None and mlflow_uri is None:
         return None
-    if block is True or block is None:
-        block = {}
-    if block is False:
+    if block is False and mlflow_uri is None:
         return None
+    if block is True or block is None or block is False:  # --mlflow-uri wins over `false`
+        block = {}
     if not isinstance(block, dict):
         errors.append(f"mlflow: must be a mapping (or true), got {block!r}.")
         return None
@@ -895,7 +895,10 @@ def _build_one(
     env = user_config.pop("env", None)
     if spec.get("env") is not None:
         if env is not None and env != spec["env"]:
-            errors.append(f"`env` ({spec['env']!r}) and `config.env` ({env!r}) disagree; give one.")
+            errors.append(
+                f"`env` ({spec['env']!r}) and `config.env` ({env!r}) disagree; give one "
+                "(on the command line, override with --env)."
+            )
         env = spec["env"]
     if env_override is not None:
         env = env_override

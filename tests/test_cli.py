@@ -326,6 +326,10 @@ def test_dotted_env_path_is_imported_and_registered():
     exp, = build_experiments({"e": {"run": "PPO", "config": {"env": "CartPole-v1"}}})
     assert exp.config.env == "CartPole-v1"
     assert resolve_env("CartPole-v1") == "CartPole-v1"
+    # gymnasium's own "module:EnvId-v0" syntax is left to gymnasium.
+    assert resolve_env("gymnasium.envs.classic_control:CartPole-v1") == "gymnasium.envs.classic_control:CartPole-v1"
+    exp, = build_experiments(_ppo(), env="Pendulum-v1")  # --env overrides the file
+    assert exp.config.env == "Pendulum-v1"
     with pytest.raises(CliConfigError, match="could not be imported"):
         resolve_env("no_such_pkg.envs:Env")
     with pytest.raises(CliConfigError, match="disagree"):
