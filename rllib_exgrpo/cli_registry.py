@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Union
 
 __all__ = [
     "ALGORITHMS",

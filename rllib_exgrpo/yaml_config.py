@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import difflib
 import inspect
 import logging
