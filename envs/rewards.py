@@ -384,6 +384,7 @@ class _Pool:
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()
         self._reserved = 0  # being spawned right now
+        self._closed = False
         self._spawner = _spawner()
 
     # -- membership
@@ -397,9 +398,12 @@ class _Pool:
             raise
         with self._lock:
             self._reserved -= 1
-            self._all.add(w)
-            self._idle.append(w)
-            self._released.notify_all()
+            if not self._closed:
+                self._all.add(w)
+                self._idle.append(w)
+                self._released.notify_all()
+                return
+        w.kill()  # the pool was shut down meanwhile
 
     def grow_to(self, size: int) -> None:
         with self._lock:
@@ -408,6 +412,8 @@ class _Pool:
     def checkout(self) -> Optional[_Worker]:
         """A ready idle worker, else a booting one, else a new one, else None (all busy)."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the math-verify worker pool was shut down during this call")
             for w in list(self._idle):
                 if w.proc.poll() is not None:  # died while idle (killed from outside)
                     self._idle.remove(w)
@@ -428,13 +434,17 @@ class _Pool:
 
     def release(self, w: _Worker) -> None:
         with self._lock:
-            self._idle.append(w)
-            self._released.notify_all()
+            if not self._closed:
+                self._idle.append(w)
+                self._released.notify_all()
+                return
+        w.kill()
 
     def discard(self, w: _Worker, *, replace: bool) -> None:
         w.kill()
         with self._lock:
             self._all.discard(w)
+            replace = replace and not self._closed
             if replace:
                 self._reserved += 1
         if replace:  # boot the successor now, while the rest of the batch goes on
@@ -449,6 +459,7 @@ class _Pool:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             workers, self._all, self._idle = list(self._all), set(), []
         for w in workers:
             w.kill()
