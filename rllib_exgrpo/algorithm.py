@@ -108,7 +108,7 @@ class ExGRPO(Algorithm):
         self.metrics.aggregate(runner_metrics, key=ENV_RUNNER_RESULTS)
 
         with self.metrics.log_time((TIMERS, ADVANTAGE_TIMER)):
-            trajectories = trajectories_from_episodes(episodes) + replayed
+            trajectories = self._drop_unscored(trajectories_from_episodes(episodes)) + replayed
             groups = score_groups(trajectories, estimator=cfg.advantage_estimator, eps=cfg.advantage_eps)
             batch = learner_batch(groups.trajectories, groups.advantages, self._pad_id)
             self._log_group_metrics(groups)
@@ -139,6 +139,12 @@ class ExGRPO(Algorithm):
             self.env_runner_group.sync_weights(
                 from_worker_or_learner_group=self.learner_group, inference_only=True
             )
+
+    def _drop_unscored(self, trajectories):
+        """A verifier error means "unscored", not "wrong": keep such completions out."""
+        kept = [t for t in trajectories if not t.info.get("reward_error")]
+        self.metrics.log_value("unscored_completions", len(trajectories) - len(kept), reduce="sum")
+        return kept
 
     def _sync_learner_mode(self) -> None:
         mixed = self.experience.mixed_mode and self.config.experience_replay

@@ -77,6 +77,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         )
         self.env = self.make_env()
         self._heldout_env = None
+        # Start the verifier's worker processes now, so their start-up is not charged to
+        # the first verification's timeout.
+        from envs.rewards import warm_up
+
+        warm_up()
         self.module = None
         self.backend = None
         self._pending_module_state = None
@@ -237,6 +242,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             "parsed": result.parsed,
             "timed_out": result.timed_out,
             "format_ok": result.format_ok,
+            "reward_error": result.error,
         }
         extra = {}
         if completion.logp is not None:
