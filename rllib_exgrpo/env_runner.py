@@ -181,6 +181,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         max_new_tokens: Optional[int] = None,
         return_logprobs: bool = True,
         heldout: bool = False,
+        prompt_prefixes: Optional[Sequence[Optional[str]]] = None,
         **kwargs,
     ) -> List[SingleAgentEpisode]:
         """Sample completions and return them as single-step episodes.
@@ -194,6 +195,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             temperature, max_new_tokens: Override the config for this call (evaluation).
             return_logprobs: Record behaviour log-probs (needed for training).
             heldout: Take the questions from the held-out env instead of the training one.
+            prompt_prefixes: Optional text per question put before its rendered prompt for
+                generation only (XRPO in-context seeding). The episode keeps the original
+                prompt as its observation, so the completion trains against it; its
+                recorded log-probs are those under the seeded prompt (off-policy), and its
+                infos say ``seeded``.
         """
         self._ensure_module()
         cfg = self.config
@@ -218,7 +224,12 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         t0 = time.perf_counter()
         env = self.heldout_env if heldout else self.env
         prompts = [self.encode_prompt(q, env=env) for q in question_ids]
-        groups = self.backend.generate(prompts, num_samples, params)
+        prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
+        gen_prompts = [
+            self.encode_prompt(q, prefix=pre, env=env) if pre else p
+            for q, p, pre in zip(question_ids, prompts, prefixes)
+        ]
+        groups = self.backend.generate(gen_prompts, num_samples, params)
         t1 = time.perf_counter()
         flat = [(qi, c) for qi, group in enumerate(groups) for c in group]
         texts = self.tokenizer.batch_decode([c.token_ids for _, c in flat], skip_special_tokens=True)
@@ -226,14 +237,14 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         t2 = time.perf_counter()
 
         episodes = [
-            self._episode(question_ids[qi], prompts[qi], c, text, res)
+            self._episode(question_ids[qi], prompts[qi], c, text, res, seeded=bool(prefixes[qi]))
             for (qi, c), text, res in zip(flat, texts, results)
         ]
         if not heldout:
             self._log_sample_metrics(episodes, results, generation_s=t1 - t0, scoring_s=t2 - t1)
         return episodes
 
-    def _episode(self, question_id, prompt_ids, completion, text, result) -> SingleAgentEpisode:
+    def _episode(self, question_id, prompt_ids, completion, text, result, seeded=False) -> SingleAgentEpisode:
         obs = np.asarray(prompt_ids, dtype=np.int64)
         info = {
             C.QUESTION_ID: question_id,
@@ -243,6 +254,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             "timed_out": result.timed_out,
             "format_ok": result.format_ok,
             "reward_error": result.error,
+            "seeded": seeded,
         }
         extra = {}
         if completion.logp is not None:
