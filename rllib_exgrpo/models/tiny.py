@@ -1,0 +1,729 @@
+"""The embedded tiny model: a ~1M-parameter Qwen2 warm-started on the arithmetic family.
+
+The default training job must run on a fresh CPU machine with no downloads, so the project
+builds its own small causal LM and tokenizer on first use and caches the result:
+
+1. **Tokenizer.** A byte-level BPE trained offline (``tokenizers``) on the arithmetic corpus
+   (rendered prompts + worked solutions) with *exactly* the Qwen2 pre-tokenization pipeline
+   (NFC, the Qwen2 split regex that isolates each digit, ByteLevel), wrapped in
+   ``Qwen2Tokenizer``. For ``model_type=qwen2`` ``AutoTokenizer`` rebuilds a
+   ``Qwen2Tokenizer`` with that pipeline whatever the saved files say, so a BPE trained with
+   any other pipeline would silently change ids on reload; after saving we reload through
+   ``AutoTokenizer`` and raise unless ids, vocab, merges, special tokens and the chat
+   template are unchanged. Special tokens ``<|endoftext|>`` (pad), ``<|im_start|>``,
+   ``<|im_end|>`` (eos) and a small ChatML chat template.
+2. **Model.** A transformers ``Qwen2ForCausalLM`` (hidden 128, 4 layers, 4 heads of 32,
+   MLP 512, tied embeddings: about 1.07M parameters).
+3. **Supervised warm start** on ``render_prompt(p.question, tokenizer=tok) + p.solution +
+   eos`` (loss on the completion only), AdamW with warmup + cosine decay. Every
+   ``eval_every`` steps the held-out (``split="test"``) pass@1 at temperature 1.0 is
+   measured; training stops at the first evaluation that reaches ``target_pass1 - band``
+   (or at ``max_steps``). Stopping early, before the model is sure of itself, leaves RL a
+   policy with room to improve and enough entropy to explore.
+
+The folder is cached under ``cache_dir`` / ``$RLLIB_EXGRPO_CACHE`` / ``~/.cache/rllib_exgrpo``
+in a subfolder keyed by a hash of the whole recipe. Builds go to a temporary folder that is
+renamed into place atomically, under an ``fcntl`` file lock, so concurrent callers (several
+Ray actors) wait for one build instead of racing.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+try:  # POSIX only; elsewhere concurrent builders are not serialised (rename is still atomic).
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
+
+#: Bump when the build procedure changes in a way the recipe does not capture.
+RECIPE_VERSION = 1
+CACHE_ENV_VAR = "RLLIB_EXGRPO_CACHE"
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "rllib_exgrpo")
+WARM_START_FILE = "warm_start.json"
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+
+#: ChatML: an optional system turn, the user turn, then ``<|im_start|>assistant\n``.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+#: Everything that shapes the result besides the public arguments.
+_DEFAULTS: dict[str, Any] = {
+    "tokenizer": {"vocab_size": 512, "min_frequency": 2},
+    "model": {
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "intermediate_size": 512,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "rope_theta": 10000.0,
+    },
+    "train": {
+        "n_train": 20000,
+        "batch_size": 64,
+        "lr": 3e-3,
+        "min_lr_ratio": 0.1,
+        "warmup_steps": 50,
+        "weight_decay": 0.01,
+        "betas": (0.9, 0.98),
+        "grad_clip": 1.0,
+        "num_threads": 2,
+        "level_balanced": True,
+    },
+    "eval": {
+        "n_eval": 256,
+        "eval_seed": 0,
+        "eval_every": 50,
+        "eval_start": 200,
+        "band": 0.05,
+        "max_new_tokens": 40,
+        "temperature": 1.0,
+        "batch_size": 256,
+    },
+}
+
+
+# --------------------------------------------------------------------------- recipe & cache
+
+
+def tiny_recipe(
+    *,
+    seed: int = 0,
+    target_pass1: float = 0.35,
+    levels: Sequence[int] = (1, 2, 3, 4),
+    max_steps: int = 1500,
+    overrides: Optional[dict] = None,
+) -> dict:
+    """The full, JSON-serialisable recipe of a tiny model (what the cache key hashes).
+
+    ``overrides`` is a nested dict merged into the defaults, e.g.
+    ``{"model": {"num_hidden_layers": 2}, "eval": {"eval_every": 25}}``; unknown keys raise.
+    """
+    from envs import arithmetic
+    from envs.prompting import DEFAULT_INSTRUCTION
+
+    if not 0.0 < target_pass1 <= 1.0:
+        raise ValueError(f"target_pass1 must be in (0, 1], got {target_pass1}")
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    levels = tuple(int(lv) for lv in levels)
+    recipe: dict[str, Any] = {
+        "kind": "tiny-qwen2-arithmetic",
+        "version": RECIPE_VERSION,
+        "seed": int(seed),
+        "target_pass1": float(target_pass1),
+        "levels": list(levels),
+        "max_steps": int(max_steps),
+        "instruction": DEFAULT_INSTRUCTION,
+        "chat_template": CHAT_TEMPLATE,
+        "special_tokens": list(SPECIAL_TOKENS),
+    }
+    for section, values in _DEFAULTS.items():
+        recipe[section] = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+    for section, values in (overrides or {}).items():
+        if section not in _DEFAULTS or not isinstance(values, dict):
+            raise ValueError(f"unknown recipe section {section!r}; known: {sorted(_DEFAULTS)}")
+        unknown = set(values) - set(_DEFAULTS[section])
+        if unknown:
+            raise ValueError(f"unknown {section} options {sorted(unknown)}; known: {sorted(_DEFAULTS[section])}")
+        recipe[section].update(values)
+    # Fingerprint of the data the build would see: a change in the generator rebuilds.
+    sample = arithmetic.generate(16, split="train", seed=seed, levels=levels)
+    sample += arithmetic.generate(4, split="test", seed=recipe["eval"]["eval_seed"], levels=levels)
+    recipe["data_fingerprint"] = hashlib.sha256(
+        "\n".join(f"{p.question}|{p.solution}|{p.ground_truth}" for p in sample).encode()
+    ).hexdigest()[:16]
+    return recipe
+
+
+def recipe_key(recipe: dict) -> str:
+    """A short stable hash of a recipe."""
+    blob = json.dumps(recipe, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def cache_root(cache_dir: Optional[str] = None) -> Path:
+    """``cache_dir``, else ``$RLLIB_EXGRPO_CACHE``, else ``~/.cache/rllib_exgrpo``."""
+    root = cache_dir or os.environ.get(CACHE_ENV_VAR) or DEFAULT_CACHE_DIR
+    return Path(os.path.expanduser(root)).resolve()
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / WARM_START_FILE).is_file()
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """An exclusive advisory lock on ``path`` (blocks until held)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        if fcntl is not None:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def build_cached(root: Path, name: str, builder) -> Path:
+    """Return ``root/name``, building it first with ``builder(tmp_dir)`` when missing.
+
+    The builder writes into a fresh temporary folder inside ``root``; the folder is renamed to
+    ``root/name`` only when the builder returned, so readers never see a half-built folder.
+    A completed folder is one that holds ``warm_start.json`` (or whatever marker the builder
+    writes last, see ``marker``). One builder at a time per name (file lock); the others wait
+    and then reuse its result.
+    """
+    final = root / name
+    marker = getattr(builder, "marker", WARM_START_FILE)
+    if (final / marker).is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with file_lock(root / f".{name}.lock"):
+        if (final / marker).is_file():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+        try:
+            builder(tmp)
+            if not (tmp / marker).is_file():
+                raise RuntimeError(f"builder for {name} did not write {marker}")
+            if final.exists():  # left over from an interrupted manual copy: replace it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the ByteLevel alphabet), in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(sorted(zip(bs, (chr(c) for c in cs))))
+
+
+def _qwen2_pipeline_tokenizer(vocab: Optional[dict] = None, merges: Optional[list] = None):
+    """A bare ``tokenizers.Tokenizer`` with exactly Qwen2Tokenizer's pipeline."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    model = models.BPE(vocab=vocab, merges=merges) if vocab is not None else models.BPE()
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _wrap(vocab: dict[str, int], merges: list):
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    tok = Qwen2Tokenizer(
+        vocab=dict(vocab),
+        merges=[tuple(m) for m in merges],
+        unk_token=None,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        extra_special_tokens=[IM_START],
+        model_max_length=512,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _base_vocab() -> dict[str, int]:
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in _bytes_to_unicode().values():
+        vocab[ch] = len(vocab)
+    return vocab
+
+
+def corpus_texts(problems: Sequence[Any], instruction: str) -> list[str]:
+    """The warm-start corpus: each rendered prompt followed by its solution and eos."""
+    from envs.prompting import render_prompt
+
+    renderer = _wrap(_base_vocab(), [])  # chat template only; ids unused
+    return [
+        render_prompt(p.question, tokenizer=renderer, instruction=instruction) + p.solution + IM_END
+        for p in problems
+    ]
+
+
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 512, min_frequency: int = 2):
+    """Train the byte-level BPE on ``texts`` and wrap it as a ``Qwen2Tokenizer``.
+
+    Special tokens are cut out of the texts before training (they are atomic). The vocab is
+    laid out as: the 3 special tokens, the 256 bytes in byte order, then one token per merge.
+    """
+    from tokenizers import pre_tokenizers, trainers
+
+    splitter = re.compile("|".join(re.escape(s) for s in SPECIAL_TOKENS))
+
+    def pieces():
+        for text in texts:
+            for piece in splitter.split(text):
+                if piece:
+                    yield piece
+
+    raw = _qwen2_pipeline_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(pieces(), trainer)
+    merges = [tuple(m) if isinstance(m, (list, tuple)) else tuple(m.split(" ")) for m in json.loads(raw.to_str())["model"]["merges"]]
+    vocab = _base_vocab()
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    return _wrap(vocab, merges)
+
+
+def _merges_of(tok) -> list:
+    return [list(m) if isinstance(m, (list, tuple)) else m.split(" ") for m in json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]]
+
+
+def check_tokenizer_stable(saved_tok, folder: str, sample_texts: Sequence[str]):
+    """Reload ``folder`` through ``AutoTokenizer`` and raise unless nothing changed.
+
+    Compares ids on ``sample_texts`` (and against a bare ``tokenizers`` pipeline built from the
+    same vocab/merges), the vocab, the merges, special tokens/ids and the chat template.
+    Returns the reloaded tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    reloaded = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    raw = _qwen2_pipeline_tokenizer(saved_tok.get_vocab(), [tuple(m) for m in _merges_of(saved_tok)])
+    raw.add_special_tokens(list(SPECIAL_TOKENS))
+    problems = []
+    if type(reloaded).__name__ != "Qwen2Tokenizer":
+        problems.append(f"class {type(reloaded).__name__} instead of Qwen2Tokenizer")
+    if reloaded.get_vocab() != saved_tok.get_vocab():
+        problems.append("vocab differs")
+    if _merges_of(reloaded) != _merges_of(saved_tok):
+        problems.append("merges differ")
+    for attr in ("eos_token", "pad_token", "bos_token", "eos_token_id", "pad_token_id", "all_special_tokens"):
+        if getattr(reloaded, attr) != getattr(saved_tok, attr):
+            problems.append(f"{attr}: {getattr(saved_tok, attr)!r} -> {getattr(reloaded, attr)!r}")
+    if reloaded.chat_template != CHAT_TEMPLATE:
+        problems.append("chat template differs")
+    for text in sample_texts:
+        a = saved_tok(text, add_special_tokens=False)["input_ids"]
+        b = reloaded(text, add_special_tokens=False)["input_ids"]
+        c = raw.encode(text, add_special_tokens=False).ids
+        if not (a == b == c):
+            problems.append(f"ids differ on {text[:60]!r}")
+        elif reloaded.decode(b) != text:
+            problems.append(f"decode does not round-trip {text[:60]!r}")
+        if len(problems) > 8:
+            break
+    if problems:
+        raise RuntimeError(
+            f"the tiny tokenizer saved in {folder} changes when reloaded with AutoTokenizer: "
+            + "; ".join(problems)
+        )
+    return reloaded
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def extract_boxed(text: str) -> Optional[str]:
+    """The content of the last ``\\boxed{...}`` in ``text`` (stripped), or None."""
+    found = _BOXED.findall(text)
+    return found[-1].strip() if found else None
+
+
+def evaluate_pass1(
+    model,
+    tokenizer,
+    problems: Sequence[Any],
+    *,
+    instruction: Optional[str] = None,
+    max_new_tokens: int = 40,
+    temperature: float = 1.0,
+    batch_size: int = 256,
+    seed: int = 0,
+) -> dict:
+    """Sampled pass@1 (one sample per problem, exact boxed match) with per-level rates.
+
+    Uses batched ``model.generate`` with left padding, pure sampling (no top-k / top-p) at
+    ``temperature``. Also returns the mean per-token entropy (nats) of the sampling
+    distribution over generated tokens (eos included, padding after eos excluded) and the
+    mean prompt / completion lengths in tokens. Does not disturb the global torch RNG.
+    """
+    import torch
+    from envs.prompting import DEFAULT_INSTRUCTION, render_prompt
+
+    instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
+    was_training = model.training
+    model.eval()
+    old_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    correct: list[bool] = []
+    ent_sum, ent_count, prompt_tokens, completion_tokens = 0.0, 0, 0, 0
+    samples: list[str] = []
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            for start in range(0, len(problems), batch_size):
+                chunk = problems[start : start + batch_size]
+                prompts = [render_prompt(p.question, tokenizer=tokenizer, instruction=instruction) for p in chunk]
+                enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+                out = model.generate(
+                    **enc,
+                    do_sample=True,
+                    temperature=temperature,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
+                new = out.sequences[:, enc["input_ids"].shape[1] :]
+                # valid = generated tokens up to and including the first eos
+                is_eos = new == tokenizer.eos_token_id
+                after_eos = (torch.cumsum(is_eos.int(), dim=1) - is_eos.int()) > 0
+                valid = ~after_eos
+                logits = torch.stack(out.logits, dim=1).float() / temperature
+                logp = torch.log_softmax(logits, dim=-1)
+                ent = -(logp.exp() * logp).sum(-1)
+                ent_sum += float((ent * valid).sum())
+                ent_count += int(valid.sum())
+                prompt_tokens += int(enc["attention_mask"].sum())
+                completion_tokens += int(valid.sum())
+                texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+                for p, text in zip(chunk, texts):
+                    samples.append(text)
+                    correct.append(extract_boxed(text) == str(p.ground_truth).strip())
+    finally:
+        tokenizer.padding_side = old_side
+        model.train(was_training)
+    per_level: dict[str, list[int]] = {}
+    for p, ok in zip(problems, correct):
+        per_level.setdefault(str(p.difficulty), []).append(int(ok))
+    n = max(len(correct), 1)
+    return {
+        "pass1": sum(correct) / n,
+        "per_level": {k: sum(v) / len(v) for k, v in sorted(per_level.items())},
+        "per_level_n": {k: len(v) for k, v in sorted(per_level.items())},
+        "mean_token_entropy": ent_sum / max(ent_count, 1),
+        "mean_prompt_tokens": prompt_tokens / n,
+        "mean_completion_tokens": completion_tokens / n,
+        "n": len(correct),
+        "samples": samples[:8],
+    }
+
+
+# --------------------------------------------------------------------------- build
+
+
+def _lr_at(step: int, recipe: dict) -> float:
+    t = recipe["train"]
+    warm, total = t["warmup_steps"], recipe["max_steps"]
+    if step < warm:
+        return t["lr"] * (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    floor = t["min_lr_ratio"]
+    return t["lr"] * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _encode_examples(tokenizer, problems, instruction: str):
+    from envs.prompting import render_prompt
+
+    prompts = [render_prompt(p.question, tokenizer=tokenizer, instruction=instruction) for p in problems]
+    completions = [p.solution + IM_END for p in problems]
+    p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    c_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
+    # Prompt and completion tokenised apart must equal the whole text tokenised at once
+    # (the prompt ends in "\n", a pre-tokenizer boundary): otherwise training and sampling
+    # would see different token sequences.
+    for i in range(min(64, len(problems))):
+        joint = tokenizer(prompts[i] + completions[i], add_special_tokens=False)["input_ids"]
+        if joint != p_ids[i] + c_ids[i]:
+            raise RuntimeError(f"prompt/completion tokenisation is not separable on {problems[i].question!r}")
+    return p_ids, c_ids
+
+
+def _batch_indices(problems, batch_size: int, level_balanced: bool, seed: int):
+    """Endless batches of example indices: epochs of a seeded shuffle, or (level-balanced)
+    each example's level drawn uniformly, then the next example of that level's own
+    shuffled cycle (small levels repeat, large ones are not exhausted)."""
+    rng = random.Random(f"tiny-warm-start:{seed}")
+    groups: dict[Any, list[int]] = {}
+    for i, p in enumerate(problems):
+        groups.setdefault(p.difficulty if level_balanced else None, []).append(i)
+    keys = sorted(groups, key=lambda k: (k is None, k))
+    queues: dict[Any, list[int]] = {k: [] for k in keys}
+
+    def draw(key):
+        if not queues[key]:
+            fresh = list(groups[key])
+            rng.shuffle(fresh)
+            queues[key] = fresh
+        return queues[key].pop()
+
+    while True:
+        yield [draw(rng.choice(keys)) for _ in range(batch_size)]
+
+
+def _collate(p_ids, c_ids, idx, pad_id):
+    import torch
+
+    seqs = [p_ids[i] + c_ids[i] for i in idx]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(idx), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(idx), width), dtype=torch.long)
+    for row, i in enumerate(idx):
+        seq = seqs[row]
+        input_ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+        labels[row, len(p_ids[i]) : len(seq)] = torch.tensor(c_ids[i])
+    return input_ids, mask, labels
+
+
+def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from envs import arithmetic
+
+    t0 = time.time()
+    seed, levels, instruction = recipe["seed"], tuple(recipe["levels"]), recipe["instruction"]
+    tr, ev = recipe["train"], recipe["eval"]
+    train_problems = arithmetic.generate(tr["n_train"], split="train", seed=seed, levels=levels)
+    eval_problems = arithmetic.generate(ev["n_eval"], split="test", seed=ev["eval_seed"], levels=levels)
+
+    # 1. tokenizer
+    texts = corpus_texts(train_problems, instruction)
+    tokenizer = train_tokenizer(texts, **recipe["tokenizer"])
+    tokenizer.save_pretrained(str(folder))
+
+    # 2. model
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(tr["num_threads"])
+    try:
+        torch.manual_seed(seed)
+        mc = dict(recipe["model"])
+        rope_theta = mc.pop("rope_theta")
+        config = Qwen2Config(
+            vocab_size=len(tokenizer),
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+            use_cache=True,
+            **mc,
+        )
+        model = Qwen2ForCausalLM(config)
+        model.generation_config = GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+        )
+        n_params = sum(p.numel() for p in model.parameters())
+        config.save_pretrained(str(folder))  # so AutoTokenizer resolves the qwen2 class
+        tokenizer = check_tokenizer_stable(tokenizer, str(folder), texts[:200] + [p.question for p in eval_problems[:50]])
+
+        # 3. supervised warm start
+        p_ids, c_ids = _encode_examples(tokenizer, train_problems, instruction)
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        optim = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": tr["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=tr["lr"], betas=tuple(tr["betas"]),
+        )
+        batches = _batch_indices(train_problems, tr["batch_size"], tr["level_balanced"], seed)
+        history: list[dict] = []
+        target_low = recipe["target_pass1"] - ev["band"]
+        last_eval: Optional[dict] = None
+        reached = False
+        step = 0
+        model.train()
+        bar = _progress_bar(recipe["max_steps"], progress)
+        try:
+            while step < recipe["max_steps"]:
+                idx = next(batches)
+                input_ids, mask, labels = _collate(p_ids, c_ids, idx, tokenizer.pad_token_id)
+                for g in optim.param_groups:
+                    g["lr"] = _lr_at(step, recipe)
+                loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+                optim.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tr["grad_clip"])
+                optim.step()
+                step += 1
+                bar.update(1)
+                postfix = {"loss": f"{loss.item():.3f}"}
+                due = step >= ev["eval_start"] and (step - ev["eval_start"]) % ev["eval_every"] == 0
+                if due or step == recipe["max_steps"]:
+                    last_eval = _eval(model, tokenizer, eval_problems, recipe, step)
+                    history.append({"step": step, "loss": round(loss.item(), 4), "pass1": last_eval["pass1"],
+                                    "mean_token_entropy": round(last_eval["mean_token_entropy"], 4),
+                                    "per_level": last_eval["per_level"], "elapsed_s": round(time.time() - t0, 1)})
+                    postfix["pass1"] = f"{last_eval['pass1']:.2f}"
+                    if last_eval["pass1"] >= target_low:
+                        reached = True
+                        bar.set_postfix(postfix)
+                        break
+                bar.set_postfix(postfix)
+        finally:
+            bar.close()
+        if last_eval is None:
+            last_eval = _eval(model, tokenizer, eval_problems, recipe, step)
+        model.save_pretrained(str(folder), safe_serialization=True)
+    finally:
+        torch.set_num_threads(old_threads)
+
+    report = {
+        "recipe": recipe,
+        "recipe_key": recipe_key(recipe),
+        "steps": step,
+        "reached_target": reached,
+        "wall_time_s": round(time.time() - t0, 1),
+        "final_pass1": last_eval["pass1"],
+        "per_level_pass1": last_eval["per_level"],
+        "per_level_n": last_eval["per_level_n"],
+        "mean_token_entropy": last_eval["mean_token_entropy"],
+        "mean_prompt_tokens": last_eval["mean_prompt_tokens"],
+        "mean_completion_tokens": last_eval["mean_completion_tokens"],
+        "n_eval": last_eval["n"],
+        "n_params": n_params,
+        "vocab_size": len(tokenizer),
+        "sample_completions": last_eval["samples"],
+        "history": history,
+        "versions": _versions(),
+    }
+    if not reached:
+        import warnings
+
+        warnings.warn(
+            f"tiny model warm start stopped at max_steps={step} with held-out pass@1 "
+            f"{last_eval['pass1']:.3f} < {target_low:.3f}", RuntimeWarning, stacklevel=3,
+        )
+    # written last: its presence marks a complete folder
+    with open(folder / WARM_START_FILE, "w") as fh:
+        json.dump(report, fh, indent=2)
+    return report
+
+
+def _eval(model, tokenizer, problems, recipe, step):
+    ev = recipe["eval"]
+    return evaluate_pass1(
+        model, tokenizer, problems, instruction=recipe["instruction"], max_new_tokens=ev["max_new_tokens"],
+        temperature=ev["temperature"], batch_size=ev["batch_size"], seed=recipe["seed"] * 100_003 + step,
+    )
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="warm-starting tiny model", unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+def _versions() -> dict:
+    import tokenizers
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+
+
+def build_tiny_model(
+    cache_dir: Optional[str] = None,
+    *,
+    seed: int = 0,
+    target_pass1: float = 0.35,
+    levels: Sequence[int] = (1, 2, 3, 4),
+    max_steps: int = 1500,
+    progress: bool = True,
+    overrides: Optional[dict] = None,
+) -> str:
+    """Build (once) and return the folder of the warm-started tiny model.
+
+    The folder loads offline with ``AutoModelForCausalLM.from_pretrained(path)`` and
+    ``AutoTokenizer.from_pretrained(path)`` and holds ``warm_start.json`` (recipe, steps,
+    wall time, held-out pass@1 overall and per level, mean token entropy, history).
+
+    Args:
+        cache_dir: Cache root; default ``$RLLIB_EXGRPO_CACHE`` or ``~/.cache/rllib_exgrpo``.
+        seed: Seeds the training data, initialisation, batch order and evaluation sampling.
+        target_pass1: Training stops at the first held-out evaluation with pass@1 at
+            temperature 1 >= ``target_pass1 - 0.05`` (the ``eval.band`` of the recipe).
+        levels: Arithmetic difficulty levels trained and evaluated on.
+        max_steps: Hard stop (also the length of the cosine learning-rate schedule).
+        progress: Show a tqdm progress bar while building.
+        overrides: Nested recipe overrides, see :func:`tiny_recipe`.
+
+    Returns:
+        The folder path. A second call with the same recipe returns at once; concurrent
+        callers wait for a single build.
+    """
+    recipe = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps, overrides=overrides)
+    name = f"tiny-{recipe_key(recipe)}"
+
+    def builder(tmp: Path):
+        _build_into(tmp, recipe, progress)
+
+    return str(build_cached(cache_root(cache_dir), name, builder))
+
+
+def read_warm_start(path: str) -> dict:
+    """The ``warm_start.json`` report of a built tiny model folder."""
+    with open(os.path.join(path, WARM_START_FILE)) as fh:
+        return json.load(fh)
+
+
+def load_tiny_model(path: Optional[str] = None, **build_kwargs):
+    """``(model, tokenizer)`` of a tiny model folder (built with ``build_kwargs`` if no path)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = path or build_tiny_model(**build_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer

