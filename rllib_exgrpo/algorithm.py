@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from ray.rllib.utils.metrics import (
 
 from rllib_exgrpo import columns as C
 from rllib_exgrpo.batching import (
+    Trajectory,
     learner_batch,
     score_groups,
     to_multi_agent_batch,
@@ -35,6 +36,7 @@ from rllib_exgrpo.batching import (
 from rllib_exgrpo.config import ExGRPOConfig, GRPOConfig
 from rllib_exgrpo.experience import ExperienceManager
 from rllib_exgrpo.question_sampler import QuestionSampler
+from rllib_exgrpo.xrpo import AdaptiveRollouts, InContextSeeder, sharpen_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ PLAN_TIMER = "plan"
 REPLAY_CHOICE_TIMER = "replay_choice"
 BUFFER_TIMER = "buffer_update"
 EXPERIENCE = "experience"
+XRPO = "xrpo"
 SAMPLE_TIMER = "sample"
 ADVANTAGE_TIMER = "advantages"
 HELDOUT_TIMER = "heldout_eval"
@@ -63,6 +66,9 @@ class ExGRPO(Algorithm):
         cfg = self.config
         train_env = ReasoningEnv({k: v for k, v in cfg.env_config.items() if k != "tokenizer"})
         self.sampler = QuestionSampler([p.id for p in train_env.problems], seed=cfg.seed or 0)
+        self._questions = {p.id: p.question for p in train_env.problems}
+        self.rollouts = AdaptiveRollouts(cfg) if cfg.xrpo_planner else None
+        self.seeder = InContextSeeder(cfg, seed=cfg.seed or 0) if cfg.icl_seeding else None
         self.experience = ExperienceManager(cfg, seed=cfg.seed or 0)
         self._sync_learner_mode()
         self._heldout_ids: Optional[List[str]] = None
@@ -100,18 +106,22 @@ class ExGRPO(Algorithm):
             replayed, replay_metrics = self.experience.replayed_trajectories(replay_ids, self._score_trajectories)
 
         with self.metrics.log_time((TIMERS, SAMPLE_TIMER)):
-            # A replayed question gets G - 1 fresh completions next to its replayed one.
-            episodes, runner_metrics = self._sample(
-                list(fresh_ids) + list(replay_ids),
-                [cfg.group_size] * len(fresh_ids) + [cfg.group_size - 1] * len(replay_ids),
-            )
-        self.metrics.aggregate(runner_metrics, key=ENV_RUNNER_RESULTS)
+            sampled, xrpo_metrics = self._sample_step(fresh_ids, replay_ids)
 
         with self.metrics.log_time((TIMERS, ADVANTAGE_TIMER)):
-            trajectories = self._drop_unscored(trajectories_from_episodes(episodes)) + replayed
-            groups = score_groups(trajectories, estimator=cfg.advantage_estimator, eps=cfg.advantage_eps)
+            groups = score_groups(
+                self._drop_unscored(sampled) + replayed,
+                estimator=cfg.advantage_estimator,
+                eps=cfg.advantage_eps,
+            )
+            if cfg.novelty_sharpening:
+                xrpo_metrics.update(
+                    sharpen_advantages(groups, lambda_nov=cfg.novelty_lambda, kappa=cfg.novelty_kappa)
+                )
             batch = learner_batch(groups.trajectories, groups.advantages, self._pad_id)
             self._log_group_metrics(groups)
+        for key, value in xrpo_metrics.items():
+            self.metrics.log_value((XRPO, key), value, window=1)
 
         with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
             learner_results = self.learner_group.update(
@@ -140,6 +150,32 @@ class ExGRPO(Algorithm):
                 from_worker_or_learner_group=self.learner_group, inference_only=True
             )
 
+    def _sample_step(self, fresh_ids, replay_ids) -> Tuple[List[Trajectory], Dict[str, float]]:
+        """All of a step's generation: fresh groups (G each, or planner rounds), G - 1
+        fresh completions next to each replayed trajectory, then in-context seeding."""
+        cfg = self.config
+        metrics: Dict[str, float] = {}
+        sampled: List[Trajectory] = []
+        if self.rollouts is not None:
+            fresh, metrics = self.rollouts.run(fresh_ids, self._sample_trajectories)
+            sampled += fresh
+            if replay_ids:
+                sampled += self._sample_trajectories(replay_ids, [cfg.group_size - 1] * len(replay_ids))
+        else:
+            sampled += self._sample_trajectories(
+                list(fresh_ids) + list(replay_ids),
+                [cfg.group_size] * len(fresh_ids) + [cfg.group_size - 1] * len(replay_ids),
+            )
+        if self.seeder is not None:
+            seeded, seed_metrics = self.seeder.seed(sampled, self._question_text, self._sample_trajectories)
+            self.seeder.remember(sampled, self._question_text)
+            sampled += seeded
+            metrics.update(seed_metrics)
+        return sampled, metrics
+
+    def _question_text(self, question_id: str) -> str:
+        return self._questions[question_id]
+
     def _drop_unscored(self, trajectories):
         """A verifier error means "unscored", not "wrong": keep such completions out."""
         kept = [t for t in trajectories if not t.info.get("reward_error")]
@@ -163,23 +199,38 @@ class ExGRPO(Algorithm):
         )[0]
 
     # ---- sampling across runners -----------------------------------------------------
-    def _sample(self, question_ids: Sequence[str], num_samples: Sequence[int], **sample_kwargs):
-        """Spread questions over the healthy runners; a question's group stays together."""
+    def _sample(
+        self,
+        question_ids: Sequence[str],
+        num_samples: Sequence[int],
+        prompt_prefixes: Optional[Sequence[Optional[str]]] = None,
+        **sample_kwargs,
+    ):
+        """Spread questions over the healthy runners; a question's group stays together.
+
+        A runner that dies mid-call loses its share of this step (logged); RLlib restarts
+        it (``restart_failed_env_runners``) and it gets weights at the next sync.
+        """
+        prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
         group = self.env_runner_group
         remote_ids = group.healthy_worker_ids() if group.num_remote_workers() > 0 else []
         if not remote_ids:
             runner = group.local_env_runner
-            episodes = runner.sample(question_ids=list(question_ids), num_samples=list(num_samples), **sample_kwargs)
+            episodes = runner.sample(
+                question_ids=list(question_ids), num_samples=list(num_samples), prompt_prefixes=prefixes, **sample_kwargs
+            )
             return episodes, [runner.get_metrics()]
-        shards = _split_evenly(list(zip(question_ids, num_samples)), len(remote_ids))
+        shards = _split_evenly(list(zip(question_ids, num_samples, prefixes)), len(remote_ids))
         funcs, workers = [], []
         for wid, shard in zip(remote_ids, shards):
             if not shard:
                 continue
-            qs, ns = [q for q, _ in shard], [n for _, n in shard]
-            funcs.append(
-                lambda r, qs=qs, ns=ns: (r.sample(question_ids=qs, num_samples=ns, **sample_kwargs), r.get_metrics())
-            )
+            qs, ns, ps = ([x[i] for x in shard] for i in range(3))
+
+            def call(r, qs=qs, ns=ns, ps=ps):
+                return r.sample(question_ids=qs, num_samples=ns, prompt_prefixes=ps, **sample_kwargs), r.get_metrics()
+
+            funcs.append(call)
             workers.append(wid)
         results = group.foreach_env_runner(funcs, remote_worker_ids=workers, local_env_runner=False)
         episodes = [e for eps, _ in results for e in eps]
@@ -189,6 +240,12 @@ class ExGRPO(Algorithm):
                 len(workers) - len(results), len(workers), len(episodes),
             )
         return episodes, [m for _, m in results]
+
+    def _sample_trajectories(self, question_ids, num_samples, prefixes=None) -> List[Trajectory]:
+        """Generate + score on the runners; runner metrics go into ``env_runners/``."""
+        episodes, runner_metrics = self._sample(question_ids, num_samples, prefixes)
+        self.metrics.aggregate(runner_metrics, key=ENV_RUNNER_RESULTS)
+        return trajectories_from_episodes(episodes)
 
     # ---- metrics -----------------------------------------------------------------------
     def _log_group_metrics(self, groups) -> None:
@@ -209,7 +266,7 @@ class ExGRPO(Algorithm):
         self.metrics.log_value("num_completions", len(rewards), reduce="sum")
 
     def _log_experience_metrics(self, step_metrics: Dict[str, float], groups) -> None:
-        replayed = sum(t.is_replayed for t in groups.trajectories)
+        replayed = sum(t.is_replayed and not t.seeded for t in groups.trajectories)
         values = {
             **self.experience.metrics(),
             **step_metrics,
@@ -259,7 +316,11 @@ class ExGRPO(Algorithm):
     # ---- checkpoints -----------------------------------------------------------------
     def get_state(self, components=None, *, not_components=None, **kwargs):
         state = super().get_state(components, not_components=not_components, **kwargs)
-        state[STATE_KEY] = {"sampler": self.sampler.get_state(), "experience": self.experience.get_state()}
+        state[STATE_KEY] = {
+            "sampler": self.sampler.get_state(),
+            "experience": self.experience.get_state(),
+            "icl_corpus": self.seeder.get_state() if self.seeder is not None else None,
+        }
         return state
 
     def set_state(self, state) -> None:
@@ -267,6 +328,8 @@ class ExGRPO(Algorithm):
         if STATE_KEY in state:
             self.sampler.set_state(state[STATE_KEY]["sampler"])
             self.experience.set_state(state[STATE_KEY]["experience"])
+            if self.seeder is not None and state[STATE_KEY].get("icl_corpus") is not None:
+                self.seeder.set_state(state[STATE_KEY]["icl_corpus"])
             self._sync_learner_mode()
 
 

@@ -27,7 +27,12 @@ class Trajectory:
     completion_ids: np.ndarray  # int [R]
     logp: np.ndarray  # float32 [R], behaviour log-probs recorded at sampling time
     reward: float
+    #: Off-policy: trained with the recorded log-probs and policy shaping (ExGRPO replay,
+    #: and XRPO seeded completions whose log-probs were recorded under another prompt).
     is_replayed: bool = False
+    #: Generated with in-context examples prepended (XRPO seeding): not the policy's own
+    #: unassisted attempt, so it does not count towards the question's correctness.
+    seeded: bool = False
     info: dict = field(default_factory=dict)
 
 
@@ -36,6 +41,7 @@ def trajectories_from_episodes(episodes) -> List[Trajectory]:
     out = []
     for e in episodes:
         info = e.get_infos(-1)
+        seeded = bool(info.get("seeded", False))
         out.append(
             Trajectory(
                 question_id=info[C.QUESTION_ID],
@@ -43,6 +49,8 @@ def trajectories_from_episodes(episodes) -> List[Trajectory]:
                 completion_ids=np.asarray(e.get_actions(0)),
                 logp=np.asarray(e.get_extra_model_outputs(C.ACTION_LOGP, 0), dtype=np.float32),
                 reward=float(e.get_return()),
+                is_replayed=seeded,
+                seeded=seeded,
                 info=info,
             )
         )

@@ -77,6 +77,29 @@ FIELD_DOCS: Dict[str, str] = {
     "buffer_capacity": "Max stored trajectories; beyond it the oldest trajectory of the "
     "question holding the most is evicted.",
     "buffer_logp_dtype": "Storage dtype of recorded log-probs: float16, bfloat16, float32.",
+    # --- XRPO (ALGORITHMS.md section 3); all off by default, each composes with ExGRPO --
+    "xrpo_planner": "Spend each fresh question's rollouts adaptively (XRPO hierarchical "
+    "planner) instead of G each; the step's total stays questions x group_size.",
+    "planner_n0": "Completions every fresh question gets first (XRPO: G/2).",
+    "planner_rounds": "Rounds that hand out the rest of the budget by priority.",
+    "planner_lambda": "Weight of the exploration bonus sqrt(log(1+T)/n). Our default 0.2: "
+    "with 1.0 the bonus dominates the uncertainty-reduction term at G=8 and the budget "
+    "spreads almost evenly.",
+    "planner_alpha": "Confidence level alpha of the Student-t half-width (0.05).",
+    "planner_allocation": "'proportional' to the priorities (largest remainder) or 'top' "
+    "(greedy to the highest priority).",
+    "planner_max_per_question": "Cap on one question's completions in a step (None: no cap).",
+    "icl_seeding": "XRPO in-context seeding: questions whose completions all failed get "
+    "extra completions with solved examples of the model's own prepended; they train "
+    "against the original prompt as off-policy tokens (shaped like replayed ones).",
+    "icl_num_examples": "Solved examples retrieved (BM25) and prepended per question (2).",
+    "icl_samples": "Extra seeded completions per all-failing question (beyond the budget).",
+    "icl_corpus_size": "Max solved examples kept (one per question, shortest solution).",
+    "icl_max_questions": "Max questions seeded per step (None: every all-failing question).",
+    "novelty_sharpening": "XRPO novelty-guided advantage sharpening for correct but "
+    "unlikely completions.",
+    "novelty_lambda": "lambda_nov of the sharpening bonus (1.0).",
+    "novelty_kappa": "kappa: the bonus is capped at kappa * A_i (1.0).",
     # --- evaluation on held-out questions ----------------------------------------------
     "heldout_dataset": "Dataset spec / path of the held-out set evaluated during training "
     "(None: no held-out evaluation). Same loader as env_config['dataset'].",
@@ -165,6 +188,21 @@ class ExGRPOConfig(AlgorithmConfig):
         self.retire_min_remaining = 20
         self.buffer_capacity = 100_000
         self.buffer_logp_dtype = "float16"
+        self.xrpo_planner = False
+        self.planner_n0 = 4
+        self.planner_rounds = 2
+        self.planner_lambda = 0.2
+        self.planner_alpha = 0.05
+        self.planner_allocation = "proportional"
+        self.planner_max_per_question: Optional[int] = None
+        self.icl_seeding = False
+        self.icl_num_examples = 2
+        self.icl_samples = 4
+        self.icl_corpus_size = 2048
+        self.icl_max_questions: Optional[int] = None
+        self.novelty_sharpening = False
+        self.novelty_lambda = 1.0
+        self.novelty_kappa = 1.0
         self.heldout_dataset: Optional[str] = None
         self.heldout_split = "test"
         self.heldout_interval = 10
@@ -275,6 +313,24 @@ class ExGRPOConfig(AlgorithmConfig):
         yield from positive_int("buffer_capacity")
         if not isinstance(self.retire_min_remaining, int) or self.retire_min_remaining < 0:
             yield f"retire_min_remaining must be an integer >= 0, got {self.retire_min_remaining!r}"
+        for name in ("planner_n0", "planner_rounds", "icl_num_examples", "icl_samples", "icl_corpus_size"):
+            yield from positive_int(name)
+        if self.xrpo_planner:
+            if self.planner_n0 > self.group_size:
+                yield f"planner_n0 ({self.planner_n0}) must be <= group_size ({self.group_size})"
+            if self.planner_n0 < 2:
+                yield "planner_n0 must be >= 2: the planner needs a sample std after the first phase"
+        if self.planner_lambda < 0:
+            yield f"planner_lambda must be >= 0, got {self.planner_lambda!r}"
+        if not (0 < self.planner_alpha < 1):
+            yield f"planner_alpha must be in (0, 1), got {self.planner_alpha!r}"
+        yield from one_of("planner_allocation", ("proportional", "top"))
+        if self.planner_max_per_question is not None and self.planner_max_per_question < self.group_size:
+            yield "planner_max_per_question must be None or >= group_size (else the budget cannot be spent)"
+        if self.icl_max_questions is not None and self.icl_max_questions < 1:
+            yield f"icl_max_questions must be None or >= 1, got {self.icl_max_questions!r}"
+        if self.novelty_lambda < 0 or self.novelty_kappa < 0:
+            yield "novelty_lambda and novelty_kappa must be >= 0"
         if not isinstance(self.vllm_kwargs, dict):
             yield f"vllm_kwargs must be a dict, got {type(self.vllm_kwargs).__name__}"
 

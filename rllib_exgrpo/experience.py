@@ -109,6 +109,8 @@ class ExperienceManager:
     def observe(self, groups: ScoredGroups, *, iteration: int) -> Dict[str, float]:
         """Delayed-start check and pool update from one step's scored groups."""
         fresh_rewards = [t.reward for t in groups.trajectories if not t.is_replayed]
+        # Seeded completions had help: they neither count towards a question's
+        # correctness nor enter the pool (their log-probs belong to another prompt).
         solve_rate = float(np.mean(np.asarray(fresh_rewards) >= 1.0)) if fresh_rewards else 0.0
         switched = False
         if not self.mixed_mode and solve_rate > self.config.delayed_start_solve_rate:
@@ -117,7 +119,8 @@ class ExperienceManager:
         if self.config.experience_replay and (self.mixed_mode or self.config.fill_pool_before_start):
             by_group: Dict[int, List[Trajectory]] = {}
             for g, t in zip(groups.group_index, groups.trajectories):
-                by_group.setdefault(int(g), []).append(t)
+                if not t.seeded:
+                    by_group.setdefault(int(g), []).append(t)
             for g, members in by_group.items():
                 correct = [t for t in members if t.reward >= 1.0]
                 result = self.buffer.update_group(
