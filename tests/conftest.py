@@ -15,3 +15,31 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data absent (developer/CI-only data)")
     return SHARED_DATA
+
+
+#: A small, quickly built variant of the embedded tiny model: enough for plumbing tests
+#: (shapes, checkpoints, runners); learning is measured by the benchmarks, not here.
+QUICK_TINY = "tiny:max_steps=30,target_pass1=0.99"
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A private local Ray for the session (never joins another cluster on the machine)."""
+    import os
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def quick_tiny_model() -> str:
+    """Model spec of the quick tiny model, built (and cached) once per machine."""
+    from rllib_exgrpo.models import resolve_model_path
+
+    resolve_model_path(QUICK_TINY)
+    return QUICK_TINY

@@ -24,7 +24,7 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         if len(r):
-            ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
+            ids[i, width - len(r):] = torch.as_tensor(np.array(r, dtype=np.int64))
             mask[i, width - len(r):] = 1
     return ids, mask
 

@@ -1,0 +1,110 @@
+"""ExGRPO experience management on hand-made groups: delayed start, plan, replay choice."""
+import numpy as np
+import pytest
+
+from rllib_exgrpo.batching import Trajectory, score_groups
+from rllib_exgrpo.config import ExGRPOConfig
+from rllib_exgrpo.experience import ExperienceManager
+from rllib_exgrpo.question_sampler import QuestionSampler
+
+G = 4
+
+
+def config(**kw):
+    return ExGRPOConfig().training(group_size=G, questions_per_step=4, **kw)
+
+
+def group(qid, rewards, start=10):
+    # Distinct completions so dedupe keeps every correct one.
+    return [
+        Trajectory(qid, np.array([1, 2]), np.array([start + i, 3]), np.full(2, -0.1, np.float32), float(r))
+        for i, r in enumerate(rewards)
+    ]
+
+
+def test_delayed_start_and_pool_filling():
+    m = ExperienceManager(config())
+    assert not m.mixed_mode
+    # Solve rate 2/8 = 0.25 <= 0.35: stays on-policy, pool stays empty (official).
+    out = m.observe(score_groups(group("a", [1, 0, 0, 0]) + group("b", [1, 0, 0, 0])), iteration=0)
+    assert out["step_solve_rate"] == 0.25 and not m.mixed_mode and len(m.buffer) == 0
+    # 3/8 = 0.375 > 0.35: switches for good, and this step already fills the pool.
+    m.observe(score_groups(group("a", [1, 1, 0, 0]) + group("b", [1, 0, 0, 0])), iteration=1)
+    assert m.mixed_mode and m.switch_iteration == 1
+    assert m.buffer.bucket_of("a") == 2 and m.buffer.bucket_of("b") == 1
+    m.observe(score_groups(group("c", [0, 0, 0, 0])), iteration=2)
+    assert m.mixed_mode  # never switches back
+
+
+def test_fill_pool_before_start_option():
+    m = ExperienceManager(config(fill_pool_before_start=True))
+    m.observe(score_groups(group("a", [1, 0, 0, 0])), iteration=0)
+    assert not m.mixed_mode and "a" in m.buffer
+
+
+def test_retirement_and_fresh_exclusion():
+    m = ExperienceManager(config(delayed_start_solve_rate=0.0, retire_min_remaining=0))
+    m.observe(score_groups(group("a", [1, 1, 1, 1]) + group("b", [1, 0, 1, 0])), iteration=0)
+    assert m.buffer.is_retired("a") and "a" not in m.buffer and "b" in m.buffer
+    ids = [f"q{i}" for i in range(20)] + ["a", "b"]
+    sampler = QuestionSampler(ids, seed=0)
+    for _ in range(10):
+        fresh, replay = m.plan(4, sampler, len(ids))
+        assert "a" not in fresh
+        assert replay == ["b"] and "b" not in fresh and len(fresh) == 3
+
+
+def test_no_replay_before_switch_or_when_off():
+    m = ExperienceManager(config(fill_pool_before_start=True))
+    m.observe(score_groups(group("a", [1, 0, 0, 0])), iteration=0)
+    assert m.num_replayed(4) == 0  # pooled, but mixed mode is off
+    off = ExperienceManager(config(experience_replay=False, delayed_start_solve_rate=0.0))
+    off.observe(score_groups(group("a", [1, 0, 0, 0])), iteration=0)
+    assert off.num_replayed(4) == 0 and len(off.buffer) == 0
+
+
+def test_replay_count_is_min_of_pool_and_ratio():
+    m = ExperienceManager(config(delayed_start_solve_rate=0.0, experience_ratio=0.5))
+    for q in "abc":
+        m.observe(score_groups(group(q, [1, 0, 0, 0])), iteration=0)
+    assert m.num_replayed(4) == 2  # floor(0.5 * 4)
+    assert m.num_replayed(10) == 3  # only 3 pooled
+
+
+def test_replay_chooses_lowest_entropy_under_current_policy():
+    m = ExperienceManager(config(delayed_start_solve_rate=0.0))
+    m.observe(score_groups(group("a", [1, 1, 1, 0], start=20)), iteration=0)
+    stored = m.buffer.trajectories("a")
+    assert len(stored) == 3
+    wanted = 1  # give the second stored trajectory the lowest mean entropy
+
+    def scorer(prompts, completions):
+        assert len(completions) == 3  # every stored trajectory re-scored in one call
+        ent = [np.full(len(c), 2.0 - (i == wanted) * 1.5) for i, c in enumerate(completions)]
+        return [np.zeros(len(c)) for c in completions], ent
+
+    chosen, metrics = m.replayed_trajectories(["a"], scorer)
+    assert len(chosen) == 1 and chosen[0].is_replayed and chosen[0].reward == 1.0
+    np.testing.assert_array_equal(chosen[0].completion_ids, stored[wanted].completion_ids)
+    assert metrics["chosen_trajectory_entropy"] == pytest.approx(0.5)
+
+
+def test_seeded_completions_do_not_count_or_enter_pool():
+    m = ExperienceManager(config(delayed_start_solve_rate=0.0))
+    ts = group("a", [0, 0, 0, 0])
+    seeded = group("a", [1, 1], start=50)
+    for t in seeded:
+        t.is_replayed = t.seeded = True
+    m.observe(score_groups(ts + seeded), iteration=0)
+    assert "a" not in m.buffer
+
+
+def test_state_round_trip():
+    m = ExperienceManager(config(delayed_start_solve_rate=0.0, retire_min_remaining=0))
+    m.observe(score_groups(group("a", [1, 0, 0, 0]) + group("b", [1, 1, 1, 1]) + group("c", [1, 1, 0, 0])), iteration=3)
+    state = m.get_state()
+    m2 = ExperienceManager(config())
+    m2.set_state(state)
+    assert m2.mixed_mode and m2.switch_iteration == 0
+    assert set(m2.buffer) == {"a", "c"} and set(m2.buffer.retired) == {"b"}
+    assert m2.buffer.sample_questions(2) == m.buffer.sample_questions(2)
