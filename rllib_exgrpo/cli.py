@@ -254,6 +254,8 @@ def run_train(args: argparse.Namespace) -> int:
 #: Subcommand registry: each entry adds one subparser and sets ``func``.
 #: A future ``rllib evaluate`` appends its ``add_evaluate_parser`` here.
 SUBCOMMANDS: List[Callable[[Any], None]] = [add_train_parser]
+from rllib_exgrpo.cli_evaluate import add_evaluate_parser  # noqa: E402
+SUBCOMMANDS.append(add_evaluate_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
