@@ -9,8 +9,10 @@ each stage timed in ``timers/``. With experience replay off this is on-policy GR
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -45,6 +47,7 @@ REPLAY_CHOICE_TIMER = "replay_choice"
 BUFFER_TIMER = "buffer_update"
 EXPERIENCE = "experience"
 XRPO = "xrpo"
+STEP_TIMES = "step_time_s"
 SAMPLE_TIMER = "sample"
 ADVANTAGE_TIMER = "advantages"
 HELDOUT_TIMER = "heldout_eval"
@@ -98,17 +101,17 @@ class ExGRPO(Algorithm):
         if self._should_evaluate_heldout():
             self._evaluate_heldout()
 
-        with self.metrics.log_time((TIMERS, PLAN_TIMER)):
+        with self._stage(PLAN_TIMER):
             fresh_ids, replay_ids = self.experience.plan(
                 cfg.questions_per_step, self.sampler, len(self.sampler.question_ids)
             )
-        with self.metrics.log_time((TIMERS, REPLAY_CHOICE_TIMER)):
+        with self._stage(REPLAY_CHOICE_TIMER):
             replayed, replay_metrics = self.experience.replayed_trajectories(replay_ids, self._score_trajectories)
 
-        with self.metrics.log_time((TIMERS, SAMPLE_TIMER)):
+        with self._stage(SAMPLE_TIMER):
             sampled, xrpo_metrics = self._sample_step(fresh_ids, replay_ids)
 
-        with self.metrics.log_time((TIMERS, ADVANTAGE_TIMER)):
+        with self._stage(ADVANTAGE_TIMER):
             groups = score_groups(
                 self._drop_unscored(sampled) + replayed,
                 estimator=cfg.advantage_estimator,
@@ -123,7 +126,7 @@ class ExGRPO(Algorithm):
         for key, value in xrpo_metrics.items():
             self.metrics.log_value((XRPO, key), value, window=1)
 
-        with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
+        with self._stage(LEARNER_UPDATE_TIMER):
             learner_results = self.learner_group.update(
                 batch=to_multi_agent_batch(batch),
                 minibatch_size=cfg.minibatch_size,
@@ -137,7 +140,7 @@ class ExGRPO(Algorithm):
             )
         self.metrics.aggregate(learner_results, key=LEARNER_RESULTS)
 
-        with self.metrics.log_time((TIMERS, BUFFER_TIMER)):
+        with self._stage(BUFFER_TIMER):
             was_mixed = self.experience.mixed_mode
             update_metrics = self.experience.observe(groups, iteration=self.iteration)
             if self.experience.mixed_mode != was_mixed:
@@ -145,7 +148,7 @@ class ExGRPO(Algorithm):
                 self._sync_learner_mode()
         self._log_experience_metrics({**replay_metrics, **update_metrics}, groups)
 
-        with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
+        with self._stage(SYNCH_WORKER_WEIGHTS_TIMER):
             self.env_runner_group.sync_weights(
                 from_worker_or_learner_group=self.learner_group, inference_only=True
             )
@@ -181,6 +184,15 @@ class ExGRPO(Algorithm):
         kept = [t for t in trajectories if not t.info.get("reward_error")]
         self.metrics.log_value("unscored_completions", len(trajectories) - len(kept), reduce="sum")
         return kept
+
+    @contextlib.contextmanager
+    def _stage(self, name: str):
+        """Time one stage of the step: RLlib's smoothed ``timers/<name>`` and the exact
+        last value in ``step_time_s/<name>`` (what benchmarks/step_profile.py reads)."""
+        start = time.perf_counter()
+        with self.metrics.log_time((TIMERS, name)):
+            yield
+        self.metrics.log_value((STEP_TIMES, name), time.perf_counter() - start, window=1)
 
     def _sync_learner_mode(self) -> None:
         mixed = self.experience.mixed_mode and self.config.experience_replay
@@ -307,7 +319,7 @@ class ExGRPO(Algorithm):
         }
 
     def _evaluate_heldout(self) -> None:
-        with self.metrics.log_time((TIMERS, HELDOUT_TIMER)):
+        with self._stage(HELDOUT_TIMER):
             result = self.evaluate_heldout()
         self.metrics.log_value((HELDOUT, "accuracy"), result["accuracy"], window=1)
         self.metrics.log_value((HELDOUT, "iteration"), self.iteration, window=1)

@@ -1,0 +1,35 @@
+"""Shared helpers of the benchmark scripts: configs from the tuned examples, local Ray."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+#: Recipes compared by the benchmarks: tuned example file + config overrides.
+RECIPES = {
+    "grpo": ("grpo_tiny.yaml", {}),
+    "exgrpo": ("exgrpo_tiny.yaml", {}),
+    "xrpo": ("xrpo_tiny.yaml", {}),
+    "exgrpo_xrpo": ("exgrpo_xrpo_tiny.yaml", {}),
+}
+
+
+def start_ray():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
+def recipe_config(name: str, **overrides):
+    """The validated AlgorithmConfig of a tuned example, with overrides applied."""
+    from rllib_exgrpo.yaml_config import build_experiments
+
+    file, base = RECIPES[name]
+    experiments = build_experiments(str(ROOT / "tuned_examples" / file), config_overrides={**base, **overrides})
+    return experiments[0].config
