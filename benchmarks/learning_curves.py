@@ -33,9 +33,13 @@ def run(name: str, seed: int, iterations: int, eval_interval: int, overrides: di
             step_walls.append(time.perf_counter() - t0)
             runners = result["env_runners"]
             tokens += float(runners["response_length_mean"]) * float(runners["num_episodes"])
-            if "heldout" in result and int(result["heldout"]["iteration"]) == result["training_iteration"] - 1:
-                curve[int(result["heldout"]["iteration"])] = float(result["heldout"]["accuracy"])
-        curve[iterations] = algo.evaluate_heldout()["accuracy"]
+            held = result.get("heldout", {})
+            if held and np.isfinite(held.get("accuracy", np.nan)) and np.isfinite(held.get("after_iteration", np.nan)):
+                curve[int(held["after_iteration"])] = float(held["accuracy"])
+            if held and np.isfinite(held.get("initial_accuracy", np.nan)):
+                curve.setdefault(0, float(held["initial_accuracy"]))
+        if iterations not in curve:
+            curve[iterations] = algo.evaluate_heldout()["accuracy"]
         experience = result.get("experience", {})
     finally:
         algo.stop()

@@ -75,6 +75,7 @@ class ExGRPO(Algorithm):
         self.experience = ExperienceManager(cfg, seed=cfg.seed or 0)
         self._sync_learner_mode()
         self._heldout_ids: Optional[List[str]] = None
+        self._initial_heldout: Optional[float] = None
         if cfg.heldout_dataset:
             heldout_env = ReasoningEnv(self._heldout_env_config())
             self._heldout_ids = [p.id for p in heldout_env.problems][: cfg.heldout_num_questions]
@@ -98,8 +99,8 @@ class ExGRPO(Algorithm):
     # ---- the training step ---------------------------------------------------------
     def training_step(self) -> None:
         cfg = self.config
-        if self._should_evaluate_heldout():
-            self._evaluate_heldout()
+        if self._heldout_ids and self.iteration == 0:
+            self._evaluate_heldout(after_iteration=0)  # the starting point
 
         with self._stage(PLAN_TIMER):
             fresh_ids, replay_ids = self.experience.plan(
@@ -152,6 +153,10 @@ class ExGRPO(Algorithm):
             self.env_runner_group.sync_weights(
                 from_worker_or_learner_group=self.learner_group, inference_only=True
             )
+
+        done = self.iteration + 1
+        if self._heldout_ids and cfg.heldout_interval > 0 and done % cfg.heldout_interval == 0:
+            self._evaluate_heldout(after_iteration=done)
 
     def _sample_step(self, fresh_ids, replay_ids) -> Tuple[List[Trajectory], Dict[str, float]]:
         """All of a step's generation: fresh groups (G each, or planner rounds), G - 1
@@ -291,13 +296,6 @@ class ExGRPO(Algorithm):
             self.metrics.log_value((EXPERIENCE, key), value, window=1)
 
     # ---- held-out evaluation ---------------------------------------------------------
-    def _should_evaluate_heldout(self) -> bool:
-        if not self._heldout_ids:
-            return False
-        it = self.iteration  # completed iterations so far
-        interval = self.config.heldout_interval
-        return it == 0 or (interval > 0 and it % interval == 0)
-
     def evaluate_heldout(self) -> Dict[str, float]:
         """Accuracy on the held-out questions under the current weights (avg@k)."""
         cfg = self.config
@@ -318,12 +316,22 @@ class ExGRPO(Algorithm):
             "samples_per_question": cfg.heldout_samples,
         }
 
-    def _evaluate_heldout(self) -> None:
+    def _evaluate_heldout(self, after_iteration: int) -> None:
+        """Evaluate, log ``heldout/accuracy`` (and the iteration it belongs to) and print it."""
         with self._stage(HELDOUT_TIMER):
             result = self.evaluate_heldout()
         self.metrics.log_value((HELDOUT, "accuracy"), result["accuracy"], window=1)
-        self.metrics.log_value((HELDOUT, "iteration"), self.iteration, window=1)
-        logger.info("held-out accuracy at iteration %d: %.4f", self.iteration, result["accuracy"])
+        self.metrics.log_value((HELDOUT, "after_iteration"), after_iteration, window=1)
+        if after_iteration == 0:
+            self._initial_heldout = result["accuracy"]
+        if self._initial_heldout is not None:
+            self.metrics.log_value((HELDOUT, "initial_accuracy"), self._initial_heldout, window=1)
+        # Printed as well as logged: this is the number a user watches a run for.
+        print(
+            f"[{type(self).__name__}] held-out accuracy after {after_iteration} iterations: "
+            f"{result['accuracy']:.3f} ({result['num_questions']} questions x {result['samples_per_question']})",
+            flush=True,
+        )
 
     # ---- checkpoints -----------------------------------------------------------------
     def get_state(self, components=None, *, not_components=None, **kwargs):
@@ -332,6 +340,7 @@ class ExGRPO(Algorithm):
             "sampler": self.sampler.get_state(),
             "experience": self.experience.get_state(),
             "icl_corpus": self.seeder.get_state() if self.seeder is not None else None,
+            "initial_heldout": self._initial_heldout,
         }
         return state
 
@@ -340,6 +349,7 @@ class ExGRPO(Algorithm):
         if STATE_KEY in state:
             self.sampler.set_state(state[STATE_KEY]["sampler"])
             self.experience.set_state(state[STATE_KEY]["experience"])
+            self._initial_heldout = state[STATE_KEY].get("initial_heldout")
             if self.seeder is not None and state[STATE_KEY].get("icl_corpus") is not None:
                 self.seeder.set_state(state[STATE_KEY]["icl_corpus"])
             self._sync_learner_mode()

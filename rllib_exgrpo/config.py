@@ -104,7 +104,7 @@ FIELD_DOCS: Dict[str, str] = {
     "heldout_dataset": "Dataset spec / path of the held-out set evaluated during training "
     "(None: no held-out evaluation). Same loader as env_config['dataset'].",
     "heldout_split": "Split of heldout_dataset to use ('test' for the arithmetic family).",
-    "heldout_interval": "Evaluate every this many iterations (0: only at the first one).",
+    "heldout_interval": "Evaluate before training and after every this many iterations (0: only before).",
     "heldout_num_questions": "Evaluate on the first this many held-out questions.",
     "heldout_samples": "Samples per held-out question (avg@k); greedy when temperature 0.",
     "heldout_temperature": "Sampling temperature of the held-out evaluation (0: greedy).",
