@@ -37,7 +37,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
-import math
 import os
 import pickle
 import re
@@ -223,6 +222,8 @@ class QuestionResult:
     truncated: List[bool]
     unscored: int = 0  # verifier errors (counted as wrong)
     timed_out: int = 0
+    prompt_tokens: int = 0
+    difficulty: Optional[int] = None
     completions: Optional[List[str]] = None
 
     @property
@@ -238,6 +239,8 @@ class QuestionResult:
             "id": self.id,
             "data_source": self.data_source,
             "source": self.source,
+            "difficulty": self.difficulty,
+            "prompt_tokens": self.prompt_tokens,
             "n": self.n,
             "num_correct": self.num_correct,
             "correct": [bool(c) for c in self.correct],
@@ -736,6 +739,8 @@ def evaluate(
         return_logprobs=False,
     )
     backend = HFGenerationBackend(policy, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size)
+    max_positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    over_positions = 0
 
     # 3. generate + verify, source by source
     questions: List[QuestionResult] = []
@@ -763,6 +768,8 @@ def evaluate(
                     if max_prompt_tokens and len(ids) > max_prompt_tokens:
                         ids = ids[-max_prompt_tokens:]
                     prompts.append(ids)
+                    if max_positions and len(ids) + max_new_tokens > max_positions:
+                        over_positions += 1
                 groups = backend.generate(prompts, sizes, params)
                 flat = [(qi, c) for qi, g in enumerate(groups) for c in g]
                 texts = tokenizer.batch_decode([c.token_ids for _, c in flat], skip_special_tokens=True)
@@ -782,6 +789,8 @@ def evaluate(
                         truncated=[c.finish_reason == "length" for c, _, _ in items],
                         unscored=sum(r.error is not None for _, _, r in items),
                         timed_out=sum(bool(r.timed_out) for _, _, r in items),
+                        prompt_tokens=len(prompts[qi]),
+                        difficulty=p.difficulty,
                         completions=[t for _, t, _ in items] if keep_completions else None,
                     ))
                 done += len(chunk)
@@ -790,6 +799,14 @@ def evaluate(
             dt = time.perf_counter() - t0
             for ds in {p.data_source for p in env.problems}:
                 source_seconds[ds] = source_seconds.get(ds, 0.0) + dt
+
+    if over_positions:
+        msg = (f"{over_positions} question(s) have prompt + max_new_tokens > the model's "
+               f"max_position_embeddings={max_positions}")
+        if progress:
+            say(f"warning: {msg}")
+        else:
+            logger.warning(msg)
 
     # 4. aggregate
     by_source: "OrderedDict[str, List[QuestionResult]]" = OrderedDict()
@@ -818,6 +835,7 @@ def evaluate(
         "max_prompt_tokens": max_prompt_tokens,
         "batch_size": batch_size,
         "device": str(device),
+        "over_max_positions": over_positions,
         "checkpoint": None if ckpt is None else {
             "path": ckpt.path, "module_path": ckpt.module_path, "algorithm": ckpt.algorithm,
             "model_name_or_path": ckpt.model_name_or_path,

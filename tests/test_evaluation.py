@@ -233,6 +233,7 @@ def test_cli_on_math500_with_the_tiny_model(shared_data, tmp_path, capsys):
     assert data["settings"]["max_new_tokens"] == 32
     assert len(data["questions"]) == 8 and all(len(q["correct"]) == 1 for q in data["questions"])
     assert all(0 < n <= 32 for q in data["questions"] for n in q["response_tokens"])
+    assert all(q["prompt_tokens"] > 0 for q in data["questions"])
 
 
 @pytest.fixture(scope="module")
