@@ -107,12 +107,41 @@ def load_smollm2(dtype: Any = None, *, with_timing: bool = False):
     dtype = torch.float32 if dtype is None else dtype
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype, local_files_only=True)
+    kwargs: dict[str, Any] = {}
+    try:  # ask for plain dense weights (transformers >= 5 keeps GGUF blocks when it has kernels)
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
+    except ImportError:  # pragma: no cover - older transformers always de-quantise
+        pass
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf_file, dtype=dtype, local_files_only=True, **kwargs
+    )
+    _as_plain_model(model)
     model.eval()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     seconds = time.time() - t0
     return (model, tokenizer, seconds) if with_timing else (model, tokenizer)
+
+
+def _as_plain_model(model) -> None:
+    """Drop the GGUF quantizer bookkeeping from a de-quantised model, in place.
+
+    Once every weight is a dense tensor in ordinary torch modules the model is an ordinary
+    trainable, serialisable HF model; transformers only forgets the quantizer by itself when
+    ``dequantize=True`` reached its GGUF quantizer, which its legacy loader path skips.
+    """
+    packed = sorted({type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()})
+    if packed:
+        raise RuntimeError(f"SmolLM2 was loaded with GGUF-packed modules {packed}; expected dense weights")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and getattr(cfg, "_is_quantized", False):
+            cfg._is_quantized = False
 
 
 def _export_key(folder: str, gguf_file: str, dtype_name: str) -> str:
