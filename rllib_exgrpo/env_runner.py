@@ -14,6 +14,11 @@ into one ``generate`` call, G completions each. This runner
 
 The module (hence the model) is built lazily, at the first sample or weight sync, so a
 runner that only answers ``get_spaces`` costs no model memory.
+
+Settings: the runner reads its LLM settings (model, G, token limits, sampling) through
+:class:`RunnerSettings`, so that it serves ``ExGRPOConfig`` (whose fields they are) and any
+other ``AlgorithmConfig``, e.g. RLlib's own ``PPOConfig``, which takes them from the RL
+module's ``model_config`` dict (see :class:`RunnerSettings`).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import gymnasium as gym
 import numpy as np
 
 from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.env import INPUT_ENV_SINGLE_SPACES, INPUT_ENV_SPACES
 from ray.rllib.env.env_runner import EnvRunner
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
@@ -66,14 +72,116 @@ def token_spaces(vocab_size: int, max_prompt_tokens: int, max_response_tokens: i
     return obs, act
 
 
+#: LLM settings the runner reads besides RLlib's own (``env``, ``env_config``, ``seed``).
+#: ``ExGRPOConfig`` has them as fields (documented in ``config.FIELD_DOCS``).
+RUNNER_SETTINGS = (
+    "model_name_or_path",
+    "model_dtype",
+    "group_size",
+    "max_prompt_tokens",
+    "max_response_tokens",
+    "temperature",
+    "top_p",
+    "generation_backend",
+    "generation_batch_size",
+    "vllm_kwargs",
+    "heldout_dataset",
+    "heldout_split",
+)
+
+#: Where a setting lives in a module ``model_config`` when its name differs there: the
+#: module's own keys (``LLMTorchRLModule`` loads ``model`` in ``dtype``).
+MODEL_CONFIG_KEYS = {"model_name_or_path": "model", "model_dtype": "dtype"}
+
+_DEFAULTS: Optional[Dict[str, Any]] = None
+
+
+def runner_setting_defaults() -> Dict[str, Any]:
+    """``ExGRPOConfig``'s defaults of :data:`RUNNER_SETTINGS` (one source of defaults)."""
+    global _DEFAULTS
+    if _DEFAULTS is None:
+        from rllib_exgrpo.config import ExGRPOConfig
+
+        cfg = ExGRPOConfig()
+        _DEFAULTS = {name: getattr(cfg, name) for name in RUNNER_SETTINGS}
+    return dict(_DEFAULTS)
+
+
+def module_model_config(config) -> Dict[str, Any]:
+    """The ``model_config`` dict the config's RL module will get (config-level
+    ``model_config`` overlaid with a user ``RLModuleSpec``'s own ``model_config``, as
+    ``AlgorithmConfig.get_rl_module_spec`` merges them)."""
+    merged = dict(config.model_config or {})
+    spec = getattr(config, "_rl_module_spec", None)
+    if isinstance(spec, RLModuleSpec) and spec.model_config:
+        merged.update(spec._get_model_config())
+    return merged
+
+
+class RunnerSettings:
+    """The LLM settings of an :class:`LLMEnvRunner`, read from any ``AlgorithmConfig``.
+
+    * A config that has the fields (``ExGRPOConfig`` / ``GRPOConfig``; recognised by its
+      ``model_name_or_path`` attribute) is read as is, ``completions_per_step`` included.
+    * Any other config (RLlib's ``PPOConfig``, ...) is read from the RL module's
+      ``model_config`` dict (:func:`module_model_config`) under the same names, except
+      the model and its dtype, which are the module's own keys ``model`` and ``dtype``
+      (:data:`MODEL_CONFIG_KEYS`; so module and runner cannot disagree, and
+      ``temperature`` is shared the same way). A missing key
+      takes ``ExGRPOConfig``'s default. ``completions_per_step`` -- what one ``sample()``
+      call without arguments returns -- follows RLlib's sampling contract there: the
+      runner's rollout fragment (``train_batch_size_per_learner`` split over the env
+      runners, ``config.get_rollout_fragment_length``) rounded up to whole groups of
+      ``group_size``.
+
+    Any other attribute is looked up on the config itself, so this object can stand in
+    for the config wherever LLM settings are read (e.g. by a generation backend).
+    """
+
+    def __init__(self, config, worker_index: int = 0):
+        self._config = config
+        self._worker_index = worker_index or 0
+        self.from_config_fields = hasattr(config, "model_name_or_path")
+        if self.from_config_fields:
+            values = {name: getattr(config, name) for name in RUNNER_SETTINGS}
+        else:
+            mc = module_model_config(config)
+            values = runner_setting_defaults()
+            for name in RUNNER_SETTINGS:
+                key = MODEL_CONFIG_KEYS.get(name, name)
+                if key in mc and mc[key] is not None:
+                    values[name] = mc[key]
+        self.__dict__.update(values)
+
+    @property
+    def completions_per_step(self) -> int:
+        if self.from_config_fields:
+            return self._config.completions_per_step
+        cfg = self._config
+        fragment = cfg.get_rollout_fragment_length(self._worker_index) * (cfg.num_envs_per_env_runner or 1)
+        questions = max(1, -(-int(fragment) // self.group_size))
+        return questions * self.group_size
+
+    def __getattr__(self, name):
+        # Only reached for names not set above: fall through to the config.
+        if name.startswith("__") or name == "_config":
+            raise AttributeError(name)
+        return getattr(self._config, name)
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {name: getattr(self, name) for name in RUNNER_SETTINGS + ("completions_per_step",)}
+
+
 class LLMEnvRunner(EnvRunner, Checkpointable):
     """Samples groups of completions for given questions; see the module docstring."""
 
     def __init__(self, *, config, **kwargs):
         super().__init__(config=config, **kwargs)
-        self.tokenizer = load_tokenizer(self.config.model_name_or_path)
+        self.settings = RunnerSettings(self.config, worker_index=self.worker_index)
+        self._check_learner_pipeline()
+        self.tokenizer = load_tokenizer(self.settings.model_name_or_path)
         self.obs_space, self.act_space = token_spaces(
-            len(self.tokenizer), self.config.max_prompt_tokens, self.config.max_response_tokens
+            len(self.tokenizer), self.settings.max_prompt_tokens, self.settings.max_response_tokens
         )
         self.env = self.make_env()
         self._heldout_env = None
@@ -89,6 +197,25 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self._stop_token_ids = None
 
     # ---- construction -------------------------------------------------------------
+    def _check_learner_pipeline(self):
+        """Fail early, with the fix, where RLlib's default learner pipeline would later
+        fail to stack this runner's ragged token arrays (``np.stack`` shape errors)."""
+        cfg = self.config
+        if self.settings.from_config_fields:
+            return  # ExGRPO / GRPO batch episodes themselves (rllib_exgrpo.batching).
+        if getattr(cfg, "_learner_connector", None) is None and getattr(
+            cfg, "add_default_connectors_to_learner_pipeline", True
+        ):
+            raise ValueError(
+                "LLMEnvRunner returns variable-length token arrays (prompt ids as "
+                "observations, completion ids as actions), which RLlib's default learner "
+                "connector pipeline cannot stack into a batch. With RLlib's PPO, set "
+                "config.learners(learner_connector=rllib_exgrpo.ppo_module.PadLLMEpisodes) "
+                "(YAML: `learner_connector: rllib_exgrpo.ppo_module:PadLLMEpisodes`) and "
+                "the module rllib_exgrpo.ppo_module.LLMPPOTorchRLModule; see "
+                "tuned_examples/ppo_tiny.yaml."
+            )
+
     def make_env(self, overrides: Optional[dict] = None):
         env_config = dict(self.config.env_config)
         env_config.update(overrides or {})
@@ -113,16 +240,16 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.backend = self._make_backend()
 
     def _make_backend(self):
-        if self.config.generation_backend == "vllm":
+        if self.settings.generation_backend == "vllm":
             from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
 
-            return VLLMGenerationBackend(self.config, self.module, self.tokenizer)
+            return VLLMGenerationBackend(self.settings, self.module, self.tokenizer)
         from rllib_exgrpo.generation.hf import HFGenerationBackend
 
         return HFGenerationBackend(
             self.module.model,
             pad_token_id=self.tokenizer.pad_token_id,
-            batch_size=self.config.generation_batch_size,
+            batch_size=self.settings.generation_batch_size,
         )
 
     def _ensure_module(self):
@@ -154,10 +281,10 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def heldout_env(self):
         """The env over the held-out set (``heldout_dataset``), built on first use."""
         if self._heldout_env is None:
-            if not self.config.heldout_dataset:
+            if not self.settings.heldout_dataset:
                 raise ValueError("no held-out set configured (heldout_dataset is None)")
             self._heldout_env = self.make_env(
-                {"dataset": self.config.heldout_dataset, "split": self.config.heldout_split}
+                {"dataset": self.settings.heldout_dataset, "split": self.settings.heldout_split}
             )
         return self._heldout_env
 
@@ -167,7 +294,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         if prefix:
             text = prefix + text
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        limit = self.config.max_prompt_tokens
+        limit = self.settings.max_prompt_tokens
         return ids[-limit:] if len(ids) > limit else ids
 
     def sample(
@@ -202,7 +329,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
                 infos say ``seeded``.
         """
         self._ensure_module()
-        cfg = self.config
+        cfg = self.settings
         if question_ids is None:
             n_questions = max(1, (num_episodes or cfg.completions_per_step) // cfg.group_size)
             question_ids = [self.env.reset()[1][C.QUESTION_ID] for _ in range(n_questions)]
@@ -302,7 +429,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         """Per-token log-probs and entropies of stored trajectories under the current
         weights, in one batched pass (ExGRPO's trajectory selection)."""
         self._ensure_module()
-        return self.backend.score(prompts, completions, temperature=self.config.temperature)
+        return self.backend.score(prompts, completions, temperature=self.settings.temperature)
 
     def get_metrics(self):
         return self.metrics.reduce()

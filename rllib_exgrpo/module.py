@@ -69,12 +69,32 @@ def completion_logprobs_and_entropy(
     Only the ``R`` positions that predict completion tokens are turned into full-vocabulary
     logits (``logits_to_keep``), so prompts cost no vocabulary-sized memory.
     """
+    logp, entropy, _ = score_completions(
+        model, input_ids, attention_mask, response_len, temperature=temperature, with_entropy=with_entropy
+    )
+    return logp, entropy
+
+
+def score_completions(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    with_hidden: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """:func:`completion_logprobs_and_entropy`, plus (``with_hidden``) the final hidden
+    state of every position, ``[N, P + R, H]`` (the last entry of HF's ``hidden_states``:
+    what the LM head reads; a value head can read it too)."""
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         logits_to_keep=response_len + 1,
         use_cache=False,
+        output_hidden_states=with_hidden,
     )
     # Position t predicts token t + 1: drop the last position's logits.
     logits = out.logits[:, :-1, :]
@@ -83,7 +103,8 @@ def completion_logprobs_and_entropy(
     targets = input_ids[:, -response_len:]
     logp = token_logprobs_from_logits(logits, targets)
     entropy = entropy_from_logits(logits) if with_entropy else None
-    return logp, entropy
+    hidden = out.hidden_states[-1] if with_hidden else None
+    return logp, entropy, hidden
 
 
 class LLMTorchRLModule(TorchRLModule):

@@ -26,6 +26,10 @@ File schema (one file may hold several experiments; they run in file order)::
       config:                      # AlgorithmConfig settings, by attribute name
         lr: {grid_search: [1.0e-4, 1.0e-3]}
         env_config: {difficulty: {choice: [1, 2]}}
+        model_config: {fcnet_hiddens: [64]}        # the RL module's model_config (not key-checked)
+        rl_module_spec:                            # optional: the RL module class
+          module_class: my_pkg.modules:MyModule    # an RLModule subclass, "pkg.mod:Class"
+        learner_connector: my_pkg.conn:MyPiece     # optional: config.learners(learner_connector=...)
 
 Search spaces anywhere in ``config`` (nested dicts too): ``{grid_search: [...]}``,
 ``{choice: [...]}``, ``{uniform: [lo, hi]}``, ``{quniform: [lo, hi, q]}``,
@@ -126,7 +130,9 @@ LEGACY_STOP_KEYS = {
 _OLD_STACK_SWITCHES = ("enable_rl_module_and_learner", "enable_env_runner_and_connector_v2")
 
 # Extra config keys besides the AlgorithmConfig attributes (translated in _apply_key).
-_EXTRA_CONFIG_KEYS = ("multiagent", "model_config", "learner_class")
+_EXTRA_CONFIG_KEYS = ("multiagent", "model_config", "learner_class", "learner_connector", "rl_module_spec")
+# Keys of a YAML `rl_module_spec:` mapping (RLModuleSpec fields that a file can give).
+RL_MODULE_SPEC_KEYS = ("module_class", "model_config", "catalog_class")
 # The legacy aliases that AlgorithmConfig._translate_special_keys maps (2.60).
 _ALIAS_KEYS = (
     "callbacks",
@@ -395,11 +401,15 @@ def _check_config_keys(config: Any, user_config: Mapping[str, Any], algo_name: s
             continue
         if key in ("model_config", "learner_class"):
             continue
+        if key == "learner_connector":
+            if value is not None and not (isinstance(value, str) and _looks_like_class_path(value)):
+                errors.append(
+                    f"{where}: must be a 'pkg.mod:Callable' path (a ConnectorV2 class or a "
+                    f"function (obs_space, action_space) -> ConnectorV2 piece(s)), got {value!r}."
+                )
+            continue
         if key == "rl_module_spec":
-            errors.append(
-                f"{where}: an RLModuleSpec cannot be written in a YAML file; use "
-                "`model_config` (or the algorithm's default spec) instead."
-            )
+            errors += _check_rl_module_spec(value, where)
             continue
         name = _translate(cls, key)
         static = inspect.getattr_static(cls, name, None)
@@ -435,9 +445,55 @@ def _check_config_keys(config: Any, user_config: Mapping[str, Any], algo_name: s
     return errors
 
 
+def _looks_like_class_path(value: str) -> bool:
+    return bool(value) and (":" in value or "." in value) and not value.startswith((".", ":"))
+
+
+def _check_rl_module_spec(value: Any, where: str) -> List[str]:
+    """Messages for a YAML ``rl_module_spec:`` mapping (RLModuleSpec fields by name)."""
+    if not isinstance(value, dict):
+        return [
+            f"{where}: must be a mapping with keys {', '.join(RL_MODULE_SPEC_KEYS)} "
+            f"(e.g. {{module_class: 'my_pkg.modules:MyModule'}}), got {value!r}."
+        ]
+    errors = []
+    for sub, v in value.items():
+        if sub not in RL_MODULE_SPEC_KEYS:
+            errors.append(
+                f"config key 'rl_module_spec/{sub}': unknown.{_suggest(str(sub), RL_MODULE_SPEC_KEYS)} "
+                f"Known: {', '.join(RL_MODULE_SPEC_KEYS)}."
+            )
+        elif sub in ("module_class", "catalog_class"):
+            if not (isinstance(v, str) and _looks_like_class_path(v)):
+                errors.append(f"config key 'rl_module_spec/{sub}': must be a 'pkg.mod:Class' path, got {v!r}.")
+        elif sub == "model_config" and not isinstance(v, dict):
+            errors.append(f"config key 'rl_module_spec/model_config': must be a mapping, got {v!r}.")
+    return errors
+
+
+def _build_rl_module_spec(value: Mapping[str, Any]) -> Any:
+    """A YAML ``rl_module_spec:`` mapping -> ``RLModuleSpec`` (classes imported, checked)."""
+    from ray.rllib.core.rl_module.rl_module import RLModule, RLModuleSpec
+
+    kwargs: Dict[str, Any] = {}
+    for sub in ("module_class", "catalog_class"):
+        if value.get(sub) is not None:
+            try:
+                kwargs[sub] = import_object(value[sub])
+            except (ImportError, AttributeError) as e:
+                raise CliConfigError(f"rl_module_spec/{sub}: cannot import {value[sub]!r}: {type(e).__name__}: {e}") from e
+    module_class = kwargs.get("module_class")
+    if module_class is not None and not (isinstance(module_class, type) and issubclass(module_class, RLModule)):
+        raise CliConfigError(f"rl_module_spec/module_class: {value['module_class']!r} is not an RLModule subclass.")
+    if value.get("model_config") is not None:
+        kwargs["model_config"] = dict(value["model_config"])
+    return RLModuleSpec(**kwargs)
+
+
 def _apply_key(config: Any, key: str, value: Any) -> None:
     """Set one YAML config entry on an AlgorithmConfig (the update_from_dict way, plus
-    the few keys it cannot set: ``model_config``, ``learner_class``, class paths)."""
+    the few keys it cannot set: ``model_config``, ``learner_class``, ``learner_connector``,
+    ``rl_module_spec``, class paths)."""
     if isinstance(value, str) and (key.endswith(("_cls", "_class")) or key == "callbacks"):
         if ":" in value or "." in value:
             try:
@@ -446,6 +502,17 @@ def _apply_key(config: Any, key: str, value: Any) -> None:
                 raise CliConfigError(f"cannot import {value!r}: {type(e).__name__}: {e}") from e
     if key == "model_config":
         config.rl_module(model_config=value)
+    elif key == "rl_module_spec":
+        config.rl_module(rl_module_spec=_build_rl_module_spec(value))
+    elif key == "learner_connector":
+        if isinstance(value, str):
+            try:
+                value = import_object(value)
+            except (ImportError, AttributeError) as e:
+                raise CliConfigError(f"cannot import {value!r}: {type(e).__name__}: {e}") from e
+            if not callable(value):
+                raise CliConfigError(f"{value!r} is not callable (a ConnectorV2 class or builder function).")
+        config.learners(learner_connector=value)
     elif key == "learner_class":
         config.training(learner_class=value)
     else:
@@ -889,6 +956,13 @@ def _build_one(
         user_config, found = convert_search_spaces(user_config)
     except CliConfigError as e:
         fail([str(e)])
+    nested = sorted(p for p in found if p.startswith("config/rl_module_spec/"))
+    if nested:
+        fail([
+            f"{p}: search spaces cannot sit inside `rl_module_spec` (Tune does not look "
+            "into an RLModuleSpec); put them under the top-level `model_config`, which "
+            "the module spec's model_config is merged over." for p in nested
+        ])
 
     # --- env: --env > top-level env > config.env
     env = user_config.pop("env", None)
