@@ -31,7 +31,11 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        repo = str(Path(__file__).resolve().parents[1])
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": repo}},
+        )
     yield ray
     ray.shutdown()
 

@@ -280,14 +280,8 @@ def test_acceptance_exgrpo_valid_parquet(shared_data):
 # --------------------------------------------------------------------------- Ray
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    yield ray
-    ray.shutdown()
+# ``ray_local`` (tests/conftest.py): one private local Ray for the whole session, whose
+# workers have the repository on their PYTHONPATH.
 
 
 def test_same_scores_from_ray_actor_with_concurrency(ray_local):
