@@ -27,8 +27,7 @@ FAST = dict(
     target_pass1=0.05,
     max_steps=6,
     progress=False,
-    # One torch thread: on a shared, busy 2-core box two spin-waiting OpenMP threads are >10x slower.
-    overrides={"train": {"n_train": 1500, "num_threads": 1}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 16}},
+    overrides={"train": {"n_train": 1500}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 16}},
 )
 
 
@@ -224,6 +223,7 @@ def test_resolve_model_path_and_spec(tiny_cache, tiny_path, monkeypatch):
         "seed": 1, "target_pass1": 0.3, "levels": (1, 2, 3), "max_steps": 10,
     }
     assert parse_tiny_spec("tiny:levels=1+4")["levels"] == (1, 4)
+    assert parse_tiny_spec("tiny:threads=2") == {"overrides": {"train": {"num_threads": 2}}}
     with pytest.raises(ValueError, match="bad tiny model option"):
         parse_tiny_spec("tiny:lr=3")
     seen = {}

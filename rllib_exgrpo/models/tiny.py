@@ -22,6 +22,13 @@ builds its own small causal LM and tokenizer on first use and caches the result:
    (or at ``max_steps``). Stopping early, before the model is sure of itself, leaves RL a
    policy with room to improve and enough entropy to explore.
 
+Measured on 2 idle cores (torch 2.13 CPU, transformers 5.24), default recipe, seed 0:
+stopped at step 700 after 177 s with held-out pass@1 0.31 at temperature 1 (levels 1-4:
+0.66 / 0.48 / 0.13 / 0.13), mean token entropy 0.10 nats; 0.83M parameters, vocab 322,
+prompts 31-37 tokens, completions 15-34 tokens. The step at which the model "gets" carries
+varies with the seed: seed 1 was still at 0.25 when it hit ``max_steps=1500``
+(``reached_target: false`` in the report, with a warning).
+
 The folder is cached under ``cache_dir`` / ``$RLLIB_EXGRPO_CACHE`` / ``~/.cache/rllib_exgrpo``
 in a subfolder keyed by a hash of the whole recipe. Builds go to a temporary folder that is
 renamed into place atomically, under an ``fcntl`` file lock, so concurrent callers (several
@@ -91,6 +98,11 @@ _DEFAULTS: dict[str, Any] = {
         "weight_decay": 0.01,
         "betas": (0.9, 0.98),
         "grad_clip": 1.0,
+        # Torch intra-op threads, fixed (results are bitwise reproducible only for a fixed
+        # thread count). Measured here on idle cores, 3 layers, batch 64: 1 thread 0.35
+        # s/step, 2 threads 0.20 s/step. But when anything else keeps the cores busy, two
+        # spin-waiting OpenMP threads collapse (3.7-5 s/step at load ~6, 1 thread 0.7
+        # s/step): on a shared box use {"train": {"num_threads": 1}} / "tiny:threads=1".
         "num_threads": 2,
         "level_balanced": True,
     },
@@ -666,7 +678,7 @@ def _warn_if_busy(num_threads: int) -> None:
         load, cores = os.getloadavg()[0], os.cpu_count() or 1
     except (AttributeError, OSError):  # pragma: no cover
         return
-    if load + num_threads > cores + 0.5:
+    if num_threads > 1 and load + num_threads > cores + 1.0:
         import logging
 
         logging.getLogger(__name__).warning(
