@@ -10,6 +10,7 @@ sys.path.insert(0, str(ROOT))
 
 #: Recipes compared by the benchmarks: tuned example file + config overrides.
 RECIPES = {
+    "ppo": ("ppo_tiny.yaml", {}),
     "grpo": ("grpo_tiny.yaml", {}),
     "exgrpo": ("exgrpo_tiny.yaml", {}),
     "xrpo": ("xrpo_tiny.yaml", {}),

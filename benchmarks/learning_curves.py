@@ -3,76 +3,104 @@
     python benchmarks/learning_curves.py [--algos grpo exgrpo xrpo exgrpo_xrpo]
         [--seeds 0 1 2] [--iterations 40] [--eval-interval 10] [--out benchmarks/out]
 
-Each (algorithm, seed) run trains the embedded default (tiny model, arithmetic family;
-settings from tuned_examples/*_tiny.yaml) for the same number of steps and evaluates the
-held-out set (greedy, 200 questions) every ``--eval-interval`` steps and at the end.
-Writes ``learning_curves.png``, ``learning_curves.csv`` and prints a table of mean and
-spread per step, the wall time per step of each algorithm and its ratio to GRPO's.
+Each (method, seed) run trains the embedded default (tiny model, arithmetic family;
+settings from tuned_examples/*_tiny.yaml) for the same number of steps; the held-out set
+(first 200 arithmetic test questions, greedy) is evaluated every ``--eval-interval`` steps.
+Runs are cached under ``<out>/runs`` and shared with compare.py (see _runs.py).
+
+Writes ``learning_curves.png`` and ``learning_curves.csv`` and prints: held-out accuracy
+(mean ± std over seeds) per step; the median wall time of a step and its ratio to GRPO's
+(the per-step overhead; the machine should be otherwise idle); ExGRPO's switch step to
+mixed mode; XRPO's in-context seeding rescue rate (all-failing questions that got at least
+one correct completion once seeded).
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
-import time
+import math
 from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, recipe_config, start_ray
+from _common import ROOT, start_ray
+from _runs import accuracy_at_step, collect, mean_std, median_step_s
+
+LABELS = {"ppo": "PPO (RLlib)", "grpo": "GRPO", "exgrpo": "ExGRPO", "xrpo": "XRPO", "exgrpo_xrpo": "ExGRPO+XRPO"}
 
 
-def run(name: str, seed: int, iterations: int, eval_interval: int, overrides: dict) -> dict:
-    config = recipe_config(name, seed=seed, heldout_interval=eval_interval, **overrides)
-    algo = config.build_algo()
-    curve, tokens, step_walls = {}, 0, []
-    try:
-        for _ in range(iterations):
-            t0 = time.perf_counter()
-            result = algo.train()
-            step_walls.append(time.perf_counter() - t0)
-            runners = result["env_runners"]
-            tokens += float(runners["response_length_mean"]) * float(runners["num_episodes"])
-            held = result.get("heldout", {})
-            if held and np.isfinite(held.get("accuracy", np.nan)) and np.isfinite(held.get("after_iteration", np.nan)):
-                curve[int(held["after_iteration"])] = float(held["accuracy"])
-            if held and np.isfinite(held.get("initial_accuracy", np.nan)):
-                curve.setdefault(0, float(held["initial_accuracy"]))
-        if iterations not in curve:
-            curve[iterations] = algo.evaluate_heldout()["accuracy"]
-        experience = result.get("experience", {})
-    finally:
-        algo.stop()
-    return {
-        "algo": name, "seed": seed, "curve": curve, "sampled_tokens": tokens,
-        # The median leaves out the steps that also ran a held-out evaluation.
-        "step_wall_s": float(np.median(step_walls)),
-        "total_wall_s": float(sum(step_walls)),
-        "switch_iteration": experience.get("switch_iteration"),
-    }
+def eval_steps(runs, iterations):
+    return sorted({e["step"] for r in runs for e in r["evals"] if e["step"] <= iterations})
 
 
-def plot(runs, path: Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+def plot_curves(runs, ax, *, x: str, iterations: int, budget_by_seed=None):
+    """Mean over seeds with min-max band. x='step' (evaluations up to ``iterations``) or
+    x='tokens' (evaluations up to each seed's budget, interpolated on a common grid)."""
     for name in dict.fromkeys(r["algo"] for r in runs):
         mine = [r for r in runs if r["algo"] == name]
-        steps = sorted(mine[0]["curve"])
-        acc = np.array([[r["curve"][s] for s in steps] for r in mine])
-        mean, lo, hi = acc.mean(0), acc.min(0), acc.max(0)
-        ax.plot(steps, mean, marker="o", label=f"{name} (n={len(mine)})")
-        ax.fill_between(steps, lo, hi, alpha=0.15)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("held-out accuracy (greedy)")
-    ax.set_title("Embedded default: tiny Qwen2 on arithmetic, CPU")
+        if x == "step":
+            xs = [s for s in eval_steps(mine, iterations) if all(not math.isnan(accuracy_at_step(r, s)) for r in mine)]
+            acc = np.array([[accuracy_at_step(r, s) for s in xs] for r in mine])
+        else:
+            top = min(budget_by_seed[r["seed"]] for r in mine)
+            xs = np.linspace(0, top, 9)
+            acc = np.array([np.interp(xs, [e["tokens"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]])
+                            for r in mine])
+            xs = xs / 1e3
+        ax.plot(xs, acc.mean(0), marker="o", ms=3, label=f"{LABELS.get(name, name)} (n={len(mine)})")
+        ax.fill_between(xs, acc.min(0), acc.max(0), alpha=0.15)
+    ax.set_xlabel("training step" if x == "step" else "sampled completion tokens (thousands)")
+    ax.set_ylabel("held-out accuracy (greedy, 200 q)")
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.legend(fontsize=8)
+
+
+def rescue_rate(run) -> float:
+    """Over the run: rescued / seeded all-failing questions (XRPO's in-context seeding)."""
+    seeded = sum(s["xrpo"].get("seeded_questions", 0.0) for s in run["steps"])
+    rescued = sum(s["xrpo"].get("rescued_questions", 0.0) for s in run["steps"])
+    return rescued / seeded if seeded else math.nan
+
+
+def summary_lines(runs, iterations):
+    steps = eval_steps(runs, iterations)
+    base = np.mean([median_step_s(r, iterations + 1) for r in runs if r["algo"] == "grpo"]) \
+        if any(r["algo"] == "grpo" for r in runs) else None
+    lines = ["held-out accuracy (greedy, 200 questions), mean ± std over seeds, by training step",
+             f"{'method':<13}" + "".join(f"{s:>13}" for s in steps) + "    s/step  vs GRPO"]
+    for name in dict.fromkeys(r["algo"] for r in runs):
+        mine = [r for r in runs if r["algo"] == name]
+        cells = ""
+        for s in steps:
+            m = mean_std(accuracy_at_step(r, s) for r in mine)
+            cells += f"{m['mean']:>7.3f}±{m['std']:<5.3f}"
+        wall = np.mean([median_step_s(r, iterations + 1) for r in mine])
+        ratio = f"{wall / base:6.3f}x" if base else ""
+        lines.append(f"{LABELS.get(name, name):<13}{cells}  {wall:7.2f}  {ratio}")
+    extra = []
+    for name in dict.fromkeys(r["algo"] for r in runs):
+        mine = [r for r in runs if r["algo"] == name]
+        if any(s["experience"].get("mixed_mode") is not None for r in mine for s in r["steps"]):
+            switch = [int(r["steps"][-1]["experience"].get("switch_iteration", -1)) for r in mine]
+            extra.append(f"{LABELS.get(name, name)}: switch to mixed mode at step {switch} (per seed; -1 = never)")
+        rates = [rescue_rate(r) for r in mine]
+        if any(not math.isnan(x) for x in rates):
+            seeded = [sum(s["xrpo"].get("seeded_questions", 0.0) for s in r["steps"]) for r in mine]
+            extra.append(f"{LABELS.get(name, name)}: in-context seeding rescued "
+                         + ", ".join(f"{x:.1%}" for x in rates) + " of the seeded all-failing questions "
+                         f"(per seed; {', '.join(str(int(n)) for n in seeded)} seeded)")
+    return lines + extra
+
+
+def write_csv(runs, path: Path):
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["method", "seed", "step", "sampled_tokens", "heldout_accuracy", "median_step_s"])
+        for r in runs:
+            for e in r["evals"]:
+                w.writerow([r["algo"], r["seed"], e["step"], int(e["tokens"]), f"{e['accuracy']:.4f}",
+                            f"{median_step_s(r):.3f}"])
 
 
 def main():
@@ -83,34 +111,26 @@ def main():
     parser.add_argument("--eval-interval", type=int, default=10)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     parser.add_argument("--config", default="{}", help="JSON config overrides for every run")
+    parser.add_argument("--model", default=None, help="policy model for every method (default: the recipes')")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start_ray()
-    runs = []
-    for seed in args.seeds:
-        for name in args.algos:
-            r = run(name, seed, args.iterations, args.eval_interval, json.loads(args.config))
-            runs.append(r)
-            print(f"{name} seed {seed}: {r['curve']}  ({r['step_wall_s']:.2f} s/step)", flush=True)
-    with open(out / "learning_curves.csv", "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["algo", "seed", "step", "heldout_accuracy", "sampled_tokens", "step_wall_s"])
-        for r in runs:
-            for step, acc in sorted(r["curve"].items()):
-                w.writerow([r["algo"], r["seed"], step, f"{acc:.4f}", int(r["sampled_tokens"]), f"{r['step_wall_s']:.3f}"])
-    plot(runs, out / "learning_curves.png")
-    steps = sorted(runs[0]["curve"])
-    print("\nheld-out accuracy, mean ± std over seeds")
-    print("algo          " + "".join(f"{s:>14}" for s in steps) + "   s/step  vs GRPO")
-    base = np.mean([r["step_wall_s"] for r in runs if r["algo"] == "grpo"]) if any(r["algo"] == "grpo" for r in runs) else None
-    for name in dict.fromkeys(r["algo"] for r in runs):
-        mine = [r for r in runs if r["algo"] == name]
-        acc = np.array([[r["curve"][s] for s in steps] for r in mine])
-        wall = np.mean([r["step_wall_s"] for r in mine])
-        ratio = f"{wall / base:6.3f}x" if base else ""
-        cells = "".join(f"{m:>8.3f}±{s:<5.3f}" for m, s in zip(acc.mean(0), acc.std(0)))
-        print(f"{name:<14}{cells}  {wall:6.2f}  {ratio}")
+    runs = collect(args.algos, args.seeds, iterations=args.iterations, eval_interval=args.eval_interval,
+                   overrides=json.loads(args.config), out=out, model=args.model)
+    write_csv(runs, out / "learning_curves.csv")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plot_curves(runs, ax, x="step", iterations=args.iterations)
+    ax.set_title("Embedded default: tiny Qwen2 on arithmetic, CPU")
+    fig.tight_layout()
+    fig.savefig(out / "learning_curves.png", dpi=120)
+    print("\n" + "\n".join(summary_lines(runs, args.iterations)))
     print(f"\nwrote {out / 'learning_curves.png'} and {out / 'learning_curves.csv'}")
 
 

@@ -345,6 +345,7 @@ def load_problems(
     strict: bool = False,
     data_source: Optional[str] = None,
     limit: Optional[int] = None,
+    skip: int = 0,
 ) -> ProblemList:
     """Load problems from ``source`` (see the module docstring for what is understood).
 
@@ -356,7 +357,9 @@ def load_problems(
         strict: Raise :class:`DataFormatError` on the first malformed row instead of
             skipping it with a warning.
         data_source: Overrides every problem's ``data_source``.
-        limit: Keep at most this many problems (the first ones).
+        limit: Keep at most this many problems (the first ones after ``skip``).
+        skip: Leave out the first ``skip`` problems (e.g. train on a file's rows after the
+            first N while evaluating on those N: ``skip=N`` here, ``limit=N`` there).
 
     Returns:
         A :class:`ProblemList` (a ``list`` of :class:`Problem`) with ``.skipped`` and ``.errors``.
@@ -375,9 +378,18 @@ def load_problems(
         raise ValueError(f"field_map values must be non-empty field names, got {bad}")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit must be a non-negative int or None, got {limit!r}")
+    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+        raise ValueError(f"skip must be a non-negative int, got {skip!r}")
+    wanted = None if limit is None else skip + limit
     if isinstance(source, str) and _is_arithmetic_spec(source) and not os.path.exists(source):
-        return _load_arithmetic(source, split, data_source, limit)
-    if not isinstance(source, (str, os.PathLike)):
+        loaded = _load_arithmetic(source, split, data_source, wanted)
+    elif not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"source must be a path or 'arithmetic[:opts]', got {type(source).__name__}")
-    return _load_file(Path(source).expanduser(), field_map=field_map, strict=strict,
-                      data_source=data_source, limit=limit)
+    else:
+        loaded = _load_file(Path(source).expanduser(), field_map=field_map, strict=strict,
+                            data_source=data_source, limit=wanted)
+    if not skip:
+        return loaded
+    if len(loaded) <= skip:
+        raise ValueError(f"{source}: skip={skip} leaves no problem (only {len(loaded)} usable)")
+    return ProblemList(loaded[skip:], source=loaded.source, errors=loaded.errors)

@@ -40,6 +40,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "field_map": None,
     "strict": False,
     "limit": None,
+    "skip": 0,
     "tokenizer": None,
     "system_prompt": None,
     "instruction": DEFAULT_INSTRUCTION,
@@ -73,6 +74,7 @@ def validate_config(config: Optional[dict]) -> dict:
     _check(cfg["field_map"] is None or isinstance(cfg["field_map"], dict), "field_map", "a dict or None", cfg["field_map"])
     for key in ("strict", "think_format"):
         _check(isinstance(cfg[key], bool), key, "a bool", cfg[key])
+    _check(_is_int(cfg["skip"]) and cfg["skip"] >= 0, "skip", "a non-negative int", cfg["skip"])
     _check(cfg["limit"] is None or (_is_int(cfg["limit"]) and cfg["limit"] > 0), "limit", "a positive int or None", cfg["limit"])
     for key in ("system_prompt", "instruction"):
         _check(cfg[key] is None or isinstance(cfg[key], str), key, "a string or None", cfg[key])
@@ -125,11 +127,11 @@ class ReasoningEnv(gym.Env):
         self.tokenizer = _load_tokenizer(cfg["tokenizer"])
 
         if cfg["problems"] is not None:
-            problems = list(cfg["problems"])[: cfg["limit"]]
+            problems = list(cfg["problems"])[cfg["skip"]:][: cfg["limit"]]
             self.skipped_rows = 0
         else:
             problems = load_problems(cfg["dataset"], split=cfg["split"], field_map=cfg["field_map"],
-                                     strict=cfg["strict"], limit=cfg["limit"])
+                                     strict=cfg["strict"], limit=cfg["limit"], skip=cfg["skip"])
             self.skipped_rows = getattr(problems, "skipped", 0)
         ids = [p.id for p in problems]
         if len(set(ids)) != len(ids):

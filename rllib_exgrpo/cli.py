@@ -37,6 +37,8 @@ import os
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
+from rllib_exgrpo.cli_args import positive_int
+
 PROG = "rllib"
 
 _TRAIN_EPILOG = """\
@@ -89,16 +91,6 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
-
-
 # Defaults of the train options. The options are declared on both `train` (for
 # `rllib train -f X.yaml ...`) and `train file` (for `rllib train file X.yaml ...`)
 # with SUPPRESS defaults, so neither parser overwrites what the other parsed.
@@ -133,7 +125,7 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--env", default=S, metavar="ENV", help="environment overriding the file's `env`")
     g.add_argument("--storage-path", "--local-dir", dest="storage_path", default=S, metavar="DIR",
                    help="results root (Tune storage_path); default: the file's, else ./results")
-    g.add_argument("--num-samples", type=_positive_int, default=S, metavar="N",
+    g.add_argument("--num-samples", type=positive_int, default=S, metavar="N",
                    help="Tune samples per experiment (repeats of the grid)")
     g.add_argument("--experiment-name", default=S, metavar="NAME",
                    help="rename the experiment (Tune folder, MLflow experiment); the file must hold exactly one")

@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Any
 
+from rllib_exgrpo.cli_args import non_negative_float, positive_int
+
 PROG = "rllib"
 
 _EPILOG = """\
@@ -40,30 +42,10 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
     pass
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not x >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return x
-
-
 def _pass_k(text: str):
     if text == "k":
         return "k"
-    return _positive_int(text)
+    return positive_int(text)
 
 
 def add_evaluate_parser(subparsers: Any) -> None:
@@ -82,16 +64,16 @@ def add_evaluate_parser(subparsers: Any) -> None:
                    help="model name/path or RLlib checkpoint folder")
     p.add_argument("--data", required=True, action="append", metavar="FILE_OR_SPEC",
                    help="benchmark file or arithmetic spec (repeatable)")
-    p.add_argument("--k", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--k", type=positive_int, default=None, metavar="K",
                    help="samples per question for every source (default: 32 for aime/amc, else 1)")
-    p.add_argument("--temperature", type=_non_negative_float, default=DEFAULT_TEMPERATURE, metavar="T",
+    p.add_argument("--temperature", type=non_negative_float, default=DEFAULT_TEMPERATURE, metavar="T",
                    help="sampling temperature; 0: greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, metavar="P", help="nucleus sampling threshold (default: %(default)s)")
-    p.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N",
                    help="first N questions of each benchmark")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
                    help="completion budget (default: the checkpoint's max_response_tokens, else 1024)")
-    p.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
+    p.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
                    help="sequences per generate call (default: %(default)s)")
     p.add_argument("--pass-k", type=_pass_k, action="append", default=None, metavar="J",
                    help="report pass@J (repeatable; 'k' = each source's k; default: 1 and k)")

@@ -411,6 +411,10 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.metrics.log_value(
             "response_length_mean", float(np.mean([len(e.actions[0]) for e in episodes])) if n else 0.0, window=1
         )
+        # Sampled completion tokens: the budget benchmarks/compare.py equalises across methods.
+        tokens = int(sum(len(e.actions[0]) for e in episodes))
+        self.metrics.log_value("num_response_tokens", tokens, reduce="sum")
+        self.metrics.log_value("num_response_tokens_lifetime", tokens, reduce="lifetime_sum")
         self.metrics.log_value(
             "truncated_fraction",
             float(np.mean([e.get_infos(-1)["finish_reason"] == "length" for e in episodes])) if n else 0.0,

@@ -35,6 +35,10 @@ def test_training_iteration_reports_stages_and_metrics(algo):
     for stage in ("plan", "sample", "advantages", "learner_update_timer", "synch_weights", "heldout_eval"):
         assert timers[stage] > 0, stage
     assert result["env_runners"]["num_episodes"] == 16  # 4 questions x G = 4
+    # sampled completion tokens of the iteration (the held-out evaluation is not counted)
+    runners = result["env_runners"]
+    assert 16 <= runners["num_response_tokens"] <= 16 * algo.config.max_response_tokens
+    assert runners["num_response_tokens_lifetime"] == runners["num_response_tokens"]
     assert 0.0 <= result["heldout"]["accuracy"] <= 1.0
     learner = result["learners"]["default_policy"]
     assert np.isfinite(learner["total_loss"]) and learner["entropy"] > 0

@@ -421,3 +421,39 @@ def test_end_to_end_ppo_grid_with_mlflow(tmp_path):
     for r in runs:
         assert r.data.metrics["training_iteration"] == 1
         assert "env_runners/episode_return_mean" in r.data.metrics
+
+
+@pytest.mark.slow
+def test_main_job_yaml_grid_over_two_learning_rates(tmp_path, quick_tiny_model):
+    """The embedded default's own file (tuned_examples/exgrpo_tiny.yaml) through the
+    command with a grid over two learning rates: two ExGRPO trials, one iteration each,
+    both logged to MLflow with their lr. Small batch and the quick model keep it short."""
+    db = tmp_path / "mlflow.db"
+    overrides = {
+        "model_name_or_path": quick_tiny_model, "questions_per_step": 4, "group_size": 4,
+        "minibatch_size": 16, "max_response_tokens": 16, "heldout_num_questions": 8,
+        "lr": {"grid_search": [1e-4, 3e-4]},
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "rllib_exgrpo.cli", "train", "file", str(REPO / "tuned_examples" / "exgrpo_tiny.yaml"),
+         "--stop", json.dumps({"training_iteration": 1}), "--config", json.dumps(overrides),
+         "--storage-path", str(tmp_path / "results"), "--mlflow-uri", f"sqlite:///{db}", "--ray-num-cpus", "2"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900,
+    )
+    log = proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]
+    assert proc.returncode == 0, log
+    trials = sorted(p for p in (tmp_path / "results" / "exgrpo-tiny").iterdir() if p.is_dir() and p.name.startswith("ExGRPO_"))
+    assert len(trials) == 2, log
+    lrs = []
+    for t in trials:
+        rows = [json.loads(line) for line in (t / "result.json").read_text().splitlines() if line.strip()]
+        assert rows[-1]["training_iteration"] == 1
+        assert 0.0 <= rows[-1]["heldout"]["initial_accuracy"] <= 1.0  # printed and logged
+        lrs.append(json.loads((t / "params.json").read_text())["lr"])
+    assert sorted(lrs) == [1e-4, 3e-4]
+
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{db}")
+    runs = client.search_runs([client.get_experiment_by_name("exgrpo-tiny").experiment_id])
+    assert sorted(float(r.data.params["lr"]) for r in runs) == [1e-4, 3e-4]

@@ -132,6 +132,15 @@ def test_ids_unique_data_source_and_limit(tmp_path):
     assert [p.data_source for p in problems] == ["dup", "dup", "mine"]
     assert {p.data_source for p in load_problems(path, data_source="forced")} == {"forced"}
     assert len(load_problems(path, limit=2)) == 2
+    # skip + limit: the rows after the first N (train) vs the first N (evaluate)
+    assert [p.question for p in load_problems(path, skip=1)] == ["b", "c"]
+    assert [p.question for p in load_problems(path, skip=1, limit=1)] == ["b"]
+    with pytest.raises(ValueError, match="skip=3 leaves no problem"):
+        load_problems(path, skip=3)
+    with pytest.raises(ValueError, match="skip must be"):
+        load_problems(path, skip=-1)
+    test = load_problems("arithmetic", split="test")
+    assert [p.id for p in load_problems("arithmetic", split="test", skip=200)] == [p.id for p in test[200:]]
 
 
 def test_missing_file_and_unknown_extension(tmp_path):

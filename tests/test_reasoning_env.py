@@ -76,6 +76,11 @@ def test_config_validation():
         ReasoningEnv({"reward_timeout_s": 0})
     with pytest.raises(ValueError, match="problems"):
         ReasoningEnv({"problems": ["not a problem"]})
+    with pytest.raises(ValueError, match="skip"):
+        ReasoningEnv({"dataset": SMALL, "skip": -2})
+    full = ReasoningEnv({"dataset": SMALL, "split": "test"})
+    rest = ReasoningEnv({"dataset": SMALL, "split": "test", "skip": 5, "limit": 3})
+    assert [p.id for p in rest.problems] == [p.id for p in full.problems[5:8]]
     env = ReasoningEnv()  # no config: the default arithmetic training set
     assert len(env.problems) == 5000 and env.config["instruction"] == DEFAULT_INSTRUCTION
 

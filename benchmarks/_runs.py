@@ -1,0 +1,194 @@
+"""Training runs shared by learning_curves.py and compare.py: one run per (method, seed),
+evaluated the same way for every method, cached as JSON so that a killed benchmark
+resumes where it stopped and the two scripts reuse each other's runs.
+
+A run trains until it has done ``iterations`` steps *and* sampled ``token_budget``
+completion tokens (GRPO's own count after ``iterations`` steps of the same seed), so one
+run answers both questions: accuracy at the same number of steps (learning_curves.py) and
+at the same sampled-token budget (compare.py). The held-out set (first 200 arithmetic test
+questions, greedy, ``max_response_tokens`` of the recipe) is evaluated at step 0, every
+``eval_interval`` steps, at ``iterations``, at the step that crosses the budget and at the
+end, always outside ``train()`` and through the same env-runner call, so that PPO (which has
+no held-out hook of its own) is measured exactly like the others and step times stay clean.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from _common import RECIPES, recipe_config
+
+HELDOUT_QUESTIONS = 200
+#: Bumped when what a run records changes, so stale cache files are not reused.
+RUN_FORMAT = 1
+
+
+def _heldout_overrides(name: str, config) -> dict:
+    """Point the runner at the held-out set; keep the algorithm's own evaluation out."""
+    if name == "ppo":
+        # RLlib's PPO reads runner settings from the module's model_config.
+        return {"model_config": {**(config.model_config or {}), "heldout_dataset": "arithmetic",
+                                 "heldout_split": "test"}}
+    return {"heldout_dataset": "arithmetic", "heldout_split": "test",
+            "heldout_num_questions": HELDOUT_QUESTIONS, "heldout_interval": 0}
+
+
+def build(name: str, seed: int, overrides: dict, model: Optional[str] = None):
+    """The algorithm of a recipe; ``model`` replaces the policy model (``model_name_or_path``
+    for this project's algorithms, the module's ``model_config["model"]`` for RLlib's PPO)."""
+    config = recipe_config(name, seed=seed, **overrides)
+    extra = _heldout_overrides(name, config)
+    if model:
+        if name == "ppo":
+            extra["model_config"]["model"] = model
+        else:
+            extra["model_name_or_path"] = model
+    config = recipe_config(name, seed=seed, **overrides, **extra)
+    return config, config.build_algo()
+
+
+def heldout_accuracy(algo, max_new_tokens: int) -> float:
+    """Greedy accuracy on the first 200 held-out questions under the runner's weights."""
+    runner = algo.env_runner
+    ids = [p.id for p in runner.heldout_env.problems][:HELDOUT_QUESTIONS]
+    episodes = runner.sample(question_ids=ids, num_samples=1, heldout=True, temperature=0.0,
+                             max_new_tokens=max_new_tokens, return_logprobs=False)
+    return float(np.mean([e.get_return() for e in episodes]))
+
+
+def _scalars(d) -> dict:
+    return {k: float(v) for k, v in (d or {}).items() if isinstance(v, (int, float, np.floating, np.integer))}
+
+
+def _cache_path(out: Path, key: dict) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    return out / "runs" / f"{key['algo']}-seed{key['seed']}-{digest}.json"
+
+
+def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[float] = None,
+              eval_interval: int = 10, overrides: Optional[dict] = None, out: Path,
+              max_iterations: Optional[int] = None, model: Optional[str] = None) -> dict:
+    """One run (cached). Returns ``{"algo", "seed", "steps": [...], "evals": [...], ...}``:
+    per step its sampled tokens so far, wall time and scalar metrics; per evaluation the
+    step, tokens so far and held-out accuracy."""
+    overrides = dict(overrides or {})
+    key = {"algo": name, "seed": seed, "iterations": iterations, "token_budget": token_budget,
+           "eval_interval": eval_interval, "overrides": overrides, "model": model, "format": RUN_FORMAT}
+    path = _cache_path(out, key)
+    if path.exists():
+        return json.loads(path.read_text())
+    max_iterations = max_iterations or 3 * iterations
+    config, algo = build(name, seed, overrides, model)
+    max_tokens = int(config.model_config.get("max_response_tokens", 0)) if name == "ppo" else int(config.max_response_tokens)
+    steps: List[dict] = []
+    evals: List[dict] = []
+    tokens, crossed_at = 0.0, None
+    t_run = time.perf_counter()
+
+    def evaluate(step: int):
+        if evals and evals[-1]["step"] == step:
+            return
+        t0 = time.perf_counter()
+        evals.append({"step": step, "tokens": tokens, "accuracy": heldout_accuracy(algo, max_tokens),
+                      "eval_s": time.perf_counter() - t0})
+
+    try:
+        evaluate(0)
+        while True:
+            t0 = time.perf_counter()
+            result = algo.train()
+            wall = time.perf_counter() - t0
+            runners = result.get("env_runners", {})
+            tokens = float(runners.get("num_response_tokens_lifetime", tokens))
+            step = len(steps) + 1
+            steps.append({
+                "step": step, "tokens": tokens, "wall_s": wall,
+                "solve_rate": float(runners.get("episode_return_mean", math.nan)),
+                "episodes": float(runners.get("num_episodes", 0)),
+                "experience": _scalars(result.get("experience")),
+                "xrpo": _scalars(result.get("xrpo")),
+                "stage_s": _scalars(result.get("step_time_s")),
+            })
+            budget_met = token_budget is None or tokens >= token_budget
+            if budget_met and crossed_at is None:
+                crossed_at = step
+            if step % eval_interval == 0 or step == iterations or step == crossed_at:
+                evaluate(step)
+            if (step >= iterations and budget_met) or step >= max_iterations:
+                break
+        evaluate(len(steps))
+    finally:
+        algo.stop()
+    record = {**key, "steps": steps, "evals": evals, "budget_step": crossed_at,
+              "wall_s": time.perf_counter() - t_run}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    return json.loads(path.read_text())  # the same form whether fresh or cached
+
+
+def collect(algos: Sequence[str], seeds: Sequence[int], *, iterations: int, eval_interval: int,
+            overrides: dict, out: Path, model: Optional[str] = None, log=print) -> List[dict]:
+    """GRPO first for each seed (its sampled tokens after ``iterations`` steps set that
+    seed's budget), then every other method to the same steps and budget."""
+    unknown = [a for a in algos if a not in RECIPES]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; known: {sorted(RECIPES)}")
+    runs = []
+    for seed in seeds:
+        grpo = train_run("grpo", seed, iterations=iterations, eval_interval=eval_interval,
+                         overrides=overrides, out=out, model=model)
+        budget = grpo["steps"][iterations - 1]["tokens"]
+        for name in algos:
+            run = grpo if name == "grpo" else train_run(
+                name, seed, iterations=iterations, token_budget=budget, eval_interval=eval_interval,
+                overrides=overrides, out=out, model=model)
+            runs.append(run)
+            log(f"{name:<12} seed {seed}: acc@{iterations} steps {accuracy_at_step(run, iterations):.3f}, "
+                f"acc@budget {accuracy_at_tokens(run, budget):.3f} "
+                f"({median_step_s(run):.2f} s/step, {run['wall_s'] / 60:.1f} min)")
+    return runs
+
+
+# ---- reading runs ------------------------------------------------------------------------
+def accuracy_at_step(run: dict, step: int) -> float:
+    for e in run["evals"]:
+        if e["step"] == step:
+            return e["accuracy"]
+    return math.nan
+
+
+def accuracy_at_tokens(run: dict, budget: float) -> float:
+    """Accuracy at the first evaluation whose sampled tokens reach the budget."""
+    for e in run["evals"]:
+        if e["tokens"] >= budget:
+            return e["accuracy"]
+    return math.nan
+
+
+def budget_of(runs: Sequence[dict], seed: int, iterations: int) -> float:
+    grpo = next(r for r in runs if r["algo"] == "grpo" and r["seed"] == seed)
+    return grpo["steps"][iterations - 1]["tokens"]
+
+
+def median_step_s(run: dict, upto: Optional[int] = None) -> float:
+    """Median wall time of a training step (step 1 left out: it includes lazy model loads and,
+    for this project's algorithms, their own step-0 held-out evaluation)."""
+    walls = [s["wall_s"] for s in run["steps"][1:upto]]
+    return float(np.median(walls)) if walls else math.nan
+
+
+def wall_to(run: dict, step: int) -> float:
+    """Training wall time (evaluations excluded) of the first ``step`` steps."""
+    return float(sum(s["wall_s"] for s in run["steps"][:step]))
+
+
+def mean_std(values) -> Dict[str, float]:
+    a = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    return {"mean": float(a.mean()) if a.size else math.nan, "std": float(a.std()) if a.size else math.nan,
+            "n": int(a.size)}
