@@ -116,7 +116,7 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
                 "stage_s": _scalars(result.get("step_time_s")),
             })
             budget_met = token_budget is None or tokens >= token_budget
-            if budget_met and crossed_at is None:
+            if token_budget is not None and budget_met and crossed_at is None:
                 crossed_at = step
             if step % eval_interval == 0 or step == iterations or step == crossed_at:
                 evaluate(step)
@@ -174,6 +174,11 @@ def accuracy_at_tokens(run: dict, budget: float) -> float:
 def budget_of(runs: Sequence[dict], seed: int, iterations: int) -> float:
     grpo = next(r for r in runs if r["algo"] == "grpo" and r["seed"] == seed)
     return grpo["steps"][iterations - 1]["tokens"]
+
+
+def steps_to_budget(run: dict, budget: float) -> int:
+    """The first step at which the run's sampled tokens reach the budget."""
+    return next((s["step"] for s in run["steps"] if s["tokens"] >= budget), len(run["steps"]))
 
 
 def median_step_s(run: dict, upto: Optional[int] = None) -> float:

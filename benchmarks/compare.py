@@ -26,7 +26,7 @@ import numpy as np
 
 from _common import ROOT, start_ray
 from _runs import (accuracy_at_step, accuracy_at_tokens, budget_of, collect, mean_std, median_step_s,
-                   wall_to)
+                   steps_to_budget, wall_to)
 from learning_curves import LABELS, plot_curves, summary_lines, write_csv
 
 
@@ -41,8 +41,8 @@ def budget_table(runs, seeds, iterations):
         mine = [r for r in runs if r["algo"] == name]
         at_budget = mean_std(accuracy_at_tokens(r, budgets[r["seed"]]) for r in mine)
         at_steps = mean_std(accuracy_at_step(r, iterations) for r in mine)
-        steps = [r["budget_step"] or len(r["steps"]) for r in mine]
-        wall = [wall_to(r, r["budget_step"] or len(r["steps"])) for r in mine]
+        steps = [steps_to_budget(r, budgets[r["seed"]]) for r in mine]
+        wall = [wall_to(r, n) for r, n in zip(mine, steps)]
         lines.append(
             f"{LABELS.get(name, name):<13}{at_budget['mean']:>9.3f}±{at_budget['std']:<5.3f}"
             f"{at_steps['mean']:>11.3f}±{at_steps['std']:<5.3f}"

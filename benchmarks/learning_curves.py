@@ -30,8 +30,13 @@ from _runs import accuracy_at_step, collect, mean_std, median_step_s
 LABELS = {"ppo": "PPO (RLlib)", "grpo": "GRPO", "exgrpo": "ExGRPO", "xrpo": "XRPO", "exgrpo_xrpo": "ExGRPO+XRPO"}
 
 
-def eval_steps(runs, iterations):
-    return sorted({e["step"] for r in runs for e in r["evals"] if e["step"] <= iterations})
+def eval_steps(runs, iterations, interval=None):
+    """Steps evaluated in every run up to ``iterations`` (with ``interval``: only step 0, its
+    multiples and ``iterations``, leaving out the budget-crossing evaluations)."""
+    common = set.intersection(*({e["step"] for e in r["evals"] if e["step"] <= iterations} for r in runs))
+    if interval:
+        common = {s for s in common if s % interval == 0 or s == iterations}
+    return sorted(common)
 
 
 def plot_curves(runs, ax, *, x: str, iterations: int, budget_by_seed=None):
@@ -40,7 +45,7 @@ def plot_curves(runs, ax, *, x: str, iterations: int, budget_by_seed=None):
     for name in dict.fromkeys(r["algo"] for r in runs):
         mine = [r for r in runs if r["algo"] == name]
         if x == "step":
-            xs = [s for s in eval_steps(mine, iterations) if all(not math.isnan(accuracy_at_step(r, s)) for r in mine)]
+            xs = eval_steps(mine, iterations, interval=mine[0]["eval_interval"])
             acc = np.array([[accuracy_at_step(r, s) for s in xs] for r in mine])
         else:
             top = min(budget_by_seed[r["seed"]] for r in mine)
@@ -64,7 +69,7 @@ def rescue_rate(run) -> float:
 
 
 def summary_lines(runs, iterations):
-    steps = eval_steps(runs, iterations)
+    steps = eval_steps(runs, iterations, interval=runs[0]["eval_interval"])
     base = np.mean([median_step_s(r, iterations + 1) for r in runs if r["algo"] == "grpo"]) \
         if any(r["algo"] == "grpo" for r in runs) else None
     lines = ["held-out accuracy (greedy, 200 questions), mean ± std over seeds, by training step",
@@ -78,10 +83,18 @@ def summary_lines(runs, iterations):
         wall = np.mean([median_step_s(r, iterations + 1) for r in mine])
         ratio = f"{wall / base:6.3f}x" if base else ""
         lines.append(f"{LABELS.get(name, name):<13}{cells}  {wall:7.2f}  {ratio}")
-    extra = []
+    stages = ("sample", "learner_update_timer", "replay_choice", "buffer_update")
+    extra = ["", "median seconds per stage of a step (this project's algorithms; PPO has no stage timers):",
+             f"{'method':<13}" + "".join(f"{st:>22}" for st in stages)]
+    for name in dict.fromkeys(r["algo"] for r in runs):
+        mine = [s["stage_s"] for r in runs if r["algo"] == name for s in r["steps"][1:iterations]]
+        if mine and any(mine):
+            extra.append(f"{LABELS.get(name, name):<13}" + "".join(
+                f"{np.median([m.get(st, 0.0) for m in mine]):>22.3f}" for st in stages))
+    extra.append("")
     for name in dict.fromkeys(r["algo"] for r in runs):
         mine = [r for r in runs if r["algo"] == name]
-        if any(s["experience"].get("mixed_mode") is not None for r in mine for s in r["steps"]):
+        if any(s["experience"].get("replayed_questions", 0) > 0 for r in mine for s in r["steps"]):
             switch = [int(r["steps"][-1]["experience"].get("switch_iteration", -1)) for r in mine]
             extra.append(f"{LABELS.get(name, name)}: switch to mixed mode at step {switch} (per seed; -1 = never)")
         rates = [rescue_rate(r) for r in mine]

@@ -42,7 +42,8 @@ def prompt_completion_batch(
     c_mask = torch.zeros((len(completions), width), dtype=torch.long)
     for i, c in enumerate(completions):
         if len(c):
-            c_ids[i, : len(c)] = torch.as_tensor(np.asarray(c), dtype=torch.long)
+            # np.array copies: stored trajectories are read-only views (torch warns on those).
+            c_ids[i, : len(c)] = torch.from_numpy(np.array(c, dtype=np.int64))
             c_mask[i, : len(c)] = 1
     return torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), c_mask
 
