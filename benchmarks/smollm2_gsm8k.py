@@ -2,7 +2,8 @@
 on the first 200 GSM8K test problems, before and after a short ExGRPO run.
 
     python benchmarks/smollm2_gsm8k.py [--data ../shared/data/simplerl_eval/gsm8k_test.jsonl]
-        [--limit 200] [--iterations 12] [--max-tokens 256] [--lr 2e-6] [--out benchmarks/out]
+        [--limit 200] [--iterations 6] [--questions 8] [--group 8] [--max-tokens 256] [--lr 2e-6]
+        [--out benchmarks/out]
 
 Training uses tuned_examples/exgrpo_smollm2_cpu.yaml on the GSM8K rows *after* the
 evaluated ones (``env_config.skip = --limit``), so the evaluated problems are never trained
@@ -35,9 +36,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "simplerl_eval" / "gsm8k_test.jsonl"))
     parser.add_argument("--limit", type=int, default=200)
-    parser.add_argument("--iterations", type=int, default=12)
+    parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--questions", type=int, default=8)
-    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-6)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
@@ -51,7 +52,13 @@ def main():
     from rllib_exgrpo.models import resolve_model_path
     from rllib_exgrpo.yaml_config import build_experiments
 
-    before = evaluate_policy(resolve_model_path("smollm2"), args.data, args.limit, args.max_tokens)
+    # The pretrained model's score is deterministic (greedy): computed once per setting.
+    before_path = out / f"smollm2_gsm8k_before_{args.limit}_{args.max_tokens}.json"
+    if before_path.exists():
+        before = json.loads(before_path.read_text())
+    else:
+        before = evaluate_policy(resolve_model_path("smollm2"), args.data, args.limit, args.max_tokens)
+        before_path.write_text(json.dumps(before, default=str))
     print(f"before: accuracy {before['accuracy']:.3f} on the first {args.limit} GSM8K test problems "
           f"({before['wall_s'] / 60:.1f} min)", flush=True)
 
@@ -77,9 +84,11 @@ def main():
             steps.append({"step": i + 1, "wall_s": time.perf_counter() - t0,
                           "solve_rate": float(runners.get("episode_return_mean", float("nan"))),
                           "tokens": float(runners.get("num_response_tokens", 0)),
+                          "zero_variance_groups": float(r.get("zero_variance_group_fraction", float("nan"))),
                           "mixed_mode": float(exp.get("mixed_mode", 0.0)),
                           "pool_size": float(exp.get("pool_size", 0.0))})
             print(f"step {i + 1}: solve rate {steps[-1]['solve_rate']:.3f}, "
+                  f"zero-variance groups {steps[-1]['zero_variance_groups']:.2f}, "
                   f"{steps[-1]['tokens']:.0f} tokens, {steps[-1]['wall_s']:.0f} s", flush=True)
         train_s = time.perf_counter() - t_train
         runner = algo.env_runner
