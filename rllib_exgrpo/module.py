@@ -16,7 +16,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 
 from rllib_exgrpo import columns as C
-from rllib_exgrpo.losses import entropy_from_logits, token_logprobs_from_logits
+from rllib_exgrpo.losses import streamed_entropy, token_logprobs_from_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -102,7 +102,7 @@ def score_completions(
         logits = logits / temperature
     targets = input_ids[:, -response_len:]
     logp = token_logprobs_from_logits(logits, targets)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = streamed_entropy(logits) if with_entropy else None
     hidden = out.hidden_states[-1] if with_hidden else None
     return logp, entropy, hidden
 
