@@ -132,6 +132,30 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
     return json.loads(path.read_text())  # the same form whether fresh or cached
 
 
+def collect_from_command_line(description: str, default_algos: Sequence[str]):
+    """Parse the options shared by compare.py and learning_curves.py, start Ray, collect
+    the runs. Returns ``(args, out_dir, runs)``."""
+    import argparse
+
+    from _common import ROOT, start_ray
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algos", nargs="+", default=list(default_algos))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--eval-interval", type=int, default=10)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
+    parser.add_argument("--config", default="{}", help="JSON config overrides for every run")
+    parser.add_argument("--model", default=None, help="policy model for every method (default: the recipes')")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start_ray()
+    runs = collect(args.algos, args.seeds, iterations=args.iterations, eval_interval=args.eval_interval,
+                   overrides=json.loads(args.config), out=out, model=args.model)
+    return args, out, runs
+
+
 def collect(algos: Sequence[str], seeds: Sequence[int], *, iterations: int, eval_interval: int,
             overrides: dict, out: Path, model: Optional[str] = None, log=print) -> List[dict]:
     """GRPO first for each seed (its sampled tokens after ``iterations`` steps set that

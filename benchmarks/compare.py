@@ -18,15 +18,10 @@ A killed run resumes: finished runs are cached under ``<out>/runs``.
 """
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import numpy as np
 
-from _common import ROOT, start_ray
-from _runs import (accuracy_at_step, accuracy_at_tokens, budget_of, collect, mean_std, median_step_s,
-                   steps_to_budget, wall_to)
+from _runs import (accuracy_at_step, accuracy_at_tokens, budget_of, collect_from_command_line, mean_std,
+                   median_step_s, steps_to_budget, wall_to)
 from learning_curves import LABELS, plot_curves, summary_lines, write_csv
 
 
@@ -51,20 +46,7 @@ def budget_table(runs, seeds, iterations):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algos", nargs="+", default=["ppo", "grpo", "exgrpo", "xrpo", "exgrpo_xrpo"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--iterations", type=int, default=40)
-    parser.add_argument("--eval-interval", type=int, default=10)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
-    parser.add_argument("--config", default="{}", help="JSON config overrides for every run")
-    parser.add_argument("--model", default=None, help="policy model for every method (default: the recipes')")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    start_ray()
-    runs = collect(args.algos, args.seeds, iterations=args.iterations, eval_interval=args.eval_interval,
-                   overrides=json.loads(args.config), out=out, model=args.model)
+    args, out, runs = collect_from_command_line(__doc__, ["ppo", "grpo", "exgrpo", "xrpo", "exgrpo_xrpo"])
     write_csv(runs, out / "compare.csv")
     budgets, table = budget_table(runs, args.seeds, args.iterations)
 

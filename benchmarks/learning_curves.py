@@ -16,16 +16,13 @@ one correct completion once seeded).
 """
 from __future__ import annotations
 
-import argparse
 import csv
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, start_ray
-from _runs import accuracy_at_step, collect, mean_std, median_step_s
+from _runs import accuracy_at_step, collect_from_command_line, mean_std, median_step_s
 
 LABELS = {"ppo": "PPO (RLlib)", "grpo": "GRPO", "exgrpo": "ExGRPO", "xrpo": "XRPO", "exgrpo_xrpo": "ExGRPO+XRPO"}
 
@@ -117,20 +114,7 @@ def write_csv(runs, path: Path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algos", nargs="+", default=["grpo", "exgrpo", "xrpo", "exgrpo_xrpo"])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--iterations", type=int, default=40)
-    parser.add_argument("--eval-interval", type=int, default=10)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
-    parser.add_argument("--config", default="{}", help="JSON config overrides for every run")
-    parser.add_argument("--model", default=None, help="policy model for every method (default: the recipes')")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    start_ray()
-    runs = collect(args.algos, args.seeds, iterations=args.iterations, eval_interval=args.eval_interval,
-                   overrides=json.loads(args.config), out=out, model=args.model)
+    args, out, runs = collect_from_command_line(__doc__, ["grpo", "exgrpo", "xrpo", "exgrpo_xrpo"])
     write_csv(runs, out / "learning_curves.csv")
 
     import matplotlib
