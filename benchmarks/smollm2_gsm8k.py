@@ -53,7 +53,7 @@ def main():
     from rllib_exgrpo.yaml_config import build_experiments
 
     # The pretrained model's score is deterministic (greedy): computed once per setting.
-    before_path = out / f"smollm2_gsm8k_before_{args.limit}_{args.max_tokens}.json"
+    before_path = out / f"smollm2_before_{Path(args.data).stem}_{args.limit}_{args.max_tokens}.json"
     if before_path.exists():
         before = json.loads(before_path.read_text())
     else:

@@ -408,13 +408,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.metrics.log_value(NUM_ENV_STEPS_SAMPLED_LIFETIME, n, reduce="lifetime_sum")
         self.metrics.log_value("generation_time_s", generation_s, reduce="sum")
         self.metrics.log_value("scoring_time_s", scoring_s, reduce="sum")
-        self.metrics.log_value(
-            "response_length_mean", float(np.mean([len(e.actions[0]) for e in episodes])) if n else 0.0, window=1
-        )
+        lengths = [len(e.actions[0]) for e in episodes]
+        self.metrics.log_value("response_length_mean", float(np.mean(lengths)) if n else 0.0, window=1)
         # Sampled completion tokens: the budget benchmarks/compare.py equalises across methods.
-        tokens = int(sum(len(e.actions[0]) for e in episodes))
-        self.metrics.log_value("num_response_tokens", tokens, reduce="sum")
-        self.metrics.log_value("num_response_tokens_lifetime", tokens, reduce="lifetime_sum")
+        self.metrics.log_value("num_response_tokens", int(sum(lengths)), reduce="sum")
+        self.metrics.log_value("num_response_tokens_lifetime", int(sum(lengths)), reduce="lifetime_sum")
         self.metrics.log_value(
             "truncated_fraction",
             float(np.mean([e.get_infos(-1)["finish_reason"] == "length" for e in episodes])) if n else 0.0,

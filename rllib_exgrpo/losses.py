@@ -565,17 +565,9 @@ def streamed_entropy(logits: Tensor) -> Tensor:
     SmolLM2's 49k vocabulary and 16 x 256 completion tokens that is ~3 GB less at peak
     (benchmarks/learner_memory.py).
     """
-    if not logits.requires_grad:
-        with torch.no_grad():
-            return _StreamedEntropy.forward(_NoCtx(), logits)
+    # Without a graph (no-grad input or torch.no_grad) apply() records nothing and the
+    # saved logits are released with the output.
     return _StreamedEntropy.apply(logits)
-
-
-class _NoCtx:
-    """Stands in for autograd's ctx when no graph is needed."""
-
-    def save_for_backward(self, *tensors):
-        pass
 
 
 def token_logprobs_from_logits(
