@@ -37,7 +37,9 @@ from rllib_exgrpo.batching import (
 )
 from rllib_exgrpo.config import ExGRPOConfig, GRPOConfig
 from rllib_exgrpo.experience import ExperienceManager
+from rllib_exgrpo.minibatches import plan_minibatches, take_rows
 from rllib_exgrpo.question_sampler import QuestionSampler
+from rllib_exgrpo.resources import apply_torch_threads, fit_resources, main_process_cpus
 from rllib_exgrpo.xrpo import AdaptiveRollouts, InContextSeeder, sharpen_advantages
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,26 @@ class ExGRPO(Algorithm):
     def get_default_config(cls) -> ExGRPOConfig:
         return ExGRPOConfig()
 
+    @classmethod
+    def default_resource_request(cls, config):
+        """RLlib's placement-group request, after fitting the config to the cluster
+        (``resources.fit_resources``: ``"auto"`` main-process CPUs resolved, a CPU
+        shortfall shared out instead of a trial that stays PENDING forever)."""
+        cfg = cls.get_default_config().update_from_dict(
+            config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        )
+        for note in fit_resources(cfg):
+            logger.warning("%s", note)
+        return super().default_resource_request(cfg)
+
     def setup(self, config) -> None:
+        # Fit CPUs / GPUs to the cluster before RLlib builds any actor (a no-op when the
+        # CLI or default_resource_request already did), then size torch's threads to the
+        # CPUs this main process holds: it runs the local env runner and local learner.
+        with _unfrozen(self.config) as cfg:
+            for note in fit_resources(cfg):
+                logger.warning("%s", note)
+        apply_torch_threads(main_process_cpus(self.config), who="main process")
         super().setup(config)
         from envs.reasoning_env import ReasoningEnv
 
@@ -128,18 +149,7 @@ class ExGRPO(Algorithm):
             self.metrics.log_value((XRPO, key), value, window=1)
 
         with self._stage(LEARNER_UPDATE_TIMER):
-            learner_results = self.learner_group.update(
-                batch=to_multi_agent_batch(batch),
-                minibatch_size=cfg.minibatch_size,
-                num_epochs=cfg.num_epochs,
-                shuffle_batch_per_epoch=True,
-                timesteps={
-                    NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
-                        (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0
-                    )
-                },
-            )
-        self.metrics.aggregate(learner_results, key=LEARNER_RESULTS)
+            self._update_learners(batch, groups.group_index)
 
         with self._stage(BUFFER_TIMER):
             was_mixed = self.experience.mixed_mode
@@ -157,6 +167,39 @@ class ExGRPO(Algorithm):
         done = self.iteration + 1
         if self._heldout_ids and cfg.heldout_interval > 0 and done % cfg.heldout_interval == 0:
             self._evaluate_heldout(after_iteration=done)
+
+    def _update_learners(self, batch: Dict[str, np.ndarray], group_index: np.ndarray) -> None:
+        """Exact minibatching (``minibatches.plan_minibatches``): one ``LearnerGroup.update``
+        per optimiser step, one shard per learner, every row once per epoch."""
+        cfg = self.config
+        num_learners = max(1, cfg.num_learners)
+        plan = plan_minibatches(
+            group_index,
+            minibatch_size=cfg.minibatch_size or len(group_index),
+            num_learners=num_learners,
+            num_epochs=cfg.num_epochs,
+            shuffle=cfg.minibatch_shuffle,
+            # Seeded by (seed, iteration): the same order again after a restore.
+            rng=np.random.default_rng([cfg.seed or 0, self.iteration, 11]),
+        )
+        timesteps = {
+            NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
+                (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0
+            )
+        }
+        sizes = []
+        for epoch in plan:
+            for shards in epoch:
+                parts = [to_multi_agent_batch(take_rows(batch, rows)) for rows in shards]
+                sizes.append(sum(len(rows) for rows in shards))
+                if self.learner_group.is_local:
+                    results = self.learner_group.update(batch=parts[0], timesteps=timesteps)
+                else:
+                    results = self.learner_group.update(batches=parts, timesteps=timesteps)
+                self.metrics.aggregate(results, key=LEARNER_RESULTS)
+        self.metrics.log_value("optimizer_steps", len(sizes), window=1)
+        self.metrics.log_value("minibatch_rows_min", min(sizes) if sizes else 0, window=1)
+        self.metrics.log_value("minibatch_rows_max", max(sizes) if sizes else 0, window=1)
 
     def _sample_step(self, fresh_ids, replay_ids) -> Tuple[List[Trajectory], Dict[str, float]]:
         """All of a step's generation: fresh groups (G each, or planner rounds), G - 1
@@ -361,6 +404,17 @@ class GRPO(ExGRPO):
     @classmethod
     def get_default_config(cls) -> GRPOConfig:
         return GRPOConfig()
+
+
+@contextlib.contextmanager
+def _unfrozen(config):
+    """Edit a frozen AlgorithmConfig in place (RLlib freezes it before ``setup``)."""
+    was_frozen = config._is_frozen
+    config._is_frozen = False
+    try:
+        yield config
+    finally:
+        config._is_frozen = was_frozen
 
 
 def _split_evenly(items: list, parts: int) -> List[list]:

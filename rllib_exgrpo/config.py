@@ -3,7 +3,10 @@
 Defaults follow ``design/ALGORITHMS.md``: where the official ExGRPO code and the paper
 differ, the official code's choice is the default and the other is an option. RLlib's own
 fields keep their meaning: ``lr``, ``grad_clip``, ``num_epochs`` and ``minibatch_size``
-(counted in completions, i.e. learner rows).
+(completions, i.e. learner rows, per learner and optimiser step: an iteration of N rows
+makes ``num_epochs x round(N / (minibatch_size x max(1, num_learners)))`` optimiser steps,
+every row once per epoch; see ``minibatches.py``). ``num_cpus_for_main_process`` defaults
+to ``"auto"`` (all CPUs the remote actors leave free; see ``resources.py``).
 """
 from __future__ import annotations
 
@@ -47,7 +50,17 @@ FIELD_DOCS: Dict[str, str] = {
     "loss_agg_mode": "How token losses become one scalar: 'token-mean', "
     "'seq-mean-token-mean', 'seq-mean-token-sum-norm' (Dr.GRPO: sum/(N*L_max)) or "
     "'seq-mean-token-sum-norm-official' (official ExGRPO: sum/L_max).",
-    "entropy_coeff": "Entropy bonus: loss -= coeff * H (official ExGRPO: 0.001).",
+    "official_micro_batch_rows": "M of the 'seq-mean-token-sum-norm-official' aggregation: "
+    "rows per micro-batch of the official run (64 per GPU), whose loss is each micro-batch's "
+    "token sum / L averaged over micro-batches, i.e. sum / ((rows / M) * L) per optimiser step.",
+    "entropy_coeff": "Entropy bonus: loss -= coeff * H, H the token mean of the minibatch "
+    "whatever loss_agg_mode (official ExGRPO: 0.001).",
+    "weight_decay": "AdamW weight decay of the policy optimiser (official ExGRPO: 0.01).",
+    "minibatch_shuffle": "Row order before cutting minibatches, per epoch, seeded: 'groups' "
+    "(whole groups shuffled: each minibatch mixes fresh and replayed groups; the official "
+    "code shuffles the mixed batch), 'rows' (TRL), 'none'. Every row is in exactly one "
+    "minibatch per epoch; optimiser steps per iteration = num_epochs x "
+    "round(rows / (minibatch_size x max(1, num_learners))).",
     "kl_coeff": "k3 KL penalty to the frozen initial policy (official ExGRPO: 0, off).",
     "skip_update_grad_norm": "Skip the optimiser step when the pre-clip gradient norm "
     "exceeds this (official: 500); None disables.",
@@ -137,6 +150,9 @@ class ExGRPOConfig(AlgorithmConfig):
         self.num_epochs = 1
         self.minibatch_size = 512  # 64 questions x G = 8 completions: 2 optimiser steps
         self.num_env_runners = 0
+        # "auto": every CPU the remote env runners and learners leave free (at least 1),
+        # so a local run trains on all cores (rllib_exgrpo.resources).
+        self.num_cpus_for_main_process = "auto"
         # The LLM runner batches generation itself; one env per runner is enough.
         self.num_envs_per_env_runner = 1
         self.gamma = 1.0
@@ -170,7 +186,10 @@ class ExGRPOConfig(AlgorithmConfig):
         self.clip_eps_high = 0.2
         self.ratio_mode = "token"
         self.loss_agg_mode = "seq-mean-token-sum-norm-official"
+        self.official_micro_batch_rows = 64
         self.entropy_coeff = 0.001
+        self.weight_decay = 0.01
+        self.minibatch_shuffle = "groups"
         self.kl_coeff = 0.0
         self.skip_update_grad_norm: Optional[float] = 500.0
         self.experience_replay = True
@@ -293,6 +312,12 @@ class ExGRPOConfig(AlgorithmConfig):
             yield f"skip_update_grad_norm must be > 0 or None, got {self.skip_update_grad_norm!r}"
         if self.minibatch_size is not None and self.minibatch_size < 1:
             yield f"minibatch_size must be >= 1 completions, got {self.minibatch_size!r}"
+        yield from positive_int("official_micro_batch_rows")
+        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
+            yield f"weight_decay must be a number >= 0, got {self.weight_decay!r}"
+        from rllib_exgrpo.minibatches import MINIBATCH_SHUFFLES
+
+        yield from one_of("minibatch_shuffle", MINIBATCH_SHUFFLES)
         if self.heldout_interval < 0:
             yield f"heldout_interval must be >= 0, got {self.heldout_interval!r}"
         if self.heldout_temperature < 0:

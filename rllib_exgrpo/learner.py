@@ -20,6 +20,14 @@ from rllib_exgrpo.module import completion_logprobs_and_entropy
 
 class ExGRPOTorchLearner(TorchLearner):
     def build(self) -> None:
+        from rllib_exgrpo.resources import apply_torch_threads, learner_cpus, main_process_cpus
+
+        # A remote learner holds num_cpus_per_learner; the local one lives in the main process.
+        remote = self.config.num_learners > 0
+        apply_torch_threads(
+            learner_cpus(self.config) if remote else main_process_cpus(self.config),
+            who="learner" if remote else "local learner",
+        )
         super().build()
         self._skip_step = False
         self.mixed_mode = False
@@ -31,6 +39,15 @@ class ExGRPOTorchLearner(TorchLearner):
                 for p in ref.parameters():
                     p.requires_grad_(False)
                 self._reference_models[mid] = ref
+
+    def configure_optimizers_for_module(self, module_id, config=None) -> None:
+        """AdamW with ``weight_decay`` (official ExGRPO: 0.01) instead of RLlib's plain Adam;
+        the learning rate stays RLlib's (``lr``, a number or a schedule)."""
+        params = self.get_parameters(self._module[module_id])
+        optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=config.weight_decay)
+        self.register_optimizer(
+            module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr
+        )
 
     def set_mixed_mode(self, on: bool) -> None:
         """Called by the algorithm when ExGRPO's delayed start fires (and on restore)."""
@@ -65,6 +82,7 @@ class ExGRPOTorchLearner(TorchLearner):
             beta=config.policy_shaping_beta,
             agg_mode=config.loss_agg_mode,
             max_len=config.max_response_tokens,
+            micro_batch_rows=config.official_micro_batch_rows,
             entropy=fwd_out[C.ENTROPY],
             entropy_coeff=config.entropy_coeff,
             ref_logp=ref_logp,

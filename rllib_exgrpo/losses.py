@@ -397,19 +397,21 @@ def _masked_loss(per_token_loss: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
     return torch.where(m != 0, per_token_loss, zero) * m, m
 
 
-def _agg_token_mean(per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None) -> Tensor:
+def _agg_token_mean(
+    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None
+) -> Tensor:
     """``sum_{i,t} m l / sum_{i,t} m`` (DAPO / verl ``token-mean``)."""
-    del max_len
+    del max_len, micro_batch_rows
     lm, m = _masked_loss(per_token_loss, mask)
     # An all-zero mask gives 0 / 1e-8 = 0, still attached to the graph (no host sync).
     return lm.sum() / m.sum().clamp_min(1e-8)
 
 
 def _agg_seq_mean_token_mean(
-    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None
+    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None
 ) -> Tensor:
     """``mean_{i: n_i>0} (sum_t m l / n_i)``; rows with no valid token are excluded."""
-    del max_len
+    del max_len, micro_batch_rows
     lm, m = _masked_loss(per_token_loss, mask)
     n_tok = m.sum(dim=-1)
     has = n_tok > 0
@@ -420,9 +422,10 @@ def _agg_seq_mean_token_mean(
 
 
 def _agg_seq_mean_token_sum_norm(
-    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None
+    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None
 ) -> Tensor:
     """Dr.GRPO: ``sum_{i,t} m l / (N * L)``, ``L = max_len or T``, N = all rows."""
+    del micro_batch_rows
     lm, _ = _masked_loss(per_token_loss, mask)
     n_rows = lm.shape[0] if lm.dim() > 1 else 1
     L = lm.shape[-1] if max_len is None else max_len
@@ -430,15 +433,24 @@ def _agg_seq_mean_token_sum_norm(
 
 
 def _agg_seq_mean_token_sum_norm_official(
-    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None
+    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None
 ) -> Tensor:
-    """Official ExGRPO: ``sum_{i,t} m l / L`` (no division by the number of rows)."""
+    """Official ExGRPO: ``sum_{i,t} m l / ((N / M) * L)``, ``M = micro_batch_rows`` (64).
+
+    The official run sums the token losses of each M-row micro-batch, divides by L and
+    averages the micro-batches' gradients (over its GPUs and accumulation steps), i.e. a
+    mini-batch of N rows gets ``sum / ((N / M) * L)`` = ``M`` times Dr.GRPO's scale.
+    Written per learner, data-parallel averaging over learners keeps it whatever their
+    number. ``micro_batch_rows=None`` means one micro-batch (``sum / L``).
+    """
     lm, _ = _masked_loss(per_token_loss, mask)
     L = lm.shape[-1] if max_len is None else max_len
-    return lm.sum() / float(max(L, 1))
+    n_rows = lm.shape[0] if lm.dim() > 1 else 1
+    micro_batches = 1.0 if micro_batch_rows is None else max(n_rows, 1) / float(micro_batch_rows)
+    return lm.sum() / (micro_batches * float(max(L, 1)))
 
 
-#: name -> fn(per_token_loss [N, T], mask [N, T], max_len) -> scalar
+#: name -> fn(per_token_loss [N, T], mask [N, T], max_len, micro_batch_rows) -> scalar
 LOSS_AGG_MODES: Dict[str, Callable[..., Tensor]] = {
     "token-mean": _agg_token_mean,
     "seq-mean-token-mean": _agg_seq_mean_token_mean,
@@ -453,6 +465,7 @@ def agg_loss(
     mode: str = "token-mean",
     *,
     max_len: Optional[int] = None,
+    micro_batch_rows: Optional[int] = None,
 ) -> Tensor:
     """Aggregate a per-token loss to a scalar (names as verl ``agg_loss``).
 
@@ -466,10 +479,11 @@ def agg_loss(
     * ``"seq-mean-token-sum-norm"``: ``sum_{i,t} m l / (N * L)`` with ``N`` = number of rows
       (all of them) and ``L = max_len`` (or ``T`` if ``None``) -- Dr.GRPO's constant
       normaliser (arXiv 2503.20783), verl's mode of the same name.
-    * ``"seq-mean-token-sum-norm-official"``: ``sum_{i,t} m l / L`` -- what the official
-      ExGRPO code does (it does not divide by the number of sequences). The gradient is
-      ``N`` times larger than Dr.GRPO's, i.e. it scales with the (micro-)batch size; with
-      a fixed lr this is an effective learning-rate change, not a change of direction.
+    * ``"seq-mean-token-sum-norm-official"``: ``sum_{i,t} m l / ((N / M) * L)`` with
+      ``M = micro_batch_rows`` -- what the official ExGRPO run computes for one optimiser
+      step: each M-row micro-batch's token-loss sum over L, averaged over micro-batches
+      (its 8 GPUs x 64 rows for a 512-row mini-batch: ``sum / (8 * 8192)``). That is ``M``
+      times Dr.GRPO's scale, whatever the number of learners here.
 
     Set ``max_len`` to the configured max response length for the sum-norm modes so the
     normaliser does not depend on each batch's padding. An all-zero mask returns 0 that is
@@ -479,7 +493,7 @@ def agg_loss(
         fn = LOSS_AGG_MODES[mode]
     except KeyError:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; choose from {sorted(LOSS_AGG_MODES)}") from None
-    return fn(per_token_loss, mask, max_len=max_len)
+    return fn(per_token_loss, mask, max_len=max_len, micro_batch_rows=micro_batch_rows)
 
 
 # --------------------------------------------------------------------------------------
@@ -651,6 +665,7 @@ def mixed_policy_loss(
     beta: float = 0.1,
     agg_mode: str = "token-mean",
     max_len: Optional[int] = None,
+    micro_batch_rows: Optional[int] = None,
     entropy: Optional[Tensor] = None,
     entropy_coeff: float = 0.0,
     ref_logp: Optional[Tensor] = None,
@@ -670,7 +685,8 @@ def mixed_policy_loss(
         l_t = clipped_surrogate(...; clip=clip_fresh, ratio_mode)   fresh rows
         l_t = -A * f(w_t),  f(w) = w / (w + beta)                    replayed rows
         loss = agg(l, mask, agg_mode)                 <- ONE aggregation over all tokens
-               - entropy_coeff * agg(entropy, mask, agg_mode)      (if entropy given)
+               - entropy_coeff * token_mean(entropy, mask)   (if entropy given; a token
+                                                     mean in the official code)
                + kl_coeff * agg(k3_kl(logp, ref_logp), mask, agg_mode)  (if kl_coeff>0)
 
     Official ExGRPO: ``clip_fresh=False`` in mixed mode (``loss_remove_clip``),
@@ -704,17 +720,18 @@ def mixed_policy_loss(
         rep_stats = None
         per_token = fresh_loss
 
-    pg_loss = agg_loss(per_token, m, agg_mode, max_len=max_len)
+    pg_loss = agg_loss(per_token, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows)
     loss = pg_loss
 
     metrics: Dict[str, Tensor] = {"policy_loss": pg_loss.detach()}
     if entropy is not None:
         if entropy_coeff != 0.0:
-            loss = loss - entropy_coeff * agg_loss(entropy, m, agg_mode, max_len=max_len)
+            # A token mean whatever agg_mode, as in the official code.
+            loss = loss - entropy_coeff * masked_mean(entropy, m)
         metrics["entropy"] = masked_mean(entropy.detach(), m)
     if ref_logp is not None and kl_coeff != 0.0:
         kl = k3_kl(logp, ref_logp)
-        loss = loss + kl_coeff * agg_loss(kl, m, agg_mode, max_len=max_len)
+        loss = loss + kl_coeff * agg_loss(kl, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows)
         metrics["kl"] = masked_mean(kl.detach(), m)
 
     metrics["clip_fraction"] = masked_mean(fresh_stats["clipped"], fresh_tok)

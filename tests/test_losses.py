@@ -246,6 +246,10 @@ def test_agg_loss_hand_numbers():
     assert float(L.agg_loss(loss, mask, "seq-mean-token-sum-norm", max_len=5)) == pytest.approx(10.0 / 15)
     assert float(L.agg_loss(loss, mask, "seq-mean-token-sum-norm-official")) == pytest.approx(10.0 / 3)
     assert float(L.agg_loss(loss, mask, "seq-mean-token-sum-norm-official", max_len=5)) == pytest.approx(2.0)
+    # 3 rows in micro-batches of 1 row: sum / ((3 / 1) * 5)
+    assert float(
+        L.agg_loss(loss, mask, "seq-mean-token-sum-norm-official", max_len=5, micro_batch_rows=1)
+    ) == pytest.approx(10.0 / 15)
     with pytest.raises(ValueError):
         L.agg_loss(loss, mask, "nope")
 
@@ -361,7 +365,7 @@ def test_mixed_policy_loss_by_hand():
                     if mask[i, j]:
                         fratios.append(w)
         pg = _ref_agg(per_tok, mask, "seq-mean-token-sum-norm", 6)
-        e = _ref_agg(ent.detach(), mask, "seq-mean-token-sum-norm", 6)
+        e = _ref_agg(ent.detach(), mask, "token-mean")  # a token mean whatever the mode
         kl = _ref_agg(L.k3_kl(logp.detach(), ref_logp), mask, "seq-mean-token-sum-norm", 6)
         assert float(loss) == pytest.approx(pg - 0.001 * e + 0.05 * kl)
         assert float(met["policy_loss"]) == pytest.approx(pg)
@@ -377,7 +381,7 @@ def test_mixed_policy_loss_by_hand():
         assert all(not v.requires_grad for v in met.values())
         # entropy bonus gradient flows with the right sign
         (ge,) = torch.autograd.grad(loss, ent)
-        assert float(ge[0, 0]) == pytest.approx(-0.001 / (4 * 6))
+        assert float(ge[0, 0]) == pytest.approx(-0.001 / n_valid)  # a token mean
         assert float(ge[2, 0]) == 0.0
 
 
@@ -483,3 +487,40 @@ def test_streamed_entropy_matches_plain_values_and_gradient(monkeypatch):
     torch.testing.assert_close(plain, ref.detach().float(), rtol=1e-5, atol=1e-5)
     half = L.streamed_entropy(z.float().to(torch.bfloat16))
     assert half.dtype == torch.float32 and half.shape == (2, 5)
+
+
+@pytest.mark.parametrize("num_learners", [1, 2, 4])
+def test_official_aggregation_gradient_equals_the_official_run(num_learners):
+    """The official ExGRPO step: a 512-row mini-batch over 8 GPUs, 64-row micro-batches,
+    each micro-batch's token-loss sum / 8192, gradients averaged over the GPUs. Ours, with
+    any number of learners (each its shard, averaged as DDP does), gives the same gradient."""
+    torch.manual_seed(0)
+    rows, width, L_max, micro = 512, 6, 8192, 64
+    theta = torch.randn(rows, width, requires_grad=True)  # stands in for log-probs
+    mask = (torch.rand(rows, width) > 0.3).float()
+    weights = torch.randn(rows, width)
+
+    def per_token(lo, hi):
+        return theta[lo:hi] * weights[lo:hi]
+
+    # Official: 8 GPUs x one 64-row micro-batch each; DDP averages the 8 gradients.
+    official = sum(
+        (per_token(g * micro, (g + 1) * micro) * mask[g * micro : (g + 1) * micro]).sum() / L_max
+        for g in range(rows // micro)
+    ) / (rows // micro)
+    (g_official,) = torch.autograd.grad(official, theta)
+
+    shard = rows // num_learners
+    ours = sum(
+        L.agg_loss(
+            per_token(k * shard, (k + 1) * shard), mask[k * shard : (k + 1) * shard],
+            "seq-mean-token-sum-norm-official", max_len=L_max, micro_batch_rows=micro,
+        )
+        for k in range(num_learners)
+    ) / num_learners
+    (g_ours,) = torch.autograd.grad(ours, theta)
+    torch.testing.assert_close(g_ours, g_official)
+    # ... which is 64x Dr.GRPO's scale (sum / (N * L)), not the 512x of "sum / L".
+    drgrpo = L.agg_loss(per_token(0, rows), mask, "seq-mean-token-sum-norm", max_len=L_max)
+    (g_dr,) = torch.autograd.grad(drgrpo, theta)
+    torch.testing.assert_close(g_ours, 64 * g_dr)

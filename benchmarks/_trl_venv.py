@@ -1,0 +1,197 @@
+"""The separate virtual environment of the TRL side of the GRPO benchmark, and its inputs.
+
+TRL is no dependency of the project: the TRL baseline (:mod:`benchmarks._trl_grpo_runner`)
+runs in a venv of its own, by default ``benchmarks/out/trl-venv`` (git-ignored).
+
+- :func:`ensure_trl_venv` creates that venv if needed and returns its python: torch first
+  (the CPU wheel; installed after anything else pip would pull a CUDA build), then
+  ``trl==1.16.0``, the project venv's own ``transformers`` version, ``accelerate``,
+  ``datasets`` and math-verify (same range as setup.py). Idempotent: a marker file records
+  the pinned versions, and a venv whose marker matches is reused without calling pip.
+- :func:`trl_inputs` builds the runner's input dict in the *project* venv: the rendered
+  prompts and ground truths of the questions GRPO draws at each iteration (the project's
+  :class:`~rllib_exgrpo.question_sampler.QuestionSampler`, same seed), so both sides train
+  on the same questions in the same order.
+- :func:`run_trl` writes the input JSON, runs the runner in the TRL venv and returns its
+  ``trl_result.json``.
+
+Nothing here imports ray, TRL or torch at module level.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_VENV = ROOT / "benchmarks" / "out" / "trl-venv"
+RUNNER = Path(__file__).resolve().parent / "_trl_grpo_runner.py"
+
+TORCH_VERSION = "2.13.0"
+TRL_VERSION = "1.16.0"
+#: Same range as the project's setup.py.
+MATH_VERIFY_SPEC = "math-verify[antlr4_13_2]>=0.9,<0.10"
+MARKER = ".rllib_exgrpo_trl_venv.json"
+
+#: Settings of the project's GRPO run (tuned_examples/grpo_tiny.yaml) mirrored on the TRL side.
+DEFAULT_SETTINGS = {
+    "group_size": 8,  # G
+    "questions_per_step": 32,  # B
+    "max_new_tokens": 48,
+    "max_prompt_tokens": 256,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "lr": 3e-4,
+    "weight_decay": 0.01,
+    "steps_per_generation": 2,  # optimiser steps per iteration
+    "per_device_train_batch_size": 128,  # completions per optimiser step
+    "epsilon": 0.2,
+    "beta": 0.0,
+    "max_grad_norm": 1.0,
+    "loss_type": "dapo",
+    "scale_rewards": "none",
+    "reward_timeout_s": 5.0,
+}
+
+
+def _pins() -> dict:
+    """The package specs of the TRL venv (transformers pinned to the calling venv's)."""
+    try:
+        transformers = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError("transformers is not installed in the calling environment "
+                           "(run this from the project venv)") from None
+    # Install order matters: each step keeps what the earlier ones put in place when it is
+    # compatible (pip's only-if-needed upgrades), so torch stays the CPU wheel and trl does
+    # not replace transformers by the newest release.
+    return {
+        "torch": f"torch=={TORCH_VERSION}",
+        "transformers": f"transformers=={transformers}",
+        "accelerate": "accelerate",
+        "datasets": "datasets",
+        "math-verify": MATH_VERIFY_SPEC,
+        "trl": f"trl=={TRL_VERSION}",
+    }
+
+
+def venv_python(path: os.PathLike | str = DEFAULT_VENV) -> Path:
+    return Path(path) / "bin" / "python"
+
+
+def _pip(python: Path, package: str, spec: str, *extra: str) -> None:
+    cmd = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *extra, spec]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        last = next((l.strip() for l in reversed(proc.stdout.splitlines()) if l.strip()), "no output")
+        raise RuntimeError(f"TRL venv: installing {package} ({spec}) failed: {last}")
+
+
+def ensure_trl_venv(path: os.PathLike | str = DEFAULT_VENV, *, verbose: bool = False) -> str:
+    """The python executable of a venv holding TRL 1.16.0 and the runner's needs (created once).
+
+    Raises RuntimeError (one line, naming the package) when an install fails.
+    """
+    path = Path(path).resolve()
+    python = venv_python(path)
+    pins = _pins()
+    marker = path / MARKER
+    if python.exists() and marker.exists():
+        try:
+            if json.loads(marker.read_text()) == pins:
+                return str(python)
+        except (OSError, ValueError):
+            pass
+    if not python.exists():
+        if verbose:
+            print(f"creating the TRL venv at {path}", file=sys.stderr)
+        base = getattr(sys, "_base_executable", None) or sys.executable
+        proc = subprocess.run([base, "-m", "venv", str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"TRL venv: could not create {path}: {last}")
+    marker.unlink(missing_ok=True)
+    # torch first, alone: with it in place pip does not fetch a CUDA build for trl/accelerate.
+    for package, spec in pins.items():
+        if verbose:
+            print(f"TRL venv: installing {spec}", file=sys.stderr)
+        _pip(python, package, spec)
+    # One final resolve of everything together, so that no later install broke an earlier pin.
+    proc = subprocess.run([str(python), "-m", "pip", "check"], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        first = (proc.stdout.strip().splitlines() or ["pip check failed"])[0]
+        raise RuntimeError(f"TRL venv: inconsistent packages after install: {first}")
+    marker.write_text(json.dumps(pins, indent=1, sort_keys=True))
+    return str(python)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def trl_inputs(seed: int = 0, iterations: int = 40, *, model: str = "tiny", output_dir: Optional[str] = None,
+               dataset: str = "arithmetic", settings: Optional[dict] = None) -> dict:
+    """The runner's input (see the runner's docstring): the prompts the project's GRPO draws.
+
+    Must run in the project venv. Iteration ``i`` gets the ``questions_per_step`` question
+    ids of ``QuestionSampler(ids, seed=seed).next_batch(B)`` (the i-th call), rendered by
+    ``ReasoningEnv.prompt_for`` with the model's tokenizer, and their ground truths.
+    """
+    sys.path.insert(0, str(ROOT))
+    from envs.reasoning_env import ReasoningEnv
+    from rllib_exgrpo.models import resolve_model_path
+    from rllib_exgrpo.question_sampler import QuestionSampler
+
+    settings = {**DEFAULT_SETTINGS, **(settings or {})}
+    model_path = resolve_model_path(model)
+    env = ReasoningEnv({"dataset": dataset, "tokenizer": model_path})
+    sampler = QuestionSampler([p.id for p in env.problems], seed=seed)
+    its = []
+    for _ in range(iterations):
+        qids = sampler.next_batch(settings["questions_per_step"])
+        its.append({
+            "question_ids": qids,
+            "prompts": [env.prompt_for(q) for q in qids],
+            "ground_truths": [env.get_problem(q).ground_truth for q in qids],
+        })
+    return {
+        "model_path": str(model_path),
+        "output_dir": str(output_dir or ROOT / "benchmarks" / "out" / "trl" / f"seed{seed}"),
+        "seed": seed,
+        "repo_root": str(ROOT),
+        "dataset": dataset,
+        "settings": settings,
+        "iterations": its,
+    }
+
+
+def run_trl(inputs: dict, *, venv: os.PathLike | str = DEFAULT_VENV, timeout_s: Optional[float] = None) -> dict:
+    """Write ``inputs`` next to the output, run the runner in the TRL venv, return its result."""
+    python = ensure_trl_venv(venv)
+    out = Path(inputs["output_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "trl_input.json"
+    spec.write_text(json.dumps(inputs))
+    subprocess.run([python, str(RUNNER), str(spec)], check=True, timeout=timeout_s)
+    return json.loads((out / "trl_result.json").read_text())
+
+
+if __name__ == "__main__":  # python benchmarks/_trl_venv.py [--venv PATH] [--inputs SEED ITERS OUT.json]
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--venv", default=str(DEFAULT_VENV))
+    ap.add_argument("--inputs", nargs=3, metavar=("SEED", "ITERATIONS", "OUT_JSON"),
+                    help="also write the runner's input for this seed and number of iterations")
+    ap.add_argument("--output-dir", default=None, help="output_dir recorded in the input (with --inputs)")
+    args = ap.parse_args()
+    print(ensure_trl_venv(args.venv, verbose=True))
+    if args.inputs:
+        seed, iters, dest = int(args.inputs[0]), int(args.inputs[1]), Path(args.inputs[2])
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(json.dumps(trl_inputs(seed, iters, output_dir=args.output_dir), indent=1))
+        print(dest)

@@ -1,0 +1,119 @@
+"""Exact minibatches for the learner: every row once per epoch, groups shuffled, per learner.
+
+RLlib's ``Learner.update(minibatch_size=...)`` is wrong for GRPO-style batches in two ways
+(measured on RLlib 2.60, see docs/architecture.md):
+
+* it shuffles only when ``num_epochs > 1``; our batch lists fresh groups first and replayed
+  groups last, so replayed rows all landed in the last minibatch (trained with stale
+  ratios and, in ExGRPO's mixed mode, no clip);
+* its ``MiniBatchCyclicIterator`` wraps around to fill the last minibatch: 260 rows with
+  minibatch 128 gave 3 optimiser steps, the third repeating rows 0-123; and with several
+  learners ``minibatch_size`` counts rows per learner of each learner's shard, so 4 learners
+  with ``minibatch_size`` = the whole batch made one step over duplicated rows.
+
+:func:`plan_minibatches` replaces that with a plan the algorithm executes one optimiser
+step at a time (``LearnerGroup.update`` with one shard per learner and no further
+splitting): per epoch the row order is shuffled by whole groups (seeded), cut into
+``round(rows / (minibatch_size x learners))`` minibatches of near-equal size (at least
+one), and each minibatch into one near-equal shard per learner. So
+
+    optimiser steps per iteration = num_epochs x round(rows / (minibatch_size x num_learners))
+
+and every row is in exactly one minibatch per epoch.
+
+:func:`take_rows` cuts a minibatch out of the padded learner batch and drops the columns
+that are padding for every row of it (less compute for short minibatches).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from rllib_exgrpo import columns as C
+
+#: How rows are ordered before cutting minibatches.
+MINIBATCH_SHUFFLES = ("groups", "rows", "none")
+
+
+def row_order(group_index: np.ndarray, shuffle: str, rng: np.random.Generator) -> np.ndarray:
+    """Row indices in training order.
+
+    * ``"groups"``: whole groups in a random order (rows of a group stay together), so a
+      minibatch holds complete groups, fresh and replayed mixed;
+    * ``"rows"``: every row at a random place (TRL shuffles its generation batch so);
+    * ``"none"``: the batch order (for debugging and ablations).
+    """
+    group_index = np.asarray(group_index)
+    n = len(group_index)
+    if shuffle == "none":
+        return np.arange(n)
+    if shuffle == "rows":
+        return rng.permutation(n)
+    if shuffle != "groups":
+        raise ValueError(f"minibatch_shuffle must be one of {list(MINIBATCH_SHUFFLES)}, got {shuffle!r}")
+    groups = np.unique(group_index)
+    position = {g: i for i, g in enumerate(rng.permutation(groups))}
+    # Stable sort by the group's new position keeps each group's rows in batch order.
+    keys = np.asarray([position[g] for g in group_index], dtype=np.int64)
+    return np.argsort(keys, kind="stable")
+
+
+def num_minibatches(num_rows: int, minibatch_size: int, num_learners: int = 1) -> int:
+    """``round(rows / (minibatch_size x learners))``, at least 1 and at most rows / learners."""
+    learners = max(1, int(num_learners))
+    steps = max(1, int(round(num_rows / float(minibatch_size * learners))))
+    return max(1, min(steps, num_rows // learners))
+
+
+def plan_minibatches(
+    group_index: Sequence[int],
+    *,
+    minibatch_size: int,
+    num_learners: int = 1,
+    num_epochs: int = 1,
+    shuffle: str = "groups",
+    rng: np.random.Generator,
+) -> List[List[List[np.ndarray]]]:
+    """The update plan: ``plan[epoch][step][learner]`` = row indices (int64 arrays).
+
+    ``group_index [N]`` is the group of each row; ``minibatch_size`` counts rows per
+    learner per optimiser step (RLlib's meaning). Every row appears exactly once per
+    epoch; shards of one step differ in size by at most one row. Fewer rows than learners
+    give an empty plan (no learner may be left without rows in a data-parallel step).
+    """
+    group_index = np.asarray(group_index)
+    n = len(group_index)
+    learners = max(1, int(num_learners))
+    if minibatch_size is None or minibatch_size < 1:
+        raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size!r}")
+    if n < learners:
+        return []
+    steps = num_minibatches(n, minibatch_size, learners)
+    plan = []
+    for _ in range(max(1, int(num_epochs))):
+        order = row_order(group_index, shuffle, rng)
+        plan.append([np.array_split(chunk, learners) for chunk in np.array_split(order, steps)])
+    return plan
+
+
+def take_rows(columns: Dict[str, np.ndarray], rows: np.ndarray) -> Dict[str, np.ndarray]:
+    """The learner columns of ``rows``, without columns that are padding for all of them.
+
+    Layout (``columns.py``): ``input_ids``/``attention_mask`` are ``[N, P + R]`` (prompt
+    left-padded, completion right-padded), the per-token columns ``[N, R]``.
+    """
+    out = {k: v[rows] for k, v in columns.items()}
+    mask = out[C.ATTENTION_MASK]
+    width_r = out[C.RESPONSE_MASK].shape[1]
+    width_p = mask.shape[1] - width_r
+    prompt_real = mask[:, :width_p].any(axis=0)
+    first = int(np.argmax(prompt_real)) if prompt_real.any() else width_p
+    resp_real = out[C.RESPONSE_MASK].any(axis=0)
+    last = int(len(resp_real) - np.argmax(resp_real[::-1])) if resp_real.any() else 1
+    for key, value in out.items():
+        if value.ndim == 2 and value.shape[1] == width_p + width_r:
+            out[key] = np.concatenate([value[:, first:width_p], value[:, width_p : width_p + last]], axis=1)
+        elif value.ndim == 2 and value.shape[1] == width_r:
+            out[key] = value[:, :last]
+    return out

@@ -1,0 +1,194 @@
+"""CPUs and GPUs: what a run asks for, fitted to the cluster, and torch threads to match.
+
+Two things RLlib gets wrong for an LLM on a small machine, fixed here in one place:
+
+* **Threads.** Ray starts every worker with ``OMP_NUM_THREADS=1``, so torch runs on one
+  thread in a Tune trial, an env runner or a learner, whatever CPUs that actor holds.
+  :func:`apply_torch_threads` sets torch's intra-op threads to the CPUs the calling process
+  holds (:func:`cpus_held`): a Ray actor's assigned CPUs, or, in a plain driver process,
+  the main process's share of the config (:func:`main_process_cpus`). It is called where
+  each process starts working: ``ExGRPO.setup`` (the main process: local env runner and
+  local learner), ``LLMEnvRunner.__init__`` and ``ExGRPOTorchLearner.build``.
+
+* **Pending forever.** A trial that asks for more CPUs than the cluster has waits in
+  PENDING with a warning every minute (``num_env_runners: 2`` on 2 cores asks for 3).
+  :func:`fit_resources` checks the request against the cluster before anything starts:
+  a CPU shortfall is fitted by giving the main process and every remote actor an equal
+  fractional share (logged; they then share cores), a GPU shortfall is an error that
+  names the settings to change.
+
+``num_cpus_for_main_process: "auto"`` (the ExGRPO default) gives the main process every
+CPU of one node that the env runners and learners leave free, at least 1: a local run with
+no remote runners trains on all the machine's cores.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+
+class ResourceError(ValueError):
+    """The run asks for resources the cluster cannot give (one line, names the keys)."""
+
+
+@dataclass(frozen=True)
+class ClusterResources:
+    cpus: float
+    gpus: float
+    #: CPUs of the largest node: no single bundle (the main process) can be bigger.
+    max_node_cpus: float
+
+    @classmethod
+    def detect(cls) -> "ClusterResources":
+        """The running Ray cluster's totals, or this machine's when Ray is not started."""
+        try:
+            import ray
+
+            if ray.is_initialized():
+                totals = ray.cluster_resources()
+                nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+                node_cpus = max((n.get("CPU", 0.0) for n in nodes), default=totals.get("CPU", 1.0))
+                return cls(float(totals.get("CPU", 1.0)), float(totals.get("GPU", 0.0)), float(node_cpus))
+        except Exception:  # noqa: BLE001 - detection must never stop a run
+            logger.debug("could not read Ray's cluster resources", exc_info=True)
+        cpus = float(_machine_cpus())
+        return cls(cpus, float(_machine_gpus()), cpus)
+
+
+def _machine_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _machine_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def learner_cpus(config) -> float:
+    """CPUs of one learner, RLlib's ``"auto"`` rule included (1 without a GPU, else 0)."""
+    value = config.num_cpus_per_learner
+    if value == AUTO:
+        return 1.0 if not config.num_gpus_per_learner else 0.0
+    return float(value)
+
+
+def _remote_cpus(config) -> float:
+    runners = config.num_env_runners * float(config.num_cpus_per_env_runner)
+    learners = config.num_learners * learner_cpus(config) if config.num_learners > 0 else 0.0
+    return runners + learners
+
+
+def main_process_cpus(config, cluster: Optional[ClusterResources] = None) -> float:
+    """CPUs the main process asks for: ``num_cpus_for_main_process``, where ``"auto"``
+    means what one node has left after the remote env runners and learners (>= 1). With
+    no remote learner the local learner runs there too (RLlib bundles them)."""
+    value = config.num_cpus_for_main_process
+    if value == AUTO:
+        cluster = cluster or ClusterResources.detect()
+        value = max(1.0, min(cluster.max_node_cpus, cluster.cpus - _remote_cpus(config)))
+    value = float(value)
+    if config.num_learners == 0:
+        value = max(value, learner_cpus(config))
+    return value
+
+
+def _gpus_requested(config) -> Tuple[float, str]:
+    runner_gpus = config.num_env_runners * float(config.num_gpus_per_env_runner)
+    learner_count = config.num_learners if config.num_learners > 0 else 1
+    learner_gpus = learner_count * float(config.num_gpus_per_learner)
+    detail = (
+        f"num_env_runners={config.num_env_runners} x num_gpus_per_env_runner={config.num_gpus_per_env_runner:g}"
+        f" + {learner_count} learner(s) x num_gpus_per_learner={config.num_gpus_per_learner:g}"
+    )
+    return runner_gpus + learner_gpus, detail
+
+
+def fit_resources(config, cluster: Optional[ClusterResources] = None) -> List[str]:
+    """Make ``config``'s CPU request fit ``cluster``; return what was changed, as notes.
+
+    Mutates the (unfrozen) ``config``: ``num_cpus_for_main_process`` becomes a number
+    (``"auto"`` resolved), and when the request exceeds the cluster's CPUs, the main
+    process and each remote env runner / learner get an equal share
+    ``floor(100 * cpus / (1 + remote actors)) / 100`` (fractional CPUs: Ray then packs them
+    on shared cores). Raises :class:`ResourceError` when GPUs are short, or when the cluster
+    cannot give every process even 0.01 CPU.
+    """
+    cluster = cluster or ClusterResources.detect()
+    notes: List[str] = []
+    gpus, detail = _gpus_requested(config)
+    if gpus > cluster.gpus + 1e-9:
+        raise ResourceError(
+            f"the config asks for {gpus:g} GPU(s) ({detail}) but the cluster has {cluster.gpus:g}: "
+            "lower num_gpus_per_env_runner / num_gpus_per_learner or run on a node with GPUs"
+        )
+    main = main_process_cpus(config, cluster)
+    remote = _remote_cpus(config)
+    config.num_cpus_for_main_process = main
+    if main + remote <= cluster.cpus + 1e-9:
+        return notes
+    actors = config.num_env_runners + (config.num_learners if config.num_learners > 0 else 0)
+    share = math.floor(100 * cluster.cpus / (1 + actors)) / 100
+    if share < 0.01:
+        raise ResourceError(
+            f"{1 + actors} processes (main + num_env_runners={config.num_env_runners} + "
+            f"num_learners={config.num_learners}) cannot share {cluster.cpus:g} CPU(s): lower num_env_runners"
+        )
+    notes.append(
+        f"the config asks for {main + remote:g} CPUs (main process {main:g}, "
+        f"num_env_runners={config.num_env_runners} x {float(config.num_cpus_per_env_runner):g}"
+        + (f", num_learners={config.num_learners} x {learner_cpus(config):g}" if config.num_learners > 0 else "")
+        + f") but the cluster has {cluster.cpus:g}: giving the main process and each of the {actors} "
+        f"remote actor(s) {share:g} CPU (they share cores; set num_cpus_per_env_runner / "
+        "num_cpus_per_learner / num_cpus_for_main_process to choose yourself)"
+    )
+    config.num_cpus_for_main_process = share
+    if config.num_env_runners > 0:
+        config.num_cpus_per_env_runner = share
+    if config.num_learners > 0:
+        config.num_cpus_per_learner = share
+    return notes
+
+
+def cpus_held(fallback: float) -> float:
+    """CPUs Ray assigned to the calling actor or task; ``fallback`` in a plain driver."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            if ctx.worker.mode == ray.WORKER_MODE:
+                return float(ctx.get_assigned_resources().get("CPU", fallback))
+    except Exception:  # noqa: BLE001 - a thread count must never stop a run
+        logger.debug("could not read the actor's CPUs", exc_info=True)
+    return float(fallback)
+
+
+def torch_threads(cpus: float) -> int:
+    """Intra-op threads for ``cpus`` CPUs: the whole cores held, at least one."""
+    return max(1, int(math.floor(float(cpus) + 1e-9)))
+
+
+def apply_torch_threads(fallback_cpus: float, *, who: str = "process") -> int:
+    """Set torch's threads to the CPUs this process holds (see :func:`cpus_held`)."""
+    import torch
+
+    cpus = cpus_held(fallback_cpus)
+    n = torch_threads(cpus)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    logger.info("%s: %g CPU(s) held -> %d torch thread(s)", who, cpus, n)
+    return n
