@@ -3,11 +3,14 @@
 TRL is no dependency of the project: the TRL baseline (:mod:`benchmarks._trl_grpo_runner`)
 runs in a venv of its own, by default ``benchmarks/out/trl-venv`` (git-ignored).
 
-- :func:`ensure_trl_venv` creates that venv if needed and returns its python: torch first
-  (the CPU wheel; installed after anything else pip would pull a CUDA build), then
-  ``trl==1.16.0``, the project venv's own ``transformers`` version, ``accelerate``,
-  ``datasets`` and math-verify (same range as setup.py). Idempotent: a marker file records
-  the pinned versions, and a venv whose marker matches is reused without calling pip.
+- :func:`ensure_trl_venv` creates that venv if needed and returns its python. It installs
+  ``torch==2.13.0`` first, alone (the CPU wheel on this machine's disk; if anything that
+  depends on torch came first, pip would pull a multi-GB CUDA build), then the project
+  venv's own ``transformers`` version, ``accelerate``, ``datasets``, math-verify (same range
+  as setup.py) and last ``trl==1.16.0``, then runs ``pip check``. Idempotent: a marker file
+  records the pins, and a venv whose marker matches is reused without calling pip. A failed
+  install raises a one-line RuntimeError naming the package.
+- :func:`reward_parity` checks the TRL-side reward against ``ReasoningEnv.score``.
 - :func:`trl_inputs` builds the runner's input dict in the *project* venv: the rendered
   prompts and ground truths of the questions GRPO draws at each iteration (the project's
   :class:`~rllib_exgrpo.question_sampler.QuestionSampler`, same seed), so both sides train
@@ -37,25 +40,9 @@ TRL_VERSION = "1.16.0"
 MATH_VERIFY_SPEC = "math-verify[antlr4_13_2]>=0.9,<0.10"
 MARKER = ".rllib_exgrpo_trl_venv.json"
 
-#: Settings of the project's GRPO run (tuned_examples/grpo_tiny.yaml) mirrored on the TRL side.
-DEFAULT_SETTINGS = {
-    "group_size": 8,  # G
-    "questions_per_step": 32,  # B
-    "max_new_tokens": 48,
-    "max_prompt_tokens": 256,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "lr": 3e-4,
-    "weight_decay": 0.01,
-    "steps_per_generation": 2,  # optimiser steps per iteration
-    "per_device_train_batch_size": 128,  # completions per optimiser step
-    "epsilon": 0.2,
-    "beta": 0.0,
-    "max_grad_norm": 1.0,
-    "loss_type": "dapo",
-    "scale_rewards": "none",
-    "reward_timeout_s": 5.0,
-}
+#: B of tuned_examples/grpo_tiny.yaml (questions per iteration). Every other setting of the
+#: TRL run defaults to the runner's DEFAULT_SETTINGS (the same recipe); ``settings`` overrides.
+QUESTIONS_PER_STEP = 32
 
 
 def _pins() -> dict:
@@ -140,19 +127,20 @@ def trl_inputs(seed: int = 0, iterations: int = 40, *, model: str = "tiny", outp
     Must run in the project venv. Iteration ``i`` gets the ``questions_per_step`` question
     ids of ``QuestionSampler(ids, seed=seed).next_batch(B)`` (the i-th call), rendered by
     ``ReasoningEnv.prompt_for`` with the model's tokenizer, and their ground truths.
+    ``settings``: overrides of the runner's ``DEFAULT_SETTINGS`` (stored as given).
     """
     sys.path.insert(0, str(ROOT))
     from envs.reasoning_env import ReasoningEnv
     from rllib_exgrpo.models import resolve_model_path
     from rllib_exgrpo.question_sampler import QuestionSampler
 
-    settings = {**DEFAULT_SETTINGS, **(settings or {})}
+    settings = dict(settings or {})
     model_path = resolve_model_path(model)
     env = ReasoningEnv({"dataset": dataset, "tokenizer": model_path})
     sampler = QuestionSampler([p.id for p in env.problems], seed=seed)
     its = []
     for _ in range(iterations):
-        qids = sampler.next_batch(settings["questions_per_step"])
+        qids = sampler.next_batch(settings.get("questions_per_step", QUESTIONS_PER_STEP))
         its.append({
             "question_ids": qids,
             "prompts": [env.prompt_for(q) for q in qids],
@@ -167,6 +155,63 @@ def trl_inputs(seed: int = 0, iterations: int = 40, *, model: str = "tiny", outp
         "settings": settings,
         "iterations": its,
     }
+
+
+def _parity_examples(env, model_path: str, n_questions: int, seed: int) -> tuple[list, list]:
+    """(question ids, completions): hand-made edge cases plus samples of the model itself."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    problems = env.problems[:n_questions]
+    qids, texts = [], []
+    for p in problems:
+        gt = p.ground_truth
+        for t in (f"So the answer is \\boxed{{{gt}}}.", f"\\boxed{{ {gt} }}", f"$\\boxed{{{gt}.0}}$",
+                  f"\\boxed{{{gt}}} then \\boxed{{{gt}1}}", f"\\boxed{{{gt}", f"answer: {gt}",
+                  f"\\boxed{{\\frac{{{gt}}}{{1}}}}", f"\\boxed{{x = {gt}}}", f"\\boxed {gt}.", ""):
+            qids.append(p.id)
+            texts.append(t)
+    tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True).eval()
+    torch.manual_seed(seed)
+    prompts = [tok(env.prompt_for(p.id), add_special_tokens=False)["input_ids"] for p in problems]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in prompts])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=48, num_return_sequences=4,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    for k, row in enumerate(out[:, width:]):
+        qids.append(problems[k // 4].id)
+        texts.append(tok.decode(row, skip_special_tokens=True))
+    return qids, texts
+
+
+def reward_parity(python: Optional[str] = None, *, n_questions: int = 16, seed: int = 0,
+                  model: str = "tiny", dataset: str = "arithmetic") -> dict:
+    """Score the same completions with the project's ``ReasoningEnv.score`` (here, the project
+    venv) and with the runner's reward in the TRL venv (``--score``); report any difference."""
+    sys.path.insert(0, str(ROOT))
+    from envs.reasoning_env import ReasoningEnv
+    from rllib_exgrpo.models import resolve_model_path
+
+    python = python or ensure_trl_venv()
+    model_path = resolve_model_path(model)
+    env = ReasoningEnv({"dataset": dataset, "tokenizer": model_path})
+    qids, texts = _parity_examples(env, model_path, n_questions, seed)
+    project = env.score(qids, texts)
+    spec = {"completions": texts, "ground_truths": [env.get_problem(q).ground_truth for q in qids],
+            "repo_root": str(ROOT)}
+    proc = subprocess.run([python, str(RUNNER), "--score", "/dev/stdin"], input=json.dumps(spec),
+                          stdout=subprocess.PIPE, text=True, check=True)
+    trl = json.loads(proc.stdout.strip().splitlines()[-1])
+    mismatches = [
+        {"completion": t, "ground_truth": g, "project": (r.score, r.parsed), "trl": (s, p)}
+        for t, g, r, s, p in zip(texts, spec["ground_truths"], project, trl["scores"], trl["parsed"])
+        if r.score != s or r.parsed != p
+    ]
+    return {"n": len(texts), "correct": sum(r.score for r in project), "mismatches": mismatches}
 
 
 def run_trl(inputs: dict, *, venv: os.PathLike | str = DEFAULT_VENV, timeout_s: Optional[float] = None) -> dict:
@@ -188,8 +233,19 @@ if __name__ == "__main__":  # python benchmarks/_trl_venv.py [--venv PATH] [--in
     ap.add_argument("--inputs", nargs=3, metavar=("SEED", "ITERATIONS", "OUT_JSON"),
                     help="also write the runner's input for this seed and number of iterations")
     ap.add_argument("--output-dir", default=None, help="output_dir recorded in the input (with --inputs)")
+    ap.add_argument("--check-reward", action="store_true",
+                    help="also check that the TRL-side reward equals ReasoningEnv.score on sample completions")
     args = ap.parse_args()
-    print(ensure_trl_venv(args.venv, verbose=True))
+    python = ensure_trl_venv(args.venv, verbose=True)
+    print(python)
+    if args.check_reward:
+        report = reward_parity(python)
+        print(f"reward parity: {report['n']} completions ({int(report['correct'])} correct), "
+              f"{len(report['mismatches'])} mismatches")
+        for m in report["mismatches"][:10]:
+            print("  ", m)
+        if report["mismatches"]:
+            sys.exit(1)
     if args.inputs:
         seed, iters, dest = int(args.inputs[0]), int(args.inputs[1]), Path(args.inputs[2])
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -184,7 +184,8 @@ def run_train(args: argparse.Namespace) -> int:
     if not args.config_file:
         args._train_parser.error("an experiment file is required: `rllib train file FILE` or `rllib train -f FILE`")
 
-    from rllib_exgrpo.yaml_config import CliConfigError, build_experiments, run_experiments
+    from rllib_exgrpo.resources import ResourceError
+    from rllib_exgrpo.yaml_config import CliConfigError, build_experiments, fit_experiment_resources, run_experiments
 
     overrides = dict(args.config or {})
     if args.verbose >= 1:
@@ -208,7 +209,14 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
 
     if args.dry_run:
+        from rllib_exgrpo.resources import ClusterResources
+
         for exp in experiments:
+            try:  # against this machine (a cluster given by --ray-address is not contacted)
+                fit_experiment_resources(exp, ClusterResources.detect())
+            except ResourceError as e:
+                print(f"{PROG} train: error: {e}", file=sys.stderr)
+                return 2
             print(exp.summary())
         print(f"{PROG} train: dry run: {len(experiments)} experiment(s) valid; nothing started.")
         return 0
@@ -221,12 +229,16 @@ def run_train(args: argparse.Namespace) -> int:
     if args.ray_ui:
         ray_init_kwargs["include_dashboard"] = True
 
-    results = run_experiments(
-        experiments,
-        verbose=min(1 + args.verbose, 3),
-        ray_address=args.ray_address,
-        ray_init_kwargs=ray_init_kwargs,
-    )
+    try:
+        results = run_experiments(
+            experiments,
+            verbose=min(1 + args.verbose, 3),
+            ray_address=args.ray_address,
+            ray_init_kwargs=ray_init_kwargs,
+        )
+    except ResourceError as e:
+        print(f"{PROG} train: error: {e}", file=sys.stderr)
+        return 2
     failed = 0
     for res in results:
         exp = res.experiment

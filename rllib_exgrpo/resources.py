@@ -158,8 +158,9 @@ def fit_resources(config, cluster: Optional[ClusterResources] = None) -> List[st
     config.num_cpus_for_main_process = share
     if config.num_env_runners > 0:
         config.num_cpus_per_env_runner = share
-    if config.num_learners > 0:
-        config.num_cpus_per_learner = share
+    # With no remote learner RLlib bundles the local one with the main process and asks
+    # for max(num_cpus_per_learner, main): that share must shrink too.
+    config.num_cpus_per_learner = share
     return notes
 
 

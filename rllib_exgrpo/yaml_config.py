@@ -46,6 +46,7 @@ import difflib
 import inspect
 import logging
 import os
+import sys
 import re
 import time
 import traceback
@@ -1084,6 +1085,32 @@ def _trial_errors(result_grid: Any) -> List[Tuple[str, Optional[str]]]:
     return errors
 
 
+RESOURCE_FIELDS = (
+    "num_env_runners", "num_cpus_per_env_runner", "num_gpus_per_env_runner", "num_learners",
+    "num_cpus_per_learner", "num_gpus_per_learner", "num_cpus_for_main_process",
+)
+
+
+def fit_experiment_resources(exp: "Experiment", cluster: Any = None) -> List[str]:
+    """Fit the experiment's CPU/GPU request to the cluster before Tune sees it (see
+    ``rllib_exgrpo.resources.fit_resources``): a trial that cannot be placed would stay
+    PENDING forever. Notes go to stderr; a GPU shortfall raises ``ResourceError`` naming
+    the keys and the file. Resource fields under a search space are left to Tune."""
+    from rllib_exgrpo.resources import ResourceError, fit_resources
+
+    config = exp.config
+    if any(_is_search_space(getattr(config, k, None)) or isinstance(getattr(config, k, None), dict)
+           for k in RESOURCE_FIELDS):
+        return []
+    try:
+        notes = fit_resources(config, cluster)
+    except ResourceError as e:
+        raise ResourceError(f"{exp.source or 'experiment'}: experiment {exp.name!r}: {e}") from None
+    for note in notes:
+        print(f"rllib train: experiment {exp.name!r}: {note}", file=sys.stderr, flush=True)
+    return notes
+
+
 def run_experiments(
     experiments: Sequence[Experiment],
     *,
@@ -1117,6 +1144,8 @@ def run_experiments(
 
     results = []
     try:
+        for exp in experiments:
+            fit_experiment_resources(exp)
         for exp in experiments:
             tuner = tune.Tuner(
                 exp.algo_cls,

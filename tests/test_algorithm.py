@@ -118,3 +118,21 @@ def test_remote_env_runners_and_xrpo(quick_tiny_model):
         assert "sharpened_fraction" in xrpo and "all_failing_questions" in xrpo
     finally:
         a.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_learners,expected_steps", [(0, 4), (2, 2)])
+def test_optimizer_steps_and_rows_trained_per_iteration(quick_tiny_model, num_learners, expected_steps):
+    """16 rows (4 questions x G = 4), minibatch 4 rows per learner: 16 / (4 x learners)
+    optimiser steps, and every row trained exactly once (none repeated, none dropped)."""
+    cfg = small_config(quick_tiny_model).learners(num_learners=num_learners)
+    cfg.minibatch_size, cfg.heldout_dataset = 4, None
+    algo = cfg.build_algo()
+    try:
+        result = algo.train()
+    finally:
+        algo.stop()
+    assert result["optimizer_steps"] == expected_steps
+    assert result["minibatch_rows_min"] == result["minibatch_rows_max"] == 16 // expected_steps
+    learner = result["learners"]["default_policy"]
+    assert learner["num_module_steps_trained"] == result["num_completions"] == 16

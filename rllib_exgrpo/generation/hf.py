@@ -73,24 +73,60 @@ class HFGenerationBackend:
             results[flat[j][0]].append(done[j])
         return results
 
+    def generation_config(self, params: SamplingParams):
+        """The exact sampling distribution the behaviour log-probs describe.
+
+        ``generate`` fills every field a passed config leaves unset from the model's own
+        ``generation_config`` (a checkpoint may carry ``top_k``, ``repetition_penalty``,
+        ``min_p``, suppressed tokens, ...) and then from transformers' global defaults
+        (``top_k=50``). So the config is built from scratch with every field that changes
+        the distribution set to its neutral value, and :meth:`generate_raw` swaps the
+        model's own config out for the call: sampling is ``softmax(logits / T)`` within the
+        top-p nucleus, nothing else.
+        """
+        from transformers import GenerationConfig
+
+        greedy = params.temperature == 0
+        return GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=not greedy,
+            num_beams=1,
+            temperature=params.temperature if not greedy else 1.0,
+            top_p=params.top_p if not greedy else 1.0,
+            top_k=0,
+            typical_p=1.0,
+            epsilon_cutoff=0.0,
+            eta_cutoff=0.0,
+            repetition_penalty=1.0,
+            encoder_repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=list(params.stop_token_ids) or None,
+            use_cache=True,
+        )
+
+    @torch.no_grad()
+    def generate_raw(self, input_ids, attention_mask, params: SamplingParams, **extra):
+        """``model.generate`` under :meth:`generation_config` only: the model's own
+        generation config is swapped out for the call, so none of its fields can leak in."""
+        own = self.model.generation_config
+        self.model.generation_config = self.generation_config(params)
+        try:
+            return self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask,
+                generation_config=self.model.generation_config, **extra,
+            )
+        finally:
+            self.model.generation_config = own
+
     def _generate_chunk(self, items, params: SamplingParams) -> List[Completion]:
         prompt_rows = [list(p) for _, p in items]
         input_ids, attention_mask = left_pad(prompt_rows, self.pad_token_id)
         device = next(self.model.parameters()).device
-        greedy = params.temperature == 0
-        kwargs = dict(
-            max_new_tokens=params.max_new_tokens,
-            do_sample=not greedy,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=list(params.stop_token_ids) or None,
-        )
-        if not greedy:
-            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
         was_training = self.model.training
         self.model.eval()
-        out = self.model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs
-        )
+        out = self.generate_raw(input_ids.to(device), attention_mask.to(device), params)
         self.model.train(was_training)
         generated = out[:, input_ids.shape[1] :].cpu().numpy()
         stops = set(params.stop_token_ids)

@@ -1,0 +1,119 @@
+"""CPUs/GPUs fitted to the cluster before start; torch threads follow the CPUs held."""
+import pytest
+import torch
+
+from rllib_exgrpo.config import ExGRPOConfig
+from rllib_exgrpo.resources import (
+    ClusterResources,
+    ResourceError,
+    fit_resources,
+    main_process_cpus,
+    torch_threads,
+)
+
+
+def _cfg(**resources):
+    cfg = ExGRPOConfig()
+    env_runner_keys = {"num_env_runners", "num_cpus_per_env_runner", "num_gpus_per_env_runner"}
+    cfg.env_runners(**{k: v for k, v in resources.items() if k in env_runner_keys})
+    cfg.learners(**{k: v for k, v in resources.items() if k in {"num_learners", "num_cpus_per_learner", "num_gpus_per_learner"}})
+    if "num_cpus_for_main_process" in resources:
+        cfg.resources(num_cpus_for_main_process=resources["num_cpus_for_main_process"])
+    return cfg
+
+
+TWO_CORES = ClusterResources(cpus=2, gpus=0, max_node_cpus=2)
+
+
+def test_auto_main_process_takes_the_cores_the_remote_actors_leave():
+    assert _cfg().num_cpus_for_main_process == "auto"
+    assert main_process_cpus(_cfg(), TWO_CORES) == 2  # local run: every core
+    assert main_process_cpus(_cfg(num_env_runners=1), TWO_CORES) == 1
+    big = ClusterResources(cpus=64, gpus=0, max_node_cpus=16)
+    assert main_process_cpus(_cfg(num_env_runners=4), big) == 16  # one node at most
+    assert main_process_cpus(_cfg(num_cpus_for_main_process=3), big) == 3
+
+
+def test_fitting_resolves_auto_and_keeps_a_request_that_fits():
+    cfg = _cfg()
+    assert fit_resources(cfg, TWO_CORES) == []
+    assert cfg.num_cpus_for_main_process == 2
+
+
+def test_two_runners_on_two_cores_share_the_cores_instead_of_pending_forever():
+    cfg = _cfg(num_env_runners=2)
+    notes = fit_resources(cfg, TWO_CORES)
+    assert len(notes) == 1 and "cluster has 2" in notes[0] and "num_cpus_per_env_runner" in notes[0]
+    assert cfg.num_cpus_per_env_runner == cfg.num_cpus_for_main_process == 0.66
+    # RLlib bundles the local learner with the main process at max(learner, main)
+    assert cfg.num_cpus_per_learner == 0.66
+    from rllib_exgrpo.algorithm import ExGRPO
+
+    bundles = ExGRPO.default_resource_request(cfg).bundles
+    assert sum(b.get("CPU", 0) for b in bundles) <= 2
+    # fitting again is a no-op (the CLI fits, then Tune asks default_resource_request)
+    assert fit_resources(cfg, TWO_CORES) == []
+
+
+def test_gpu_shortfall_is_one_clear_error_naming_the_keys():
+    with pytest.raises(ResourceError, match=r"asks for 4 GPU.*num_gpus_per_env_runner.*cluster has 0"):
+        fit_resources(_cfg(num_env_runners=4, num_gpus_per_env_runner=1), TWO_CORES)
+    with pytest.raises(ResourceError, match="num_gpus_per_learner"):
+        fit_resources(_cfg(num_learners=2, num_gpus_per_learner=1), ClusterResources(8, 1, 8))
+    assert fit_resources(_cfg(num_learners=2, num_gpus_per_learner=1), ClusterResources(8, 2, 8)) == []
+
+
+def test_torch_threads_are_the_whole_cores_held():
+    assert [torch_threads(c) for c in (0, 0.5, 0.66, 1, 1.99, 2, 7.0)] == [1, 1, 1, 1, 1, 2, 7]
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_an_actor_gets_as_many_torch_threads_as_cpus_it_holds():
+    import ray
+
+    @ray.remote
+    def threads_in_task():
+        from rllib_exgrpo.resources import apply_torch_threads
+
+        torch.set_num_threads(3)  # whatever it was before
+        return apply_torch_threads(fallback_cpus=99), torch.get_num_threads()
+
+    # the CPUs Ray assigned win over the fallback (which only a plain driver uses)
+    assert ray.get(threads_in_task.options(num_cpus=2).remote()) == (2, 2)
+    assert ray.get(threads_in_task.options(num_cpus=0.5).remote()) == (1, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_env_runner_and_learner_actors_use_their_cpus(quick_tiny_model):
+    """Real actors of a built algorithm: a 2-CPU env runner, then a 2-CPU remote learner."""
+    base = dict(
+        model_name_or_path=quick_tiny_model, questions_per_step=2, group_size=2,
+        max_prompt_tokens=64, max_response_tokens=4, minibatch_size=4,
+    )
+    cfg = (
+        ExGRPOConfig().training(**base)
+        .env_runners(num_env_runners=1, num_cpus_per_env_runner=2)
+        .learners(num_cpus_per_learner=0)
+        .resources(num_cpus_for_main_process=0)
+    )
+    algo = cfg.build_algo()
+    try:
+        assert algo.env_runner_group.foreach_env_runner(
+            lambda r: torch.get_num_threads(), local_env_runner=False
+        ) == [2]
+        algo.train()
+    finally:
+        algo.stop()
+    cfg = (
+        ExGRPOConfig().training(**base)
+        .learners(num_learners=1, num_cpus_per_learner=2)
+        .resources(num_cpus_for_main_process=0)
+    )
+    algo = cfg.build_algo()
+    try:
+        results = algo.learner_group.foreach_learner(lambda learner: torch.get_num_threads())
+        assert [r.get() for r in results] == [2]
+        algo.train()
+    finally:
+        algo.stop()

@@ -1,0 +1,80 @@
+"""Every backend samples exactly the distribution its behaviour log-probs describe.
+
+The learner's importance ratio divides by the recorded log-probs of ``softmax(logits / T)``;
+if generation adds a top-k, a repetition penalty or any other processor, the completions
+come from another distribution and the ratio is wrong from the first token. transformers
+fills every field of a generation config left unset from the model's own
+``generation_config`` and then from its global defaults (``top_k=50``). These tests give a
+model a generation config full of such settings and check the processed scores
+``generate`` sampled from against the raw logits.
+"""
+import pytest
+import torch
+
+from rllib_exgrpo.generation.base import SamplingParams
+from rllib_exgrpo.generation.hf import HFGenerationBackend
+
+
+@pytest.fixture(scope="module")
+def model_with_hostile_generation_config():
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.generation_config = GenerationConfig(
+        top_k=3, top_p=0.5, min_p=0.2, repetition_penalty=3.0, no_repeat_ngram_size=1,
+        suppress_tokens=[5, 6], temperature=0.3, do_sample=True, bos_token_id=1, eos_token_id=2,
+    )
+    return model
+
+
+def _scores_and_logits(out):
+    scores = torch.stack(out.scores, 1)  # [N, steps, V]: what generate sampled from
+    logits = torch.stack(out.logits, 1)  # [N, steps, V]: the raw model logits
+    return scores, logits
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0)])
+def test_hf_backend_samples_softmax_of_logits_over_temperature(model_with_hostile_generation_config, temperature, top_p):
+    model = model_with_hostile_generation_config
+    backend = HFGenerationBackend(model, pad_token_id=0)
+    params = SamplingParams(max_new_tokens=6, temperature=temperature, top_p=top_p, stop_token_ids=(2,))
+    ids = torch.tensor([[7, 8, 9, 10]] * 4)
+    out = backend.generate_raw(
+        ids, torch.ones_like(ids), params, output_scores=True, output_logits=True, return_dict_in_generate=True
+    )
+    scores, logits = _scores_and_logits(out)
+    torch.testing.assert_close(scores, logits / temperature)
+    # the model's own config is back in place afterwards
+    assert model.generation_config.top_k == 3
+
+
+def test_the_leak_is_real_without_the_backend(model_with_hostile_generation_config):
+    """Control: plain ``generate(temperature=...)`` picks up the model's top-k & co."""
+    model = model_with_hostile_generation_config
+    ids = torch.tensor([[7, 8, 9, 10]] * 4)
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+        max_new_tokens=6, output_scores=True, output_logits=True, return_dict_in_generate=True,
+    )
+    scores, logits = _scores_and_logits(out)
+    assert torch.isinf(scores).any()  # top-k / min-p / suppressed tokens masked out
+    assert not torch.allclose(torch.nan_to_num(scores, neginf=0.0), logits)
+
+
+def test_hf_backend_greedy_is_argmax_of_raw_logits(model_with_hostile_generation_config):
+    model = model_with_hostile_generation_config
+    backend = HFGenerationBackend(model, pad_token_id=0)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, top_p=1.0, stop_token_ids=(2,))
+    ids = torch.tensor([[7, 8, 9, 10]])
+    out = backend.generate_raw(
+        ids, torch.ones_like(ids), params, output_scores=True, output_logits=True, return_dict_in_generate=True
+    )
+    scores, logits = _scores_and_logits(out)
+    torch.testing.assert_close(scores, logits)  # no repetition penalty / suppression
+    generated = out.sequences[0, ids.shape[1]:]
+    assert generated.tolist() == logits[0].argmax(-1)[: len(generated)].tolist()
