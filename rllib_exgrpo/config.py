@@ -40,6 +40,13 @@ FIELD_DOCS: Dict[str, str] = {
     "generation_backend": "'hf' (transformers generate; CPU default) or 'vllm' (GPU extra).",
     "generation_batch_size": "Max sequences per generate call on an env runner.",
     "vllm_kwargs": "Extra keyword arguments for vllm.LLM (gpu_memory_utilization, ...).",
+    "behaviour_logprobs": "Where behaviour log-probs come from: 'recompute' (official: the "
+    "runner's torch module scores every completion with the learner's function, so the "
+    "first-step ratio is 1) or 'engine' (vLLM's own, one forward pass saved; its kernels "
+    "differ, so fresh-token ratios are truncated at behaviour_ratio_cap when the clip is "
+    "off). vLLM's mismatch is logged as env_runners/behaviour_logprob_mismatch_*.",
+    "behaviour_ratio_cap": "Truncated importance sampling cap C of the unclipped fresh-token "
+    "ratio with behaviour_logprobs='engine' (verl / TRL: 2.0).",
     # --- GRPO objective ----------------------------------------------------------------
     "advantage_estimator": "'mean_centered' (Dr.GRPO / official ExGRPO: r - mean) or "
     "'std_normalized' (classic GRPO: (r - mean) / (std + eps)).",
@@ -85,6 +92,10 @@ FIELD_DOCS: Dict[str, str] = {
     "remove_clip_in_mixed_mode": "Drop the PPO clip on fresh tokens once mixed mode is on "
     "(official loss_remove_clip: True).",
     "retire_solved": "Retire questions solved G/G: out of the pool and of the fresh data.",
+    "retire_before_start": "Retire questions solved G/G from the first step, also before the "
+    "delayed start while training is on-policy (official: True).",
+    "pool_switch_step": "Pool the groups of the step on which the delayed start fires "
+    "(official: False; its collection runs before the switch flag is set).",
     "retire_min_remaining": "Retired questions leave the fresh data only while it keeps more "
     "than questions_per_step + this many questions (official: 20).",
     "buffer_capacity": "Max stored trajectories; beyond it the oldest trajectory of the "
@@ -180,6 +191,8 @@ class ExGRPOConfig(AlgorithmConfig):
         self.generation_backend = "hf"
         self.generation_batch_size = 256
         self.vllm_kwargs: Dict[str, Any] = {}
+        self.behaviour_logprobs = "recompute"
+        self.behaviour_ratio_cap = 2.0
         self.advantage_estimator = "mean_centered"
         self.advantage_eps = 1e-6
         self.clip_eps_low = 0.2
@@ -204,6 +217,8 @@ class ExGRPOConfig(AlgorithmConfig):
         self.policy_shaping_beta = 0.1
         self.remove_clip_in_mixed_mode = True
         self.retire_solved = True
+        self.retire_before_start = True
+        self.pool_switch_step = False
         self.retire_min_remaining = 20
         self.buffer_capacity = 100_000
         self.buffer_logp_dtype = "float16"
@@ -292,6 +307,9 @@ class ExGRPOConfig(AlgorithmConfig):
         yield from one_of("advantage_estimator", ADVANTAGE_ESTIMATORS)
         yield from one_of("loss_agg_mode", LOSS_AGG_MODES)
         yield from one_of("generation_backend", GENERATION_BACKENDS)
+        yield from one_of("behaviour_logprobs", ("recompute", "engine"))
+        if not (isinstance(self.behaviour_ratio_cap, (int, float)) and self.behaviour_ratio_cap >= 1):
+            yield f"behaviour_ratio_cap must be a number >= 1, got {self.behaviour_ratio_cap!r}"
         yield from one_of("ratio_mode", RATIO_MODES)
         yield from one_of("model_dtype", MODEL_DTYPES)
         if not isinstance(self.model_name_or_path, str) or not self.model_name_or_path:

@@ -87,6 +87,7 @@ RUNNER_SETTINGS = (
     "vllm_kwargs",
     "heldout_dataset",
     "heldout_split",
+    "behaviour_logprobs",
 )
 
 #: Where a setting lives in a module ``model_config`` when its name differs there: the
@@ -377,6 +378,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         ]
         if not heldout:
             self._log_sample_metrics(episodes, results, generation_s=t1 - t0, scoring_s=t2 - t1)
+            self._log_logprob_mismatch([c for _, c in flat])
         return episodes
 
     def _episode(self, question_id, prompt_ids, completion, text, result, seeded=False) -> SingleAgentEpisode:
@@ -432,6 +434,19 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.metrics.log_value(
             "reward_errors", sum(r.error is not None for r in results), reduce="sum"
         )
+
+    def _log_logprob_mismatch(self, completions) -> None:
+        """|engine - recomputed| behaviour log-probs per token, where both exist (vLLM)."""
+        diffs = [
+            np.abs(c.engine_logp.astype(np.float64) - c.logp.astype(np.float64))
+            for c in completions
+            if c.engine_logp is not None and c.logp is not None and len(c.logp) == len(c.engine_logp)
+        ]
+        if diffs:
+            flat = np.concatenate(diffs)
+            if len(flat):
+                self.metrics.log_value("behaviour_logprob_mismatch_mean", float(flat.mean()), window=1)
+                self.metrics.log_value("behaviour_logprob_mismatch_max", float(flat.max()), window=1)
 
     def score_trajectories(
         self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]

@@ -112,17 +112,29 @@ class ExperienceManager:
         # Seeded completions had help: they neither count towards a question's
         # correctness nor enter the pool (their log-probs belong to another prompt).
         solve_rate = float(np.mean(np.asarray(fresh_rewards) >= 1.0)) if fresh_rewards else 0.0
+        cfg = self.config
+        # Official order: the step's groups are collected first, the switch is checked
+        # after, so the groups of the switch step are not pooled (pool_switch_step=False).
+        collect = cfg.experience_replay and (self.mixed_mode or cfg.fill_pool_before_start)
         switched = False
-        if not self.mixed_mode and solve_rate > self.config.delayed_start_solve_rate:
+        if not self.mixed_mode and solve_rate > cfg.delayed_start_solve_rate:
             self.mixed_mode, self.switch_iteration, switched = True, iteration, True
+            collect = collect or (cfg.experience_replay and cfg.pool_switch_step)
+        # Before the pool fills, solved (G/G) questions are still retired (official: from
+        # the first step): update_group on an all-correct group retires without storing.
+        retire_only = (
+            not collect and cfg.experience_replay and cfg.retire_solved and cfg.retire_before_start
+        )
         outcomes: Dict[str, int] = {}
-        if self.config.experience_replay and (self.mixed_mode or self.config.fill_pool_before_start):
+        if collect or retire_only:
             by_group: Dict[int, List[Trajectory]] = {}
             for g, t in zip(groups.group_index, groups.trajectories):
                 if not t.seeded:
                     by_group.setdefault(int(g), []).append(t)
             for g, members in by_group.items():
                 correct = [t for t in members if t.reward >= 1.0]
+                if retire_only and len(correct) < len(members):
+                    continue
                 result = self.buffer.update_group(
                     groups.question_ids[g],
                     members[0].prompt_ids,

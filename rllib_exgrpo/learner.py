@@ -88,6 +88,8 @@ class ExGRPOTorchLearner(TorchLearner):
             ref_logp=ref_logp,
             kl_coeff=config.kl_coeff,
             ratio_mode=config.ratio_mode,
+            # Engine (vLLM) behaviour log-probs: bound the unclipped ratio (truncated IS).
+            ratio_cap=config.behaviour_ratio_cap if config.behaviour_logprobs == "engine" else None,
         )
         for key, value in metrics.items():
             self.metrics.log_value((module_id, key), float(value), window=1)

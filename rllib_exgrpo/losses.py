@@ -266,6 +266,7 @@ def clipped_surrogate(
     clip: bool = True,
     ratio_mode: str = "token",
     log_ratio_clamp: float = 20.0,
+    ratio_cap: Optional[float] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO/GRPO clipped surrogate, per token (no aggregation).
 
@@ -278,8 +279,11 @@ def clipped_surrogate(
 
         l_t = -min(w_t * A, clip(w_t, 1 - eps_low, 1 + eps_high) * A)      (clip=True)
         l_t = -w_t * A                                                     (clip=False)
+        l_t = -min(w_t, C) * A                              (clip=False, ratio_cap=C)
 
-    ``clip=False`` is the official ExGRPO mixed-mode ``loss_remove_clip`` for fresh tokens.
+    ``clip=False`` is the official ExGRPO mixed-mode ``loss_remove_clip`` for fresh tokens;
+    ``ratio_cap`` truncates the unclipped ratio (truncated importance sampling, as verl and
+    TRL do for engine log-probs: a token whose ratio exceeds C gets no gradient).
 
     Ratio modes (:data:`RATIO_MODES`):
 
@@ -326,7 +330,7 @@ def clipped_surrogate(
         per_token = torch.maximum(unclipped, clipped_loss)
         active = would_clip
     else:
-        per_token = unclipped
+        per_token = unclipped if ratio_cap is None else -torch.clamp(ratio, max=ratio_cap) * adv
         active = torch.zeros_like(would_clip)
     stats = {
         "ratio": ratio.detach(),
@@ -671,6 +675,7 @@ def mixed_policy_loss(
     ref_logp: Optional[Tensor] = None,
     kl_coeff: float = 0.0,
     ratio_mode: str = "token",
+    ratio_cap: Optional[float] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """ExGRPO mixed-policy objective over one (mini/micro-)batch.
 
@@ -712,6 +717,7 @@ def mixed_policy_loss(
     fresh_loss, fresh_stats = clipped_surrogate(
         logp, old_logp, advantages, m,
         eps_low=eps_low, eps_high=eps_high, clip=clip_fresh, ratio_mode=ratio_mode,
+        ratio_cap=ratio_cap,
     )
     if bool(is_replayed.any()):
         rep_loss, rep_stats = shaped_surrogate(logp, old_logp, advantages, beta=beta)

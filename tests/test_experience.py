@@ -28,12 +28,35 @@ def test_delayed_start_and_pool_filling():
     # Solve rate 2/8 = 0.25 <= 0.35: stays on-policy, pool stays empty (official).
     out = m.observe(score_groups(group("a", [1, 0, 0, 0]) + group("b", [1, 0, 0, 0])), iteration=0)
     assert out["step_solve_rate"] == 0.25 and not m.mixed_mode and len(m.buffer) == 0
-    # 3/8 = 0.375 > 0.35: switches for good, and this step already fills the pool.
+    # 3/8 = 0.375 > 0.35: switches for good; the switch step's groups are not pooled
+    # (official: collection runs before the flag is set).
     m.observe(score_groups(group("a", [1, 1, 0, 0]) + group("b", [1, 0, 0, 0])), iteration=1)
-    assert m.mixed_mode and m.switch_iteration == 1
+    assert m.mixed_mode and m.switch_iteration == 1 and len(m.buffer) == 0
+    m.observe(score_groups(group("a", [1, 1, 0, 0]) + group("b", [1, 0, 0, 0])), iteration=2)
     assert m.buffer.bucket_of("a") == 2 and m.buffer.bucket_of("b") == 1
-    m.observe(score_groups(group("c", [0, 0, 0, 0])), iteration=2)
+    m.observe(score_groups(group("c", [0, 0, 0, 0])), iteration=3)
     assert m.mixed_mode  # never switches back
+
+
+def test_pool_switch_step_option_pools_the_switch_step():
+    m = ExperienceManager(config(pool_switch_step=True))
+    m.observe(score_groups(group("a", [1, 1, 0, 0]) + group("b", [1, 0, 0, 0])), iteration=0)
+    assert m.mixed_mode and m.buffer.bucket_of("a") == 2
+
+
+def test_solved_questions_retire_from_the_first_step_while_on_policy():
+    m = ExperienceManager(config())
+    # 5/8 solved would switch; keep the threshold out of reach to stay on-policy
+    m.config.delayed_start_solve_rate = 0.99
+    m.observe(score_groups(group("a", [1, 1, 1, 1]) + group("b", [1, 0, 0, 0])), iteration=0)
+    assert not m.mixed_mode and m.buffer.is_retired("a") and len(m.buffer) == 0
+    late = ExperienceManager(config(retire_before_start=False, delayed_start_solve_rate=0.99))
+    late.observe(score_groups(group("a", [1, 1, 1, 1])), iteration=0)
+    assert not late.buffer.is_retired("a")
+    # plain GRPO (no replay) never retires
+    grpo = ExperienceManager(config(experience_replay=False, delayed_start_solve_rate=0.99))
+    grpo.observe(score_groups(group("a", [1, 1, 1, 1])), iteration=0)
+    assert not grpo.buffer.is_retired("a")
 
 
 def test_fill_pool_before_start_option():

@@ -524,3 +524,15 @@ def test_official_aggregation_gradient_equals_the_official_run(num_learners):
     drgrpo = L.agg_loss(per_token(0, rows), mask, "seq-mean-token-sum-norm", max_len=L_max)
     (g_dr,) = torch.autograd.grad(drgrpo, theta)
     torch.testing.assert_close(g_ours, 64 * g_dr)
+
+
+def test_ratio_cap_truncates_the_unclipped_ratio():
+    logp = torch.log(torch.tensor([[0.5, 0.9, 0.2]])).requires_grad_(True)
+    old = torch.log(torch.tensor([[0.1, 0.8, 0.4]]))  # ratios 5, 1.125, 0.5
+    adv = torch.tensor([1.0])
+    loss, _ = L.clipped_surrogate(logp, old, adv, clip=False, ratio_cap=2.0)
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-2.0, -1.125, -0.5]]))
+    (g,) = torch.autograd.grad(loss.sum(), logp)
+    assert float(g[0, 0]) == 0.0 and float(g[0, 1]) != 0.0  # truncated token: no gradient
+    uncapped, _ = L.clipped_surrogate(logp, old, adv, clip=False)
+    assert float(uncapped[0, 0]) == pytest.approx(-5.0)

@@ -33,6 +33,9 @@ class Completion:
     token_ids: np.ndarray  # int32 [R], includes the stop token when generation stopped on it
     logp: Optional[np.ndarray]  # float32 [R], behaviour log-prob of each token
     finish_reason: str  # "stop" | "length"
+    #: The engine's own log-probs of the tokens when it returned them (vLLM), kept next to
+    #: ``logp`` (recomputed by the torch module) to measure their mismatch.
+    engine_logp: Optional[np.ndarray] = None
 
 
 class GenerationBackend(Protocol):

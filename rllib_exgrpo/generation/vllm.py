@@ -16,7 +16,15 @@ that lives in the env runner's process next to the runner's RLModule.
   The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the environment
   already sets it): weight sync is then a plain in-memory copy, with nothing serialised.
 
-* **Behaviour log-probs.** The learner computes ``log_softmax(logits / temperature)`` over
+* **Behaviour log-probs** (``behaviour_logprobs``). By default (``"recompute"``, as the
+  official code) every completion is scored by the runner's torch module with the
+  learner's own function, so the first-step ratio is exactly 1: with ExGRPO's clip removed
+  in mixed mode, a kernel mismatch would otherwise go straight into an unbounded ratio.
+  vLLM's own log-probs (below) are still requested when they mean the learner's quantity
+  and kept as ``Completion.engine_logp``; the runner logs their mismatch
+  (``behaviour_logprob_mismatch_mean/max``). ``"engine"`` uses them as the behaviour
+  log-probs (one forward pass saved) and the learner truncates the unclipped ratio at
+  ``behaviour_ratio_cap``. What vLLM returns: the learner computes ``log_softmax(logits / temperature)`` over
   the full vocabulary. vLLM's ``logprobs_mode`` says what it returns for the sampled token:
   ``raw_logprobs`` (vLLM's default) is ``log_softmax(logits)`` *before* temperature,
   ``processed_logprobs`` is taken *after* temperature and after top-k/top-p masking
@@ -283,7 +291,12 @@ class VLLMGenerationBackend:
         from vllm import SamplingParams as VSamplingParams
 
         greedy = params.temperature == 0
-        use_vllm_logps = params.return_logprobs and vllm_logprobs_match_learner(self.logprobs_mode, params)
+        # The engine's log-probs are asked for whenever they mean the learner's quantity;
+        # they are the behaviour log-probs only with behaviour_logprobs="engine". By
+        # default ("recompute", as the official code) the torch module scores every
+        # completion and the engine's numbers only measure the mismatch.
+        engine_logps = params.return_logprobs and vllm_logprobs_match_learner(self.logprobs_mode, params)
+        use_vllm_logps = engine_logps and getattr(self.config, "behaviour_logprobs", "recompute") == "engine"
         if params.return_logprobs and not use_vllm_logps and not self._warned_rescoring:
             logger.info(
                 "vLLM log-probs (logprobs_mode=%s) are not the learner's at temperature=%s, "
@@ -317,7 +330,7 @@ class VLLMGenerationBackend:
                 top_p=1.0 if greedy else float(params.top_p),
                 max_tokens=max_tokens,
                 stop_token_ids=[int(t) for t in params.stop_token_ids] or None,
-                logprobs=0 if use_vllm_logps else None,
+                logprobs=0 if engine_logps else None,
                 detokenize=False,
             )
             requests.append({"prompt_token_ids": prompt})
@@ -339,12 +352,14 @@ class VLLMGenerationBackend:
                 if cut is not None:
                     ids = ids[:cut]
                 stopped = cut is not None or sample.finish_reason == "stop"
-                logp = None
-                if use_vllm_logps:
-                    logp = np.asarray(
+                logp = engine_lp = None
+                if engine_logps:
+                    engine_lp = np.asarray(
                         [_sampled_logprob(entry, int(t)) for entry, t in zip(sample.logprobs, ids)],
                         dtype=np.float32,
                     )
+                if use_vllm_logps:
+                    logp = engine_lp
                 elif params.return_logprobs:
                     pending.append((i, len(results[i])))
                 results[i].append(
@@ -353,6 +368,7 @@ class VLLMGenerationBackend:
                         token_ids=ids if k == 0 else ids.copy(),
                         logp=logp,
                         finish_reason="stop" if stopped else "length",
+                        engine_logp=engine_lp,
                     )
                 )
         if pending:
