@@ -259,6 +259,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             self.module.model,
             pad_token_id=self.tokenizer.pad_token_id,
             batch_size=self.settings.generation_batch_size,
+            logprobs_from_generation=self.settings.behaviour_logprobs == "engine",
         )
 
     def _ensure_module(self):

@@ -1,7 +1,7 @@
 """Exact minibatches for the learner: every row once per epoch, groups shuffled, per learner.
 
 RLlib's ``Learner.update(minibatch_size=...)`` is wrong for GRPO-style batches in two ways
-(measured on RLlib 2.60, see docs/architecture.md):
+(measured on RLlib 2.60, see docs/training_step.md):
 
 * it shuffles only when ``num_epochs > 1``; our batch lists fresh groups first and replayed
   groups last, so replayed rows all landed in the last minibatch (trained with stale

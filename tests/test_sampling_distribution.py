@@ -78,3 +78,25 @@ def test_hf_backend_greedy_is_argmax_of_raw_logits(model_with_hostile_generation
     torch.testing.assert_close(scores, logits)  # no repetition penalty / suppression
     generated = out.sequences[0, ids.shape[1]:]
     assert generated.tolist() == logits[0].argmax(-1)[: len(generated)].tolist()
+
+
+def test_logprobs_from_generation_equal_the_scoring_pass(model_with_hostile_generation_config):
+    """behaviour_logprobs="engine" on the HF backend: the sampled tokens' log-probs read off
+    generate's raw logits are the learner's log_softmax(logits / T), within KV-cache
+    round-off, so the scoring forward pass can be skipped."""
+    import numpy as np
+
+    model = model_with_hostile_generation_config
+    recompute = HFGenerationBackend(model, pad_token_id=0)
+    engine = HFGenerationBackend(model, pad_token_id=0, logprobs_from_generation=True)
+    prompts = [[7, 8, 9, 10], [11, 12], [13, 14, 15]]
+    for temperature in (1.0, 0.7):
+        params = SamplingParams(max_new_tokens=8, temperature=temperature, top_p=1.0, stop_token_ids=(2,))
+        torch.manual_seed(1)
+        groups = engine.generate(prompts, [3, 2, 4], params)
+        flat = [(prompts[i], c) for i, g in enumerate(groups) for c in g]
+        scored, _ = recompute.score([p for p, _ in flat], [c.token_ids for _, c in flat], temperature=temperature,
+                                    with_entropy=False)
+        for (_, c), ref in zip(flat, scored):
+            assert c.logp.shape == c.token_ids.shape
+            np.testing.assert_allclose(c.logp, ref, atol=1e-5, rtol=0)

@@ -51,10 +51,20 @@ def prompt_completion_batch(
 class HFGenerationBackend:
     """Sample with ``model.generate`` in chunks of at most ``batch_size`` sequences."""
 
-    def __init__(self, model, *, pad_token_id: int, batch_size: int = 256):
+    #: Largest raw-logits tensor (bytes) kept to take log-probs from generation itself;
+    #: beyond it (a big vocabulary x long completions) the completions are re-scored.
+    MAX_GENERATION_LOGITS_BYTES = 1 << 30
+
+    def __init__(self, model, *, pad_token_id: int, batch_size: int = 256, logprobs_from_generation: bool = False):
         self.model = model
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
+        #: ``behaviour_logprobs="engine"``: the log-probs of the sampled tokens are read off
+        #: the raw logits ``generate`` computed anyway (``log_softmax(logits / T)``, the
+        #: learner's quantity, up to KV-cache round-off: ~1e-6 in float32), which saves the
+        #: scoring forward pass. ``False`` (``"recompute"``): one scoring pass with the
+        #: learner's function, so the first-step ratio is exactly 1.
+        self.logprobs_from_generation = logprobs_from_generation
 
     @torch.no_grad()
     def generate(
@@ -126,9 +136,14 @@ class HFGenerationBackend:
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
-        out = self.generate_raw(input_ids.to(device), attention_mask.to(device), params)
+        from_generation = params.return_logprobs and self.logprobs_from_generation and (
+            len(items) * params.max_new_tokens * self.model.config.vocab_size * 4 <= self.MAX_GENERATION_LOGITS_BYTES
+        )
+        extra = dict(output_logits=True, return_dict_in_generate=True) if from_generation else {}
+        out = self.generate_raw(input_ids.to(device), attention_mask.to(device), params, **extra)
         self.model.train(was_training)
-        generated = out[:, input_ids.shape[1] :].cpu().numpy()
+        sequences = out.sequences if from_generation else out
+        generated = sequences[:, input_ids.shape[1] :].cpu().numpy()
         stops = set(params.stop_token_ids)
         token_rows, reasons = [], []
         for row in generated:
@@ -136,7 +151,9 @@ class HFGenerationBackend:
             token_rows.append(row[: cut if cut is not None else params.max_new_tokens].astype(np.int32))
             reasons.append("stop" if cut is not None else "length")
         logps = [None] * len(items)
-        if params.return_logprobs:
+        if from_generation:
+            logps = _sampled_logprobs(out.logits, sequences[:, input_ids.shape[1] :], token_rows, params.temperature or 1.0)
+        elif params.return_logprobs:
             logps, _ = self.score(
                 prompt_rows, token_rows, temperature=params.temperature or 1.0, with_entropy=False
             )
@@ -168,3 +185,17 @@ class HFGenerationBackend:
 
     def load_weights(self, state_dict) -> None:
         """Nothing to do: the backend samples from the module's own (synced) parameters."""
+
+
+def _sampled_logprobs(step_logits, generated: torch.Tensor, token_rows, temperature: float) -> List[np.ndarray]:
+    """``log_softmax(logits / T)`` of each sampled token, from ``generate``'s raw logits.
+
+    Shapes: ``step_logits``: one ``[N, V]`` tensor per generated position; ``generated``
+    ``[N, S]`` the sampled ids -> one float32 ``[R_i]`` array per row (its kept tokens).
+    """
+    logits = torch.stack(step_logits, 1).float()  # [N, S, V]
+    if temperature != 1.0:
+        logits = logits / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, generated[:, : logits.shape[1]].unsqueeze(-1).long()).squeeze(-1)
+    lp = lp.cpu().numpy()
+    return [lp[i, : len(t)].astype(np.float32).copy() for i, t in enumerate(token_rows)]
