@@ -74,9 +74,9 @@ def _accuracy(report: dict) -> float:
     return float(report["overall"]["avg_at_k"])
 
 
-def run_ours(seed: int, iterations: int) -> dict:
+def run_ours(seed: int, iterations: int, overrides: dict, tag: str) -> dict:
     """``rllib train file tuned_examples/grpo_tiny.yaml`` for one seed; per-iteration times."""
-    where = OUT / "ours" / f"seed{seed}"
+    where = OUT / tag / f"seed{seed}"
     summary = where / "summary.json"
     if summary.exists():
         return json.loads(summary.read_text())
@@ -85,7 +85,7 @@ def run_ours(seed: int, iterations: int) -> dict:
     subprocess.run(
         [RLLIB, "train", "file", str(RECIPE), "--storage-path", str(where / "runs"),
          "--stop", json.dumps({"training_iteration": iterations}),
-         "--config", json.dumps({"seed": seed, "heldout_dataset": None})],
+         "--config", json.dumps({**overrides, "seed": seed, "heldout_dataset": None})],
         check=True, env=_env(), stdout=subprocess.DEVNULL, stderr=(where / "train.log").open("w"),
     )
     wall = time.perf_counter() - start
@@ -122,6 +122,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--iterations", type=int, default=40)
+    ap.add_argument("--config", type=json.loads, default={},
+                    help="JSON overrides of our recipe (an ablation; its runs are cached under --tag)")
+    ap.add_argument("--tag", default="ours", help="cache folder of our runs (default: ours)")
     args = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     from rllib_exgrpo.models import resolve_model_path
@@ -132,11 +135,11 @@ def main(argv=None) -> int:
 
     rows = []
     for seed in args.seeds:
-        ours = run_ours(seed, args.iterations)
+        ours = run_ours(seed, args.iterations, args.config, args.tag)
         theirs = run_theirs(seed, args.iterations)
         rows.append({
             "seed": seed,
-            "ours_acc": evaluate(ours["checkpoint"], OUT / f"eval_ours_seed{seed}.json"),
+            "ours_acc": evaluate(ours["checkpoint"], OUT / f"eval_{args.tag}_seed{seed}.json"),
             "trl_acc": evaluate(theirs["model_dir"], OUT / f"eval_trl_seed{seed}.json"),
             "ours_s_it": statistics.median(ours["s_per_iteration"]),
             "trl_s_it": float(theirs["median_s_per_iteration"]),
@@ -174,14 +177,16 @@ def main(argv=None) -> int:
 
     summary = {"start_accuracy": start_acc, "iterations": args.iterations, "rows": rows,
                "ours_gain": ours_gain, "trl_gain": trl_gain, "time_ratio": ratio}
-    (OUT / "peer_trl.json").write_text(json.dumps(summary, indent=1))
-    with (OUT / "peer_trl.csv").open("w", newline="") as f:
+    name = "peer_trl" if args.tag == "ours" else f"peer_trl_{args.tag}"
+    summary["ours_config"] = args.config
+    (OUT / f"{name}.json").write_text(json.dumps(summary, indent=1))
+    with (OUT / f"{name}.csv").open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["seed", "ours_acc", "trl_acc", "ours_s_per_it", "trl_s_per_it"])
         for r in rows:
             w.writerow([r["seed"], r["ours_acc"], r["trl_acc"], r["ours_s_it"], r["trl_s_it"]])
-    _plot(rows, start_acc, OUT / "peer_trl.png")
-    print(f"wrote {OUT / 'peer_trl.json'}, peer_trl.csv, peer_trl.png")
+    _plot(rows, start_acc, OUT / f"{name}.png")
+    print(f"wrote {OUT / name}.json, .csv, .png")
     return 0
 
 

@@ -39,6 +39,9 @@ FIELD_DOCS: Dict[str, str] = {
     "max_response_tokens": "Generation stops after this many tokens (official: 8192).",
     "generation_backend": "'hf' (transformers generate; CPU default) or 'vllm' (GPU extra).",
     "generation_batch_size": "Max sequences per generate call on an env runner.",
+    "hf_decoder": "Sampling loop of the HF backend: 'pruned' (drops each completion from the "
+    "batch once it stopped: 1.7x faster than generate on the tiny recipes) or 'generate' "
+    "(transformers' generate, which computes finished rows until the last one stops).",
     "vllm_kwargs": "Extra keyword arguments for vllm.LLM (gpu_memory_utilization, ...).",
     "behaviour_logprobs": "Where behaviour log-probs come from: 'recompute' (official: the "
     "runner's torch module scores every completion with the learner's function, so the "
@@ -190,6 +193,7 @@ class ExGRPOConfig(AlgorithmConfig):
         self.max_response_tokens = 8192
         self.generation_backend = "hf"
         self.generation_batch_size = 256
+        self.hf_decoder = "pruned"
         self.vllm_kwargs: Dict[str, Any] = {}
         self.behaviour_logprobs = "recompute"
         self.behaviour_ratio_cap = 2.0
@@ -308,6 +312,9 @@ class ExGRPOConfig(AlgorithmConfig):
         yield from one_of("loss_agg_mode", LOSS_AGG_MODES)
         yield from one_of("generation_backend", GENERATION_BACKENDS)
         yield from one_of("behaviour_logprobs", ("recompute", "engine"))
+        from rllib_exgrpo.generation.hf import HF_DECODERS
+
+        yield from one_of("hf_decoder", HF_DECODERS)
         if not (isinstance(self.behaviour_ratio_cap, (int, float)) and self.behaviour_ratio_cap >= 1):
             yield f"behaviour_ratio_cap must be a number >= 1, got {self.behaviour_ratio_cap!r}"
         yield from one_of("ratio_mode", RATIO_MODES)

@@ -88,6 +88,7 @@ RUNNER_SETTINGS = (
     "heldout_dataset",
     "heldout_split",
     "behaviour_logprobs",
+    "hf_decoder",
 )
 
 #: Where a setting lives in a module ``model_config`` when its name differs there: the
@@ -260,6 +261,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             pad_token_id=self.tokenizer.pad_token_id,
             batch_size=self.settings.generation_batch_size,
             logprobs_from_generation=self.settings.behaviour_logprobs == "engine",
+            decoder=self.settings.hf_decoder,
         )
 
     def _ensure_module(self):

@@ -457,3 +457,34 @@ def test_main_job_yaml_grid_over_two_learning_rates(tmp_path, quick_tiny_model):
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{db}")
     runs = client.search_runs([client.get_experiment_by_name("exgrpo-tiny").experiment_id])
     assert sorted(float(r.data.params["lr"]) for r in runs) == [1e-4, 3e-4]
+
+
+def test_gpus_the_machine_lacks_fail_in_one_line_before_anything_starts(capsys):
+    from rllib_exgrpo.cli import main
+
+    rc = main(["train", "file", str(REPO / "tuned_examples" / "grpo_tiny.yaml"), "--dry-run",
+               "--config", json.dumps({"num_env_runners": 2, "num_gpus_per_env_runner": 1})])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "grpo_tiny.yaml" in err[0] and "num_gpus_per_env_runner" in err[0] and "cluster has 0" in err[0]
+
+
+@pytest.mark.slow
+def test_two_env_runners_on_two_cores_train_instead_of_pending(tmp_path, quick_tiny_model):
+    """The README's own example (num_env_runners: 2) on a 2-CPU Ray: 3 CPUs asked, the
+    request is shared out (stated on stderr) and the trial trains; it used to wait in
+    PENDING forever."""
+    overrides = {"model_name_or_path": quick_tiny_model, "num_env_runners": 2, "questions_per_step": 4,
+                 "group_size": 4, "minibatch_size": 16, "max_response_tokens": 8, "heldout_dataset": None}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rllib_exgrpo.cli", "train", "file", str(REPO / "tuned_examples" / "grpo_tiny.yaml"),
+         "--stop", json.dumps({"training_iteration": 1}), "--config", json.dumps(overrides),
+         "--storage-path", str(tmp_path / "results"), "--ray-num-cpus", "2"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    log = proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    assert "asks for 3 CPUs" in proc.stderr and "0.66 CPU" in proc.stderr, log
+    (result,) = (tmp_path / "results" / "grpo-tiny").glob("*/result.json")
+    row = json.loads(result.read_text().splitlines()[-1])
+    assert row["training_iteration"] == 1 and row["num_completions"] == 16

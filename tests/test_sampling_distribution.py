@@ -100,3 +100,56 @@ def test_logprobs_from_generation_equal_the_scoring_pass(model_with_hostile_gene
         for (_, c), ref in zip(flat, scored):
             assert c.logp.shape == c.token_ids.shape
             np.testing.assert_allclose(c.logp, ref, atol=1e-5, rtol=0)
+
+
+def _pruned(model, rows, params):
+    from rllib_exgrpo.generation.hf import left_pad, pruned_decode
+
+    ids, mask = left_pad(rows, 0)
+    return pruned_decode(model, ids, mask, params, pad_token_id=0)
+
+
+def test_pruned_decode_greedy_equals_generate(model_with_hostile_generation_config):
+    import numpy as np
+
+    model = model_with_hostile_generation_config
+    rows = [[7, 8, 9, 10], [11, 12], [13, 14, 15], [3]]
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=(2, 17))
+    tokens, logps, reasons = _pruned(model, rows, params)
+    backend = HFGenerationBackend(model, pad_token_id=0, decoder="generate")
+    ref = backend.generate(rows, [1] * len(rows), params)
+    for t, lp, reason, (c,) in zip(tokens, logps, reasons, ref):
+        assert t.tolist() == c.token_ids.tolist() and reason == c.finish_reason
+        np.testing.assert_allclose(lp, c.logp, atol=1e-5, rtol=0)  # T = 1 when greedy
+
+
+def test_pruned_decode_samples_softmax_over_temperature(model_with_hostile_generation_config):
+    """First-token frequencies of 6000 samples against softmax(logits / T)."""
+    model = model_with_hostile_generation_config
+    prompt = [7, 8, 9, 10]
+    T = 2.0  # a flat distribution: many tokens with visible mass
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1] / T, -1)
+    torch.manual_seed(0)
+    tokens, _, _ = _pruned(model, [prompt] * 6000, SamplingParams(max_new_tokens=1, temperature=T))
+    freq = torch.bincount(torch.tensor([int(t[0]) for t in tokens]), minlength=probs.numel()).float() / 6000
+    assert float((freq - probs).abs().max()) < 0.02  # the model's top-k=3 etc. never apply
+    assert int((freq > 0).sum()) > 10
+
+
+def test_pruned_decode_logprobs_equal_the_scoring_pass_and_top_p_keeps_the_nucleus(model_with_hostile_generation_config):
+    import numpy as np
+
+    model = model_with_hostile_generation_config
+    rows = [[7, 8, 9, 10], [11, 12], [13, 14, 15]] * 3
+    scorer = HFGenerationBackend(model, pad_token_id=0)
+    torch.manual_seed(2)
+    tokens, logps, reasons = _pruned(model, rows, SamplingParams(max_new_tokens=8, temperature=0.8, stop_token_ids=(2,)))
+    ref, _ = scorer.score(rows, tokens, temperature=0.8, with_entropy=False)
+    for t, lp, r, reason in zip(tokens, logps, ref, reasons):
+        np.testing.assert_allclose(lp, r, atol=1e-5, rtol=0)
+        assert reason == ("stop" if t[-1] == 2 else "length") and (reason == "stop" or len(t) == 8)
+    # a vanishing nucleus keeps only the most likely token: sampling becomes greedy
+    greedy, _, _ = _pruned(model, rows, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(2,)))
+    tiny_p, _, _ = _pruned(model, rows, SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1e-6, stop_token_ids=(2,)))
+    assert [t.tolist() for t in tiny_p] == [t.tolist() for t in greedy]

@@ -430,3 +430,22 @@ def test_exgrpo_trains_and_syncs_weights_with_the_vllm_backend(vllm_module, quic
             assert_same_greedy(runner.module.model, prompt, a[0].token_ids, b[0].token_ids)
     finally:
         algo.stop()
+
+
+def test_vllm_requests_sample_the_plain_softmax(tmp_path):
+    """No vLLM needed: every distribution-changing field of a request is neutral, and the
+    engine ignores the checkpoint's generation_config.json."""
+    from types import SimpleNamespace
+
+    from rllib_exgrpo.config import ExGRPOConfig
+    from rllib_exgrpo.generation.vllm import VLLMGenerationBackend, vllm_sampling_kwargs
+
+    sp = vllm_sampling_kwargs(SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.95), 4, 8, True)
+    assert (sp["temperature"], sp["top_p"], sp["n"], sp["logprobs"]) == (0.7, 0.95, 4, 0)
+    assert sp["top_k"] in (-1, 0) and sp["min_p"] == 0.0 and sp["repetition_penalty"] == 1.0
+    assert sp["presence_penalty"] == sp["frequency_penalty"] == 0.0
+    greedy = vllm_sampling_kwargs(SamplingParams(max_new_tokens=8, temperature=0.0), 4, 8, False)
+    assert greedy["n"] == 1 and greedy["temperature"] == 0.0 and greedy["logprobs"] is None
+    cfg = ExGRPOConfig().training(model_name_or_path=str(tmp_path))  # a local folder: nothing built
+    backend = VLLMGenerationBackend(cfg, SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=512))), None)
+    assert backend.engine_kwargs()["generation_config"] == "vllm"

@@ -1,4 +1,9 @@
-"""Generation with Hugging Face ``generate``: batched, KV-cached, left-padded. CPU default.
+"""Generation with Hugging Face models: batched, KV-cached, left-padded. CPU default.
+
+Two sampling loops (``hf_decoder``): :func:`pruned_decode` (default), which drops each
+completion from the batch as soon as it stops, and transformers' ``generate``
+(:meth:`HFGenerationBackend.generate_raw`). Both sample exactly ``softmax(logits / T)``
+within the top-p nucleus and nothing else (tests in ``tests/test_sampling_distribution.py``).
 
 The backend shares the RLModule's network: when RLlib syncs new weights into the env
 runner's module, this backend samples from them at once, so ``load_weights`` has nothing
@@ -55,7 +60,14 @@ class HFGenerationBackend:
     #: beyond it (a big vocabulary x long completions) the completions are re-scored.
     MAX_GENERATION_LOGITS_BYTES = 1 << 30
 
-    def __init__(self, model, *, pad_token_id: int, batch_size: int = 256, logprobs_from_generation: bool = False):
+    def __init__(
+        self, model, *, pad_token_id: int, batch_size: int = 256, logprobs_from_generation: bool = False,
+        decoder: str = "pruned",
+    ):
+        if decoder not in HF_DECODERS:
+            raise ValueError(f"decoder must be one of {list(HF_DECODERS)}, got {decoder!r}")
+        #: ``"pruned"`` (:func:`pruned_decode`, default) or ``"generate"`` (``model.generate``).
+        self.decoder = decoder
         self.model = model
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
@@ -136,6 +148,25 @@ class HFGenerationBackend:
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
+        if self.decoder == "pruned":
+            try:
+                token_rows, gen_logps, reasons = pruned_decode(
+                    self.model, input_ids.to(device), attention_mask.to(device), params, pad_token_id=self.pad_token_id
+                )
+            finally:
+                self.model.train(was_training)
+            logps = [None] * len(items)
+            if params.return_logprobs:
+                if self.logprobs_from_generation:
+                    logps = gen_logps
+                else:
+                    logps, _ = self.score(
+                        prompt_rows, token_rows, temperature=params.temperature or 1.0, with_entropy=False
+                    )
+            return [
+                Completion(prompt_index=i, token_ids=t, logp=lp, finish_reason=r)
+                for (i, _), t, lp, r in zip(items, token_rows, logps, reasons)
+            ]
         from_generation = params.return_logprobs and self.logprobs_from_generation and (
             len(items) * params.max_new_tokens * self.model.config.vocab_size * 4 <= self.MAX_GENERATION_LOGITS_BYTES
         )
@@ -185,6 +216,91 @@ class HFGenerationBackend:
 
     def load_weights(self, state_dict) -> None:
         """Nothing to do: the backend samples from the module's own (synced) parameters."""
+
+
+#: Sampling loops of the HF backend.
+HF_DECODERS = ("pruned", "generate")
+
+
+def _cache_kwarg(model) -> str:
+    """The forward keyword of the KV cache (transformers 5 renamed past_key_values)."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.no_grad()
+def pruned_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, *, pad_token_id: int):
+    """Sample like ``generate`` does, but drop each row from the batch once it has stopped.
+
+    ``generate`` keeps a finished sequence in the batch (computing a pad token per step)
+    until the last one finishes; with completions of very different lengths most of the
+    decode work is for finished rows (measured: 256 completions of mean 24 and max 48 tokens
+    take 0.59-0.66 s with ``generate`` + read-off log-probs, 0.34-0.39 s here). Each step
+    here samples ``softmax(logits / T)`` restricted to the top-p nucleus (transformers' own
+    ``TopPLogitsWarper``; no top-k, penalty or other processor), or the argmax when greedy,
+    records ``log_softmax(logits / T)`` of the sampled token (the learner's quantity; T = 1
+    when greedy), then keeps only the rows that did not stop, in the inputs and in the KV
+    cache (``Cache.batch_select_indices``). Positions follow the left padding exactly as in
+    the learner's scoring pass.
+
+    Shapes: ``input_ids``, ``attention_mask`` ``[N, P]`` (left-padded) -> per row: token ids
+    (int32 ``[R_i]``, ending with the stop token when it stopped on one), log-probs
+    (float32 ``[R_i]``) and the finish reason (``"stop"`` | ``"length"``).
+    """
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from rllib_exgrpo.module import position_ids_from_mask
+
+    n, max_new = input_ids.shape[0], int(params.max_new_tokens)
+    device = input_ids.device
+    greedy = params.temperature == 0
+    temperature = 1.0 if greedy else float(params.temperature)
+    nucleus = TopPLogitsWarper(float(params.top_p)) if (not greedy and params.top_p < 1.0) else None
+    stops = torch.as_tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
+    cache_kw = _cache_kwarg(model)
+
+    tokens = torch.full((n, max_new), pad_token_id, dtype=torch.long, device=device)
+    logps = torch.zeros((n, max_new), dtype=torch.float32, device=device)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)
+    stopped = torch.zeros(n, dtype=torch.bool, device=device)
+    alive = torch.arange(n, device=device)
+    mask = attention_mask
+    position = attention_mask.long().sum(-1) - 1  # of each row's last prompt token
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    for step in range(max_new):
+        scores = out.logits[:, -1, :].float() / temperature
+        logp = torch.log_softmax(scores, -1)
+        if greedy:
+            nxt = scores.argmax(-1)
+        else:
+            sampling = nucleus(None, scores) if nucleus is not None else scores
+            nxt = torch.multinomial(torch.softmax(sampling, -1), 1).squeeze(-1)
+        tokens[alive, step] = nxt
+        logps[alive, step] = logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+        lengths[alive] = step + 1
+        done = torch.isin(nxt, stops) if len(stops) else torch.zeros_like(nxt, dtype=torch.bool)
+        stopped[alive[done]] = True
+        if step == max_new - 1:
+            break
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(-1)
+            if len(keep) == 0:
+                break
+            alive, nxt, mask, position = alive[keep], nxt[keep], mask[keep], position[keep]
+            cache.batch_select_indices(keep)
+        mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=mask.dtype, device=device)], 1)
+        position = position + 1
+        out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask, position_ids=position.unsqueeze(-1),
+                    use_cache=True, **{cache_kw: cache})
+    tokens, logps, lengths, stopped = tokens.cpu().numpy(), logps.cpu().numpy(), lengths.cpu().numpy(), stopped.cpu().numpy()
+    token_rows = [tokens[i, : lengths[i]].astype(np.int32) for i in range(n)]
+    logp_rows = [logps[i, : lengths[i]].copy() for i in range(n)]
+    reasons = ["stop" if stopped[i] else "length" for i in range(n)]
+    return token_rows, logp_rows, reasons
 
 
 def _sampled_logprobs(step_logits, generated: torch.Tensor, token_rows, temperature: float) -> List[np.ndarray]:

@@ -245,6 +245,8 @@ class VLLMGenerationBackend:
             max_num_seqs=int(getattr(cfg, "generation_batch_size", 256) or 256),
             logprobs_mode=DEFAULT_LOGPROBS_MODE,
             worker_extension_cls=WORKER_EXTENSION,
+            # vLLM's own sampling defaults, not the checkpoint's generation_config.json.
+            generation_config="vllm",
         )
         kwargs.update(dict(getattr(cfg, "vllm_kwargs", None) or {}))
         return kwargs
@@ -323,18 +325,8 @@ class VLLMGenerationBackend:
                     params.max_new_tokens, max_tokens, self.max_model_len,
                 )
                 self._warned_clamp = True
-            sp = dict(
-                # vLLM requires n == 1 for greedy decoding: sample once, copy below.
-                n=1 if greedy else int(n),
-                temperature=0.0 if greedy else float(params.temperature),
-                top_p=1.0 if greedy else float(params.top_p),
-                max_tokens=max_tokens,
-                stop_token_ids=[int(t) for t in params.stop_token_ids] or None,
-                logprobs=0 if engine_logps else None,
-                detokenize=False,
-            )
             requests.append({"prompt_token_ids": prompt})
-            sampling.append(VSamplingParams(**sp))
+            sampling.append(VSamplingParams(**vllm_sampling_kwargs(params, int(n), max_tokens, engine_logps)))
             owners.append((i, int(n)))
 
         outputs = llm.generate(requests, sampling, use_tqdm=False) if requests else []
@@ -445,6 +437,30 @@ class VLLMGenerationBackend:
                 llm.llm_engine.engine_core.shutdown()
             except Exception as e:  # best effort: garbage collection does it too
                 logger.debug("vLLM shutdown: %s", e)
+
+
+def vllm_sampling_kwargs(params: SamplingParams, n: int, max_tokens: int, with_logprobs: bool) -> Dict[str, Any]:
+    """``vllm.SamplingParams`` of one request: ``softmax(logits / T)`` within the top-p
+    nucleus and nothing else. Every field that would change the distribution is set to its
+    neutral value explicitly (top-k, min-p, repetition / presence / frequency penalties),
+    and the engine is built with ``generation_config="vllm"`` (:meth:`engine_kwargs`), so a
+    checkpoint's ``generation_config.json`` cannot add its defaults either."""
+    greedy = params.temperature == 0
+    return dict(
+        # vLLM requires n == 1 for greedy decoding: sample once, copy in generate().
+        n=1 if greedy else int(n),
+        temperature=0.0 if greedy else float(params.temperature),
+        top_p=1.0 if greedy else float(params.top_p),
+        top_k=-1,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        max_tokens=int(max_tokens),
+        stop_token_ids=[int(t) for t in params.stop_token_ids] or None,
+        logprobs=0 if with_logprobs else None,
+        detokenize=False,
+    )
 
 
 def _sampled_logprob(entry, token_id: int) -> float:
