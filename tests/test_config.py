@@ -63,3 +63,15 @@ def test_tuned_examples_validate():
 
     for f in sorted(Path(__file__).resolve().parents[1].glob("tuned_examples/*_tiny.yaml")):
         assert build_experiments(str(f)), f
+
+
+def test_algorithms_and_configs_at_the_package_top():
+    import rllib_exgrpo
+    from rllib_exgrpo import GRPO, ExGRPO, ExGRPOConfig, GRPOConfig
+    from rllib_exgrpo.algorithm import ExGRPO as ExGRPOClass
+
+    assert ExGRPO is ExGRPOClass and issubclass(GRPO, ExGRPO)
+    assert isinstance(GRPOConfig(), ExGRPOConfig) and GRPOConfig().experience_replay is False
+    assert ExGRPOConfig().algo_class is ExGRPO
+    with pytest.raises(AttributeError):
+        rllib_exgrpo.NoSuchThing
