@@ -39,7 +39,7 @@ from rllib_exgrpo.config import ExGRPOConfig, GRPOConfig
 from rllib_exgrpo.experience import ExperienceManager
 from rllib_exgrpo.minibatches import plan_minibatches, take_rows
 from rllib_exgrpo.question_sampler import QuestionSampler
-from rllib_exgrpo.resources import apply_torch_threads, fit_resources, main_process_cpus
+from rllib_exgrpo.resources import apply_threads_for, fit_resources
 from rllib_exgrpo.xrpo import AdaptiveRollouts, InContextSeeder, sharpen_advantages
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class ExGRPO(Algorithm):
         with _unfrozen(self.config) as cfg:
             for note in fit_resources(cfg):
                 logger.warning("%s", note)
-        apply_torch_threads(main_process_cpus(self.config), who="main process")
+        apply_threads_for(self.config, "main")
         super().setup(config)
         from envs.reasoning_env import ReasoningEnv
 
@@ -180,7 +180,7 @@ class ExGRPO(Algorithm):
             num_epochs=cfg.num_epochs,
             shuffle=cfg.minibatch_shuffle,
             # Seeded by (seed, iteration): the same order again after a restore.
-            rng=np.random.default_rng([cfg.seed or 0, self.iteration, 11]),
+            rng=np.random.default_rng([(cfg.seed or 0) % 2**32, self.iteration, 11]),
         )
         timesteps = {
             NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(

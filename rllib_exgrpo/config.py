@@ -45,11 +45,12 @@ FIELD_DOCS: Dict[str, str] = {
     "vllm_kwargs": "Extra keyword arguments for vllm.LLM (gpu_memory_utilization, ...).",
     "behaviour_logprobs": "Where behaviour log-probs come from: 'recompute' (official: the "
     "runner's torch module scores every completion with the learner's function, so the "
-    "first-step ratio is 1) or 'engine' (vLLM's own, one forward pass saved; its kernels "
-    "differ, so fresh-token ratios are truncated at behaviour_ratio_cap when the clip is "
-    "off). vLLM's mismatch is logged as env_runners/behaviour_logprob_mismatch_*.",
+    "first-step ratio is 1) or 'engine' (read off the sampling pass, one forward pass saved: "
+    "the HF backend's equal the learner's within 1e-5 in float32; vLLM's kernels differ, so "
+    "with vLLM the unclipped fresh-token ratios get truncated importance sampling at "
+    "behaviour_ratio_cap). vLLM's mismatch is logged as env_runners/behaviour_logprob_mismatch_*.",
     "behaviour_ratio_cap": "Truncated importance sampling cap C of the unclipped fresh-token "
-    "ratio with behaviour_logprobs='engine' (verl / TRL: 2.0).",
+    "ratio with vLLM and behaviour_logprobs='engine' (verl / TRL: 2.0).",
     # --- GRPO objective ----------------------------------------------------------------
     "advantage_estimator": "'mean_centered' (Dr.GRPO / official ExGRPO: r - mean) or "
     "'std_normalized' (classic GRPO: (r - mean) / (std + eps)).",
@@ -59,7 +60,8 @@ FIELD_DOCS: Dict[str, str] = {
     "ratio_mode": "'token' importance ratios (GRPO) or 'sequence' (GSPO: exp(mean log w)).",
     "loss_agg_mode": "How token losses become one scalar: 'token-mean', "
     "'seq-mean-token-mean', 'seq-mean-token-sum-norm' (Dr.GRPO: sum/(N*L_max)) or "
-    "'seq-mean-token-sum-norm-official' (official ExGRPO: sum/L_max).",
+    "'seq-mean-token-sum-norm-official' (official ExGRPO: sum / ((N / M) * L_max), M = "
+    "official_micro_batch_rows).",
     "official_micro_batch_rows": "M of the 'seq-mean-token-sum-norm-official' aggregation: "
     "rows per micro-batch of the official run (64 per GPU), whose loss is each micro-batch's "
     "token sum / L averaged over micro-batches, i.e. sum / ((rows / M) * L) per optimiser step.",

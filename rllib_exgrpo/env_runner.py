@@ -179,14 +179,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
 
     def __init__(self, *, config, **kwargs):
         super().__init__(config=config, **kwargs)
-        from rllib_exgrpo.resources import apply_torch_threads, main_process_cpus
+        from rllib_exgrpo.resources import apply_threads_for
 
         # Ray starts actors with OMP_NUM_THREADS=1: size torch to the CPUs held instead.
         # The local runner (index 0) lives in the main process and shares its CPUs.
-        apply_torch_threads(
-            float(self.config.num_cpus_per_env_runner) if self.worker_index else main_process_cpus(self.config),
-            who=f"env runner {self.worker_index}",
-        )
+        apply_threads_for(self.config, "env_runner", self.worker_index or 0)
         self.settings = RunnerSettings(self.config, worker_index=self.worker_index)
         self._check_learner_pipeline()
         self.tokenizer = load_tokenizer(self.settings.model_name_or_path)
@@ -443,7 +440,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         diffs = [
             np.abs(c.engine_logp.astype(np.float64) - c.logp.astype(np.float64))
             for c in completions
-            if c.engine_logp is not None and c.logp is not None and len(c.logp) == len(c.engine_logp)
+            if c.engine_logp is not None and c.logp is not None and c.logp is not c.engine_logp
+            and len(c.logp) == len(c.engine_logp)
         ]
         if diffs:
             flat = np.concatenate(diffs)

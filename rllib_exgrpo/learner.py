@@ -20,14 +20,10 @@ from rllib_exgrpo.module import completion_logprobs_and_entropy
 
 class ExGRPOTorchLearner(TorchLearner):
     def build(self) -> None:
-        from rllib_exgrpo.resources import apply_torch_threads, learner_cpus, main_process_cpus
+        from rllib_exgrpo.resources import apply_threads_for
 
         # A remote learner holds num_cpus_per_learner; the local one lives in the main process.
-        remote = self.config.num_learners > 0
-        apply_torch_threads(
-            learner_cpus(self.config) if remote else main_process_cpus(self.config),
-            who="learner" if remote else "local learner",
-        )
+        apply_threads_for(self.config, "learner")
         super().build()
         self._skip_step = False
         self.mixed_mode = False
@@ -88,8 +84,13 @@ class ExGRPOTorchLearner(TorchLearner):
             ref_logp=ref_logp,
             kl_coeff=config.kl_coeff,
             ratio_mode=config.ratio_mode,
-            # Engine (vLLM) behaviour log-probs: bound the unclipped ratio (truncated IS).
-            ratio_cap=config.behaviour_ratio_cap if config.behaviour_logprobs == "engine" else None,
+            # vLLM's own behaviour log-probs: truncated importance sampling of the unclipped
+            # ratio (the HF backend's read-off log-probs are the learner's, within 1e-5).
+            ratio_cap=(
+                config.behaviour_ratio_cap
+                if config.behaviour_logprobs == "engine" and config.generation_backend == "vllm"
+                else None
+            ),
         )
         for key, value in metrics.items():
             self.metrics.log_value((module_id, key), float(value), window=1)

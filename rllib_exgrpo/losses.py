@@ -279,11 +279,13 @@ def clipped_surrogate(
 
         l_t = -min(w_t * A, clip(w_t, 1 - eps_low, 1 + eps_high) * A)      (clip=True)
         l_t = -w_t * A                                                     (clip=False)
-        l_t = -min(w_t, C) * A                              (clip=False, ratio_cap=C)
+        l_t = -sg[min(w_t, C)] * A * pi(t) / sg[pi(t)]      (clip=False, ratio_cap=C)
 
     ``clip=False`` is the official ExGRPO mixed-mode ``loss_remove_clip`` for fresh tokens;
-    ``ratio_cap`` truncates the unclipped ratio (truncated importance sampling, as verl and
-    TRL do for engine log-probs: a token whose ratio exceeds C gets no gradient).
+    ``ratio_cap`` is truncated importance sampling of the unclipped ratio (as verl and TRL
+    weight tokens sampled by an engine whose log-probs differ from the trainer's): the
+    value is ``-min(w, C) * A`` and the gradient ``min(w, C) * A * grad log pi``, so a
+    token above C keeps a gradient of bounded weight. With the clip on it does nothing.
 
     Ratio modes (:data:`RATIO_MODES`):
 
@@ -330,7 +332,11 @@ def clipped_surrogate(
         per_token = torch.maximum(unclipped, clipped_loss)
         active = would_clip
     else:
-        per_token = unclipped if ratio_cap is None else -torch.clamp(ratio, max=ratio_cap) * adv
+        if ratio_cap is None:
+            per_token = unclipped
+        else:
+            weight = torch.clamp(ratio, max=ratio_cap).detach()
+            per_token = -weight * adv * torch.exp(logp - logp.detach())
         active = torch.zeros_like(would_clip)
     stats = {
         "ratio": ratio.detach(),

@@ -26,6 +26,7 @@ that are padding for every row of it (less compute for short minibatches).
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -40,7 +41,9 @@ def row_order(group_index: np.ndarray, shuffle: str, rng: np.random.Generator) -
     """Row indices in training order.
 
     * ``"groups"``: whole groups in a random order (rows of a group stay together), so a
-      minibatch holds complete groups, fresh and replayed mixed;
+      minibatch holds (nearly) complete groups, fresh and replayed mixed; a cut between
+      minibatches or learner shards falls on a group boundary when the sizes allow (G
+      divides them) and otherwise splits one group (advantages are computed before);
     * ``"rows"``: every row at a random place (TRL shuffles its generation batch so);
     * ``"none"``: the batch order (for debugging and ablations).
     """
@@ -62,7 +65,9 @@ def row_order(group_index: np.ndarray, shuffle: str, rng: np.random.Generator) -
 def num_minibatches(num_rows: int, minibatch_size: int, num_learners: int = 1) -> int:
     """``round(rows / (minibatch_size x learners))``, at least 1 and at most rows / learners."""
     learners = max(1, int(num_learners))
-    steps = max(1, int(round(num_rows / float(minibatch_size * learners))))
+    # Round half up (Python's round() rounds half to even): a minibatch holds at most
+    # 1.5 x minibatch_size rows per learner, never fewer than 0.75 x (unless rows are few).
+    steps = max(1, int(math.floor(num_rows / float(minibatch_size * learners) + 0.5)))
     return max(1, min(steps, num_rows // learners))
 
 

@@ -140,7 +140,10 @@ def fit_resources(config, cluster: Optional[ClusterResources] = None) -> List[st
     config.num_cpus_for_main_process = main
     if main + remote <= cluster.cpus + 1e-9:
         return notes
-    actors = config.num_env_runners + (config.num_learners if config.num_learners > 0 else 0)
+    # Only actors that ask for CPUs share them (a GPU learner's "auto" CPUs are 0).
+    runners = config.num_env_runners if float(config.num_cpus_per_env_runner) > 0 else 0
+    learners = config.num_learners if config.num_learners > 0 and learner_cpus(config) > 0 else 0
+    actors = runners + learners
     share = math.floor(100 * cluster.cpus / (1 + actors)) / 100
     if share < 0.01:
         raise ResourceError(
@@ -156,11 +159,12 @@ def fit_resources(config, cluster: Optional[ClusterResources] = None) -> List[st
         "num_cpus_per_learner / num_cpus_for_main_process to choose yourself)"
     )
     config.num_cpus_for_main_process = share
-    if config.num_env_runners > 0:
+    if runners:
         config.num_cpus_per_env_runner = share
     # With no remote learner RLlib bundles the local one with the main process and asks
     # for max(num_cpus_per_learner, main): that share must shrink too.
-    config.num_cpus_per_learner = share
+    if learners or config.num_learners == 0:
+        config.num_cpus_per_learner = share
     return notes
 
 
@@ -181,6 +185,25 @@ def cpus_held(fallback: float) -> float:
 def torch_threads(cpus: float) -> int:
     """Intra-op threads for ``cpus`` CPUs: the whole cores held, at least one."""
     return max(1, int(math.floor(float(cpus) + 1e-9)))
+
+
+def apply_threads_for(config, role: str, worker_index: int = 0) -> int:
+    """Size torch's threads for one of the run's processes (the one rule, used by
+    ``ExGRPO.setup``, ``LLMEnvRunner.__init__`` and ``ExGRPOTorchLearner.build``).
+
+    ``role``: ``"main"``, ``"env_runner"`` (``worker_index`` 0 is the local runner, in the
+    main process) or ``"learner"`` (remote when ``num_learners > 0``, else local). A Ray
+    actor uses what Ray assigned it; the numbers here are the fallback of a plain driver.
+    """
+    if role == "env_runner" and worker_index:
+        cpus, who = float(config.num_cpus_per_env_runner), f"env runner {worker_index}"
+    elif role == "learner" and config.num_learners > 0:
+        cpus, who = learner_cpus(config), "learner"
+    elif role in ("main", "env_runner", "learner"):
+        cpus, who = main_process_cpus(config), f"main process ({role})"
+    else:
+        raise ValueError(f"role must be 'main', 'env_runner' or 'learner', got {role!r}")
+    return apply_torch_threads(cpus, who=who)
 
 
 def apply_torch_threads(fallback_cpus: float, *, who: str = "process") -> int:

@@ -1098,9 +1098,10 @@ def fit_experiment_resources(exp: "Experiment", cluster: Any = None) -> List[str
     the keys and the file. Resource fields under a search space are left to Tune."""
     from rllib_exgrpo.resources import ResourceError, fit_resources
 
+    from ray.tune.search.sample import Domain
+
     config = exp.config
-    if any(_is_search_space(getattr(config, k, None)) or isinstance(getattr(config, k, None), dict)
-           for k in RESOURCE_FIELDS):
+    if any(isinstance(getattr(config, k, None), (dict, Domain)) for k in RESOURCE_FIELDS):
         return []
     try:
         notes = fit_resources(config, cluster)

@@ -13,6 +13,7 @@ is exactly 1 (verl recomputes ``old_log_prob`` for the same reason).
 """
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -20,6 +21,8 @@ import torch
 
 from rllib_exgrpo.generation.base import Completion, SamplingParams
 from rllib_exgrpo.module import completion_logprobs_and_entropy
+
+logger = logging.getLogger(__name__)
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,6 +156,11 @@ class HFGenerationBackend:
                 token_rows, gen_logps, reasons = pruned_decode(
                     self.model, input_ids.to(device), attention_mask.to(device), params, pad_token_id=self.pad_token_id
                 )
+            except NotImplementedError as e:
+                logger.warning("%s: using transformers' generate instead", e)
+                self.decoder = "generate"
+                self.model.train(was_training)
+                return self._generate_chunk(items, params)
             finally:
                 self.model.train(was_training)
             logps = [None] * len(items)
@@ -220,6 +228,9 @@ class HFGenerationBackend:
 
 #: Sampling loops of the HF backend.
 HF_DECODERS = ("pruned", "generate")
+#: Cache layers whose whole state is keys / values, so that ``batch_select_indices``
+#: prunes all of it (recurrent or convolution states of hybrid models are not pruned).
+PRUNABLE_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
 
 
 def _cache_kwarg(model) -> str:
@@ -271,6 +282,10 @@ def pruned_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                 use_cache=True, logits_to_keep=1)
     cache = getattr(out, "cache", None) or out.past_key_values
+    unsupported = [type(layer).__name__ for layer in getattr(cache, "layers", ())
+                   if type(layer).__name__ not in PRUNABLE_CACHE_LAYERS]
+    if unsupported:
+        raise NotImplementedError(f"pruned_decode: cache layers {sorted(set(unsupported))} carry more than keys/values")
     for step in range(max_new):
         scores = out.logits[:, -1, :].float() / temperature
         logp = torch.log_softmax(scores, -1)
