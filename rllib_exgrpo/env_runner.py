@@ -1,7 +1,7 @@
 """``LLMEnvRunner``: an RLlib EnvRunner that samples groups of LLM completions.
 
 RLlib's ``SingleAgentEnvRunner`` steps one action per env per forward pass and corrupts
-text observations (see RLLIB_NOTES.md). An LLM wants the opposite: many prompts batched
+text observations (see docs/training_step.md). An LLM wants the opposite: many prompts batched
 into one ``generate`` call, G completions each. This runner
 
 1. takes question ids (or draws them from its env's own sampler),
