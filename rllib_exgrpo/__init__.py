@@ -4,6 +4,7 @@ As with RLlib's own algorithms (``from ray.rllib.algorithms.ppo import PPO, PPOC
 the algorithms and their configs are at the package top::
 
     from rllib_exgrpo import ExGRPO, ExGRPOConfig, GRPO, GRPOConfig
+    from rllib_exgrpo import ExGRPOTorchLearner, LLMTorchRLModule, LLMEnvRunner
 
 They resolve lazily (PEP 562): importing a submodule (``rllib_exgrpo.models``, say) does
 not pay for ``ray.rllib``.
@@ -17,6 +18,9 @@ _EXPORTS = {
     "GRPO": "rllib_exgrpo.algorithm",
     "ExGRPOConfig": "rllib_exgrpo.config",
     "GRPOConfig": "rllib_exgrpo.config",
+    "ExGRPOTorchLearner": "rllib_exgrpo.learner",
+    "LLMTorchRLModule": "rllib_exgrpo.module",
+    "LLMEnvRunner": "rllib_exgrpo.env_runner",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -67,11 +67,14 @@ def test_tuned_examples_validate():
 
 def test_algorithms_and_configs_at_the_package_top():
     import rllib_exgrpo
-    from rllib_exgrpo import GRPO, ExGRPO, ExGRPOConfig, GRPOConfig
+    from rllib_exgrpo import GRPO, ExGRPO, ExGRPOConfig, ExGRPOTorchLearner, GRPOConfig, LLMEnvRunner, LLMTorchRLModule
     from rllib_exgrpo.algorithm import ExGRPO as ExGRPOClass
 
     assert ExGRPO is ExGRPOClass and issubclass(GRPO, ExGRPO)
     assert isinstance(GRPOConfig(), ExGRPOConfig) and GRPOConfig().experience_replay is False
     assert ExGRPOConfig().algo_class is ExGRPO
+    assert ExGRPOConfig().get_default_learner_class() is ExGRPOTorchLearner
+    assert ExGRPOConfig().get_default_rl_module_spec().module_class is LLMTorchRLModule
+    assert ExGRPOConfig().env_runner_cls is LLMEnvRunner
     with pytest.raises(AttributeError):
         rllib_exgrpo.NoSuchThing
