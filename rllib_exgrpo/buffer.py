@@ -1,7 +1,7 @@
 """ExGRPO's experience buffer: correctness buckets, Gaussian bucket sampling, retired set.
 
 Pure Python/numpy (no torch, no RLlib), so the algorithm, the tests and the benchmark use
-it directly. The rules follow ``docs/algorithms.md`` section 2 (ExGRPO,
+it directly. The rules follow ``docs/ALGORITHMS.md`` section 2 (ExGRPO,
 arXiv 2510.02245; official code: github ElliottYan/LUFFY, folder ``ExGRPO/``). The code
 is our own.
 

@@ -1,6 +1,6 @@
 """``ExGRPOConfig``: every knob of the method, with its default, its source and its check.
 
-Defaults follow ``docs/algorithms.md``: where the official ExGRPO code and the paper
+Defaults follow ``docs/ALGORITHMS.md``: where the official ExGRPO code and the paper
 differ, the official code's choice is the default and the other is an option. RLlib's own
 fields keep their meaning: ``lr``, ``grad_clip``, ``num_epochs`` and ``minibatch_size``
 (completions, i.e. learner rows, per learner and optimiser step: an iteration of N rows
@@ -76,7 +76,7 @@ FIELD_DOCS: Dict[str, str] = {
     "kl_coeff": "k3 KL penalty to the frozen initial policy (official ExGRPO: 0, off).",
     "skip_update_grad_norm": "Skip the optimiser step when the pre-clip gradient norm "
     "exceeds this (official: 500); None disables.",
-    # --- ExGRPO experience management (docs/algorithms.md section 2) -------------------------
+    # --- ExGRPO experience management (docs/ALGORITHMS.md section 2) -------------------------
     "experience_replay": "Replay correct trajectories from the experience pool (ExGRPO). "
     "False gives on-policy GRPO.",
     "experience_ratio": "rho: share of a step's B questions drawn from the pool (official 0.5).",
@@ -106,7 +106,7 @@ FIELD_DOCS: Dict[str, str] = {
     "buffer_capacity": "Max stored trajectories; beyond it the oldest trajectory of the "
     "question holding the most is evicted.",
     "buffer_logp_dtype": "Storage dtype of recorded log-probs: float16, bfloat16, float32.",
-    # --- XRPO (docs/algorithms.md section 3); all off by default, each composes with ExGRPO --
+    # --- XRPO (docs/ALGORITHMS.md section 3); all off by default, each composes with ExGRPO --
     "xrpo_planner": "Spend each fresh question's rollouts adaptively (XRPO hierarchical "
     "planner) instead of G each; the step's total stays questions x group_size.",
     "planner_n0": "Completions every fresh question gets first (XRPO: G/2).",

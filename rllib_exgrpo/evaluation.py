@@ -1,6 +1,6 @@
 """Benchmark evaluation of a policy: avg@k, pass@k and maj@k per data source.
 
-Settings follow the ExGRPO / LUFFY papers (docs/algorithms.md, section 2): sampling
+Settings follow the ExGRPO / LUFFY papers (docs/ALGORITHMS.md, section 2): sampling
 at temperature 0.6, top_p 1.0; AIME and AMC are scored as avg@32 (32 samples per
 question), every other benchmark as avg@1. A data source gets 32 samples when its name
 contains ``aime`` or ``amc`` (case-insensitive), 1 otherwise; ``k=`` overrides this.

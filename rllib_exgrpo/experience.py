@@ -1,6 +1,6 @@
 """ExGRPO's experience management around the buffer: plan, replay choice, update, switch.
 
-``ExperienceManager`` holds what ExGRPO adds to a GRPO step (docs/algorithms.md section 2):
+``ExperienceManager`` holds what ExGRPO adds to a GRPO step (docs/ALGORITHMS.md section 2):
 
 * **plan**: of B questions, ``min(#pooled, floor(rho * B))`` come from the pool (in mixed
   mode), the rest are fresh questions that are not retired;

@@ -1,7 +1,7 @@
 """XRPO's in-context seeding corpus: the model's own verified solutions, retrieved by BM25.
 
 Pure Python/numpy (no torch, no RLlib). The rules follow
-``docs/algorithms.md`` section 3.2 (XRPO, arXiv 2510.06672; the official
+``docs/ALGORITHMS.md`` section 3.2 (XRPO, arXiv 2510.06672; the official
 code was not reachable, so every choice below is ours and documented). The code is our
 own.
 

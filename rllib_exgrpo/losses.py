@@ -2,7 +2,7 @@
 
 Nothing here imports RLlib: every function takes tensors and returns tensors, so the
 learner (and the tests) can call them directly. The formulas follow
-``docs/algorithms.md``; the conventions (names of the aggregation modes,
+``docs/ALGORITHMS.md``; the conventions (names of the aggregation modes,
 clamps, unbiased std, one registry per kind, a shape line per docstring) follow verl's
 ``verl/trainer/ppo/core_algos.py``. The code is our own.
 
@@ -378,7 +378,7 @@ def shaped_surrogate(
 
     (The LUFFY code base this descends from uses ``w_t = pi_theta(t)`` for demonstrations
     with unknown behaviour probabilities; ExGRPO stores the behaviour log-probs, so the
-    ratio is used here, as docs/algorithms.md section 2 specifies.)
+    ratio is used here, as docs/ALGORITHMS.md section 2 specifies.)
 
     Stats (detached, ``[N, T]``): ``"ratio"`` = ``w_t``, ``"shaping"`` = ``f(w_t)``.
     """
@@ -691,7 +691,7 @@ def mixed_policy_loss(
     (per-token entropy of the current policy, *with* grad if ``entropy_coeff > 0``) and
     ``ref_logp [N, T]``. Returns ``(loss scalar, metrics dict of 0-d detached tensors)``.
 
-    Formula (ExGRPO arXiv 2510.02245 section 3.2; docs/algorithms.md section 2)::
+    Formula (ExGRPO arXiv 2510.02245 section 3.2; docs/ALGORITHMS.md section 2)::
 
         l_t = clipped_surrogate(...; clip=clip_fresh, ratio_mode)   fresh rows
         l_t = -A * f(w_t),  f(w) = w / (w + beta)                    replayed rows

@@ -1,7 +1,7 @@
 """XRPO's hierarchical rollout planner: how many completions each question gets.
 
 Pure numpy/scipy (no torch, no RLlib), so the algorithm, the tests and the benchmark use
-it directly. The rules follow ``docs/algorithms.md`` section 3.1 (XRPO,
+it directly. The rules follow ``docs/ALGORITHMS.md`` section 3.1 (XRPO,
 arXiv 2510.06672; the official code was not reachable, so every choice not fixed by the
 paper's formulas is ours and is documented here). The code is our own.
 

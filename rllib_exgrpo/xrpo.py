@@ -1,4 +1,4 @@
-"""XRPO's three mechanisms as steps the algorithm calls (docs/algorithms.md section 3).
+"""XRPO's three mechanisms as steps the algorithm calls (docs/ALGORITHMS.md section 3).
 
 * :class:`AdaptiveRollouts` drives the hierarchical planner over several generation
   rounds of one training step: n0 completions per question, then rounds handing out the
