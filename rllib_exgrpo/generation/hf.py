@@ -13,6 +13,7 @@ is exactly 1 (verl recomputes ``old_log_prob`` for the same reason).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Dict, List, Sequence
 
@@ -235,9 +236,14 @@ PRUNABLE_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
 
 def _cache_kwarg(model) -> str:
     """The forward keyword of the KV cache (transformers 5 renamed past_key_values)."""
+    return _cache_kwarg_of(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(model_cls) -> str:
     import inspect
 
-    params = inspect.signature(type(model).forward).parameters
+    params = inspect.signature(model_cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
