@@ -45,6 +45,7 @@ import copy
 import difflib
 import inspect
 import logging
+import math
 import os
 import sys
 import re
@@ -800,12 +801,20 @@ def _mlflow_callback_class() -> type:
                 run_id = self._trial_runs[trial]
                 step = result.get(TIMESTEPS_TOTAL) or result[TRAINING_ITERATION]
                 now = int(time.time() * 1000)
+                # heldout/* only on the iterations that measured it, at the step it belongs
+                # to (0 for the starting point), not repeated (or NaN) in between.
+                heldout_step = _new_heldout_step(self.__dict__.setdefault("_heldout_seen", {}), trial, result)
                 metrics = []
                 for k, v in flatten_dict(result).items():
                     if isinstance(v, bool):
                         v = float(v)
+                    at = step
+                    if str(k).startswith("heldout/"):
+                        if heldout_step is None:
+                            continue
+                        at = heldout_step
                     try:
-                        metrics.append(Metric(str(k), float(v), now, int(step)))
+                        metrics.append(Metric(str(k), float(v), now, int(at)))
                     except (TypeError, ValueError):
                         continue
                 try:
@@ -822,6 +831,47 @@ def _mlflow_callback_class() -> type:
 
         _SAFE_MLFLOW_CLS = BatchedMLflowLoggerCallback
     return _SAFE_MLFLOW_CLS
+
+
+def _new_heldout_step(seen: Dict[Any, Any], trial: Any, result: Mapping[str, Any]) -> Optional[int]:
+    """The iteration a result's held-out evaluation belongs to, if it was not logged yet."""
+    after = (result.get("heldout") or {}).get("after_iteration")
+    if after is None or isinstance(after, float) and math.isnan(after):
+        return None
+    if seen.get(trial) == after:
+        return None
+    seen[trial] = after
+    return int(after)
+
+
+def _progress_callback_class() -> type:
+    """A Tune callback that prints one line per training iteration (Tune's own tables only
+    with ``--verbose``): reward, solve rate, held-out accuracy when measured, s/iteration."""
+    from ray.tune import Callback
+
+    class IterationLines(Callback):
+        def __init__(self):
+            self._heldout_seen: Dict[Any, Any] = {}
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            runners = result.get("env_runners") or {}
+            reward = result.get("reward_mean", runners.get("episode_return_mean"))
+            parts = [f"[{trial.trial_id}] iter {result.get('training_iteration', 0):4d}"]
+            if reward is not None:
+                parts.append(f"reward {float(reward):.3f}")
+            if "solve_rate" in result:
+                parts.append(f"solve {float(result['solve_rate']):.3f}")
+            step = _new_heldout_step(self._heldout_seen, trial, result)
+            if step is not None:
+                parts.append(f"held-out {float(result['heldout']['accuracy']):.3f} (after {step})")
+            if "time_this_iter_s" in result:
+                parts.append(f"{float(result['time_this_iter_s']):.2f} s/it")
+            print("  ".join(parts), flush=True)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            print(f"[{trial.trial_id}] errored: see {trial.error_file or trial.path}", flush=True)
+
+    return IterationLines
 
 
 def _make_mlflow_callback(settings: Dict[str, Any]) -> Any:
@@ -1157,8 +1207,10 @@ def run_experiments(
                     storage_path=exp.storage_path,
                     stop=exp.stop or None,
                     checkpoint_config=exp.checkpoint_config,
-                    callbacks=list(exp.callbacks) or None,
-                    verbose=verbose,
+                    # Tune's status tables only when asked for (--verbose); otherwise
+                    # one line per iteration.
+                    callbacks=list(exp.callbacks) + ([] if verbose > 1 else [_progress_callback_class()()]),
+                    verbose=verbose - 1 if verbose > 1 else 0,
                 ),
             )
             grid = tuner.fit()

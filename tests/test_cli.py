@@ -457,6 +457,12 @@ def test_main_job_yaml_grid_over_two_learning_rates(tmp_path, quick_tiny_model):
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{db}")
     runs = client.search_runs([client.get_experiment_by_name("exgrpo-tiny").experiment_id])
     assert sorted(float(r.data.params["lr"]) for r in runs) == [1e-4, 3e-4]
+    for r in runs:  # held-out accuracy only where it was measured: the starting point
+        history = client.get_metric_history(r.info.run_id, "heldout/accuracy")
+        assert [m.step for m in history] == [0], history
+    # one console line per iteration instead of Tune's tables
+    assert proc.stdout.count(" iter    1  reward ") == 2, log
+    assert "Trial status:" not in proc.stdout, log
 
 
 def test_gpus_the_machine_lacks_fail_in_one_line_before_anything_starts(capsys):
@@ -488,3 +494,12 @@ def test_two_env_runners_on_two_cores_train_instead_of_pending(tmp_path, quick_t
     (result,) = (tmp_path / "results" / "grpo-tiny").glob("*/result.json")
     row = json.loads(result.read_text().splitlines()[-1])
     assert row["training_iteration"] == 1 and row["num_completions"] == 16
+
+
+def test_heldout_is_reported_once_per_evaluation():
+    from rllib_exgrpo.yaml_config import _new_heldout_step
+
+    seen = {}
+    results = [{"heldout": {"after_iteration": a}} for a in (0, 0, 0, 10, 10, 20)] + [{}]
+    assert [_new_heldout_step(seen, "t", r) for r in results] == [0, None, None, 10, None, 20, None]
+    assert _new_heldout_step(seen, "other trial", {"heldout": {"after_iteration": 20}}) == 20

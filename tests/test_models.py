@@ -295,3 +295,15 @@ def test_smollm2_export_is_a_plain_trainable_hf_folder(tmp_path):
     loss = model(**enc, labels=enc["input_ids"]).loss
     loss.backward()
     assert model.model.embed_tokens.weight.grad is not None
+
+
+def test_warm_start_progress_off_a_terminal_is_a_few_lines(capsys):
+    from rllib_exgrpo.models.tiny import _LineProgress
+
+    bar = _LineProgress(1500, "warm-starting tiny model")
+    for step in range(1500):
+        bar.update(1)
+        bar.set_postfix(loss=0.1)
+    bar.close()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 10 and lines[-1].startswith("warm-starting tiny model: 1500/1500 steps")
