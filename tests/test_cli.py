@@ -448,7 +448,9 @@ def test_main_job_yaml_grid_over_two_learning_rates(tmp_path, quick_tiny_model):
     for t in trials:
         rows = [json.loads(line) for line in (t / "result.json").read_text().splitlines() if line.strip()]
         assert rows[-1]["training_iteration"] == 1
-        assert 0.0 <= rows[-1]["heldout"]["initial_accuracy"] <= 1.0  # printed and logged
+        # the starting point, logged with the iteration it belongs to (0) and kept as initial
+        assert rows[-1]["heldout"]["after_iteration"] == 0
+        assert rows[-1]["heldout"]["initial_accuracy"] == rows[-1]["heldout"]["accuracy"]
         lrs.append(json.loads((t / "params.json").read_text())["lr"])
     assert sorted(lrs) == [1e-4, 3e-4]
 
