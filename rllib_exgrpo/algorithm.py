@@ -326,7 +326,7 @@ class ExGRPO(Algorithm):
         self.metrics.log_value("num_completions", len(rewards), reduce="sum")
 
     def _log_experience_metrics(self, step_metrics: Dict[str, float], groups) -> None:
-        replayed = sum(t.is_replayed and not t.seeded for t in groups.trajectories)
+        replayed = sum(t.replayed for t in groups.trajectories)
         values = {
             **self.experience.metrics(),
             **step_metrics,

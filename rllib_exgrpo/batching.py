@@ -29,11 +29,16 @@ class Trajectory:
     reward: float
     #: Off-policy: trained with the recorded log-probs and policy shaping (ExGRPO replay,
     #: and XRPO seeded completions whose log-probs were recorded under another prompt).
-    is_replayed: bool = False
+    off_policy: bool = False
     #: Generated with in-context examples prepended (XRPO seeding): not the policy's own
     #: unassisted attempt, so it does not count towards the question's correctness.
     seeded: bool = False
     info: dict = field(default_factory=dict)
+
+    @property
+    def replayed(self) -> bool:
+        """Drawn from ExGRPO's experience pool (off-policy and not a seeded completion)."""
+        return self.off_policy and not self.seeded
 
 
 def trajectories_from_episodes(episodes) -> List[Trajectory]:
@@ -49,7 +54,7 @@ def trajectories_from_episodes(episodes) -> List[Trajectory]:
                 completion_ids=np.asarray(e.get_actions(0)),
                 logp=np.asarray(e.get_extra_model_outputs(C.ACTION_LOGP, 0), dtype=np.float32),
                 reward=float(e.get_return()),
-                is_replayed=seeded,
+                off_policy=seeded,
                 seeded=seeded,
                 info=info,
             )
@@ -123,7 +128,7 @@ def learner_batch(trajectories: Sequence[Trajectory], advantages: np.ndarray, pa
         C.OLD_LOGP: old_logp,
         C.ADVANTAGES: np.asarray(advantages, dtype=np.float32),
         C.REWARDS: np.asarray([t.reward for t in trajectories], dtype=np.float32),
-        C.IS_REPLAYED: np.asarray([t.is_replayed for t in trajectories], dtype=np.float32),
+        C.OFF_POLICY: np.asarray([t.off_policy for t in trajectories], dtype=np.float32),
     }
 
 

@@ -14,7 +14,7 @@ RESPONSE_MASK = "response_mask"  # float32 [N, R], 1 on completion tokens
 OLD_LOGP = "old_logp"  # float32 [N, R], behaviour log-probs recorded at sampling time
 ADVANTAGES = "advantages"  # float32 [N], one scalar per completion
 REWARDS = "rewards"  # float32 [N]
-IS_REPLAYED = "is_replayed"  # float32 [N], 1 for trajectories drawn from the experience pool
+OFF_POLICY = "off_policy"  # float32 [N], 1 for off-policy rows (replayed or in-context seeded)
 REF_LOGP = "ref_logp"  # float32 [N, R], frozen reference policy (only with KL on)
 
 # Outputs of the module's train forward pass.

@@ -97,7 +97,7 @@ class ExperienceManager:
                     completion_ids=np.asarray(stored.completion_ids, dtype=np.int64),
                     logp=stored.logp_float32(),
                     reward=1.0,
-                    is_replayed=True,
+                    off_policy=True,
                 )
             )
             chosen_entropy.append(float(mean_h[pick]))
@@ -108,7 +108,7 @@ class ExperienceManager:
     # ---- update ------------------------------------------------------------------------
     def observe(self, groups: ScoredGroups, *, iteration: int) -> Dict[str, float]:
         """Delayed-start check and pool update from one step's scored groups."""
-        fresh_rewards = [t.reward for t in groups.trajectories if not t.is_replayed]
+        fresh_rewards = [t.reward for t in groups.trajectories if not t.off_policy]
         # Seeded completions had help: they neither count towards a question's
         # correctness nor enter the pool (their log-probs belong to another prompt).
         solve_rate = float(np.mean(np.asarray(fresh_rewards) >= 1.0)) if fresh_rewards else 0.0

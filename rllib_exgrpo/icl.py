@@ -18,7 +18,7 @@ log-probs are those of the behaviour policy under the *seeded* prompt,
 ``pi_old(y_t | examples + prompt, y_<t)``. They are treated exactly like ExGRPO's replayed
 tokens: the importance ratio ``w_t = pi_theta(y_t | prompt, y_<t) / pi_old(y_t | examples +
 prompt, y_<t)`` against those recorded log-probs, with policy shaping ``f(w) = w / (w +
-beta)`` and no clipping (``losses.shaped_surrogate``, the ``is_replayed`` rows of
+beta)`` and no clipping (``losses.shaped_surrogate``, the ``off_policy`` rows of
 ``losses.mixed_policy_loss``). They join their question's group for the advantage.
 
 Corpus rules (:class:`SolvedCorpus`)

@@ -71,7 +71,7 @@ class ExGRPOTorchLearner(TorchLearner):
             batch[C.ADVANTAGES],
             batch[C.RESPONSE_MASK],
             # Without policy shaping (ablation) replayed tokens get the fresh-token loss.
-            (batch[C.IS_REPLAYED] > 0.5) & bool(config.policy_shaping),
+            (batch[C.OFF_POLICY] > 0.5) & bool(config.policy_shaping),
             eps_low=config.clip_eps_low,
             eps_high=config.clip_eps_high,
             clip_fresh=self.use_clip_for_fresh_tokens(config),

@@ -667,7 +667,7 @@ def mixed_policy_loss(
     old_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    is_replayed: Tensor,
+    off_policy: Tensor,
     *,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
@@ -686,8 +686,9 @@ def mixed_policy_loss(
     """ExGRPO mixed-policy objective over one (mini/micro-)batch.
 
     Shapes: ``logp, old_logp, mask [N, T]``; ``advantages [N]`` (or ``[N, T]``);
-    ``is_replayed [N]`` bool (row is a replayed trajectory from the experience pool,
-    its ``old_logp`` are the stored behaviour log-probs); optional ``entropy [N, T]``
+    ``off_policy [N]`` bool (row is off-policy: a trajectory replayed from the experience
+    pool or an XRPO seeded completion, whose ``old_logp`` are the recorded behaviour
+    log-probs of another policy or prompt); optional ``entropy [N, T]``
     (per-token entropy of the current policy, *with* grad if ``entropy_coeff > 0``) and
     ``ref_logp [N, T]``. Returns ``(loss scalar, metrics dict of 0-d detached tensors)``.
 
@@ -701,7 +702,7 @@ def mixed_policy_loss(
                + kl_coeff * agg(k3_kl(logp, ref_logp), mask, agg_mode)  (if kl_coeff>0)
 
     Official ExGRPO: ``clip_fresh=False`` in mixed mode (``loss_remove_clip``),
-    ``entropy_coeff = 0.001``, no KL. With ``is_replayed`` all False this is exactly the
+    ``entropy_coeff = 0.001``, no KL. With ``off_policy`` all False this is exactly the
     plain GRPO loss ``agg(clipped_surrogate(...))`` (+ the same entropy/KL terms).
     Replayed rows always use the token-level ratio (``ratio_mode`` only affects fresh rows).
 
@@ -713,10 +714,10 @@ def mixed_policy_loss(
     ``fresh_token_fraction`` / ``replayed_token_fraction`` (shares of the valid tokens).
     A statistic over an empty token set is reported as 0.
     """
-    if is_replayed.dim() != 1 or is_replayed.shape[0] != logp.shape[0]:
-        raise ValueError(f"is_replayed must be [N]={logp.shape[0]}, got {tuple(is_replayed.shape)}")
+    if off_policy.dim() != 1 or off_policy.shape[0] != logp.shape[0]:
+        raise ValueError(f"off_policy must be [N]={logp.shape[0]}, got {tuple(off_policy.shape)}")
     m = _float_mask(mask, logp)
-    rep = is_replayed.to(torch.bool).unsqueeze(-1)  # [N, 1]
+    rep = off_policy.to(torch.bool).unsqueeze(-1)  # [N, 1]
     rep_tok = m * rep.to(m.dtype)
     fresh_tok = m * (~rep).to(m.dtype)
 
@@ -725,7 +726,7 @@ def mixed_policy_loss(
         eps_low=eps_low, eps_high=eps_high, clip=clip_fresh, ratio_mode=ratio_mode,
         ratio_cap=ratio_cap,
     )
-    if bool(is_replayed.any()):
+    if bool(off_policy.any()):
         rep_loss, rep_stats = shaped_surrogate(logp, old_logp, advantages, beta=beta)
         per_token = torch.where(rep, rep_loss, fresh_loss)
     else:

@@ -82,7 +82,7 @@ class InContextSeeder:
     def remember(self, trajectories: Sequence[Trajectory], question_text: Callable[[str], str]) -> None:
         """Add the step's correct, unassisted completions to the corpus."""
         for t in trajectories:
-            if t.reward >= 1.0 and not t.is_replayed and t.info.get("completion_text"):
+            if t.reward >= 1.0 and not t.off_policy and t.info.get("completion_text"):
                 self.corpus.add(t.question_id, question_text(t.question_id), t.info["completion_text"])
 
     def seed(
@@ -91,7 +91,7 @@ class InContextSeeder:
         """Extra seeded completions for the questions whose unassisted completions all failed."""
         outcome: Dict[str, List[float]] = {}
         for t in trajectories:
-            if not t.is_replayed:
+            if not t.off_policy:
                 outcome.setdefault(t.question_id, []).append(t.reward)
         failing = [q for q, rs in outcome.items() if rs and max(rs) < 1.0]
         if self.config.icl_max_questions is not None:

@@ -13,7 +13,7 @@ def traj(qid, reward, prompt=(5, 6), completion=(7, 8, 9), replayed=False, seede
         completion_ids=np.asarray(completion),
         logp=np.full(len(completion), -0.5, dtype=np.float32),
         reward=float(reward),
-        is_replayed=replayed,
+        off_policy=replayed,
         seeded=seeded,
     )
 
@@ -52,4 +52,4 @@ def test_learner_batch_layout():
     assert b[C.RESPONSE_MASK].tolist() == [[1, 0, 0], [1, 1, 1]]
     assert b[C.OLD_LOGP][0].tolist() == [-0.5, 0.0, 0.0]
     assert b[C.ADVANTAGES].tolist() == [0.5, -0.5]
-    assert b[C.IS_REPLAYED].tolist() == [0.0, 0.0]
+    assert b[C.OFF_POLICY].tolist() == [0.0, 0.0]

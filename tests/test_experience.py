@@ -107,7 +107,7 @@ def test_replay_chooses_lowest_entropy_under_current_policy():
         return [np.zeros(len(c)) for c in completions], ent
 
     chosen, metrics = m.replayed_trajectories(["a"], scorer)
-    assert len(chosen) == 1 and chosen[0].is_replayed and chosen[0].reward == 1.0
+    assert len(chosen) == 1 and chosen[0].off_policy and chosen[0].reward == 1.0
     np.testing.assert_array_equal(chosen[0].completion_ids, stored[wanted].completion_ids)
     assert metrics["chosen_trajectory_entropy"] == pytest.approx(0.5)
 
@@ -117,7 +117,7 @@ def test_seeded_completions_do_not_count_or_enter_pool():
     ts = group("a", [0, 0, 0, 0])
     seeded = group("a", [1, 1], start=50)
     for t in seeded:
-        t.is_replayed = t.seeded = True
+        t.off_policy = t.seeded = True
     m.observe(score_groups(ts + seeded), iteration=0)
     assert "a" not in m.buffer
 

@@ -27,8 +27,8 @@ def _learner(model, **training):
 def _batch(learner, *, advantages, replayed, old_logp_shift=0.0):
     """Two rows; behaviour log-probs = current log-probs - shift (ratio e^shift)."""
     trajs = [
-        Trajectory("q", np.array([5, 6, 7]), np.array([8, 9, 10]), np.zeros(3, np.float32), 1.0, is_replayed=replayed[0]),
-        Trajectory("q", np.array([5, 6, 7]), np.array([11, 12, 13]), np.zeros(3, np.float32), 0.0, is_replayed=replayed[1]),
+        Trajectory("q", np.array([5, 6, 7]), np.array([8, 9, 10]), np.zeros(3, np.float32), 1.0, off_policy=replayed[0]),
+        Trajectory("q", np.array([5, 6, 7]), np.array([11, 12, 13]), np.zeros(3, np.float32), 0.0, off_policy=replayed[1]),
     ]
     batch = learner_batch(trajs, np.asarray(advantages, np.float32), pad_id=0)
     module = learner.module[DEFAULT_MODULE_ID]
