@@ -174,10 +174,11 @@ def _parity_examples(env, model_path: str, n_questions: int, seed: int) -> tuple
     tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True).eval()
     torch.manual_seed(seed)
+    from rllib_exgrpo.generation.hf import left_pad
+
     prompts = [tok(env.prompt_for(p.id), add_special_tokens=False)["input_ids"] for p in problems]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in prompts])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in prompts])
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    width = ids.shape[1]
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                              top_p=1.0, max_new_tokens=48, num_return_sequences=4,
