@@ -34,5 +34,5 @@ setup(
         "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
     },
-    entry_points={"console_scripts": ["rllib=rllib_exgrpo.cli:main"]},
+    entry_points={"console_scripts": ["rllib=rllib_exgrpo.cli.main:main"]},
 )

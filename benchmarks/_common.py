@@ -29,7 +29,7 @@ def start_ray():
 
 def recipe_config(name: str, **overrides):
     """The validated AlgorithmConfig of a tuned example, with overrides applied."""
-    from rllib_exgrpo.yaml_config import build_experiments
+    from rllib_exgrpo.cli.experiment import build_experiments
 
     file, base = RECIPES[name]
     experiments = build_experiments(str(ROOT / "tuned_examples" / file), config_overrides={**base, **overrides})

@@ -13,7 +13,7 @@ runs in a venv of its own, by default ``benchmarks/out/trl-venv`` (git-ignored).
 - :func:`reward_parity` checks the TRL-side reward against ``ReasoningEnv.score``.
 - :func:`trl_inputs` builds the runner's input dict in the *project* venv: the rendered
   prompts and ground truths of the questions GRPO draws at each iteration (the project's
-  :class:`~rllib_exgrpo.question_sampler.QuestionSampler`, same seed), so both sides train
+  :class:`~rllib_exgrpo.core.question_sampler.QuestionSampler`, same seed), so both sides train
   on the same questions in the same order.
 - :func:`run_trl` writes the input JSON, runs the runner in the TRL venv and returns its
   ``trl_result.json``.
@@ -132,7 +132,7 @@ def trl_inputs(seed: int = 0, iterations: int = 40, *, model: str = "tiny", outp
     sys.path.insert(0, str(ROOT))
     from envs.reasoning_env import ReasoningEnv
     from rllib_exgrpo.models import resolve_model_path
-    from rllib_exgrpo.question_sampler import QuestionSampler
+    from rllib_exgrpo.core.question_sampler import QuestionSampler
 
     settings = dict(settings or {})
     model_path = resolve_model_path(model)

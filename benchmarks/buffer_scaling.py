@@ -1,4 +1,4 @@
-"""How ExperienceBuffer scales with the pool size (rllib_exgrpo/buffer.py).
+"""How ExperienceBuffer scales with the pool size (rllib_exgrpo/exgrpo/buffer.py).
 
 For pool sizes 10^3 .. 10^6 questions (1-2 stored trajectories each), time
 
@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from rllib_exgrpo.buffer import ExperienceBuffer  # noqa: E402
+from rllib_exgrpo.exgrpo.buffer import ExperienceBuffer  # noqa: E402
 
 G = 8
 PROMPT_LEN = 32

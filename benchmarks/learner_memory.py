@@ -23,7 +23,8 @@ CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
 import torch
-from rllib_exgrpo import losses, module
+from rllib_exgrpo.core import losses
+from rllib_exgrpo.rllib import module
 from rllib_exgrpo.models import resolve_model_path
 variant, model_name, rows, prompt, response, checkpointing = {args!r}
 if variant == "plain":

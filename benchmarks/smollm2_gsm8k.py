@@ -22,7 +22,7 @@ from _common import ROOT, start_ray
 
 
 def evaluate_policy(model, data: str, limit: int, max_tokens: int) -> dict:
-    from rllib_exgrpo.evaluation import evaluate
+    from rllib_exgrpo.evaluation.evaluate import evaluate
 
     t0 = time.perf_counter()
     report = evaluate(model, [data], temperature=0.0, limit=limit, max_new_tokens=max_tokens, batch_size=50)
@@ -50,7 +50,7 @@ def main():
     t_all = time.perf_counter()
 
     from rllib_exgrpo.models import resolve_model_path
-    from rllib_exgrpo.yaml_config import build_experiments
+    from rllib_exgrpo.cli.experiment import build_experiments
 
     # The pretrained model's score is deterministic (greedy): computed once per setting.
     before_path = out / f"smollm2_before_{Path(args.data).stem}_{args.limit}_{args.max_tokens}.json"

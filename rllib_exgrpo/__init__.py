@@ -14,13 +14,13 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "ExGRPO": "rllib_exgrpo.algorithm",
-    "GRPO": "rllib_exgrpo.algorithm",
-    "ExGRPOConfig": "rllib_exgrpo.config",
-    "GRPOConfig": "rllib_exgrpo.config",
-    "ExGRPOTorchLearner": "rllib_exgrpo.learner",
-    "LLMTorchRLModule": "rllib_exgrpo.module",
-    "LLMEnvRunner": "rllib_exgrpo.env_runner",
+    "ExGRPO": "rllib_exgrpo.rllib.algorithm",
+    "GRPO": "rllib_exgrpo.rllib.algorithm",
+    "ExGRPOConfig": "rllib_exgrpo.rllib.config",
+    "GRPOConfig": "rllib_exgrpo.rllib.config",
+    "ExGRPOTorchLearner": "rllib_exgrpo.rllib.learner",
+    "LLMTorchRLModule": "rllib_exgrpo.rllib.module",
+    "LLMEnvRunner": "rllib_exgrpo.rllib.env_runner",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from rllib_exgrpo import columns as C
-from rllib_exgrpo.batching import Trajectory, learner_batch, score_groups, to_multi_agent_batch
-from rllib_exgrpo.config import ExGRPOConfig
+from rllib_exgrpo.core import columns as C
+from rllib_exgrpo.core.groups import Trajectory, learner_batch, score_groups, to_multi_agent_batch
+from rllib_exgrpo.rllib.config import ExGRPOConfig
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -72,7 +72,7 @@ def test_learner_step_moves_logp_with_the_advantage_sign(algo):
 
 
 def test_checkpoint_restores_buffer_and_training_continues(algo, tmp_path):
-    from rllib_exgrpo.algorithm import ExGRPO
+    from rllib_exgrpo.rllib.algorithm import ExGRPO
 
     def group(qid, rewards, start):
         return [

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from rllib_exgrpo import columns as C
-from rllib_exgrpo.batching import Trajectory, learner_batch, score_groups
+from rllib_exgrpo.core import columns as C
+from rllib_exgrpo.core.groups import Trajectory, learner_batch, score_groups
 
 
 def traj(qid, reward, prompt=(5, 6), completion=(7, 8, 9), replayed=False, seeded=False):

@@ -1,4 +1,4 @@
-"""Tests of ExGRPO's experience buffer (rllib_exgrpo/buffer.py): pure numpy, fast."""
+"""Tests of ExGRPO's experience buffer (rllib_exgrpo/exgrpo/buffer.py): pure numpy, fast."""
 
 import pickle
 import random
@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from rllib_exgrpo.buffer import (
+from rllib_exgrpo.exgrpo.buffer import (
     BUCKET_WEIGHTINGS,
     TRAJECTORY_SELECTIONS,
     UNIMPLEMENTED_BUCKET_WEIGHTINGS,

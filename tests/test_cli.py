@@ -1,7 +1,7 @@
 """The ``rllib`` command: parsing, validation before Ray starts, and one real Tune run.
 
 Fast tests use RLlib's built-in PPO (this project's algorithms are resolved lazily and
-need not exist). The end-to-end test runs ``python -m rllib_exgrpo.cli`` in a
+need not exist). The end-to-end test runs ``python -m rllib_exgrpo.cli.main`` in a
 subprocess with a private local Ray (``RAY_AUTH_MODE=disabled``), results and MLflow
 store under ``tmp_path``.
 """
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from rllib_exgrpo import cli
-from rllib_exgrpo.cli_registry import ALGORITHMS, CliConfigError, resolve_algorithm, resolve_env
-from rllib_exgrpo.yaml_config import (
+from rllib_exgrpo.cli import main as cli
+from rllib_exgrpo.cli.registry import ALGORITHMS, CliConfigError, resolve_algorithm, resolve_env
+from rllib_exgrpo.cli.experiment import (
     build_experiments,
     convert_search_spaces,
     deep_merge,
@@ -54,12 +54,12 @@ def _ppo(config=None, **spec):
 
 def test_help_of_module_and_console_script():
     out = subprocess.run(
-        [sys.executable, "-m", "rllib_exgrpo.cli", "--help"],
+        [sys.executable, "-m", "rllib_exgrpo.cli.main", "--help"],
         capture_output=True, text=True, env=_env(), timeout=60, check=True,
     ).stdout
     assert "train" in out and "usage: rllib" in out
     out = subprocess.run(
-        [sys.executable, "-m", "rllib_exgrpo.cli", "train", "--help"],
+        [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "--help"],
         capture_output=True, text=True, env=_env(), timeout=60, check=True,
     ).stdout
     for flag in ("--stop", "--config", "--storage-path", "--num-samples", "--experiment-name",
@@ -134,7 +134,7 @@ def test_run_resolution_orders():
     assert resolve_algorithm("PPO") is PPO
     assert resolve_algorithm("ray.rllib.algorithms.ppo:PPO") is PPO
     assert resolve_algorithm("ray.rllib.algorithms.ppo.PPO") is PPO
-    assert ALGORITHMS["ExGRPO"] == "rllib_exgrpo.algorithm:ExGRPO"
+    assert ALGORITHMS["ExGRPO"] == "rllib_exgrpo.rllib.algorithm:ExGRPO"
     with pytest.raises(CliConfigError, match="not a subclass"):
         resolve_algorithm("collections:OrderedDict")
     with pytest.raises(CliConfigError, match="could not be imported"):
@@ -386,7 +386,7 @@ def test_end_to_end_ppo_grid_with_mlflow(tmp_path):
     storage = tmp_path / "results"
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "rllib_exgrpo.cli", "train", "file", str(f),
+        [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "file", str(f),
          "--stop", json.dumps({"training_iteration": 1}),
          "--storage-path", str(storage), "--ray-num-cpus", "2"],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
@@ -435,7 +435,7 @@ def test_main_job_yaml_grid_over_two_learning_rates(tmp_path, quick_tiny_model):
         "lr": {"grid_search": [1e-4, 3e-4]},
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "rllib_exgrpo.cli", "train", "file", str(REPO / "tuned_examples" / "exgrpo_tiny.yaml"),
+        [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "file", str(REPO / "tuned_examples" / "exgrpo_tiny.yaml"),
          "--stop", json.dumps({"training_iteration": 1}), "--config", json.dumps(overrides),
          "--storage-path", str(tmp_path / "results"), "--mlflow-uri", f"sqlite:///{db}", "--ray-num-cpus", "2"],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900,
@@ -468,7 +468,7 @@ def test_main_job_yaml_grid_over_two_learning_rates(tmp_path, quick_tiny_model):
 
 
 def test_gpus_the_machine_lacks_fail_in_one_line_before_anything_starts(capsys):
-    from rllib_exgrpo.cli import main
+    from rllib_exgrpo.cli.main import main
 
     rc = main(["train", "file", str(REPO / "tuned_examples" / "grpo_tiny.yaml"), "--dry-run",
                "--config", json.dumps({"num_env_runners": 2, "num_gpus_per_env_runner": 1})])
@@ -485,7 +485,7 @@ def test_two_env_runners_on_two_cores_train_instead_of_pending(tmp_path, quick_t
     overrides = {"model_name_or_path": quick_tiny_model, "num_env_runners": 2, "questions_per_step": 4,
                  "group_size": 4, "minibatch_size": 16, "max_response_tokens": 8, "heldout_dataset": None}
     proc = subprocess.run(
-        [sys.executable, "-m", "rllib_exgrpo.cli", "train", "file", str(REPO / "tuned_examples" / "grpo_tiny.yaml"),
+        [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "file", str(REPO / "tuned_examples" / "grpo_tiny.yaml"),
          "--stop", json.dumps({"training_iteration": 1}), "--config", json.dumps(overrides),
          "--storage-path", str(tmp_path / "results"), "--ray-num-cpus", "2"],
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
@@ -499,7 +499,7 @@ def test_two_env_runners_on_two_cores_train_instead_of_pending(tmp_path, quick_t
 
 
 def test_heldout_is_reported_once_per_evaluation():
-    from rllib_exgrpo.yaml_config import _new_heldout_step
+    from rllib_exgrpo.cli.experiment import _new_heldout_step
 
     seen = {}
     results = [{"heldout": {"after_iteration": a}} for a in (0, 0, 0, 10, 10, 20)] + [{}]

@@ -1,8 +1,8 @@
 """ExGRPOConfig: official defaults, validation with clear messages, YAML key checks."""
 import pytest
 
-from rllib_exgrpo.config import FIELD_DOCS, ExGRPOConfig, GRPOConfig
-from rllib_exgrpo.yaml_config import CliConfigError, build_experiments
+from rllib_exgrpo.rllib.config import FIELD_DOCS, ExGRPOConfig, GRPOConfig
+from rllib_exgrpo.cli.experiment import CliConfigError, build_experiments
 
 
 def test_official_defaults():
@@ -68,7 +68,7 @@ def test_tuned_examples_validate():
 def test_algorithms_and_configs_at_the_package_top():
     import rllib_exgrpo
     from rllib_exgrpo import GRPO, ExGRPO, ExGRPOConfig, ExGRPOTorchLearner, GRPOConfig, LLMEnvRunner, LLMTorchRLModule
-    from rllib_exgrpo.algorithm import ExGRPO as ExGRPOClass
+    from rllib_exgrpo.rllib.algorithm import ExGRPO as ExGRPOClass
 
     assert ExGRPO is ExGRPOClass and issubclass(GRPO, ExGRPO)
     assert isinstance(GRPOConfig(), ExGRPOConfig) and GRPOConfig().experience_replay is False

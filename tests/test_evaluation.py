@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rllib_exgrpo import cli
-from rllib_exgrpo.evaluation import (
+from rllib_exgrpo.cli import main as cli
+from rllib_exgrpo.evaluation.evaluate import (
     EvalDataError,
     EvalReport,
     QuestionResult,
@@ -182,7 +182,7 @@ def test_malformed_benchmark_from_the_console_script(tmp_path):
     bad = tmp_path / "broken.jsonl"
     bad.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "oops", \n')
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "rllib_exgrpo.cli", "evaluate", "--model", "tiny", "--data", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "rllib_exgrpo.cli.main", "evaluate", "--model", "tiny", "--data", str(bad)],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -241,7 +241,7 @@ def grpo_checkpoint(ray_local, quick_tiny_model, tmp_path_factory):
     """A GRPO checkpoint after one training step (lr high enough to move the weights)."""
     from ray.rllib.core import DEFAULT_MODULE_ID
 
-    from rllib_exgrpo.config import GRPOConfig
+    from rllib_exgrpo.rllib.config import GRPOConfig
 
     cfg = (
         GRPOConfig()
@@ -267,8 +267,8 @@ def grpo_checkpoint(ray_local, quick_tiny_model, tmp_path_factory):
 def test_checkpoint_weights_and_cli_evaluate(grpo_checkpoint, quick_tiny_model, tmp_path, capsys):
     import torch
 
-    from rllib_exgrpo.evaluation import evaluate, load_policy_from_checkpoint, read_checkpoint
-    from rllib_exgrpo.module import load_causal_lm
+    from rllib_exgrpo.evaluation.evaluate import evaluate, load_policy_from_checkpoint, read_checkpoint
+    from rllib_exgrpo.rllib.module import load_causal_lm
 
     trial, path, learner_state = grpo_checkpoint
     # a Tune trial folder resolves to its latest checkpoint

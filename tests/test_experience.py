@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from rllib_exgrpo.batching import Trajectory, score_groups
-from rllib_exgrpo.config import ExGRPOConfig
-from rllib_exgrpo.experience import ExperienceManager
-from rllib_exgrpo.question_sampler import QuestionSampler
+from rllib_exgrpo.core.groups import Trajectory, score_groups
+from rllib_exgrpo.rllib.config import ExGRPOConfig
+from rllib_exgrpo.exgrpo.experience import ExperienceManager
+from rllib_exgrpo.core.question_sampler import QuestionSampler
 
 G = 4
 

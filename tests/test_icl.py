@@ -1,11 +1,11 @@
-"""Tests of XRPO's in-context seeding corpus (rllib_exgrpo/icl.py): pure Python, fast."""
+"""Tests of XRPO's in-context seeding corpus (rllib_exgrpo/xrpo/icl.py): pure Python, fast."""
 
 import math
 import pickle
 
 import pytest
 
-from rllib_exgrpo.icl import (
+from rllib_exgrpo.xrpo.icl import (
     DEFAULT_TEMPLATE,
     KEEP_POLICIES,
     Example,

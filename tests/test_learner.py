@@ -8,10 +8,10 @@ import torch
 
 from ray.rllib.core import DEFAULT_MODULE_ID
 
-from rllib_exgrpo import columns as C
-from rllib_exgrpo.batching import Trajectory, learner_batch, to_multi_agent_batch
-from rllib_exgrpo.config import ExGRPOConfig
-from rllib_exgrpo.env_runner import load_tokenizer, token_spaces
+from rllib_exgrpo.core import columns as C
+from rllib_exgrpo.core.groups import Trajectory, learner_batch, to_multi_agent_batch
+from rllib_exgrpo.rllib.config import ExGRPOConfig
+from rllib_exgrpo.rllib.env_runner import load_tokenizer, token_spaces
 
 
 def _learner(model, **training):

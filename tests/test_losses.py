@@ -1,11 +1,11 @@
-"""Tests for rllib_exgrpo.losses: every function against a loop-by-hand reference."""
+"""Tests for rllib_exgrpo.core.losses: every function against a loop-by-hand reference."""
 
 import math
 
 import pytest
 import torch
 
-from rllib_exgrpo import losses as L
+from rllib_exgrpo.core import losses as L
 
 # float(t) on a graph-attached scalar is intended in the hand-number checks below
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from rllib_exgrpo import columns as C
-from rllib_exgrpo.batching import Trajectory, learner_batch
-from rllib_exgrpo.minibatches import num_minibatches, plan_minibatches, row_order, take_rows
+from rllib_exgrpo.core import columns as C
+from rllib_exgrpo.core.groups import Trajectory, learner_batch
+from rllib_exgrpo.core.minibatches import num_minibatches, plan_minibatches, row_order, take_rows
 
 
 def _groups(num_groups, size=8):

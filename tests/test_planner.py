@@ -1,4 +1,4 @@
-"""Tests of XRPO's rollout planner (rllib_exgrpo/planner.py): pure numpy/scipy, fast."""
+"""Tests of XRPO's rollout planner (rllib_exgrpo/xrpo/planner.py): pure numpy/scipy, fast."""
 
 import math
 import random
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rllib_exgrpo.planner import (
+from rllib_exgrpo.xrpo.planner import (
     ALLOCATIONS,
     UNKNOWN_STD,
     RolloutPlanner,

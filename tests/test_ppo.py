@@ -1,6 +1,6 @@
 """RLlib's built-in PPO, unmodified, on the LLM through this project's module and runner.
 
-Unit tests of the pieces (:mod:`rllib_exgrpo.ppo_module`) on hand-made tensors, then one
+Unit tests of the pieces (:mod:`rllib_exgrpo.rllib.ppo_module`) on hand-made tensors, then one
 Tune run of ``tuned_examples/ppo_tiny.yaml`` through the CLI's library functions
 (``build_experiments`` / ``run_experiments``: what ``rllib train file`` does) with the
 quick tiny model. That model answers no arithmetic question (reward 0 everywhere, so the
@@ -26,7 +26,7 @@ import torch
 from envs.reasoning_env import ReasoningEnv
 from envs.rewards import RewardResult
 from ray.rllib.core.columns import Columns
-from rllib_exgrpo.ppo_module import (
+from rllib_exgrpo.rllib.ppo_module import (
     ACTIONS_LEN,
     CH_TOKEN,
     OBS_LEN,
@@ -139,7 +139,7 @@ def ppo_module(quick_tiny_model):
 
 
 def test_module_train_outputs_values_and_inference_only(ppo_module, quick_tiny_model):
-    from rllib_exgrpo.module import completion_logprobs_and_entropy
+    from rllib_exgrpo.rllib.module import completion_logprobs_and_entropy
     from rllib_exgrpo.generation.hf import prompt_completion_batch
 
     prompts, completions = [[11, 12, 13, 14], [15, 16]], [[20, 21], [22, 23, 24]]
@@ -198,8 +198,8 @@ def test_module_train_outputs_values_and_inference_only(ppo_module, quick_tiny_m
 def test_runner_settings_from_ppo_model_config():
     from ray.rllib.algorithms.ppo import PPOConfig
 
-    from rllib_exgrpo.config import ExGRPOConfig
-    from rllib_exgrpo.env_runner import RunnerSettings
+    from rllib_exgrpo.rllib.config import ExGRPOConfig
+    from rllib_exgrpo.rllib.env_runner import RunnerSettings
 
     cfg = PPOConfig().rl_module(model_config={"model": "tiny", "dtype": "bfloat16", "group_size": 4,
                                               "max_response_tokens": 32})
@@ -220,7 +220,7 @@ def test_runner_settings_from_ppo_model_config():
 def test_runner_without_padding_connector_says_how_to_fix():
     from ray.rllib.algorithms.ppo import PPOConfig
 
-    from rllib_exgrpo.env_runner import LLMEnvRunner
+    from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
 
     cfg = PPOConfig().rl_module(model_config={"model": "tiny"})
     with pytest.raises(ValueError, match="PadLLMEpisodes"):
@@ -229,9 +229,9 @@ def test_runner_without_padding_connector_says_how_to_fix():
 
 def _ppo_spec(**config):
     base = {
-        "env_runner_cls": "rllib_exgrpo.env_runner:LLMEnvRunner",
-        "rl_module_spec": {"module_class": "rllib_exgrpo.ppo_module:LLMPPOTorchRLModule"},
-        "learner_connector": "rllib_exgrpo.ppo_module:PadLLMEpisodes",
+        "env_runner_cls": "rllib_exgrpo.rllib.env_runner:LLMEnvRunner",
+        "rl_module_spec": {"module_class": "rllib_exgrpo.rllib.ppo_module:LLMPPOTorchRLModule"},
+        "learner_connector": "rllib_exgrpo.rllib.ppo_module:PadLLMEpisodes",
         "model_config": {"model": "tiny"},
         "num_env_runners": 0,
     }
@@ -242,7 +242,7 @@ def _ppo_spec(**config):
 def test_yaml_names_the_module_class_and_learner_connector():
     from ray.rllib.algorithms.ppo import PPO
 
-    from rllib_exgrpo.yaml_config import build_experiments
+    from rllib_exgrpo.cli.experiment import build_experiments
 
     exp, = build_experiments(_ppo_spec(), validate=False)
     assert exp.algo_cls is PPO
@@ -256,17 +256,17 @@ def test_yaml_names_the_module_class_and_learner_connector():
     "config, needle",
     [
         ({"rl_module_spec": {"module_klass": "a.b:C"}}, "'rl_module_spec/module_klass': unknown. Did you mean: 'module_class'"),
-        ({"rl_module_spec": "rllib_exgrpo.ppo_module:LLMPPOTorchRLModule"}, "must be a mapping"),
-        ({"rl_module_spec": {"module_class": "rllib_exgrpo.ppo_module:PadLLMEpisodes"}}, "not an RLModule subclass"),
-        ({"rl_module_spec": {"module_class": "rllib_exgrpo.ppo_module:Nope"}}, "cannot import"),
+        ({"rl_module_spec": "rllib_exgrpo.rllib.ppo_module:LLMPPOTorchRLModule"}, "must be a mapping"),
+        ({"rl_module_spec": {"module_class": "rllib_exgrpo.rllib.ppo_module:PadLLMEpisodes"}}, "not an RLModule subclass"),
+        ({"rl_module_spec": {"module_class": "rllib_exgrpo.rllib.ppo_module:Nope"}}, "cannot import"),
         ({"rl_module_spec": {"model_config": {"lr": {"grid_search": [1, 2]}}}}, "cannot sit inside `rl_module_spec`"),
         ({"learner_connector": 3}, "'pkg.mod:Callable' path"),
-        ({"learner_connector": "rllib_exgrpo.ppo_module:Nope"}, "cannot import"),
+        ({"learner_connector": "rllib_exgrpo.rllib.ppo_module:Nope"}, "cannot import"),
     ],
 )
 def test_yaml_module_spec_and_connector_errors(config, needle):
-    from rllib_exgrpo.cli_registry import CliConfigError
-    from rllib_exgrpo.yaml_config import build_experiments
+    from rllib_exgrpo.cli.registry import CliConfigError
+    from rllib_exgrpo.cli.experiment import build_experiments
 
     with pytest.raises(CliConfigError) as e:
         build_experiments(_ppo_spec(**config), validate=False)
@@ -289,7 +289,7 @@ def _cli_env() -> dict:
 def test_rllib_ppo_trains_the_llm_and_its_value_loss_goes_down(tmp_path, quick_tiny_model):
     from ray.rllib.algorithms.ppo import PPO
 
-    from rllib_exgrpo.yaml_config import build_experiments
+    from rllib_exgrpo.cli.experiment import build_experiments
 
     iterations = 5
     overrides = {
@@ -310,7 +310,7 @@ def test_rllib_ppo_trains_the_llm_and_its_value_loss_goes_down(tmp_path, quick_t
     storage = tmp_path / "results"
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "rllib_exgrpo.cli", "train", "file", str(PPO_TINY),
+        [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "file", str(PPO_TINY),
          "--env", env, "--config", json.dumps(overrides),
          "--stop", json.dumps({"training_iteration": iterations}),
          "--storage-path", str(storage), "--ray-num-cpus", "2"],

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from rllib_exgrpo.config import ExGRPOConfig
-from rllib_exgrpo.resources import (
+from rllib_exgrpo.rllib.config import ExGRPOConfig
+from rllib_exgrpo.rllib.resources import (
     ClusterResources,
     ResourceError,
     fit_resources,
@@ -47,7 +47,7 @@ def test_two_runners_on_two_cores_share_the_cores_instead_of_pending_forever():
     assert cfg.num_cpus_per_env_runner == cfg.num_cpus_for_main_process == 0.66
     # RLlib bundles the local learner with the main process at max(learner, main)
     assert cfg.num_cpus_per_learner == 0.66
-    from rllib_exgrpo.algorithm import ExGRPO
+    from rllib_exgrpo.rllib.algorithm import ExGRPO
 
     bundles = ExGRPO.default_resource_request(cfg).bundles
     assert sum(b.get("CPU", 0) for b in bundles) <= 2
@@ -73,7 +73,7 @@ def test_an_actor_gets_as_many_torch_threads_as_cpus_it_holds():
 
     @ray.remote
     def threads_in_task():
-        from rllib_exgrpo.resources import apply_torch_threads
+        from rllib_exgrpo.rllib.resources import apply_torch_threads
 
         torch.set_num_threads(3)  # whatever it was before
         return apply_torch_threads(fallback_cpus=99), torch.get_num_threads()

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rllib_exgrpo.generation.base import Completion, SamplingParams
-from rllib_exgrpo.module import completion_logprobs_and_entropy
+from rllib_exgrpo.rllib.module import completion_logprobs_and_entropy
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def pruned_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     """
     from transformers.generation.logits_process import TopPLogitsWarper
 
-    from rllib_exgrpo.module import position_ids_from_mask
+    from rllib_exgrpo.rllib.module import position_ids_from_mask
 
     n, max_new = input_ids.shape[0], int(params.max_new_tokens)
     device = input_ids.device

@@ -41,7 +41,7 @@ that lives in the env runner's process next to the runner's RLModule.
 
 * **Scoring** (``score``: log-probs *and entropies* of given completions, used by ExGRPO's
   trajectory selection) runs on the runner's torch module with
-  :func:`rllib_exgrpo.module.completion_logprobs_and_entropy`, the learner's own function:
+  :func:`rllib_exgrpo.rllib.module.completion_logprobs_and_entropy`, the learner's own function:
   vLLM's ``prompt_logprobs`` give log-probs but no entropies. The module copy on the runner
   holds the same weights as the engine: the runner's ``set_state`` loads new weights into
   the module first and then calls :meth:`VLLMGenerationBackend.load_weights` with the same

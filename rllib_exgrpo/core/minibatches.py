@@ -31,7 +31,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from rllib_exgrpo import columns as C
+from rllib_exgrpo.core import columns as C
 
 #: How rows are ordered before cutting minibatches.
 MINIBATCH_SHUFFLES = ("groups", "rows", "none")

@@ -6,7 +6,7 @@ this project's algorithm modules, and ``rllib --help`` stays fast.
 ``run:`` is resolved in this order:
 
 1. this project's algorithms, by name, through :data:`ALGORITHMS`
-   (``{"ExGRPO": "rllib_exgrpo.algorithm:ExGRPO", ...}``; extend it with
+   (``{"ExGRPO": "rllib_exgrpo.rllib.algorithm:ExGRPO", ...}``; extend it with
    :func:`register_algorithm`);
 2. RLlib's built-in algorithms, by name (``"PPO"``, ``"APPO"``, ...), through
    ``ray.rllib.algorithms.registry.ALGORITHMS`` (only the named one is imported);
@@ -52,8 +52,8 @@ class CliConfigError(ValueError):
 #: This project's algorithms: name -> "module:attribute" (or the class itself).
 #: Imported only when a YAML file names them.
 ALGORITHMS: Dict[str, Union[str, type]] = {
-    "ExGRPO": "rllib_exgrpo.algorithm:ExGRPO",
-    "GRPO": "rllib_exgrpo.algorithm:GRPO",
+    "ExGRPO": "rllib_exgrpo.rllib.algorithm:ExGRPO",
+    "GRPO": "rllib_exgrpo.rllib.algorithm:GRPO",
 }
 
 
@@ -134,7 +134,7 @@ def resolve_algorithm(name: Any) -> type:
             obj = import_object(target)
         except (ImportError, AttributeError) as e:
             raise CliConfigError(
-                f"run: {name!r} maps to {target!r} (rllib_exgrpo.cli_registry.ALGORITHMS), "
+                f"run: {name!r} maps to {target!r} (rllib_exgrpo.cli.registry.ALGORITHMS), "
                 f"which could not be imported: {type(e).__name__}: {e}"
             ) from e
         return _check_algorithm_class(obj, name, target)

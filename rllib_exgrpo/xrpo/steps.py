@@ -20,10 +20,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from rllib_exgrpo.batching import ScoredGroups, Trajectory
-from rllib_exgrpo.icl import SolvedCorpus, format_examples
-from rllib_exgrpo.losses import novelty_sharpened_advantages
-from rllib_exgrpo.planner import RolloutPlanner
+from rllib_exgrpo.core.groups import ScoredGroups, Trajectory
+from rllib_exgrpo.xrpo.icl import SolvedCorpus, format_examples
+from rllib_exgrpo.core.losses import novelty_sharpened_advantages
+from rllib_exgrpo.xrpo.planner import RolloutPlanner
 
 SampleFn = Callable[[Sequence[str], Sequence[int], Optional[Sequence[Optional[str]]]], List[Trajectory]]
 

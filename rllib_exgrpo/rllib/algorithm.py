@@ -27,20 +27,20 @@ from ray.rllib.utils.metrics import (
     TIMERS,
 )
 
-from rllib_exgrpo import columns as C
-from rllib_exgrpo.batching import (
+from rllib_exgrpo.core import columns as C
+from rllib_exgrpo.core.groups import (
     Trajectory,
     learner_batch,
     score_groups,
     to_multi_agent_batch,
     trajectories_from_episodes,
 )
-from rllib_exgrpo.config import ExGRPOConfig, GRPOConfig
-from rllib_exgrpo.experience import ExperienceManager
-from rllib_exgrpo.minibatches import plan_minibatches, take_rows
-from rllib_exgrpo.question_sampler import QuestionSampler
-from rllib_exgrpo.resources import apply_threads_for, fit_resources
-from rllib_exgrpo.xrpo import AdaptiveRollouts, InContextSeeder, sharpen_advantages
+from rllib_exgrpo.rllib.config import ExGRPOConfig, GRPOConfig
+from rllib_exgrpo.exgrpo.experience import ExperienceManager
+from rllib_exgrpo.core.minibatches import plan_minibatches, take_rows
+from rllib_exgrpo.core.question_sampler import QuestionSampler
+from rllib_exgrpo.rllib.resources import apply_threads_for, fit_resources
+from rllib_exgrpo.xrpo.steps import AdaptiveRollouts, InContextSeeder, sharpen_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class ExGRPO(Algorithm):
         return env_config
 
     def _tokenizer_pad_id(self) -> int:
-        from rllib_exgrpo.env_runner import load_tokenizer
+        from rllib_exgrpo.rllib.env_runner import load_tokenizer
 
         return load_tokenizer(self.config.model_name_or_path).pad_token_id
 

@@ -15,8 +15,8 @@ import torch
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 
-from rllib_exgrpo import columns as C
-from rllib_exgrpo.losses import streamed_entropy, token_logprobs_from_logits
+from rllib_exgrpo.core import columns as C
+from rllib_exgrpo.core.losses import streamed_entropy, token_logprobs_from_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

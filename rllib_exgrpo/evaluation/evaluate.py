@@ -537,8 +537,8 @@ def load_policy_from_checkpoint(path: Union[str, os.PathLike], *, device: Option
     """
     import torch
 
-    from rllib_exgrpo.env_runner import load_tokenizer
-    from rllib_exgrpo.module import load_causal_lm
+    from rllib_exgrpo.rllib.env_runner import load_tokenizer
+    from rllib_exgrpo.rllib.module import load_causal_lm
 
     info = info or read_checkpoint(path)
     model = load_causal_lm({**info.model_config, "gradient_checkpointing": False})
@@ -713,8 +713,8 @@ def evaluate(
             if max_new_tokens is None and ckpt.config.get("max_response_tokens"):
                 max_new_tokens = int(ckpt.config["max_response_tokens"])
         else:
-            from rllib_exgrpo.env_runner import load_tokenizer
-            from rllib_exgrpo.module import load_causal_lm
+            from rllib_exgrpo.rllib.env_runner import load_tokenizer
+            from rllib_exgrpo.rllib.module import load_causal_lm
 
             say(f"loading model {label}")
             policy = load_causal_lm({"model": label})

@@ -1,6 +1,6 @@
 """Classic RLlib experiment files, run on RLlib's new API stack through Ray Tune.
 
-Library side of the ``rllib`` command (:mod:`rllib_exgrpo.cli`):
+Library side of the ``rllib`` command (:mod:`rllib_exgrpo.cli.main`):
 
 * :func:`load_experiment_file` reads a YAML file (strictly: duplicate keys are errors,
   and ``1e-3`` is a float as in YAML 1.2, not the string PyYAML makes of it);
@@ -57,7 +57,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-from rllib_exgrpo.cli_registry import CliConfigError, import_object, resolve_algorithm, resolve_env
+from rllib_exgrpo.cli.registry import CliConfigError, import_object, resolve_algorithm, resolve_env
 
 __all__ = [
     "CliConfigError",
@@ -1143,10 +1143,10 @@ RESOURCE_FIELDS = (
 
 def fit_experiment_resources(exp: "Experiment", cluster: Any = None) -> List[str]:
     """Fit the experiment's CPU/GPU request to the cluster before Tune sees it (see
-    ``rllib_exgrpo.resources.fit_resources``): a trial that cannot be placed would stay
+    ``rllib_exgrpo.rllib.resources.fit_resources``): a trial that cannot be placed would stay
     PENDING forever. Notes go to stderr; a GPU shortfall raises ``ResourceError`` naming
     the keys and the file. Resource fields under a search space are left to Tune."""
-    from rllib_exgrpo.resources import ResourceError, fit_resources
+    from rllib_exgrpo.rllib.resources import ResourceError, fit_resources
 
     from ray.tune.search.sample import Domain
 

@@ -1,7 +1,7 @@
 """``rllib evaluate``: benchmark a model or an RLlib checkpoint (avg@k / pass@k / maj@k).
 
-Registered in :data:`rllib_exgrpo.cli.SUBCOMMANDS`. The work is done by
-:func:`rllib_exgrpo.evaluation.evaluate`; this module is the command line around it.
+Registered in :data:`rllib_exgrpo.cli.main.SUBCOMMANDS`. The work is done by
+:func:`rllib_exgrpo.evaluation.evaluate.evaluate`; this module is the command line around it.
 
 Exit codes: 0 done, 2 bad command line or benchmark file (nothing generated; a malformed
 row is reported as ``path:line: reason``), 130 interrupted.
@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from rllib_exgrpo.cli_args import non_negative_float, positive_int
+from rllib_exgrpo.cli.args import non_negative_float, positive_int
 
 PROG = "rllib"
 
@@ -49,7 +49,7 @@ def _pass_k(text: str):
 
 
 def add_evaluate_parser(subparsers: Any) -> None:
-    from rllib_exgrpo.evaluation import DEFAULT_BATCH_SIZE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+    from rllib_exgrpo.evaluation.evaluate import DEFAULT_BATCH_SIZE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
     p = subparsers.add_parser(
         "evaluate",
@@ -99,7 +99,7 @@ def _looks_like_path(text: str) -> bool:
 
 def run_evaluate(args: argparse.Namespace) -> int:
     """Handler of ``rllib evaluate``; returns the exit code."""
-    from rllib_exgrpo.evaluation import DEFAULT_PASS_KS, EvalDataError, evaluate, load_eval_problems
+    from rllib_exgrpo.evaluation.evaluate import DEFAULT_PASS_KS, EvalDataError, evaluate, load_eval_problems
 
     def fail(msg: str) -> int:
         print(f"{PROG} evaluate: error: {msg}", file=sys.stderr)

@@ -58,7 +58,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.distribution.torch.torch_distribution import TorchDistribution
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 
-from rllib_exgrpo.module import LLMTorchRLModule, position_ids_from_mask, score_completions
+from rllib_exgrpo.rllib.module import LLMTorchRLModule, position_ids_from_mask, score_completions
 
 #: Extra batch columns written by :class:`PadLLMEpisodes`.
 OBS_LEN = "obs_len"  # int64 [N]: real prompt tokens of each (left-padded) obs row
@@ -328,7 +328,7 @@ class PadLLMEpisodes(ConnectorV2):
     """Learner connector piece: :class:`LLMEnvRunner` episodes -> stackable columns.
 
     Set with ``config.learners(learner_connector=PadLLMEpisodes)`` (YAML:
-    ``learner_connector: rllib_exgrpo.ppo_module:PadLLMEpisodes``). RLlib puts custom
+    ``learner_connector: rllib_exgrpo.rllib.ppo_module:PadLLMEpisodes``). RLlib puts custom
     pieces after PPO's ``AddOneTsToEpisodesAndTruncate`` and before its default pieces,
     which then skip the columns written here. For every timestep of every episode it adds
     (widths: the longest prompt / completion among this call's episodes):

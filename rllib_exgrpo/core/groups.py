@@ -14,8 +14,8 @@ import torch
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
-from rllib_exgrpo import columns as C
-from rllib_exgrpo.losses import group_advantages, zero_variance_group_mask
+from rllib_exgrpo.core import columns as C
+from rllib_exgrpo.core.losses import group_advantages, zero_variance_group_mask
 
 
 @dataclass

@@ -22,8 +22,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from rllib_exgrpo.batching import ScoredGroups, Trajectory
-from rllib_exgrpo.buffer import ExperienceBuffer, choose_trajectory, mean_over_tokens
+from rllib_exgrpo.core.groups import ScoredGroups, Trajectory
+from rllib_exgrpo.exgrpo.buffer import ExperienceBuffer, choose_trajectory, mean_over_tokens
 
 #: (prompts, completions) -> (per-token log-probs, per-token entropies), one array per row.
 Scorer = Callable[[Sequence[np.ndarray], Sequence[np.ndarray]], Tuple[List[np.ndarray], List[np.ndarray]]]

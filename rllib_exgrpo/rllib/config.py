@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
-from rllib_exgrpo.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES
+from rllib_exgrpo.core.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES
 
 GENERATION_BACKENDS = ("hf", "vllm")
 RATIO_MODES = ("token", "sequence")
@@ -143,7 +143,7 @@ FIELD_DOCS: Dict[str, str] = {
 
 
 class ExGRPOConfig(AlgorithmConfig):
-    """Configuration of :class:`rllib_exgrpo.algorithm.ExGRPO`.
+    """Configuration of :class:`rllib_exgrpo.rllib.algorithm.ExGRPO`.
 
     Example::
 
@@ -156,7 +156,7 @@ class ExGRPOConfig(AlgorithmConfig):
     """
 
     def __init__(self, algo_class=None):
-        from rllib_exgrpo.algorithm import ExGRPO
+        from rllib_exgrpo.rllib.algorithm import ExGRPO
 
         super().__init__(algo_class=algo_class or ExGRPO)
         # RLlib fields with the official ExGRPO values.
@@ -167,7 +167,7 @@ class ExGRPOConfig(AlgorithmConfig):
         self.minibatch_size = 512  # 64 questions x G = 8 completions: 2 optimiser steps
         self.num_env_runners = 0
         # "auto": every CPU the remote env runners and learners leave free (at least 1),
-        # so a local run trains on all cores (rllib_exgrpo.resources).
+        # so a local run trains on all cores (rllib_exgrpo.rllib.resources).
         self.num_cpus_for_main_process = "auto"
         # The LLM runner batches generation itself; one env per runner is enough.
         self.num_envs_per_env_runner = 1
@@ -178,7 +178,7 @@ class ExGRPOConfig(AlgorithmConfig):
         self.broadcast_env_runner_states = False
 
         from envs.reasoning_env import ReasoningEnv
-        from rllib_exgrpo.env_runner import LLMEnvRunner
+        from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
 
         self.env = ReasoningEnv
         self.env_config = {"dataset": "arithmetic"}
@@ -265,7 +265,7 @@ class ExGRPOConfig(AlgorithmConfig):
         return self
 
     def get_default_rl_module_spec(self) -> RLModuleSpec:
-        from rllib_exgrpo.module import LLMTorchRLModule
+        from rllib_exgrpo.rllib.module import LLMTorchRLModule
 
         return RLModuleSpec(module_class=LLMTorchRLModule, model_config=self.llm_model_config)
 
@@ -280,7 +280,7 @@ class ExGRPOConfig(AlgorithmConfig):
         }
 
     def get_default_learner_class(self):
-        from rllib_exgrpo.learner import ExGRPOTorchLearner
+        from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
 
         return ExGRPOTorchLearner
 
@@ -342,14 +342,14 @@ class ExGRPOConfig(AlgorithmConfig):
         yield from positive_int("official_micro_batch_rows")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
             yield f"weight_decay must be a number >= 0, got {self.weight_decay!r}"
-        from rllib_exgrpo.minibatches import MINIBATCH_SHUFFLES
+        from rllib_exgrpo.core.minibatches import MINIBATCH_SHUFFLES
 
         yield from one_of("minibatch_shuffle", MINIBATCH_SHUFFLES)
         if self.heldout_interval < 0:
             yield f"heldout_interval must be >= 0, got {self.heldout_interval!r}"
         if self.heldout_temperature < 0:
             yield f"heldout_temperature must be >= 0 (0 = greedy), got {self.heldout_temperature!r}"
-        from rllib_exgrpo.buffer import BUCKET_WEIGHTINGS, LOGP_DTYPES, TRAJECTORY_SELECTIONS
+        from rllib_exgrpo.exgrpo.buffer import BUCKET_WEIGHTINGS, LOGP_DTYPES, TRAJECTORY_SELECTIONS
 
         yield from one_of("bucket_weighting", BUCKET_WEIGHTINGS)
         yield from one_of("trajectory_selection", TRAJECTORY_SELECTIONS)
@@ -391,7 +391,7 @@ class GRPOConfig(ExGRPOConfig):
     """On-policy GRPO: ExGRPO with experience replay switched off."""
 
     def __init__(self, algo_class=None):
-        from rllib_exgrpo.algorithm import GRPO
+        from rllib_exgrpo.rllib.algorithm import GRPO
 
         super().__init__(algo_class=algo_class or GRPO)
         self.experience_replay = False

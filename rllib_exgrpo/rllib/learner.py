@@ -13,14 +13,14 @@ import torch
 
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
-from rllib_exgrpo import columns as C
-from rllib_exgrpo.losses import mixed_policy_loss
-from rllib_exgrpo.module import completion_logprobs_and_entropy
+from rllib_exgrpo.core import columns as C
+from rllib_exgrpo.core.losses import mixed_policy_loss
+from rllib_exgrpo.rllib.module import completion_logprobs_and_entropy
 
 
 class ExGRPOTorchLearner(TorchLearner):
     def build(self) -> None:
-        from rllib_exgrpo.resources import apply_threads_for
+        from rllib_exgrpo.rllib.resources import apply_threads_for
 
         # A remote learner holds num_cpus_per_learner; the local one lives in the main process.
         apply_threads_for(self.config, "learner")

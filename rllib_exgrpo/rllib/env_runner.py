@@ -44,7 +44,7 @@ from ray.rllib.utils.metrics import (
     WEIGHTS_SEQ_NO,
 )
 
-from rllib_exgrpo import columns as C
+from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.generation.base import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def runner_setting_defaults() -> Dict[str, Any]:
     """``ExGRPOConfig``'s defaults of :data:`RUNNER_SETTINGS` (one source of defaults)."""
     global _DEFAULTS
     if _DEFAULTS is None:
-        from rllib_exgrpo.config import ExGRPOConfig
+        from rllib_exgrpo.rllib.config import ExGRPOConfig
 
         cfg = ExGRPOConfig()
         _DEFAULTS = {name: getattr(cfg, name) for name in RUNNER_SETTINGS}
@@ -179,7 +179,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
 
     def __init__(self, *, config, **kwargs):
         super().__init__(config=config, **kwargs)
-        from rllib_exgrpo.resources import apply_threads_for
+        from rllib_exgrpo.rllib.resources import apply_threads_for
 
         # Ray starts actors with OMP_NUM_THREADS=1: size torch to the CPUs held instead.
         # The local runner (index 0) lives in the main process and shares its CPUs.
@@ -209,7 +209,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         fail to stack this runner's ragged token arrays (``np.stack`` shape errors)."""
         cfg = self.config
         if self.settings.from_config_fields:
-            return  # ExGRPO / GRPO batch episodes themselves (rllib_exgrpo.batching).
+            return  # ExGRPO / GRPO batch episodes themselves (rllib_exgrpo.core.groups).
         if getattr(cfg, "_learner_connector", None) is None and getattr(
             cfg, "add_default_connectors_to_learner_pipeline", True
         ):
@@ -217,9 +217,9 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
                 "LLMEnvRunner returns variable-length token arrays (prompt ids as "
                 "observations, completion ids as actions), which RLlib's default learner "
                 "connector pipeline cannot stack into a batch. With RLlib's PPO, set "
-                "config.learners(learner_connector=rllib_exgrpo.ppo_module.PadLLMEpisodes) "
-                "(YAML: `learner_connector: rllib_exgrpo.ppo_module:PadLLMEpisodes`) and "
-                "the module rllib_exgrpo.ppo_module.LLMPPOTorchRLModule; see "
+                "config.learners(learner_connector=rllib_exgrpo.rllib.ppo_module.PadLLMEpisodes) "
+                "(YAML: `learner_connector: rllib_exgrpo.rllib.ppo_module:PadLLMEpisodes`) and "
+                "the module rllib_exgrpo.rllib.ppo_module.LLMPPOTorchRLModule; see "
                 "tuned_examples/ppo_tiny.yaml."
             )
 

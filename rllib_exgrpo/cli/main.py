@@ -7,7 +7,7 @@ Usage::
     rllib train file X.yaml --dry-run                      # parse + validate only
 
 Runs classic RLlib experiment files on RLlib's **new API stack** through Ray Tune;
-see :mod:`rllib_exgrpo.yaml_config` for the file schema and the library API
+see :mod:`rllib_exgrpo.cli.experiment` for the file schema and the library API
 (``build_experiments`` / ``run_experiments``).
 
 Adding a subcommand (e.g. a future ``rllib evaluate``): write
@@ -37,7 +37,7 @@ import os
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
-from rllib_exgrpo.cli_args import positive_int
+from rllib_exgrpo.cli.args import positive_int
 
 PROG = "rllib"
 
@@ -184,8 +184,8 @@ def run_train(args: argparse.Namespace) -> int:
     if not args.config_file:
         args._train_parser.error("an experiment file is required: `rllib train file FILE` or `rllib train -f FILE`")
 
-    from rllib_exgrpo.resources import ResourceError
-    from rllib_exgrpo.yaml_config import CliConfigError, build_experiments, fit_experiment_resources, run_experiments
+    from rllib_exgrpo.rllib.resources import ResourceError
+    from rllib_exgrpo.cli.experiment import CliConfigError, build_experiments, fit_experiment_resources, run_experiments
 
     overrides = dict(args.config or {})
     if args.verbose >= 1:
@@ -209,7 +209,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
 
     if args.dry_run:
-        from rllib_exgrpo.resources import ClusterResources
+        from rllib_exgrpo.rllib.resources import ClusterResources
 
         for exp in experiments:
             try:  # against this machine (a cluster given by --ray-address is not contacted)
@@ -258,7 +258,7 @@ def run_train(args: argparse.Namespace) -> int:
 #: Subcommand registry: each entry adds one subparser and sets ``func``.
 #: A future ``rllib evaluate`` appends its ``add_evaluate_parser`` here.
 SUBCOMMANDS: List[Callable[[Any], None]] = [add_train_parser]
-from rllib_exgrpo.cli_evaluate import add_evaluate_parser  # noqa: E402
+from rllib_exgrpo.cli.evaluate import add_evaluate_parser  # noqa: E402
 SUBCOMMANDS.append(add_evaluate_parser)
 
 
