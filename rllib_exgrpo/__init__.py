@@ -16,8 +16,8 @@ import importlib
 _EXPORTS = {
     "ExGRPO": "rllib_exgrpo.rllib.algorithm",
     "GRPO": "rllib_exgrpo.rllib.algorithm",
-    "ExGRPOConfig": "rllib_exgrpo.rllib.config",
-    "GRPOConfig": "rllib_exgrpo.rllib.config",
+    "ExGRPOConfig": "rllib_exgrpo.rllib.algorithm",
+    "GRPOConfig": "rllib_exgrpo.rllib.algorithm",
     "ExGRPOTorchLearner": "rllib_exgrpo.rllib.learner",
     "LLMTorchRLModule": "rllib_exgrpo.rllib.module",
     "LLMEnvRunner": "rllib_exgrpo.rllib.env_runner",

@@ -5,7 +5,7 @@ import torch
 
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.groups import Trajectory, learner_batch, score_groups, to_multi_agent_batch
-from rllib_exgrpo.rllib.config import ExGRPOConfig
+from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

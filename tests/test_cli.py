@@ -19,12 +19,8 @@ import pytest
 
 from rllib_exgrpo.cli import main as cli
 from rllib_exgrpo.cli.registry import ALGORITHMS, CliConfigError, resolve_algorithm, resolve_env
-from rllib_exgrpo.cli.experiment import (
-    build_experiments,
-    convert_search_spaces,
-    deep_merge,
-    load_experiment_file,
-)
+from rllib_exgrpo.cli.experiment import build_experiments
+from rllib_exgrpo.cli.experiment_file import convert_search_spaces, deep_merge, load_experiment_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -499,9 +495,9 @@ def test_two_env_runners_on_two_cores_train_instead_of_pending(tmp_path, quick_t
 
 
 def test_heldout_is_reported_once_per_evaluation():
-    from rllib_exgrpo.cli.experiment import _new_heldout_step
+    from rllib_exgrpo.cli.mlflow_logging import new_heldout_step
 
     seen = {}
     results = [{"heldout": {"after_iteration": a}} for a in (0, 0, 0, 10, 10, 20)] + [{}]
-    assert [_new_heldout_step(seen, "t", r) for r in results] == [0, None, None, 10, None, 20, None]
-    assert _new_heldout_step(seen, "other trial", {"heldout": {"after_iteration": 20}}) == 20
+    assert [new_heldout_step(seen, "t", r) for r in results] == [0, None, None, 10, None, 20, None]
+    assert new_heldout_step(seen, "other trial", {"heldout": {"after_iteration": 20}}) == 20

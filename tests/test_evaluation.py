@@ -241,7 +241,7 @@ def grpo_checkpoint(ray_local, quick_tiny_model, tmp_path_factory):
     """A GRPO checkpoint after one training step (lr high enough to move the weights)."""
     from ray.rllib.core import DEFAULT_MODULE_ID
 
-    from rllib_exgrpo.rllib.config import GRPOConfig
+    from rllib_exgrpo.rllib.algorithm import GRPOConfig
 
     cfg = (
         GRPOConfig()

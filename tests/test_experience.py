@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from rllib_exgrpo.core.groups import Trajectory, score_groups
-from rllib_exgrpo.rllib.config import ExGRPOConfig
+from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 from rllib_exgrpo.exgrpo.experience import ExperienceManager
 from rllib_exgrpo.core.question_sampler import QuestionSampler
 

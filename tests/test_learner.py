@@ -10,7 +10,7 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.groups import Trajectory, learner_batch, to_multi_agent_batch
-from rllib_exgrpo.rllib.config import ExGRPOConfig
+from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 from rllib_exgrpo.rllib.env_runner import load_tokenizer, token_spaces
 
 

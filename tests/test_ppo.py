@@ -198,7 +198,7 @@ def test_module_train_outputs_values_and_inference_only(ppo_module, quick_tiny_m
 def test_runner_settings_from_ppo_model_config():
     from ray.rllib.algorithms.ppo import PPOConfig
 
-    from rllib_exgrpo.rllib.config import ExGRPOConfig
+    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
     from rllib_exgrpo.rllib.env_runner import RunnerSettings
 
     cfg = PPOConfig().rl_module(model_config={"model": "tiny", "dtype": "bfloat16", "group_size": 4,

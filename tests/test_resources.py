@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rllib_exgrpo.rllib.config import ExGRPOConfig
+from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 from rllib_exgrpo.rllib.resources import (
     ClusterResources,
     ResourceError,

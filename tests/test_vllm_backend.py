@@ -85,7 +85,7 @@ def test_weights_travel_as_safetensors_bytes_to_the_worker_extension():
 def test_without_vllm_generate_raises_the_install_hint():
     from types import SimpleNamespace
 
-    from rllib_exgrpo.rllib.config import ExGRPOConfig
+    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
     from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
 
     backend = VLLMGenerationBackend(ExGRPOConfig(), SimpleNamespace(model=None), None)  # lazy: no import yet
@@ -137,7 +137,7 @@ def setup(vllm_module, quick_tiny_model):
     """
     import gymnasium as gym
 
-    from rllib_exgrpo.rllib.config import ExGRPOConfig
+    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
     from rllib_exgrpo.rllib.env_runner import load_tokenizer
     from rllib_exgrpo.generation.hf import HFGenerationBackend
     from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
@@ -386,7 +386,7 @@ def test_exgrpo_trains_and_syncs_weights_with_the_vllm_backend(vllm_module, quic
     from ray.rllib.core import COMPONENT_RL_MODULE
     from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
-    from rllib_exgrpo.rllib.config import ExGRPOConfig
+    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
     from rllib_exgrpo.generation.hf import HFGenerationBackend
     from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
 
@@ -437,7 +437,7 @@ def test_vllm_requests_sample_the_plain_softmax(tmp_path):
     engine ignores the checkpoint's generation_config.json."""
     from types import SimpleNamespace
 
-    from rllib_exgrpo.rllib.config import ExGRPOConfig
+    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
     from rllib_exgrpo.generation.vllm import VLLMGenerationBackend, vllm_sampling_kwargs
 
     sp = vllm_sampling_kwargs(SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.95), 4, 8, True)

@@ -1,13 +1,9 @@
-"""Classic RLlib experiment files, run on RLlib's new API stack through Ray Tune.
+"""Experiments from an experiment file, built and checked without starting Ray.
 
-Library side of the ``rllib`` command (:mod:`rllib_exgrpo.cli.main`):
-
-* :func:`load_experiment_file` reads a YAML file (strictly: duplicate keys are errors,
-  and ``1e-3`` is a float as in YAML 1.2, not the string PyYAML makes of it);
-* :func:`build_experiments` does all parsing and validation **without starting Ray**
-  and returns :class:`Experiment` records;
-* :func:`run_experiments` starts (or joins) Ray and runs them one after another with
-  ``tune.Tuner``.
+Library side of ``rllib train file`` (:mod:`rllib_exgrpo.cli.main`):
+:func:`build_experiments` reads the file (``experiment_file.py``), checks every key
+(``config_keys.py``), validates each search-space variant's config, and returns
+:class:`Experiment` records; ``tune_runner.run_experiments`` runs them.
 
 File schema (one file may hold several experiments; they run in file order)::
 
@@ -40,37 +36,18 @@ Search spaces anywhere in ``config`` (nested dicts too): ``{grid_search: [...]}`
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import difflib
-import inspect
 import logging
-import math
 import os
-import sys
-import re
-import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
-import yaml
 
-from rllib_exgrpo.cli.registry import CliConfigError, import_object, resolve_algorithm, resolve_env
-
-__all__ = [
-    "CliConfigError",
-    "Experiment",
-    "ExperimentResult",
-    "build_experiments",
-    "convert_search_spaces",
-    "deep_merge",
-    "load_experiment_file",
-    "run_experiments",
-    "DEFAULT_STORAGE_PATH",
-]
-
+from rllib_exgrpo.cli.registry import CliConfigError, resolve_algorithm, resolve_env
+from rllib_exgrpo.cli.config_keys import apply_config, check_config_keys, quiet_rllib_logs, suggest
+from rllib_exgrpo.cli.experiment_file import convert_search_spaces, deep_merge, is_number, load_experiment_file
+from rllib_exgrpo.cli.mlflow_logging import build_mlflow, make_mlflow_callback
 logger = logging.getLogger(__name__)
 
 #: Default for ``storage_path`` (relative to the current directory, made absolute).
@@ -101,15 +78,6 @@ _RENAMED_EXPERIMENT_KEYS = {
     "name": "is not a key: the experiment's name is its top-level key in the file",
 }
 
-MLFLOW_KEYS = (
-    "tracking_uri",
-    "experiment_name",
-    "tags",
-    "save_artifact",
-    "log_params_on_trial_end",
-    "registry_uri",
-)
-
 CHECKPOINT_KEYS = (
     "checkpoint_frequency",
     "checkpoint_at_end",
@@ -129,417 +97,10 @@ LEGACY_STOP_KEYS = {
 }
 
 # Config keys that the new API stack cannot honour.
-_OLD_STACK_SWITCHES = ("enable_rl_module_and_learner", "enable_env_runner_and_connector_v2")
-
-# Extra config keys besides the AlgorithmConfig attributes (translated in _apply_key).
-_EXTRA_CONFIG_KEYS = ("multiagent", "model_config", "learner_class", "learner_connector", "rl_module_spec")
-# Keys of a YAML `rl_module_spec:` mapping (RLModuleSpec fields that a file can give).
-RL_MODULE_SPEC_KEYS = ("module_class", "model_config", "catalog_class")
-# The legacy aliases that AlgorithmConfig._translate_special_keys maps (2.60).
-_ALIAS_KEYS = (
-    "callbacks",
-    "create_env_on_driver",
-    "custom_eval_function",
-    "framework",
-    "input",
-    "lambda",
-    "num_cpus_for_driver",
-    "num_workers",
-)
-_MULTIAGENT_KEYS = (
-    "policies",
-    "policy_map_capacity",
-    "policy_mapping_fn",
-    "policies_to_train",
-    "policy_states_are_swappable",
-    "observation_fn",
-    "count_steps_by",
-)
-
-# Search-space specs: name -> (tune function name, allowed argument counts).
-SEARCH_SPACES: Dict[str, Tuple[str, Tuple[int, ...]]] = {
-    "grid_search": ("grid_search", ()),
-    "choice": ("choice", ()),
-    "uniform": ("uniform", (2,)),
-    "quniform": ("quniform", (3,)),
-    "loguniform": ("loguniform", (2, 3)),
-    "qloguniform": ("qloguniform", (3, 4)),
-    "randint": ("randint", (2,)),
-    "qrandint": ("qrandint", (2, 3)),
-    "lograndint": ("lograndint", (2, 3)),
-    "qlograndint": ("qlograndint", (3, 4)),
-    "randn": ("randn", (0, 1, 2)),
-    "qrandn": ("qrandn", (3,)),
-}
-
 _MAX_VALIDATED_VARIANTS = 32
 
 
 # --------------------------------------------------------------------------- YAML
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys and reads ``1e-3`` as a float."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict:
-    loader.flatten_mapping(node)
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            duplicate = key in seen
-        except TypeError:  # unhashable key: let the base constructor complain
-            continue
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=True)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-_StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def load_experiment_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
-    """Read an experiment YAML file into ``{name: spec}`` (no validation beyond YAML)."""
-    path = Path(path)
-    try:
-        with open(path, encoding="utf-8") as f:  # a file object: marks name the file
-            data = yaml.load(f, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except OSError as e:
-        raise CliConfigError(f"cannot read experiment file {str(path)!r}: {e}") from e
-    except yaml.YAMLError as e:
-        raise CliConfigError(f"{path}: invalid YAML: {e}") from e
-    if data is None:
-        raise CliConfigError(f"{path}: the file holds no experiments.")
-    if not isinstance(data, dict):
-        raise CliConfigError(f"{path}: expected a mapping {{experiment_name: {{run: ..., ...}}}}, got {type(data).__name__}.")
-    return data
-
-
-# ------------------------------------------------------------------ search spaces
-
-
-def _is_search_space(value: Any) -> bool:
-    return isinstance(value, dict) and len(value) == 1 and next(iter(value)) in SEARCH_SPACES
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _make_domain(kind: str, args: Any, where: str) -> Any:
-    from ray import tune
-
-    fn_name, arities = SEARCH_SPACES[kind]
-    if kind in ("grid_search", "choice"):
-        if not isinstance(args, list) or not args:
-            raise CliConfigError(f"{where}: `{kind}` needs a non-empty list, got {args!r}.")
-        return getattr(tune, fn_name)(list(args))
-    if not isinstance(args, list) or len(args) not in arities or not all(_is_number(a) for a in args):
-        shape = " or ".join(str(n) for n in arities)
-        raise CliConfigError(f"{where}: `{kind}` needs a list of {shape} numbers, got {args!r}.")
-    if kind in ("randint", "qrandint", "lograndint", "qlograndint") and not all(
-        isinstance(a, int) for a in args[:2]
-    ):
-        raise CliConfigError(f"{where}: `{kind}` bounds must be integers, got {args!r}.")
-    if kind not in ("randn", "qrandn"):
-        lo, hi = args[0], args[1]
-        if not lo < hi:
-            raise CliConfigError(f"{where}: `{kind}` needs lower < upper, got {args!r}.")
-        if kind.startswith(("log", "qlog")) and lo <= 0:
-            raise CliConfigError(f"{where}: `{kind}` needs a positive lower bound, got {args!r}.")
-    try:
-        return getattr(tune, fn_name)(*args)
-    except Exception as e:  # tune's own checks
-        raise CliConfigError(f"{where}: `{kind}` {args!r}: {e}") from e
-
-
-def convert_search_spaces(value: Any, path: str = "config") -> Tuple[Any, Dict[str, Any]]:
-    """Turn ``{grid_search: [...]}``-style dicts (at any dict depth) into ``ray.tune`` objects.
-
-    Returns ``(converted_value, {"config/a/b": tune_object, ...})``. Lists are not
-    searched (the values of a ``grid_search`` are taken literally).
-    """
-    found: Dict[str, Any] = {}
-    if _is_search_space(value):
-        kind, args = next(iter(value.items()))
-        dom = _make_domain(kind, args, path)
-        found[path] = dom
-        return dom, found
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            out[k], sub = convert_search_spaces(v, f"{path}/{k}")
-            found.update(sub)
-        return out, found
-    return value, found
-
-
-def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> Dict[str, Any]:
-    """Merge ``override`` into a copy of ``base``: dicts merge recursively; any other
-    value (and any search-space dict, on either side) replaces."""
-    out = copy.deepcopy(dict(base))
-    for k, v in override.items():
-        if (
-            isinstance(v, dict)
-            and isinstance(out.get(k), dict)
-            and not _is_search_space(v)
-            and not _is_search_space(out[k])
-        ):
-            out[k] = deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-# -------------------------------------------------------------- config key checks
-
-
-def _translate(config_cls: type, key: str) -> str:
-    try:
-        return config_cls._translate_special_keys(key, warn_deprecated=False)
-    except Exception:  # pragma: no cover - defensive
-        return key
-
-
-def _deprecation_message(config_cls: type, key: str) -> Optional[str]:
-    try:
-        config_cls._translate_special_keys(key, warn_deprecated=True)
-    except Exception as e:
-        return str(e)
-    return None
-
-
-_CANDIDATES_CACHE: Dict[type, List[str]] = {}
-_DEPRECATED_CACHE: Dict[type, frozenset] = {}
-_DEPRECATED_RE = re.compile(r"self\.(\w+)\s*=\s*DEPRECATED_VALUE\b")
-
-
-def _deprecated_attributes(cls: type) -> frozenset:
-    """Attributes that ``cls`` or a base assigns ``DEPRECATED_VALUE`` (read from the
-    source: the value is -1, which a real setting may also hold)."""
-    if cls not in _DEPRECATED_CACHE:
-        names = set()
-        for klass in cls.__mro__:
-            if klass is object:
-                continue
-            try:
-                names.update(_DEPRECATED_RE.findall(inspect.getsource(klass)))
-            except (OSError, TypeError):
-                continue
-        _DEPRECATED_CACHE[cls] = frozenset(names)
-    return _DEPRECATED_CACHE[cls]
-
-
-def _candidate_keys(config: Any) -> List[str]:
-    """Settable, non-deprecated keys of ``config`` (for "did you mean" hints)."""
-    cls = type(config)
-    if cls in _CANDIDATES_CACHE:
-        return _CANDIDATES_CACHE[cls]
-    deprecated = _deprecated_attributes(cls)
-    keys = [k for k in vars(config) if not k.startswith("_") and k not in deprecated]
-    probe = copy.copy(config)
-    for name, attr in inspect.getmembers(cls, lambda a: isinstance(a, property)):
-        if name.startswith("_") or attr.fset is None:
-            continue
-        try:  # deprecated properties raise in their setter
-            setattr(probe, name, getattr(probe, name))
-        except Exception:
-            continue
-        keys.append(name)
-    keys += list(_ALIAS_KEYS) + list(_EXTRA_CONFIG_KEYS)
-    _CANDIDATES_CACHE[cls] = sorted(set(keys))
-    return _CANDIDATES_CACHE[cls]
-
-
-def _suggest(key: str, candidates: Sequence[str]) -> str:
-    close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.6)
-    return f" Did you mean: {', '.join(repr(c) for c in close)}?" if close else ""
-
-
-def _check_config_keys(config: Any, user_config: Mapping[str, Any], algo_name: str) -> List[str]:
-    """Return one message per bad top-level key of ``user_config``."""
-    cls = type(config)
-    deprecated = _deprecated_attributes(cls)
-    errors: List[str] = []
-    for key, value in user_config.items():
-        where = f"config key {key!r}"
-        if not isinstance(key, str):
-            errors.append(f"{where}: keys must be strings.")
-            continue
-        if key in _OLD_STACK_SWITCHES:
-            if value is not True:
-                errors.append(
-                    f"{where}: {value!r}: this command runs RLlib's new API stack only "
-                    "(RLModule, Learner, EnvRunner, ConnectorV2); remove the key."
-                )
-            continue
-        if key in ("_enable_new_api_stack", "api_stack"):
-            errors.append(
-                f"{where}: this command always runs RLlib's new API stack; remove the key."
-            )
-            continue
-        if key == "framework" and value not in ("torch", None):
-            errors.append(f"{where}: {value!r}: the new API stack supports only 'torch'.")
-            continue
-        if key == "multiagent":
-            if not isinstance(value, dict):
-                errors.append(f"{where}: must be a mapping.")
-                continue
-            for sub in value:
-                if sub not in _MULTIAGENT_KEYS:
-                    errors.append(
-                        f"config key 'multiagent/{sub}': unknown.{_suggest(str(sub), _MULTIAGENT_KEYS)} "
-                        f"Known: {', '.join(_MULTIAGENT_KEYS)}."
-                    )
-            continue
-        if key in ("model_config", "learner_class"):
-            continue
-        if key == "learner_connector":
-            if value is not None and not (isinstance(value, str) and _looks_like_class_path(value)):
-                errors.append(
-                    f"{where}: must be a 'pkg.mod:Callable' path (a ConnectorV2 class or a "
-                    f"function (obs_space, action_space) -> ConnectorV2 piece(s)), got {value!r}."
-                )
-            continue
-        if key == "rl_module_spec":
-            errors += _check_rl_module_spec(value, where)
-            continue
-        name = _translate(cls, key)
-        static = inspect.getattr_static(cls, name, None)
-        if isinstance(static, property):
-            if static.fset is None:
-                errors.append(f"{where}: is a read-only property of {cls.__name__}.")
-                continue
-            try:  # deprecated properties raise in their setter
-                static.fset(copy.copy(config), value)
-            except Exception as e:
-                errors.append(f"{where}: {e}")
-            continue
-        if name in vars(config):
-            if name in deprecated:
-                msg = _deprecation_message(cls, key)
-                errors.append(
-                    f"{where}: is deprecated and has no effect in RLlib 2.60"
-                    + (f" ({msg})" if msg else "")
-                    + "."
-                    + _suggest(key, _candidate_keys(config))
-                )
-            continue
-        if static is not None and callable(static):
-            errors.append(
-                f"{where}: is a method of {cls.__name__}, not a setting. Write its "
-                f"arguments directly under `config:` (e.g. `lr: 0.001` instead of "
-                f"`training: {{lr: 0.001}}`)."
-            )
-            continue
-        errors.append(
-            f"{where}: unknown setting for {algo_name} ({cls.__name__}).{_suggest(key, _candidate_keys(config))}"
-        )
-    return errors
-
-
-def _looks_like_class_path(value: str) -> bool:
-    return bool(value) and (":" in value or "." in value) and not value.startswith((".", ":"))
-
-
-def _check_rl_module_spec(value: Any, where: str) -> List[str]:
-    """Messages for a YAML ``rl_module_spec:`` mapping (RLModuleSpec fields by name)."""
-    if not isinstance(value, dict):
-        return [
-            f"{where}: must be a mapping with keys {', '.join(RL_MODULE_SPEC_KEYS)} "
-            f"(e.g. {{module_class: 'my_pkg.modules:MyModule'}}), got {value!r}."
-        ]
-    errors = []
-    for sub, v in value.items():
-        if sub not in RL_MODULE_SPEC_KEYS:
-            errors.append(
-                f"config key 'rl_module_spec/{sub}': unknown.{_suggest(str(sub), RL_MODULE_SPEC_KEYS)} "
-                f"Known: {', '.join(RL_MODULE_SPEC_KEYS)}."
-            )
-        elif sub in ("module_class", "catalog_class"):
-            if not (isinstance(v, str) and _looks_like_class_path(v)):
-                errors.append(f"config key 'rl_module_spec/{sub}': must be a 'pkg.mod:Class' path, got {v!r}.")
-        elif sub == "model_config" and not isinstance(v, dict):
-            errors.append(f"config key 'rl_module_spec/model_config': must be a mapping, got {v!r}.")
-    return errors
-
-
-def _build_rl_module_spec(value: Mapping[str, Any]) -> Any:
-    """A YAML ``rl_module_spec:`` mapping -> ``RLModuleSpec`` (classes imported, checked)."""
-    from ray.rllib.core.rl_module.rl_module import RLModule, RLModuleSpec
-
-    kwargs: Dict[str, Any] = {}
-    for sub in ("module_class", "catalog_class"):
-        if value.get(sub) is not None:
-            try:
-                kwargs[sub] = import_object(value[sub])
-            except (ImportError, AttributeError) as e:
-                raise CliConfigError(f"rl_module_spec/{sub}: cannot import {value[sub]!r}: {type(e).__name__}: {e}") from e
-    module_class = kwargs.get("module_class")
-    if module_class is not None and not (isinstance(module_class, type) and issubclass(module_class, RLModule)):
-        raise CliConfigError(f"rl_module_spec/module_class: {value['module_class']!r} is not an RLModule subclass.")
-    if value.get("model_config") is not None:
-        kwargs["model_config"] = dict(value["model_config"])
-    return RLModuleSpec(**kwargs)
-
-
-def _apply_key(config: Any, key: str, value: Any) -> None:
-    """Set one YAML config entry on an AlgorithmConfig (the update_from_dict way, plus
-    the few keys it cannot set: ``model_config``, ``learner_class``, ``learner_connector``,
-    ``rl_module_spec``, class paths)."""
-    if isinstance(value, str) and (key.endswith(("_cls", "_class")) or key == "callbacks"):
-        if ":" in value or "." in value:
-            try:
-                value = import_object(value)
-            except (ImportError, AttributeError) as e:
-                raise CliConfigError(f"cannot import {value!r}: {type(e).__name__}: {e}") from e
-    if key == "model_config":
-        config.rl_module(model_config=value)
-    elif key == "rl_module_spec":
-        config.rl_module(rl_module_spec=_build_rl_module_spec(value))
-    elif key == "learner_connector":
-        if isinstance(value, str):
-            try:
-                value = import_object(value)
-            except (ImportError, AttributeError) as e:
-                raise CliConfigError(f"cannot import {value!r}: {type(e).__name__}: {e}") from e
-            if not callable(value):
-                raise CliConfigError(f"{value!r} is not callable (a ConnectorV2 class or builder function).")
-        config.learners(learner_connector=value)
-    elif key == "learner_class":
-        config.training(learner_class=value)
-    else:
-        config.update_from_dict({key: value})
-
-
-def _apply_config(config: Any, user_config: Mapping[str, Any]) -> List[str]:
-    errors = []
-    for key, value in user_config.items():
-        try:
-            _apply_key(config, key, value)
-        except Exception as e:
-            errors.append(f"config key {key!r}: {type(e).__name__}: {e}")
-    return errors
-
-
-@contextlib.contextmanager
-def _quiet_rllib_logs():
-    lg = logging.getLogger("ray.rllib")
-    old = lg.level
-    lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        lg.setLevel(old)
 
 
 def _validate_variants(
@@ -560,7 +121,7 @@ def _validate_variants(
     errors: List[str] = []
     for desc, resolved in variants:
         cfg = algo_cls.get_default_config()
-        apply_errors = _apply_config(cfg, resolved)
+        apply_errors = apply_config(cfg, resolved)
         where = f" (variant {desc})" if desc else ""
         if apply_errors:
             errors += [e + where for e in apply_errors]
@@ -568,7 +129,7 @@ def _validate_variants(
         if env is not None:
             cfg.env = env
         try:
-            with _quiet_rllib_logs():
+            with quiet_rllib_logs():
                 cfg.validate()
         except Exception as e:
             msg = f"invalid config{where}: {type(e).__name__}: {e}"
@@ -681,7 +242,7 @@ def _check_stop(stop: Dict[str, Any], errors: List[str]) -> None:
                 f"not contain (Tune would fail after the first iteration); use "
                 f"{LEGACY_STOP_KEYS[k]!r}."
             )
-        if not _is_number(v):
+        if not is_number(v):
             errors.append(f"stop: {k!r}: value must be a number, got {v!r}.")
 
 
@@ -693,7 +254,7 @@ def _build_checkpoint_config(spec: Dict[str, Any], errors: List[str]) -> Any:
     for k in ckpt:
         if k not in CHECKPOINT_KEYS:
             errors.append(
-                f"checkpoint_config: unknown key {k!r}.{_suggest(str(k), CHECKPOINT_KEYS)} "
+                f"checkpoint_config: unknown key {k!r}.{suggest(str(k), CHECKPOINT_KEYS)} "
                 f"Known: {', '.join(CHECKPOINT_KEYS)}."
             )
     for legacy, new in (("checkpoint_freq", "checkpoint_frequency"), ("checkpoint_at_end", "checkpoint_at_end")):
@@ -707,175 +268,6 @@ def _build_checkpoint_config(spec: Dict[str, Any], errors: List[str]) -> Any:
     except Exception as e:
         errors.append(f"checkpoint_config: {e}")
         return tune.CheckpointConfig()
-
-
-def _is_file_store(uri: str) -> bool:
-    scheme = uri.split("://", 1)[0] if "://" in uri else ""
-    return scheme in ("", "file")
-
-
-def _build_mlflow(
-    name: str, spec: Dict[str, Any], storage_path: str, mlflow_uri: Optional[str], errors: List[str]
-) -> Optional[Dict[str, Any]]:
-    block = spec.get("mlflow")
-    if block is None and mlflow_uri is None:
-        return None
-    if block is False and mlflow_uri is None:
-        return None
-    if block is True or block is None or block is False:  # --mlflow-uri wins over `false`
-        block = {}
-    if not isinstance(block, dict):
-        errors.append(f"mlflow: must be a mapping (or true), got {block!r}.")
-        return None
-    for k in block:
-        if k not in MLFLOW_KEYS:
-            errors.append(f"mlflow: unknown key {k!r}.{_suggest(str(k), MLFLOW_KEYS)} Known: {', '.join(MLFLOW_KEYS)}.")
-    settings = {k: v for k, v in block.items() if k in MLFLOW_KEYS}
-    uri = mlflow_uri or settings.get("tracking_uri")
-    if not uri:
-        if "://" in storage_path:
-            errors.append("mlflow: give `tracking_uri` when storage_path is a remote URI.")
-            return None
-        uri = f"sqlite:///{os.path.join(storage_path, 'mlflow.db')}"
-    settings["tracking_uri"] = str(uri)
-    settings.setdefault("experiment_name", name)
-    return settings
-
-
-_SAFE_MLFLOW_CLS: Optional[type] = None
-
-
-def _chunks(items: List[Any], n: int) -> Iterable[List[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
-
-
-def _mlflow_callback_class() -> type:
-    """``MLflowLoggerCallback`` with two fixes for Ray 2.60:
-
-    * ``log_trial_end`` indexes ``self._trial_runs[trial]`` unguarded: a trial whose
-      actor dies in ``__init__`` (bad env, bad config) never got a run, and the
-      KeyError aborts the whole Tune run instead of marking one trial errored;
-    * params and metrics are logged one call (one DB transaction) per key: an
-      AlgorithmConfig has ~300 keys and a result ~100 metrics, which cost seconds per
-      trial start and per iteration on a sqlite store, blocking Tune's driver loop.
-      Here they go in ``log_batch`` calls (falling back to Ray's way on any error).
-    """
-    global _SAFE_MLFLOW_CLS
-    if _SAFE_MLFLOW_CLS is None:
-        from ray.air.integrations.mlflow import MLflowLoggerCallback
-
-        class BatchedMLflowLoggerCallback(MLflowLoggerCallback):
-            def _client(self):
-                return self.mlflow_util._get_client()
-
-            def _log_params_batched(self, run_id: str, config: Dict[str, Any]) -> None:
-                from mlflow.entities import Param
-                from ray.tune.utils import flatten_dict
-
-                params = [Param(str(k), str(v)[:6000]) for k, v in flatten_dict(config).items()]
-                client = self._client()
-                for chunk in _chunks(params, 100):
-                    client.log_batch(run_id, params=chunk, synchronous=True)
-
-            def log_trial_start(self, trial):
-                if self.log_params_on_trial_end:
-                    return super().log_trial_start(trial)
-                if trial not in self._trial_runs:
-                    tags = dict(self.tags)
-                    tags["trial_name"] = str(trial)
-                    run = self.mlflow_util.start_run(tags=tags, run_name=str(trial))
-                    self._trial_runs[trial] = run.info.run_id
-                try:
-                    self._log_params_batched(self._trial_runs[trial], trial.config)
-                except Exception:  # e.g. a restored trial whose params exist
-                    self.mlflow_util.log_params(run_id=self._trial_runs[trial], params_to_log=trial.config)
-
-            def log_trial_result(self, iteration: int, trial, result: Dict):
-                from mlflow.entities import Metric
-                from ray.tune.result import TIMESTEPS_TOTAL, TRAINING_ITERATION
-                from ray.tune.utils import flatten_dict
-
-                if trial not in self._trial_runs:
-                    return
-                run_id = self._trial_runs[trial]
-                step = result.get(TIMESTEPS_TOTAL) or result[TRAINING_ITERATION]
-                now = int(time.time() * 1000)
-                # heldout/* only on the iterations that measured it, at the step it belongs
-                # to (0 for the starting point), not repeated (or NaN) in between.
-                heldout_step = _new_heldout_step(self.__dict__.setdefault("_heldout_seen", {}), trial, result)
-                metrics = []
-                for k, v in flatten_dict(result).items():
-                    if isinstance(v, bool):
-                        v = float(v)
-                    at = step
-                    if str(k).startswith("heldout/"):
-                        if heldout_step is None:
-                            continue
-                        at = heldout_step
-                    try:
-                        metrics.append(Metric(str(k), float(v), now, int(at)))
-                    except (TypeError, ValueError):
-                        continue
-                try:
-                    client = self._client()
-                    for chunk in _chunks(metrics, 1000):
-                        client.log_batch(run_id, metrics=chunk, synchronous=True)
-                except Exception:
-                    super().log_trial_result(iteration, trial, result)
-
-            def log_trial_end(self, trial, failed: bool = False):
-                if trial not in self._trial_runs:
-                    return
-                super().log_trial_end(trial, failed=failed)
-
-        _SAFE_MLFLOW_CLS = BatchedMLflowLoggerCallback
-    return _SAFE_MLFLOW_CLS
-
-
-def _new_heldout_step(seen: Dict[Any, Any], trial: Any, result: Mapping[str, Any]) -> Optional[int]:
-    """The iteration a result's held-out evaluation belongs to, if it was not logged yet."""
-    after = (result.get("heldout") or {}).get("after_iteration")
-    if after is None or isinstance(after, float) and math.isnan(after):
-        return None
-    if seen.get(trial) == after:
-        return None
-    seen[trial] = after
-    return int(after)
-
-
-def _progress_callback_class() -> type:
-    """A Tune callback that prints one line per training iteration (Tune's own tables only
-    with ``--verbose``): reward, solve rate, held-out accuracy when measured, s/iteration."""
-    from ray.tune import Callback
-
-    class IterationLines(Callback):
-        def __init__(self):
-            self._heldout_seen: Dict[Any, Any] = {}
-
-        def on_trial_result(self, iteration, trials, trial, result, **info):
-            runners = result.get("env_runners") or {}
-            reward = result.get("reward_mean", runners.get("episode_return_mean"))
-            parts = [f"[{trial.trial_id}] iter {result.get('training_iteration', 0):4d}"]
-            if reward is not None:
-                parts.append(f"reward {float(reward):.3f}")
-            if "solve_rate" in result:
-                parts.append(f"solve {float(result['solve_rate']):.3f}")
-            step = _new_heldout_step(self._heldout_seen, trial, result)
-            if step is not None:
-                parts.append(f"held-out {float(result['heldout']['accuracy']):.3f} (after {step})")
-            if "time_this_iter_s" in result:
-                parts.append(f"{float(result['time_this_iter_s']):.2f} s/it")
-            print("  ".join(parts), flush=True)
-
-        def on_trial_error(self, iteration, trials, trial, **info):
-            print(f"[{trial.trial_id}] errored: see {trial.error_file or trial.path}", flush=True)
-
-    return IterationLines
-
-
-def _make_mlflow_callback(settings: Dict[str, Any]) -> Any:
-    return _mlflow_callback_class()(**settings)
 
 
 def build_experiments(
@@ -973,7 +365,7 @@ def _build_one(
             errors.append(f"`{key}` {_RENAMED_EXPERIMENT_KEYS[key]}.")
         else:
             errors.append(
-                f"unknown key `{key}`.{_suggest(str(key), EXPERIMENT_KEYS)} "
+                f"unknown key `{key}`.{suggest(str(key), EXPERIMENT_KEYS)} "
                 f"Known keys: {', '.join(EXPERIMENT_KEYS)}."
             )
     if "run" not in spec:
@@ -1028,7 +420,7 @@ def _build_one(
         env = env_override
     found.pop("config/env", None)
 
-    errors += _check_config_keys(config, user_config, algo_name)
+    errors += check_config_keys(config, user_config, algo_name)
     fail(errors)
 
     try:
@@ -1040,7 +432,7 @@ def _build_one(
     except CliConfigError as e:
         fail([str(e)])
 
-    errors += _apply_config(config, user_config)
+    errors += apply_config(config, user_config)
     fail(errors)
     if env is not None:
         config.env = env
@@ -1079,9 +471,9 @@ def _build_one(
         errors.append(str(e))
         checkpoint_config = None
 
-    mlflow_settings = _build_mlflow(name, spec, storage, mlflow_uri, errors)
+    mlflow_settings = build_mlflow(name, spec, storage, mlflow_uri, errors)
     fail(errors)
-    callbacks = [_make_mlflow_callback(mlflow_settings)] if mlflow_settings else []
+    callbacks = [make_mlflow_callback(mlflow_settings)] if mlflow_settings else []
 
     return Experiment(
         name=name,
@@ -1102,120 +494,3 @@ def _build_one(
 # ------------------------------------------------------------------------ running
 
 
-@dataclass
-class ExperimentResult:
-    """What :func:`run_experiments` returns per experiment."""
-
-    experiment: Experiment
-    result_grid: Any  # ray.tune.ResultGrid
-    errors: List[Tuple[str, Optional[str]]] = field(default_factory=list)  # (trial path, error file)
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-
-def _prepare_mlflow(settings: Dict[str, Any]) -> None:
-    uri = settings["tracking_uri"]
-    if _is_file_store(uri):
-        # mlflow 3 refuses file stores unless opted in.
-        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
-
-
-def _trial_errors(result_grid: Any) -> List[Tuple[str, Optional[str]]]:
-    errors = []
-    for result in result_grid:
-        if result.error is None:
-            continue
-        path = str(result.path)
-        err_file = os.path.join(path, "error.txt")
-        errors.append((path, err_file if "://" in path or os.path.exists(err_file) else None))
-    return errors
-
-
-RESOURCE_FIELDS = (
-    "num_env_runners", "num_cpus_per_env_runner", "num_gpus_per_env_runner", "num_learners",
-    "num_cpus_per_learner", "num_gpus_per_learner", "num_cpus_for_main_process",
-)
-
-
-def fit_experiment_resources(exp: "Experiment", cluster: Any = None) -> List[str]:
-    """Fit the experiment's CPU/GPU request to the cluster before Tune sees it (see
-    ``rllib_exgrpo.rllib.resources.fit_resources``): a trial that cannot be placed would stay
-    PENDING forever. Notes go to stderr; a GPU shortfall raises ``ResourceError`` naming
-    the keys and the file. Resource fields under a search space are left to Tune."""
-    from rllib_exgrpo.rllib.resources import ResourceError, fit_resources
-
-    from ray.tune.search.sample import Domain
-
-    config = exp.config
-    if any(isinstance(getattr(config, k, None), (dict, Domain)) for k in RESOURCE_FIELDS):
-        return []
-    try:
-        notes = fit_resources(config, cluster)
-    except ResourceError as e:
-        raise ResourceError(f"{exp.source or 'experiment'}: experiment {exp.name!r}: {e}") from None
-    for note in notes:
-        print(f"rllib train: experiment {exp.name!r}: {note}", file=sys.stderr, flush=True)
-    return notes
-
-
-def run_experiments(
-    experiments: Sequence[Experiment],
-    *,
-    verbose: int = 1,
-    ray_address: Optional[str] = None,
-    ray_init_kwargs: Optional[Dict[str, Any]] = None,
-) -> List[ExperimentResult]:
-    """Run experiments one after another with ``tune.Tuner``; return one result each.
-
-    Ray: an already initialised Ray is used as is; else ``ray.init(address=ray_address)``
-    when ``ray_address`` or ``RAY_ADDRESS`` is set; else a private local instance
-    (``ray.init(address="local", **ray_init_kwargs)``), shut down at the end. A failing
-    trial does not stop later experiments; see ``ExperimentResult.errors``.
-    """
-    import ray
-    from ray import tune
-
-    for exp in experiments:
-        if exp.mlflow:
-            _prepare_mlflow(exp.mlflow)
-
-    started = False
-    if not ray.is_initialized():
-        kwargs = dict(ray_init_kwargs or {})
-        if ray_address or os.environ.get("RAY_ADDRESS"):
-            ray.init(address=ray_address or os.environ["RAY_ADDRESS"], **kwargs)
-        else:
-            kwargs.setdefault("include_dashboard", False)
-            ray.init(address="local", **kwargs)
-        started = True
-
-    results = []
-    try:
-        for exp in experiments:
-            fit_experiment_resources(exp)
-        for exp in experiments:
-            tuner = tune.Tuner(
-                exp.algo_cls,
-                param_space=exp.param_space,
-                tune_config=tune.TuneConfig(num_samples=exp.num_samples),
-                run_config=tune.RunConfig(
-                    name=exp.name,
-                    storage_path=exp.storage_path,
-                    stop=exp.stop or None,
-                    checkpoint_config=exp.checkpoint_config,
-                    # Tune's status tables only when asked for (--verbose); otherwise
-                    # one line per iteration.
-                    callbacks=list(exp.callbacks) + ([] if verbose > 1 else [_progress_callback_class()()]),
-                    verbose=verbose - 1 if verbose > 1 else 0,
-                ),
-            )
-            grid = tuner.fit()
-            results.append(ExperimentResult(experiment=exp, result_grid=grid, errors=_trial_errors(grid)))
-    finally:
-        if started:
-            ray.shutdown()
-    return results

@@ -185,7 +185,8 @@ def run_train(args: argparse.Namespace) -> int:
         args._train_parser.error("an experiment file is required: `rllib train file FILE` or `rllib train -f FILE`")
 
     from rllib_exgrpo.rllib.resources import ResourceError
-    from rllib_exgrpo.cli.experiment import CliConfigError, build_experiments, fit_experiment_resources, run_experiments
+    from rllib_exgrpo.cli.experiment import CliConfigError, build_experiments
+    from rllib_exgrpo.cli.tune_runner import fit_experiment_resources, run_experiments
 
     overrides = dict(args.config or {})
     if args.verbose >= 1:

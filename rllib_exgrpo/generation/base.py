@@ -11,6 +11,11 @@ from typing import Dict, List, Optional, Protocol, Sequence
 
 import numpy as np
 
+#: ``generation_backend`` values: transformers in the runner's process, or a vLLM engine.
+GENERATION_BACKENDS = ("hf", "vllm")
+#: ``hf_decoder`` values: the HF backend's own pruned loop, or transformers' ``generate``.
+HF_DECODERS = ("pruned", "generate")
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -20,7 +20,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from rllib_exgrpo.generation.base import Completion, SamplingParams
+from rllib_exgrpo.generation.base import HF_DECODERS, Completion, SamplingParams
 from rllib_exgrpo.rllib.module import completion_logprobs_and_entropy
 
 logger = logging.getLogger(__name__)
@@ -228,7 +228,6 @@ class HFGenerationBackend:
 
 
 #: Sampling loops of the HF backend.
-HF_DECODERS = ("pruned", "generate")
 #: Cache layers whose whole state is keys / values, so that ``batch_select_indices``
 #: prunes all of it (recurrent or convolution states of hybrid models are not pruned).
 PRUNABLE_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")

@@ -13,11 +13,13 @@ import contextlib
 import logging
 import math
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ray.rllib.algorithms.algorithm import Algorithm
+from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.utils.metrics import (
     ENV_RUNNER_RESULTS,
     LEARNER_RESULTS,
@@ -35,12 +37,23 @@ from rllib_exgrpo.core.groups import (
     to_multi_agent_batch,
     trajectories_from_episodes,
 )
-from rllib_exgrpo.rllib.config import ExGRPOConfig, GRPOConfig
 from rllib_exgrpo.exgrpo.experience import ExperienceManager
 from rllib_exgrpo.core.minibatches import plan_minibatches, take_rows
 from rllib_exgrpo.core.question_sampler import QuestionSampler
 from rllib_exgrpo.rllib.resources import apply_threads_for, fit_resources
 from rllib_exgrpo.xrpo.steps import AdaptiveRollouts, InContextSeeder, sharpen_advantages
+from envs.reasoning_env import ReasoningEnv
+from rllib_exgrpo.rllib.config_fields import (
+    FIELDS_BY_NAME,
+    RLLIB_FIELD_DEFAULTS,
+    field_defaults,
+    field_errors,
+    training_doc,
+    training_signature,
+)
+from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
+from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
+from rllib_exgrpo.rllib.module import LLMTorchRLModule
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +68,83 @@ ADVANTAGE_TIMER = "advantages"
 HELDOUT_TIMER = "heldout_eval"
 HELDOUT = "heldout"
 STATE_KEY = "exgrpo"
+
+
+class ExGRPOConfig(AlgorithmConfig):
+    """Configuration of :class:`ExGRPO`: RLlib's fields plus those of ``config_fields.FIELDS``.
+
+    Defaults follow ``docs/ALGORITHMS.md``: where the official ExGRPO code and the paper
+    differ, the official code's choice is the default and the other is an option. RLlib's
+    own fields keep their meaning: ``lr``, ``grad_clip``, ``num_epochs`` and
+    ``minibatch_size`` (completions, i.e. learner rows, per learner and optimiser step: an
+    iteration of N rows makes ``num_epochs x round(N / (minibatch_size x max(1,
+    num_learners)))`` optimiser steps, every row once per epoch; ``core/minibatches.py``).
+    Every field with its default and rule: ``docs/config.md``.
+
+    Example::
+
+        config = (
+            ExGRPOConfig()
+            .environment(env=ReasoningEnv, env_config={"dataset": "arithmetic"})
+            .training(model_name_or_path="tiny", questions_per_step=32, group_size=8, lr=1e-4)
+        )
+        algo = config.build_algo()
+    """
+
+    def __init__(self, algo_class=None):
+        super().__init__(algo_class=algo_class or ExGRPO)
+        for name, value in RLLIB_FIELD_DEFAULTS.items():
+            setattr(self, name, value)
+        self.env = ReasoningEnv
+        self.env_config = {"dataset": "arithmetic"}
+        self.env_runner_cls = LLMEnvRunner
+        self.__dict__.update(field_defaults())
+
+    def training(self, **kwargs) -> "ExGRPOConfig":
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in FIELDS_BY_NAME}
+        super().training(**kwargs)
+        for key, value in own.items():
+            if value is not NotProvided:
+                setattr(self, key, value)
+        return self
+
+    training.__signature__ = training_signature(AlgorithmConfig.training)
+    training.__doc__ = training_doc()
+
+    def get_default_rl_module_spec(self) -> RLModuleSpec:
+        return RLModuleSpec(module_class=LLMTorchRLModule, model_config=self.llm_model_config)
+
+    @property
+    def llm_model_config(self) -> Dict[str, Any]:
+        """What the RLModule needs to build the policy network."""
+        return {
+            "model": self.model_name_or_path,
+            "dtype": self.model_dtype,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "temperature": self.temperature,
+        }
+
+    def get_default_learner_class(self):
+        return ExGRPOTorchLearner
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.questions_per_step * self.group_size
+
+    def validate(self) -> None:
+        super().validate()
+        errors = list(field_errors(self))
+        if errors:
+            self._value_error("Invalid ExGRPOConfig:\n  - " + "\n  - ".join(errors))
+
+
+class GRPOConfig(ExGRPOConfig):
+    """On-policy GRPO: ExGRPO with experience replay switched off."""
+
+    def __init__(self, algo_class=None):
+        super().__init__(algo_class=algo_class or GRPO)
+        self.experience_replay = False
+
 
 
 class ExGRPO(Algorithm):

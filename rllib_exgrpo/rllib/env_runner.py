@@ -46,6 +46,8 @@ from ray.rllib.utils.metrics import (
 
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.generation.base import SamplingParams
+from rllib_exgrpo.rllib.config_fields import field_defaults
+from rllib_exgrpo.rllib.resources import apply_threads_for
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ def token_spaces(vocab_size: int, max_prompt_tokens: int, max_response_tokens: i
 
 
 #: LLM settings the runner reads besides RLlib's own (``env``, ``env_config``, ``seed``).
-#: ``ExGRPOConfig`` has them as fields (documented in ``config.FIELD_DOCS``).
+#: ``ExGRPOConfig`` has them as fields (defined in ``config_fields.FIELDS``).
 RUNNER_SETTINGS = (
     "model_name_or_path",
     "model_dtype",
@@ -95,18 +97,10 @@ RUNNER_SETTINGS = (
 #: module's own keys (``LLMTorchRLModule`` loads ``model`` in ``dtype``).
 MODEL_CONFIG_KEYS = {"model_name_or_path": "model", "model_dtype": "dtype"}
 
-_DEFAULTS: Optional[Dict[str, Any]] = None
-
-
 def runner_setting_defaults() -> Dict[str, Any]:
-    """``ExGRPOConfig``'s defaults of :data:`RUNNER_SETTINGS` (one source of defaults)."""
-    global _DEFAULTS
-    if _DEFAULTS is None:
-        from rllib_exgrpo.rllib.config import ExGRPOConfig
-
-        cfg = ExGRPOConfig()
-        _DEFAULTS = {name: getattr(cfg, name) for name in RUNNER_SETTINGS}
-    return dict(_DEFAULTS)
+    """The config fields' defaults of :data:`RUNNER_SETTINGS` (one source of defaults)."""
+    defaults = field_defaults()
+    return {name: defaults[name] for name in RUNNER_SETTINGS}
 
 
 def module_model_config(config) -> Dict[str, Any]:
@@ -179,7 +173,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
 
     def __init__(self, *, config, **kwargs):
         super().__init__(config=config, **kwargs)
-        from rllib_exgrpo.rllib.resources import apply_threads_for
 
         # Ray starts actors with OMP_NUM_THREADS=1: size torch to the CPUs held instead.
         # The local runner (index 0) lives in the main process and shares its CPUs.

@@ -1,0 +1,124 @@
+"""Running built experiments with Ray Tune: start or join Ray, fit resources to the
+cluster, one ``tune.Tuner`` per experiment, and a one-line report per failed trial.
+"""
+from __future__ import annotations
+
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+
+from rllib_exgrpo.cli.console import iteration_lines_callback_class
+from rllib_exgrpo.cli.experiment import Experiment
+from rllib_exgrpo.cli.mlflow_logging import prepare_mlflow
+
+@dataclass
+class ExperimentResult:
+    """What :func:`run_experiments` returns per experiment."""
+
+    experiment: Experiment
+    result_grid: Any  # ray.tune.ResultGrid
+    errors: List[Tuple[str, Optional[str]]] = field(default_factory=list)  # (trial path, error file)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _trial_errors(result_grid: Any) -> List[Tuple[str, Optional[str]]]:
+    errors = []
+    for result in result_grid:
+        if result.error is None:
+            continue
+        path = str(result.path)
+        err_file = os.path.join(path, "error.txt")
+        errors.append((path, err_file if "://" in path or os.path.exists(err_file) else None))
+    return errors
+
+
+RESOURCE_FIELDS = (
+    "num_env_runners", "num_cpus_per_env_runner", "num_gpus_per_env_runner", "num_learners",
+    "num_cpus_per_learner", "num_gpus_per_learner", "num_cpus_for_main_process",
+)
+
+
+def fit_experiment_resources(exp: "Experiment", cluster: Any = None) -> List[str]:
+    """Fit the experiment's CPU/GPU request to the cluster before Tune sees it (see
+    ``rllib_exgrpo.rllib.resources.fit_resources``): a trial that cannot be placed would stay
+    PENDING forever. Notes go to stderr; a GPU shortfall raises ``ResourceError`` naming
+    the keys and the file. Resource fields under a search space are left to Tune."""
+    from rllib_exgrpo.rllib.resources import ResourceError, fit_resources
+
+    from ray.tune.search.sample import Domain
+
+    config = exp.config
+    if any(isinstance(getattr(config, k, None), (dict, Domain)) for k in RESOURCE_FIELDS):
+        return []
+    try:
+        notes = fit_resources(config, cluster)
+    except ResourceError as e:
+        raise ResourceError(f"{exp.source or 'experiment'}: experiment {exp.name!r}: {e}") from None
+    for note in notes:
+        print(f"rllib train: experiment {exp.name!r}: {note}", file=sys.stderr, flush=True)
+    return notes
+
+
+def run_experiments(
+    experiments: Sequence[Experiment],
+    *,
+    verbose: int = 1,
+    ray_address: Optional[str] = None,
+    ray_init_kwargs: Optional[Dict[str, Any]] = None,
+) -> List[ExperimentResult]:
+    """Run experiments one after another with ``tune.Tuner``; return one result each.
+
+    Ray: an already initialised Ray is used as is; else ``ray.init(address=ray_address)``
+    when ``ray_address`` or ``RAY_ADDRESS`` is set; else a private local instance
+    (``ray.init(address="local", **ray_init_kwargs)``), shut down at the end. A failing
+    trial does not stop later experiments; see ``ExperimentResult.errors``.
+    """
+    import ray
+    from ray import tune
+
+    for exp in experiments:
+        if exp.mlflow:
+            prepare_mlflow(exp.mlflow)
+
+    started = False
+    if not ray.is_initialized():
+        kwargs = dict(ray_init_kwargs or {})
+        if ray_address or os.environ.get("RAY_ADDRESS"):
+            ray.init(address=ray_address or os.environ["RAY_ADDRESS"], **kwargs)
+        else:
+            kwargs.setdefault("include_dashboard", False)
+            ray.init(address="local", **kwargs)
+        started = True
+
+    results = []
+    try:
+        for exp in experiments:
+            fit_experiment_resources(exp)
+        for exp in experiments:
+            tuner = tune.Tuner(
+                exp.algo_cls,
+                param_space=exp.param_space,
+                tune_config=tune.TuneConfig(num_samples=exp.num_samples),
+                run_config=tune.RunConfig(
+                    name=exp.name,
+                    storage_path=exp.storage_path,
+                    stop=exp.stop or None,
+                    checkpoint_config=exp.checkpoint_config,
+                    # Tune's status tables only when asked for (--verbose); otherwise
+                    # one line per iteration.
+                    callbacks=list(exp.callbacks) + ([] if verbose > 1 else [iteration_lines_callback_class()()]),
+                    verbose=verbose - 1 if verbose > 1 else 0,
+                ),
+            )
+            grid = tuner.fit()
+            results.append(ExperimentResult(experiment=exp, result_grid=grid, errors=_trial_errors(grid)))
+    finally:
+        if started:
+            ray.shutdown()
+    return results

