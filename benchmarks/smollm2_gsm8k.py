@@ -22,7 +22,7 @@ from _common import ROOT, start_ray
 
 
 def evaluate_policy(model, data: str, limit: int, max_tokens: int) -> dict:
-    from rllib_exgrpo.evaluation.evaluate import evaluate
+    from rllib_exgrpo.evaluation import evaluate
 
     t0 = time.perf_counter()
     report = evaluate(model, [data], temperature=0.0, limit=limit, max_new_tokens=max_tokens, batch_size=50)

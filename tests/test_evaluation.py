@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rllib_exgrpo.cli import main as cli
-from rllib_exgrpo.evaluation.evaluate import (
+from rllib_exgrpo.evaluation import (
     EvalDataError,
     EvalReport,
     QuestionResult,
@@ -267,7 +267,7 @@ def grpo_checkpoint(ray_local, quick_tiny_model, tmp_path_factory):
 def test_checkpoint_weights_and_cli_evaluate(grpo_checkpoint, quick_tiny_model, tmp_path, capsys):
     import torch
 
-    from rllib_exgrpo.evaluation.evaluate import evaluate, load_policy_from_checkpoint, read_checkpoint
+    from rllib_exgrpo.evaluation import evaluate, load_policy_from_checkpoint, read_checkpoint
     from rllib_exgrpo.rllib.module import load_causal_lm
 
     trial, path, learner_state = grpo_checkpoint

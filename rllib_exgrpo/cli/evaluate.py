@@ -49,7 +49,7 @@ def _pass_k(text: str):
 
 
 def add_evaluate_parser(subparsers: Any) -> None:
-    from rllib_exgrpo.evaluation.evaluate import DEFAULT_BATCH_SIZE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+    from rllib_exgrpo.evaluation.metrics import DEFAULT_BATCH_SIZE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
     p = subparsers.add_parser(
         "evaluate",
@@ -99,7 +99,8 @@ def _looks_like_path(text: str) -> bool:
 
 def run_evaluate(args: argparse.Namespace) -> int:
     """Handler of ``rllib evaluate``; returns the exit code."""
-    from rllib_exgrpo.evaluation.evaluate import DEFAULT_PASS_KS, EvalDataError, evaluate, load_eval_problems
+    from rllib_exgrpo.evaluation import EvalDataError, evaluate, load_eval_problems
+    from rllib_exgrpo.evaluation.metrics import DEFAULT_PASS_KS
 
     def fail(msg: str) -> int:
         print(f"{PROG} evaluate: error: {msg}", file=sys.stderr)

@@ -15,7 +15,6 @@ OLD_LOGP = "old_logp"  # float32 [N, R], behaviour log-probs recorded at samplin
 ADVANTAGES = "advantages"  # float32 [N], one scalar per completion
 REWARDS = "rewards"  # float32 [N]
 OFF_POLICY = "off_policy"  # float32 [N], 1 for off-policy rows (replayed or in-context seeded)
-REF_LOGP = "ref_logp"  # float32 [N, R], frozen reference policy (only with KL on)
 
 # Outputs of the module's train forward pass.
 LOGP = "logp"  # [N, R] log-probs of the completion tokens under the current policy

@@ -21,9 +21,7 @@ Registries (name -> function):
 * :data:`ADVANTAGE_ESTIMATORS`: ``"mean_centered"``, ``"std_normalized"``;
 * :data:`LOSS_AGG_MODES`: ``"token-mean"``, ``"seq-mean-token-mean"``,
   ``"seq-mean-token-sum-norm"``, ``"seq-mean-token-sum-norm-official"``;
-* :data:`RATIO_MODES`: ``"token"``, ``"sequence"`` (GSPO);
-* :data:`POLICY_LOSSES`: ``"clipped"`` (:func:`clipped_surrogate`),
-  ``"shaped"`` (:func:`shaped_surrogate`).
+* :data:`RATIO_MODES`: ``"token"``, ``"sequence"`` (GSPO).
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
     "RATIO_MODES",
-    "POLICY_LOSSES",
     "group_advantages",
     "zero_variance_group_mask",
     "masked_mean",
@@ -387,13 +384,6 @@ def shaped_surrogate(
     shaped = policy_shaping(ratio, beta=beta)
     per_token = -adv * shaped
     return per_token, {"ratio": ratio.detach(), "shaping": shaped.detach()}
-
-
-#: name -> surrogate fn returning (per_token_loss [N, T], stats)
-POLICY_LOSSES: Dict[str, Callable[..., Tuple[Tensor, Dict[str, Tensor]]]] = {
-    "clipped": clipped_surrogate,
-    "shaped": shaped_surrogate,
-}
 
 
 # --------------------------------------------------------------------------------------

@@ -95,7 +95,6 @@ rebuild a buffer whose subsequent samples and evictions are identical.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, KeysView, List, Optional, Sequence, Tuple, Union
 

@@ -29,7 +29,6 @@ from ray.rllib.utils.metrics import (
     TIMERS,
 )
 
-from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.groups import (
     Trajectory,
     learner_batch,

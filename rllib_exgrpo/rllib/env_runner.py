@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence
 
 import gymnasium as gym
@@ -490,10 +489,3 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             if env is not None:
                 env.close()
 
-
-def group_by_question(episodes: Sequence[SingleAgentEpisode]) -> Dict[str, List[SingleAgentEpisode]]:
-    """Episodes grouped by their question id, in first-seen order."""
-    groups: Dict[str, List[SingleAgentEpisode]] = defaultdict(list)
-    for e in episodes:
-        groups[e.get_infos(0)[C.QUESTION_ID]].append(e)
-    return groups
