@@ -174,7 +174,7 @@ def _parity_examples(env, model_path: str, n_questions: int, seed: int) -> tuple
     tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True).eval()
     torch.manual_seed(seed)
-    from rllib_exgrpo.generation.hf import left_pad
+    from rllib_exgrpo.core.tokens import left_pad
 
     prompts = [tok(env.prompt_for(p.id), add_special_tokens=False)["input_ids"] for p in problems]
     ids, mask = left_pad(prompts, tok.pad_token_id)

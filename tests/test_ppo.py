@@ -139,8 +139,8 @@ def ppo_module(quick_tiny_model):
 
 
 def test_module_train_outputs_values_and_inference_only(ppo_module, quick_tiny_model):
-    from rllib_exgrpo.rllib.module import completion_logprobs_and_entropy
-    from rllib_exgrpo.generation.hf import prompt_completion_batch
+    from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
+    from rllib_exgrpo.core.tokens import prompt_completion_batch
 
     prompts, completions = [[11, 12, 13, 14], [15, 16]], [[20, 21], [22, 23, 24]]
     eps = [_episode(p, c, [0.0] * len(c)) for p, c in zip(prompts, completions)]

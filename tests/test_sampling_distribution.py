@@ -103,7 +103,8 @@ def test_logprobs_from_generation_equal_the_scoring_pass(model_with_hostile_gene
 
 
 def _pruned(model, rows, params):
-    from rllib_exgrpo.generation.hf import left_pad, pruned_decode
+    from rllib_exgrpo.core.tokens import left_pad
+    from rllib_exgrpo.generation.hf import pruned_decode
 
     ids, mask = left_pad(rows, 0)
     return pruned_decode(model, ids, mask, params, pad_token_id=0)

@@ -249,8 +249,8 @@ def test_greedy_matches_hf(setup):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logps_match_the_learner_scoring(setup, temperature):
     """vLLM's own (processed) log-probs == log_softmax(logits / T) of the torch module."""
-    from rllib_exgrpo.generation.hf import prompt_completion_batch
-    from rllib_exgrpo.rllib.module import completion_logprobs_and_entropy
+    from rllib_exgrpo.core.tokens import prompt_completion_batch
+    from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
 
     backend, hf, module, tok, prompts = setup
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, stop_token_ids=_stop_ids(tok))

@@ -112,7 +112,7 @@ def score_groups(
 
 def learner_batch(trajectories: Sequence[Trajectory], advantages: np.ndarray, pad_id: int) -> Dict[str, np.ndarray]:
     """Pad trajectories into the learner's column layout (see ``columns.py``)."""
-    from rllib_exgrpo.generation.hf import prompt_completion_batch
+    from rllib_exgrpo.core.tokens import prompt_completion_batch
 
     ids, mask, resp_mask = prompt_completion_batch(
         [t.prompt_ids for t in trajectories], [t.completion_ids for t in trajectories], pad_id

@@ -161,7 +161,7 @@ def evaluate(
                 max_new_tokens = int(ckpt.config["max_response_tokens"])
         else:
             from rllib_exgrpo.rllib.env_runner import load_tokenizer
-            from rllib_exgrpo.rllib.module import load_causal_lm
+            from rllib_exgrpo.models.loading import load_causal_lm
 
             say(f"loading model {label}")
             policy = load_causal_lm({"model": label})

@@ -21,40 +21,10 @@ import numpy as np
 import torch
 
 from rllib_exgrpo.generation.base import HF_DECODERS, Completion, SamplingParams
-from rllib_exgrpo.rllib.module import completion_logprobs_and_entropy
+from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
+from rllib_exgrpo.core.tokens import left_pad, prompt_completion_batch
 
 logger = logging.getLogger(__name__)
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[list of id lists] -> input_ids, attention_mask  [N, max_len], padded on the left."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if len(r):
-            ids[i, width - len(r):] = torch.as_tensor(np.array(r, dtype=np.int64))
-            mask[i, width - len(r):] = 1
-    return ids, mask
-
-
-def prompt_completion_batch(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-padded prompts followed by right-padded completions (see ``columns.py``).
-
-    Returns input_ids, attention_mask [N, P + R] and response_mask [N, R].
-    """
-    p_ids, p_mask = left_pad(prompts, pad_id)
-    width = max(1, max(len(c) for c in completions))
-    c_ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
-    c_mask = torch.zeros((len(completions), width), dtype=torch.long)
-    for i, c in enumerate(completions):
-        if len(c):
-            # np.array copies: stored trajectories are read-only views (torch warns on those).
-            c_ids[i, : len(c)] = torch.from_numpy(np.array(c, dtype=np.int64))
-            c_mask[i, : len(c)] = 1
-    return torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), c_mask
 
 
 class HFGenerationBackend:
@@ -267,7 +237,7 @@ def pruned_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     """
     from transformers.generation.logits_process import TopPLogitsWarper
 
-    from rllib_exgrpo.rllib.module import position_ids_from_mask
+    from rllib_exgrpo.core.tokens import position_ids_from_mask
 
     n, max_new = input_ids.shape[0], int(params.max_new_tokens)
     device = input_ids.device

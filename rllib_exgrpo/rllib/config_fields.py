@@ -27,8 +27,8 @@ from rllib_exgrpo.core.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, RATIO
 from rllib_exgrpo.core.minibatches import MINIBATCH_SHUFFLES
 from rllib_exgrpo.exgrpo.buffer import BUCKET_WEIGHTINGS, LOGP_DTYPES, TRAJECTORY_SELECTIONS
 from rllib_exgrpo.generation.base import GENERATION_BACKENDS, HF_DECODERS
+from rllib_exgrpo.models.loading import MODEL_DTYPES
 
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
 BEHAVIOUR_LOGPROBS = ("recompute", "engine")
 PLANNER_ALLOCATIONS = ("proportional", "top")
 

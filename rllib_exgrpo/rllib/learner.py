@@ -15,7 +15,7 @@ from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.losses import mixed_policy_loss
-from rllib_exgrpo.rllib.module import completion_logprobs_and_entropy
+from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
 
 
 class ExGRPOTorchLearner(TorchLearner):

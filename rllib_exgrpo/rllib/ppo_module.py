@@ -58,7 +58,9 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.distribution.torch.torch_distribution import TorchDistribution
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 
-from rllib_exgrpo.rllib.module import LLMTorchRLModule, position_ids_from_mask, score_completions
+from rllib_exgrpo.core.scoring import score_completions
+from rllib_exgrpo.core.tokens import position_ids_from_mask, prompt_completion_from_padded
+from rllib_exgrpo.rllib.module import LLMTorchRLModule
 
 #: Extra batch columns written by :class:`PadLLMEpisodes`.
 OBS_LEN = "obs_len"  # int64 [N]: real prompt tokens of each (left-padded) obs row
@@ -269,7 +271,7 @@ class LLMPPOTorchRLModule(LLMTorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         act, act_len = actions[rows], batch[ACTIONS_LEN][rows].long()
         p = max(1, int(obs_len.max()))
         r = max(1, int(act_len.max()))
-        input_ids, attention_mask, token_mask = _prompt_completion(obs, obs_len, act, act_len, p, r)
+        input_ids, attention_mask, token_mask = prompt_completion_from_padded(obs, obs_len, act, act_len, p, r)
         logp, entropy, hidden = score_completions(
             self.model, input_ids, attention_mask, r,
             temperature=self.temperature, with_entropy=True, with_hidden=True,
@@ -311,17 +313,6 @@ class LLMPPOTorchRLModule(LLMTorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             ).last_hidden_state
             out.append(h[:, -1].float())
         return torch.cat(out, 0) if out else torch.zeros((0, self.value_head.in_features), device=obs.device)
-
-
-def _prompt_completion(obs, obs_len, act, act_len, p: int, r: int):
-    """Left-padded prompts (last ``p`` columns of ``obs``) + right-padded completions (first
-    ``r`` columns of ``act``) -> input_ids, attention_mask ``[N, p + r]``, token mask ``[N, r]``."""
-    device = obs.device
-    prompt_mask = torch.arange(p, device=device)[None, :] >= (p - obs_len)[:, None]
-    token_mask = torch.arange(r, device=device)[None, :] < act_len[:, None]
-    input_ids = torch.cat([obs[:, -p:].long(), act[:, :r].long()], 1)
-    attention_mask = torch.cat([prompt_mask, token_mask], 1).long()
-    return input_ids, attention_mask, token_mask
 
 
 class PadLLMEpisodes(ConnectorV2):

@@ -1,0 +1,40 @@
+"""Loading a policy network: any Hugging Face causal LM, or the embedded ones by name."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+#: ``model_dtype`` values and their torch dtypes.
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}") from None
+
+
+def load_causal_lm(model_config: Dict[str, Any]):
+    """Load the HF causal LM described by a module ``model_config`` dict.
+
+    Keys: ``model`` (hub name, local path, or ``"tiny"`` / ``"smollm2"`` for the embedded
+    models), ``dtype``, ``gradient_checkpointing``, ``attn_implementation``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from rllib_exgrpo.models import resolve_model_path
+
+    path = resolve_model_path(model_config["model"])
+    kwargs = {"dtype": resolve_dtype(model_config.get("dtype", "float32"))}
+    if model_config.get("attn_implementation"):
+        kwargs["attn_implementation"] = model_config["attn_implementation"]
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if model_config.get("gradient_checkpointing"):
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+MODEL_DTYPES = tuple(_DTYPES)
