@@ -42,7 +42,7 @@ def _loss(learner, cfg, batch):
     module = learner.module[DEFAULT_MODULE_ID]
     tensors = {k: torch.as_tensor(v) for k, v in batch.items()}
     fwd = module._forward_train(tensors)
-    return float(learner.compute_loss_for_module(module_id=DEFAULT_MODULE_ID, config=cfg, batch=tensors, fwd_out=fwd))
+    return learner.compute_loss_for_module(module_id=DEFAULT_MODULE_ID, config=cfg, batch=tensors, fwd_out=fwd).item()
 
 
 def _params(learner):

@@ -215,12 +215,6 @@ def test_recipe_validation():
         tiny_recipe(target_pass1=0.0)
 
 
-def test_extract_boxed():
-    assert tiny_mod.extract_boxed("3 + 4 = 7. \\boxed{7}") == "7"
-    assert tiny_mod.extract_boxed("\\boxed{1} then \\boxed{ 12 }") == "12"
-    assert tiny_mod.extract_boxed("no answer") is None
-
-
 def test_resolve_model_path_and_spec(tiny_cache, tiny_path, monkeypatch):
     assert resolve_model_path("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
     assert resolve_model_path("/some/local/folder") == "/some/local/folder"

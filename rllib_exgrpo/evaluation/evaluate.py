@@ -55,14 +55,6 @@ from rllib_exgrpo.evaluation.metrics import (
 _UNSET: Any = object()
 
 
-def _stop_token_ids(model, tokenizer) -> tuple:
-    ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if gen_eos is not None:
-        ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
-    return tuple(sorted(i for i in ids if i is not None))
-
-
 def _chunks(items: list, sizes: List[int], budget: int):
     """Consecutive slices of ``items`` whose ``sizes`` sum to about ``budget``."""
     start, total = 0, 0
@@ -128,6 +120,7 @@ def evaluate(
     from envs.reasoning_env import ReasoningEnv
     from rllib_exgrpo.generation.base import SamplingParams
     from rllib_exgrpo.generation.hf import HFGenerationBackend
+    from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
 
     t_start = time.perf_counter()
     say = progress if callable(progress) else ((lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None))
@@ -182,7 +175,7 @@ def evaluate(
         max_new_tokens=max_new_tokens,
         temperature=float(temperature),
         top_p=float(top_p),
-        stop_token_ids=_stop_token_ids(policy, tokenizer),
+        stop_token_ids=stop_token_ids(policy, tokenizer),
         return_logprobs=False,
     )
     backend = HFGenerationBackend(policy, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size)
@@ -209,21 +202,13 @@ def evaluate(
             say(f"{src.spec}: {len(env.problems)} questions, {sum(ks)} samples")
             done = 0
             for chunk, sizes in _chunks(list(env.problems), ks, batch_size):
-                prompts = []
-                for p in chunk:
-                    ids = tokenizer(env.prompt_for(p.id), add_special_tokens=False)["input_ids"]
-                    if max_prompt_tokens and len(ids) > max_prompt_tokens:
-                        ids = ids[-max_prompt_tokens:]
-                    prompts.append(ids)
-                    if max_positions and len(ids) + max_new_tokens > max_positions:
-                        over_positions += 1
-                groups = backend.generate(prompts, sizes, params)
-                flat = [(qi, c) for qi, g in enumerate(groups) for c in g]
-                texts = tokenizer.batch_decode([c.token_ids for _, c in flat], skip_special_tokens=True)
-                results = env.score([chunk[qi].id for qi, _ in flat], texts)
+                prompts = [encode_prompt(tokenizer, env.prompt_for(p.id), max_prompt_tokens) for p in chunk]
+                if max_positions:
+                    over_positions += sum(len(ids) + max_new_tokens > max_positions for ids in prompts)
+                batch = sample_and_score(backend, tokenizer, prompts, sizes, params, [p.id for p in chunk], env.score)
                 per_q: Dict[int, list] = {}
-                for (qi, c), text, r in zip(flat, texts, results):
-                    per_q.setdefault(qi, []).append((c, text, r))
+                for item in batch.items:
+                    per_q.setdefault(item.prompt_index, []).append((item.completion, item.text, item.result))
                 for qi, p in enumerate(chunk):
                     items = per_q.get(qi, [])
                     questions.append(QuestionResult(

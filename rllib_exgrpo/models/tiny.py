@@ -73,7 +73,6 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 #: Everything that shapes the result besides the public arguments.
 _DEFAULTS: dict[str, Any] = {
@@ -387,12 +386,6 @@ def check_tokenizer_stable(saved_tok, folder: str, sample_texts: Sequence[str]):
 # --------------------------------------------------------------------------- evaluation
 
 
-def extract_boxed(text: str) -> Optional[str]:
-    """The content of the last ``\\boxed{...}`` in ``text`` (stripped), or None."""
-    found = _BOXED.findall(text)
-    return found[-1].strip() if found else None
-
-
 def evaluate_pass1(
     model,
     tokenizer,
@@ -404,75 +397,63 @@ def evaluate_pass1(
     batch_size: int = 256,
     seed: int = 0,
 ) -> dict:
-    """Sampled pass@1 (one sample per problem, exact boxed match) with per-level rates.
+    """Sampled pass@1 (one sample per problem) with per-level rates, on the project's one
+    sample-and-score path (``generation.sample_and_score``: the HF backend's sampling at
+    ``temperature`` with no top-k / top-p, the verifier of ``ReasoningEnv``).
 
-    Uses batched ``model.generate`` with left padding, pure sampling (no top-k / top-p) at
-    ``temperature``. Also returns the mean per-token entropy (nats) of the sampling
-    distribution over generated tokens (eos included, padding after eos excluded) and the
-    mean prompt / completion lengths in tokens. Does not disturb the global torch RNG.
+    Also returns the mean per-token surprisal -log p of the sampled tokens (eos included),
+    an unbiased estimate of the sampling distribution's per-token entropy in nats
+    (``mean_token_entropy``), and the mean prompt / completion lengths in tokens. Does not
+    disturb the global torch RNG.
     """
     import torch
-    from envs.prompting import DEFAULT_INSTRUCTION, render_prompt
+
+    from envs.prompting import DEFAULT_INSTRUCTION
+    from envs.reasoning_env import ReasoningEnv
+    from rllib_exgrpo.generation.base import SamplingParams
+    from rllib_exgrpo.generation.hf import HFGenerationBackend
+    from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
 
     instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
+    env = ReasoningEnv({"problems": list(problems), "tokenizer": tokenizer, "instruction": instruction,
+                        "max_prompt_chars": 10**9})
+    backend = HFGenerationBackend(model, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size,
+                                  logprobs_from_generation=True)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                            stop_token_ids=stop_token_ids(model, tokenizer), return_logprobs=True)
     was_training = model.training
     model.eval()
-    old_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    correct: list[bool] = []
-    ent_sum, ent_count, prompt_tokens, completion_tokens = 0.0, 0, 0, 0
-    samples: list[str] = []
+    items = []
+    prompt_tokens = 0
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed)
-            for start in range(0, len(problems), batch_size):
-                chunk = problems[start : start + batch_size]
-                prompts = [render_prompt(p.question, tokenizer=tokenizer, instruction=instruction) for p in chunk]
-                enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-                out = model.generate(
-                    **enc,
-                    do_sample=True,
-                    temperature=temperature,
-                    top_k=0,
-                    top_p=1.0,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                )
-                new = out.sequences[:, enc["input_ids"].shape[1] :]
-                # valid = generated tokens up to and including the first eos
-                is_eos = new == tokenizer.eos_token_id
-                after_eos = (torch.cumsum(is_eos.int(), dim=1) - is_eos.int()) > 0
-                valid = ~after_eos
-                logits = torch.stack(out.logits, dim=1).float() / temperature
-                logp = torch.log_softmax(logits, dim=-1)
-                ent = -(logp.exp() * logp).sum(-1)
-                ent_sum += float((ent * valid).sum())
-                ent_count += int(valid.sum())
-                prompt_tokens += int(enc["attention_mask"].sum())
-                completion_tokens += int(valid.sum())
-                texts = tokenizer.batch_decode(new, skip_special_tokens=True)
-                for p, text in zip(chunk, texts):
-                    samples.append(text)
-                    correct.append(extract_boxed(text) == str(p.ground_truth).strip())
+            for start in range(0, len(env.problems), batch_size):
+                chunk = env.problems[start : start + batch_size]
+                prompts = [encode_prompt(tokenizer, env.prompt_for(p.id)) for p in chunk]
+                prompt_tokens += sum(len(x) for x in prompts)
+                batch = sample_and_score(backend, tokenizer, prompts, [1] * len(chunk), params,
+                                         [p.id for p in chunk], env.score)
+                items += [(chunk[i.prompt_index], i) for i in batch.items]
     finally:
-        tokenizer.padding_side = old_side
         model.train(was_training)
+        env.close()
+    correct = [i.result.score >= 1.0 for _, i in items]
+    surprisal = sum(-float(i.completion.logp.sum()) for _, i in items)
+    completion_tokens = sum(len(i.completion.token_ids) for _, i in items)
     per_level: dict[str, list[int]] = {}
-    for p, ok in zip(problems, correct):
+    for (p, _), ok in zip(items, correct):
         per_level.setdefault(str(p.difficulty), []).append(int(ok))
     n = max(len(correct), 1)
     return {
         "pass1": sum(correct) / n,
         "per_level": {k: sum(v) / len(v) for k, v in sorted(per_level.items())},
         "per_level_n": {k: len(v) for k, v in sorted(per_level.items())},
-        "mean_token_entropy": ent_sum / max(ent_count, 1),
+        "mean_token_entropy": surprisal / max(completion_tokens, 1),
         "mean_prompt_tokens": prompt_tokens / n,
         "mean_completion_tokens": completion_tokens / n,
         "n": len(correct),
-        "samples": samples[:8],
+        "samples": [i.text for _, i in items[:8]],
     }
 
 

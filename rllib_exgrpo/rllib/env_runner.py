@@ -23,7 +23,6 @@ module's ``model_config`` dict (see :class:`RunnerSettings`).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import gymnasium as gym
@@ -45,6 +44,7 @@ from ray.rllib.utils.metrics import (
 
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.generation.base import SamplingParams
+from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
 from rllib_exgrpo.rllib.config_fields import field_defaults
 from rllib_exgrpo.rllib.resources import apply_threads_for
 
@@ -260,11 +260,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     @property
     def stop_token_ids(self) -> tuple:
         if self._stop_token_ids is None:
-            ids = {self.tokenizer.eos_token_id}
-            gen_eos = getattr(getattr(self.module.model, "generation_config", None), "eos_token_id", None)
-            if gen_eos is not None:
-                ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
-            self._stop_token_ids = tuple(sorted(i for i in ids if i is not None))
+            self._stop_token_ids = stop_token_ids(self.module.model, self.tokenizer)
         return self._stop_token_ids
 
     # ---- EnvRunner API -------------------------------------------------------------
@@ -292,11 +288,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def encode_prompt(self, question_id: str, prefix: Optional[str] = None, env=None) -> List[int]:
         """Prompt token ids of a question, left-truncated to ``max_prompt_tokens``."""
         text = (env or self.env).prompt_for(question_id)
-        if prefix:
-            text = prefix + text
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        limit = self.settings.max_prompt_tokens
-        return ids[-limit:] if len(ids) > limit else ids
+        return encode_prompt(self.tokenizer, (prefix or "") + text, self.settings.max_prompt_tokens)
 
     def sample(
         self,
@@ -349,7 +341,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             return_logprobs=return_logprobs,
         )
 
-        t0 = time.perf_counter()
         env = self.heldout_env if heldout else self.env
         prompts = [self.encode_prompt(q, env=env) for q in question_ids]
         prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
@@ -357,20 +348,16 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             self.encode_prompt(q, prefix=pre, env=env) if pre else p
             for q, p, pre in zip(question_ids, prompts, prefixes)
         ]
-        groups = self.backend.generate(gen_prompts, num_samples, params)
-        t1 = time.perf_counter()
-        flat = [(qi, c) for qi, group in enumerate(groups) for c in group]
-        texts = self.tokenizer.batch_decode([c.token_ids for _, c in flat], skip_special_tokens=True)
-        results = env.score([question_ids[qi] for qi, _ in flat], texts)
-        t2 = time.perf_counter()
-
+        batch = sample_and_score(self.backend, self.tokenizer, gen_prompts, num_samples, params, question_ids, env.score)
         episodes = [
-            self._episode(question_ids[qi], prompts[qi], c, text, res, seeded=bool(prefixes[qi]))
-            for (qi, c), text, res in zip(flat, texts, results)
+            self._episode(question_ids[i.prompt_index], prompts[i.prompt_index], i.completion, i.text, i.result,
+                          seeded=bool(prefixes[i.prompt_index]))
+            for i in batch.items
         ]
         if not heldout:
-            self._log_sample_metrics(episodes, results, generation_s=t1 - t0, scoring_s=t2 - t1)
-            self._log_logprob_mismatch([c for _, c in flat])
+            self._log_sample_metrics(episodes, [i.result for i in batch.items],
+                                     generation_s=batch.generation_s, scoring_s=batch.scoring_s)
+            self._log_logprob_mismatch([i.completion for i in batch.items])
         return episodes
 
     def _episode(self, question_id, prompt_ids, completion, text, result, seeded=False) -> SingleAgentEpisode:
