@@ -11,7 +11,8 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.groups import Trajectory, learner_batch, to_multi_agent_batch
 from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
-from rllib_exgrpo.rllib.env_runner import load_tokenizer, token_spaces
+from rllib_exgrpo.models.loading import load_tokenizer
+from rllib_exgrpo.rllib.env_runner import token_spaces
 
 
 def _learner(model, **training):

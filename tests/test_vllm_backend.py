@@ -138,7 +138,7 @@ def setup(vllm_module, quick_tiny_model):
     import gymnasium as gym
 
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
-    from rllib_exgrpo.rllib.env_runner import load_tokenizer
+    from rllib_exgrpo.models.loading import load_tokenizer
     from rllib_exgrpo.generation.hf import HFGenerationBackend
     from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
     from rllib_exgrpo.rllib.module import LLMTorchRLModule

@@ -36,12 +36,13 @@ Search spaces anywhere in ``config`` (nested dicts too): ``{grid_search: [...]}`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 
 from rllib_exgrpo.cli.registry import CliConfigError, resolve_algorithm, resolve_env
@@ -333,7 +334,38 @@ def build_experiments(
     return experiments
 
 
-def _build_one(
+class _Invalid(Exception):
+    """Problems that stop building an experiment (collected, then reported together)."""
+
+    def __init__(self, errors: Iterable[str]):
+        super().__init__()
+        self.errors = list(errors)
+
+
+def _stop_if(errors: Sequence[str]) -> None:
+    if errors:
+        raise _Invalid(errors)
+
+
+@contextlib.contextmanager
+def _as_invalid():
+    """A ``CliConfigError`` from a resolver becomes one of this experiment's problems."""
+    try:
+        yield
+    except CliConfigError as e:
+        raise _Invalid([str(e)]) from None
+
+
+def _build_one(name: str, spec: Any, *, src_name: Optional[str], **options: Any) -> Experiment:
+    """One experiment, or a ``CliConfigError`` listing its problems under its name."""
+    prefix = f"{src_name}: experiment {name!r}" if src_name else f"experiment {name!r}"
+    try:
+        return _build_checked(name, spec, src_name=src_name, **options)
+    except _Invalid as e:
+        raise CliConfigError(prefix + ":\n  - " + "\n  - ".join(e.errors)) from None
+
+
+def _build_checked(
     name: str,
     spec: Any,
     *,
@@ -348,16 +380,57 @@ def _build_one(
     checkpoint_at_end: Optional[bool],
     validate: bool,
 ) -> Experiment:
-    prefix = f"{src_name}: experiment {name!r}" if src_name else f"experiment {name!r}"
-
-    def fail(errors: Iterable[str]) -> None:
-        errors = list(errors)
-        if errors:
-            raise CliConfigError(prefix + ":\n  - " + "\n  - ".join(errors))
-
     if not isinstance(spec, dict):
-        fail([f"expected a mapping with `run`, `env`, `config`, ..., got {type(spec).__name__}."])
+        raise _Invalid([f"expected a mapping with `run`, `env`, `config`, ..., got {type(spec).__name__}."])
+    _stop_if(_experiment_key_errors(spec))
+    algo_cls, config, algo_name = _default_config(spec["run"])
+    user_config, found = _user_config(spec, config_overrides)
     errors: List[str] = []
+    env = _experiment_env(spec, user_config, env_override, found, errors)
+    errors += check_config_keys(config, user_config, algo_name)
+    _stop_if(errors)
+    env = _resolved_env(env, found)
+    _stop_if(apply_config(config, user_config))
+    if env is not None:
+        config.env = env
+    if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
+        raise _Invalid(["the config switches RLlib's new API stack off; this command runs the new API stack only."])
+    if validate:
+        _stop_if(_validate_variants(algo_cls, user_config, env, found))
+
+    # --- run settings: every problem of these is reported at once
+    with _as_invalid():
+        stop_dict = dict(_as_json_like_dict(spec.get("stop"), "stop"))
+    stop_dict.update(stop or {})
+    _check_stop(stop_dict, errors)
+    n = num_samples if num_samples is not None else spec.get("num_samples", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        errors.append(f"num_samples must be a positive integer, got {n!r}.")
+        n = 1
+    if spec.get("storage_path") is not None and not isinstance(spec["storage_path"], str):
+        errors.append(f"storage_path must be a string, got {spec['storage_path']!r}.")
+    storage = _resolve_storage_path(storage_path or spec.get("storage_path"))
+    checkpoint_config = _checkpoint_settings(spec, checkpoint_freq, checkpoint_at_end, errors)
+    mlflow_settings = build_mlflow(name, spec, storage, mlflow_uri, errors)
+    _stop_if(errors)
+    return Experiment(
+        name=name,
+        algo_cls=algo_cls,
+        config=config,
+        stop=stop_dict,
+        num_samples=n,
+        storage_path=storage,
+        checkpoint_config=checkpoint_config,
+        callbacks=[make_mlflow_callback(mlflow_settings)] if mlflow_settings else [],
+        search_space=found,
+        env=env,
+        mlflow=mlflow_settings,
+        source=src_name,
+    )
+
+
+def _experiment_key_errors(spec: Mapping[str, Any]) -> List[str]:
+    errors = []
     for key in spec:
         if key in EXPERIMENT_KEYS:
             continue
@@ -370,44 +443,42 @@ def _build_one(
             )
     if "run" not in spec:
         errors.append("missing `run` (an algorithm name such as ExGRPO or PPO, or 'pkg.mod:Class').")
-    fail(errors)
+    return errors
 
-    # --- algorithm and its default config
-    try:
-        algo_cls = resolve_algorithm(spec["run"])
-    except CliConfigError as e:
-        fail([str(e)])
+
+def _default_config(run: Any) -> Tuple[type, Any, str]:
+    """(algorithm class, its default config, its name as written) for ``run:``."""
     from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 
+    with _as_invalid():
+        algo_cls = resolve_algorithm(run)
     config = algo_cls.get_default_config()
     if not isinstance(config, AlgorithmConfig):
-        fail([f"{algo_cls.__name__}.get_default_config() must return an AlgorithmConfig, got {type(config).__name__}."])
+        raise _Invalid([f"{algo_cls.__name__}.get_default_config() must return an AlgorithmConfig, "
+                        f"got {type(config).__name__}."])
     if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
-        fail([f"{algo_cls.__name__}'s default config is on RLlib's old API stack; this command runs the new API stack only."])
-    algo_name = str(spec["run"]) if isinstance(spec["run"], str) else algo_cls.__name__
+        raise _Invalid([f"{algo_cls.__name__}'s default config is on RLlib's old API stack; this command "
+                        "runs the new API stack only."])
+    return algo_cls, config, str(run) if isinstance(run, str) else algo_cls.__name__
 
-    # --- config dict: file, then overrides, then search spaces
-    try:
+
+def _user_config(spec: Mapping[str, Any], overrides: Optional[Mapping[str, Any]]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The ``config:`` dict (file, then command-line overrides) with its search spaces
+    converted to Tune domains, and those domains by path."""
+    with _as_invalid():
         user_config = _as_json_like_dict(spec.get("config"), "config")
-    except CliConfigError as e:
-        fail([str(e)])
-    if config_overrides:
-        user_config = deep_merge(user_config, config_overrides)
-    else:
-        user_config = copy.deepcopy(user_config)
-    try:
+        user_config = deep_merge(user_config, overrides) if overrides else copy.deepcopy(user_config)
         user_config, found = convert_search_spaces(user_config)
-    except CliConfigError as e:
-        fail([str(e)])
-    nested = sorted(p for p in found if p.startswith("config/rl_module_spec/"))
-    if nested:
-        fail([
-            f"{p}: search spaces cannot sit inside `rl_module_spec` (Tune does not look "
-            "into an RLModuleSpec); put them under the top-level `model_config`, which "
-            "the module spec's model_config is merged over." for p in nested
-        ])
+    _stop_if([
+        f"{p}: search spaces cannot sit inside `rl_module_spec` (Tune does not look into an "
+        "RLModuleSpec); put them under the top-level `model_config`, which the module spec's "
+        "model_config is merged over." for p in sorted(found) if p.startswith("config/rl_module_spec/")
+    ])
+    return user_config, found
 
-    # --- env: --env > top-level env > config.env
+
+def _experiment_env(spec, user_config, env_override, found, errors: List[str]) -> Any:
+    """The env as written: ``--env`` over the top-level ``env`` over ``config.env``."""
     env = user_config.pop("env", None)
     if spec.get("env") is not None:
         if env is not None and env != spec["env"]:
@@ -419,76 +490,30 @@ def _build_one(
     if env_override is not None:
         env = env_override
     found.pop("config/env", None)
+    return env
 
-    errors += check_config_keys(config, user_config, algo_name)
-    fail(errors)
 
-    try:
-        if isinstance(env, dict) and len(env) == 1 and next(iter(env)) in ("grid_search",):
+def _resolved_env(env: Any, found: Dict[str, Any]) -> Any:
+    """The env as RLlib takes it (a grid search over envs stays a search space)."""
+    with _as_invalid():
+        if isinstance(env, dict) and len(env) == 1 and next(iter(env)) == "grid_search":
             env = {"grid_search": [resolve_env(e) for e in env["grid_search"]]}
             found["config/env"] = env
-        else:
-            env = resolve_env(env)
-    except CliConfigError as e:
-        fail([str(e)])
+            return env
+        return resolve_env(env)
 
-    errors += apply_config(config, user_config)
-    fail(errors)
-    if env is not None:
-        config.env = env
-    if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
-        fail(["the config switches RLlib's new API stack off; this command runs the new API stack only."])
 
-    if validate:
-        fail(_validate_variants(algo_cls, user_config, env, found))
-
-    # --- run settings
-    try:
-        stop_dict = dict(_as_json_like_dict(spec.get("stop"), "stop"))
-    except CliConfigError as e:
-        fail([str(e)])
-    if stop:
-        stop_dict.update(stop)
-    _check_stop(stop_dict, errors)
-
-    n = num_samples if num_samples is not None else spec.get("num_samples", 1)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        errors.append(f"num_samples must be a positive integer, got {n!r}.")
-        n = 1
-
-    if spec.get("storage_path") is not None and not isinstance(spec["storage_path"], str):
-        errors.append(f"storage_path must be a string, got {spec['storage_path']!r}.")
-    storage = _resolve_storage_path(storage_path or spec.get("storage_path"))
-
+def _checkpoint_settings(spec, checkpoint_freq, checkpoint_at_end, errors: List[str]) -> Any:
     ckpt_spec = dict(spec)
     if checkpoint_freq is not None:
         ckpt_spec["checkpoint_freq"] = checkpoint_freq
     if checkpoint_at_end is not None:
         ckpt_spec["checkpoint_at_end"] = checkpoint_at_end
     try:
-        checkpoint_config = _build_checkpoint_config(ckpt_spec, errors)
+        return _build_checkpoint_config(ckpt_spec, errors)
     except CliConfigError as e:
         errors.append(str(e))
-        checkpoint_config = None
-
-    mlflow_settings = build_mlflow(name, spec, storage, mlflow_uri, errors)
-    fail(errors)
-    callbacks = [make_mlflow_callback(mlflow_settings)] if mlflow_settings else []
-
-    return Experiment(
-        name=name,
-        algo_cls=algo_cls,
-        config=config,
-        stop=stop_dict,
-        num_samples=n,
-        storage_path=storage,
-        checkpoint_config=checkpoint_config,
-        callbacks=callbacks,
-        search_space=found,
-        env=env,
-        mlflow=mlflow_settings,
-        source=src_name,
-    )
+        return None
 
 
 # ------------------------------------------------------------------------ running

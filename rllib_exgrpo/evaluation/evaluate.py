@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
+from envs.prompting import DEFAULT_INSTRUCTION
 from rllib_exgrpo.evaluation.checkpoints import (
     CheckpointInfo,
     is_checkpoint,
@@ -117,11 +118,6 @@ def evaluate(
     """
     import torch
 
-    from envs.reasoning_env import ReasoningEnv
-    from rllib_exgrpo.generation.base import SamplingParams
-    from rllib_exgrpo.generation.hf import HFGenerationBackend
-    from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
-
     t_start = time.perf_counter()
     say = progress if callable(progress) else ((lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None))
     if temperature < 0:
@@ -134,9 +130,65 @@ def evaluate(
 
     # 1. data first: a bad file fails before any model is loaded
     loaded = load_eval_problems(sources, limit=limit, split=split)
-
     # 2. the policy
-    env_defaults: dict = {}
+    policy, tokenizer, label, ckpt = _load_policy(model, say)
+    if max_new_tokens is None and ckpt is not None and ckpt.config.get("max_response_tokens"):
+        max_new_tokens = int(ckpt.config["max_response_tokens"])
+    max_new_tokens = int(max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    policy.to(device)
+    policy.eval()
+    env_config = {key: ckpt.env_config[key] for key in _PROMPT_KEYS if key in ckpt.env_config} if ckpt else {}
+    for key, value in zip(_PROMPT_KEYS, (instruction, system_prompt, think_format)):
+        if value is not _UNSET:
+            env_config[key] = value
+    run = _SourceRun(policy, tokenizer, env_config, max_new_tokens, temperature, top_p, batch_size, seed,
+                     reward_timeout_s, max_prompt_tokens, keep_completions, say)
+    # 3. generate + verify, source by source
+    questions: List[QuestionResult] = []
+    source_seconds: Dict[str, float] = {}
+    k_used: Dict[str, int] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for src in loaded:
+            t0 = time.perf_counter()
+            data_sources = run.evaluate_source(src, k, k_used, questions)
+            for ds in data_sources:
+                source_seconds[ds] = source_seconds.get(ds, 0.0) + time.perf_counter() - t0
+    run.warn_over_positions(progress)
+    # 4. aggregate
+    by_source: "OrderedDict[str, List[QuestionResult]]" = OrderedDict()
+    for q in questions:
+        by_source.setdefault(q.data_source, []).append(q)
+    per_source = {name: {**aggregate(qs, pass_ks), "wall_time_s": round(source_seconds.get(name, 0.0), 3)}
+                  for name, qs in by_source.items()}
+    overall = aggregate(questions, pass_ks)
+    overall["macro_avg_at_k"] = float(sum(m["avg_at_k"] for m in per_source.values()) / len(per_source))
+    overall["n_sources"] = len(per_source)
+    settings = {
+        "temperature": float(temperature), "top_p": float(top_p), "max_new_tokens": max_new_tokens,
+        "seed": seed, "k": k if not isinstance(k, Mapping) else dict(k), "k_used": k_used,
+        "pass_ks": list(pass_ks), "limit": limit, "split": split, "data": [src.spec for src in loaded],
+        "instruction": env_config.get("instruction", DEFAULT_INSTRUCTION),
+        "system_prompt": env_config.get("system_prompt"),
+        "think_format": bool(env_config.get("think_format", False)),
+        "max_prompt_tokens": max_prompt_tokens, "batch_size": batch_size, "device": str(device),
+        "over_max_positions": run.over_positions,
+        "checkpoint": None if ckpt is None else {
+            "path": ckpt.path, "module_path": ckpt.module_path, "algorithm": ckpt.algorithm,
+            "model_name_or_path": ckpt.model_name_or_path,
+        },
+    }
+    return EvalReport(model=label, settings=settings, sources=per_source, overall=overall,
+                      wall_time_s=round(time.perf_counter() - t_start, 3), questions=questions)
+
+
+_PROMPT_KEYS = ("instruction", "system_prompt", "think_format")
+
+
+def _load_policy(model, say) -> Tuple[Any, Any, str, Optional[CheckpointInfo]]:
+    """(policy, tokenizer, label, checkpoint info or None) from a name, path, checkpoint
+    folder or ``(model, tokenizer)`` pair; the tokenizer gets a pad token if it has none."""
     ckpt: Optional[CheckpointInfo] = None
     if isinstance(model, (tuple, list)):
         policy, tokenizer = model
@@ -148,140 +200,92 @@ def evaluate(
             say(f"loading {ckpt.algorithm or 'RLlib'} checkpoint {ckpt.path or ckpt.module_path} "
                 f"(model {ckpt.model_name_or_path})")
             policy, tokenizer = load_policy_from_checkpoint(label, info=ckpt)
-            env_defaults = {key: ckpt.env_config[key] for key in ("instruction", "system_prompt", "think_format")
-                            if key in ckpt.env_config}
-            if max_new_tokens is None and ckpt.config.get("max_response_tokens"):
-                max_new_tokens = int(ckpt.config["max_response_tokens"])
         else:
-            from rllib_exgrpo.rllib.env_runner import load_tokenizer
-            from rllib_exgrpo.models.loading import load_causal_lm
+            from rllib_exgrpo.models.loading import load_causal_lm, load_tokenizer
 
             say(f"loading model {label}")
             policy = load_causal_lm({"model": label})
             tokenizer = load_tokenizer(label)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    policy.to(device)
-    policy.eval()
-    max_new_tokens = int(max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+    return policy, tokenizer, label, ckpt
 
-    env_config: dict = dict(env_defaults)
-    for key, value in (("instruction", instruction), ("system_prompt", system_prompt), ("think_format", think_format)):
-        if value is not _UNSET:
-            env_config[key] = value
-    greedy = temperature == 0
-    params = SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        stop_token_ids=stop_token_ids(policy, tokenizer),
-        return_logprobs=False,
-    )
-    backend = HFGenerationBackend(policy, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size)
-    max_positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
-    over_positions = 0
 
-    # 3. generate + verify, source by source
-    questions: List[QuestionResult] = []
-    source_seconds: Dict[str, float] = {}
-    k_used: Dict[str, int] = {}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for src in loaded:
-            t0 = time.perf_counter()
-            env = ReasoningEnv({**env_config, "problems": src.problems, "tokenizer": tokenizer, "seed": seed,
-                                "reward_timeout_s": reward_timeout_s, "max_prompt_chars": 10**9})
-            ks = []
-            for p in env.problems:
-                kk = 1 if greedy else resolve_k(p.data_source, k)
-                if greedy and resolve_k(p.data_source, k) > 1 and p.data_source not in k_used:
-                    logger.warning("greedy decoding: k = 1 for %s (its samples would all be the same)", p.data_source)
-                k_used.setdefault(p.data_source, kk)
-                ks.append(kk)
-            say(f"{src.spec}: {len(env.problems)} questions, {sum(ks)} samples")
-            done = 0
-            for chunk, sizes in _chunks(list(env.problems), ks, batch_size):
-                prompts = [encode_prompt(tokenizer, env.prompt_for(p.id), max_prompt_tokens) for p in chunk]
-                if max_positions:
-                    over_positions += sum(len(ids) + max_new_tokens > max_positions for ids in prompts)
-                batch = sample_and_score(backend, tokenizer, prompts, sizes, params, [p.id for p in chunk], env.score)
-                per_q: Dict[int, list] = {}
-                for item in batch.items:
-                    per_q.setdefault(item.prompt_index, []).append((item.completion, item.text, item.result))
-                for qi, p in enumerate(chunk):
-                    items = per_q.get(qi, [])
-                    questions.append(QuestionResult(
-                        id=p.id,
-                        data_source=p.data_source,
-                        source=src.spec,
-                        correct=[r.score >= 1.0 for _, _, r in items],
-                        answers=[r.parsed for _, _, r in items],
-                        response_tokens=[int(len(c.token_ids)) for c, _, _ in items],
-                        truncated=[c.finish_reason == "length" for c, _, _ in items],
-                        unscored=sum(r.error is not None for _, _, r in items),
-                        timed_out=sum(bool(r.timed_out) for _, _, r in items),
-                        prompt_tokens=len(prompts[qi]),
-                        difficulty=p.difficulty,
-                        completions=[t for _, t, _ in items] if keep_completions else None,
-                    ))
-                done += len(chunk)
-                say(f"  {src.spec}: {done}/{len(env.problems)} questions")
-            env.close()
-            dt = time.perf_counter() - t0
-            for ds in {p.data_source for p in env.problems}:
-                source_seconds[ds] = source_seconds.get(ds, 0.0) + dt
+class _SourceRun:
+    """Generates and verifies the questions of one source after another with one policy."""
 
-    if over_positions:
-        msg = (f"{over_positions} question(s) have prompt + max_new_tokens > the model's "
-               f"max_position_embeddings={max_positions}")
+    def __init__(self, policy, tokenizer, env_config, max_new_tokens, temperature, top_p, batch_size, seed,
+                 reward_timeout_s, max_prompt_tokens, keep_completions, say):
+        from rllib_exgrpo.generation.base import SamplingParams
+        from rllib_exgrpo.generation.hf import HFGenerationBackend
+        from rllib_exgrpo.generation.sample_and_score import stop_token_ids
+
+        self.tokenizer, self.env_config, self.say = tokenizer, env_config, say
+        self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
+        self.reward_timeout_s, self.max_prompt_tokens, self.keep = reward_timeout_s, max_prompt_tokens, keep_completions
+        self.greedy = temperature == 0
+        self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
+                                     stop_token_ids=stop_token_ids(policy, tokenizer), return_logprobs=False)
+        self.backend = HFGenerationBackend(policy, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size)
+        self.max_positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+        self.over_positions = 0
+
+    def evaluate_source(self, src, k, k_used: Dict[str, int], out: List[QuestionResult]) -> set:
+        """Append one :class:`QuestionResult` per question of ``src`` to ``out``; returns
+        the data sources it held."""
+        from envs.reasoning_env import ReasoningEnv
+        from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score
+
+        env = ReasoningEnv({**self.env_config, "problems": src.problems, "tokenizer": self.tokenizer,
+                            "seed": self.seed, "reward_timeout_s": self.reward_timeout_s, "max_prompt_chars": 10**9})
+        ks = [self._k_for(p.data_source, k, k_used) for p in env.problems]
+        self.say(f"{src.spec}: {len(env.problems)} questions, {sum(ks)} samples")
+        done = 0
+        for chunk, sizes in _chunks(list(env.problems), ks, self.batch_size):
+            prompts = [encode_prompt(self.tokenizer, env.prompt_for(p.id), self.max_prompt_tokens) for p in chunk]
+            if self.max_positions:
+                self.over_positions += sum(len(ids) + self.max_new_tokens > self.max_positions for ids in prompts)
+            batch = sample_and_score(self.backend, self.tokenizer, prompts, sizes, self.params,
+                                     [p.id for p in chunk], env.score)
+            per_q: Dict[int, list] = {}
+            for item in batch.items:
+                per_q.setdefault(item.prompt_index, []).append(item)
+            out += [self._question_result(p, src.spec, per_q.get(qi, []), len(prompts[qi])) for qi, p in enumerate(chunk)]
+            done += len(chunk)
+            self.say(f"  {src.spec}: {done}/{len(env.problems)} questions")
+        env.close()
+        return {p.data_source for p in env.problems}
+
+    def _k_for(self, data_source: str, k, k_used: Dict[str, int]) -> int:
+        wanted = resolve_k(data_source, k)
+        if self.greedy and wanted > 1 and data_source not in k_used:
+            logger.warning("greedy decoding: k = 1 for %s (its samples would all be the same)", data_source)
+        used = 1 if self.greedy else wanted
+        k_used.setdefault(data_source, used)
+        return used
+
+    def _question_result(self, p, spec: str, items: list, prompt_tokens: int) -> QuestionResult:
+        return QuestionResult(
+            id=p.id,
+            data_source=p.data_source,
+            source=spec,
+            correct=[i.result.score >= 1.0 for i in items],
+            answers=[i.result.parsed for i in items],
+            response_tokens=[int(len(i.completion.token_ids)) for i in items],
+            truncated=[i.completion.finish_reason == "length" for i in items],
+            unscored=sum(i.result.error is not None for i in items),
+            timed_out=sum(bool(i.result.timed_out) for i in items),
+            prompt_tokens=prompt_tokens,
+            difficulty=p.difficulty,
+            completions=[i.text for i in items] if self.keep else None,
+        )
+
+    def warn_over_positions(self, progress) -> None:
+        if not self.over_positions:
+            return
+        msg = (f"{self.over_positions} question(s) have prompt + max_new_tokens > the model's "
+               f"max_position_embeddings={self.max_positions}")
         if progress:
-            say(f"warning: {msg}")
+            self.say(f"warning: {msg}")
         else:
             logger.warning(msg)
-
-    # 4. aggregate
-    by_source: "OrderedDict[str, List[QuestionResult]]" = OrderedDict()
-    for q in questions:
-        by_source.setdefault(q.data_source, []).append(q)
-    per_source = {}
-    for name, qs in by_source.items():
-        per_source[name] = {**aggregate(qs, pass_ks), "wall_time_s": round(source_seconds.get(name, 0.0), 3)}
-    overall = aggregate(questions, pass_ks)
-    overall["macro_avg_at_k"] = float(sum(m["avg_at_k"] for m in per_source.values()) / len(per_source))
-    overall["n_sources"] = len(per_source)
-    settings = {
-        "temperature": float(temperature),
-        "top_p": float(top_p),
-        "max_new_tokens": max_new_tokens,
-        "seed": seed,
-        "k": k if not isinstance(k, Mapping) else dict(k),
-        "k_used": k_used,
-        "pass_ks": [j for j in pass_ks],
-        "limit": limit,
-        "split": split,
-        "data": [src.spec for src in loaded],
-        "instruction": env_config.get("instruction", "<env default>"),
-        "system_prompt": env_config.get("system_prompt"),
-        "think_format": bool(env_config.get("think_format", False)),
-        "max_prompt_tokens": max_prompt_tokens,
-        "batch_size": batch_size,
-        "device": str(device),
-        "over_max_positions": over_positions,
-        "checkpoint": None if ckpt is None else {
-            "path": ckpt.path, "module_path": ckpt.module_path, "algorithm": ckpt.algorithm,
-            "model_name_or_path": ckpt.model_name_or_path,
-        },
-    }
-    if settings["instruction"] == "<env default>":
-        from envs.prompting import DEFAULT_INSTRUCTION
-
-        settings["instruction"] = DEFAULT_INSTRUCTION
-    return EvalReport(
-        model=label,
-        settings=settings,
-        sources=per_source,
-        overall=overall,
-        wall_time_s=round(time.perf_counter() - t_start, 3),
-        questions=questions,
-    )

@@ -38,3 +38,15 @@ def load_causal_lm(model_config: Dict[str, Any]):
 
 
 MODEL_DTYPES = tuple(_DTYPES)
+
+
+def load_tokenizer(model: str):
+    """The tokenizer that belongs to the policy ``model`` (resolved like the module)."""
+    from transformers import AutoTokenizer
+
+    from rllib_exgrpo.models import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

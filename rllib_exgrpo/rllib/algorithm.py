@@ -202,7 +202,7 @@ class ExGRPO(Algorithm):
         return env_config
 
     def _tokenizer_pad_id(self) -> int:
-        from rllib_exgrpo.rllib.env_runner import load_tokenizer
+        from rllib_exgrpo.models.loading import load_tokenizer
 
         return load_tokenizer(self.config.model_name_or_path).pad_token_id
 

@@ -45,22 +45,11 @@ from ray.rllib.utils.metrics import (
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.generation.base import SamplingParams
 from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
+from rllib_exgrpo.models.loading import load_tokenizer
 from rllib_exgrpo.rllib.config_fields import field_defaults
 from rllib_exgrpo.rllib.resources import apply_threads_for
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(model: str):
-    """The tokenizer that belongs to the policy ``model`` (resolved like the module)."""
-    from transformers import AutoTokenizer
-
-    from rllib_exgrpo.models import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def token_spaces(vocab_size: int, max_prompt_tokens: int, max_response_tokens: int):
