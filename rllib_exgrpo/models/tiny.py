@@ -510,24 +510,23 @@ def _batch_indices(problems, batch_size: int, level_balanced: bool, seed: int):
 
 
 def _collate(p_ids, c_ids, idx, pad_id):
+    """Whole supervised sequences (prompt + completion) right-padded; the loss only on
+    completion tokens (labels -100 elsewhere, HF's convention)."""
     import torch
 
+    from rllib_exgrpo.core.tokens import right_pad
+
     seqs = [p_ids[i] + c_ids[i] for i in idx]
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(idx), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(idx), width), dtype=torch.long)
+    input_ids, mask = right_pad(seqs, pad_id)
+    labels = torch.full_like(input_ids, -100)
     for row, i in enumerate(idx):
-        seq = seqs[row]
-        input_ids[row, : len(seq)] = torch.tensor(seq)
-        mask[row, : len(seq)] = 1
-        labels[row, len(p_ids[i]) : len(seq)] = torch.tensor(c_ids[i])
+        labels[row, len(p_ids[i]) : len(seqs[row])] = torch.tensor(c_ids[i])
     return input_ids, mask, labels
 
 
 def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
+    """Tokenizer, model, supervised warm start to the target pass@1, report; in ``folder``."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     from envs import arithmetic
 
@@ -537,94 +536,29 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
     train_problems = arithmetic.generate(tr["n_train"], split="train", seed=seed, levels=levels)
     eval_problems = arithmetic.generate(ev["n_eval"], split="test", seed=ev["eval_seed"], levels=levels)
 
-    # 1. tokenizer
     texts = corpus_texts(train_problems, instruction)
     tokenizer = train_tokenizer(texts, **recipe["tokenizer"])
     tokenizer.save_pretrained(str(folder))
-
     _warn_if_busy(tr["num_threads"])
 
-    # 2. model
     old_threads = torch.get_num_threads()
     torch.set_num_threads(tr["num_threads"])
     try:
         torch.manual_seed(seed)
-        mc = dict(recipe["model"])
-        rope_theta = mc.pop("rope_theta")
-        config = Qwen2Config(
-            vocab_size=len(tokenizer),
-            bos_token_id=None,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-            use_cache=True,
-            **mc,
-        )
-        model = Qwen2ForCausalLM(config)
-        model.generation_config = GenerationConfig(
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=None,
-        )
-        n_params = sum(p.numel() for p in model.parameters())
-        config.save_pretrained(str(folder))  # so AutoTokenizer resolves the qwen2 class
+        model = _new_model(recipe, tokenizer)
+        model.config.save_pretrained(str(folder))  # so AutoTokenizer resolves the qwen2 class
         tokenizer = check_tokenizer_stable(tokenizer, str(folder), texts[:200] + [p.question for p in eval_problems[:50]])
-
-        # 3. supervised warm start
-        p_ids, c_ids = _encode_examples(tokenizer, train_problems, instruction)
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        optim = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": tr["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=tr["lr"], betas=tuple(tr["betas"]),
-        )
-        batches = _batch_indices(train_problems, tr["batch_size"], tr["level_balanced"], seed)
-        history: list[dict] = []
-        target_low = recipe["target_pass1"] - ev["band"]
-        last_eval: Optional[dict] = None
-        reached = False
-        step = 0
-        model.train()
-        bar = _progress_bar(recipe["max_steps"], progress)
-        try:
-            while step < recipe["max_steps"]:
-                idx = next(batches)
-                input_ids, mask, labels = _collate(p_ids, c_ids, idx, tokenizer.pad_token_id)
-                for g in optim.param_groups:
-                    g["lr"] = _lr_at(step, recipe)
-                loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-                optim.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tr["grad_clip"])
-                optim.step()
-                step += 1
-                bar.update(1)
-                postfix = {"loss": f"{loss.item():.3f}"}
-                due = step >= ev["eval_start"] and (step - ev["eval_start"]) % ev["eval_every"] == 0
-                if due or step == recipe["max_steps"]:
-                    last_eval = _eval(model, tokenizer, eval_problems, recipe, step)
-                    history.append({"step": step, "loss": round(loss.item(), 4), "pass1": last_eval["pass1"],
-                                    "mean_token_entropy": round(last_eval["mean_token_entropy"], 4),
-                                    "per_level": last_eval["per_level"], "elapsed_s": round(time.time() - t0, 1)})
-                    postfix["pass1"] = f"{last_eval['pass1']:.2f}"
-                    if last_eval["pass1"] >= target_low:
-                        reached = True
-                        bar.set_postfix(postfix)
-                        break
-                bar.set_postfix(postfix)
-        finally:
-            bar.close()
-        if last_eval is None:
-            last_eval = _eval(model, tokenizer, eval_problems, recipe, step)
+        run = _warm_start(model, tokenizer, train_problems, eval_problems, recipe, progress, t0)
         model.save_pretrained(str(folder), safe_serialization=True)
     finally:
         torch.set_num_threads(old_threads)
 
+    last_eval = run["last_eval"]
     report = {
         "recipe": recipe,
         "recipe_key": recipe_key(recipe),
-        "steps": step,
-        "reached_target": reached,
+        "steps": run["steps"],
+        "reached_target": run["reached"],
         "wall_time_s": round(time.time() - t0, 1),
         "final_pass1": last_eval["pass1"],
         "per_level_pass1": last_eval["per_level"],
@@ -633,23 +567,97 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
         "mean_prompt_tokens": last_eval["mean_prompt_tokens"],
         "mean_completion_tokens": last_eval["mean_completion_tokens"],
         "n_eval": last_eval["n"],
-        "n_params": n_params,
+        "n_params": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
         "sample_completions": last_eval["samples"],
-        "history": history,
+        "history": run["history"],
         "versions": _versions(),
     }
-    if not reached:
+    if not run["reached"]:
         import warnings
 
         warnings.warn(
-            f"tiny model warm start stopped at max_steps={step} with held-out pass@1 "
-            f"{last_eval['pass1']:.3f} < {target_low:.3f}", RuntimeWarning, stacklevel=3,
+            f"tiny model warm start stopped at max_steps={run['steps']} with held-out pass@1 "
+            f"{last_eval['pass1']:.3f} < {recipe['target_pass1'] - ev['band']:.3f}", RuntimeWarning, stacklevel=3,
         )
     # written last: its presence marks a complete folder
     with open(folder / WARM_START_FILE, "w") as fh:
         json.dump(report, fh, indent=2)
     return report
+
+
+def _new_model(recipe: dict, tokenizer):
+    """A freshly initialised Qwen2 of the recipe's shape with a neutral generation config."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    mc = dict(recipe["model"])
+    rope_theta = mc.pop("rope_theta")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        use_cache=True,
+        **mc,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    return model
+
+
+def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, progress: bool, t0: float) -> dict:
+    """Supervised steps until the sampled held-out pass@1 reaches the target band (checked
+    every ``eval_every`` steps from ``eval_start``) or ``max_steps``."""
+    import torch
+
+    tr, ev = recipe["train"], recipe["eval"]
+    p_ids, c_ids = _encode_examples(tokenizer, train_problems, recipe["instruction"])
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optim = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tr["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=tr["lr"], betas=tuple(tr["betas"]),
+    )
+    batches = _batch_indices(train_problems, tr["batch_size"], tr["level_balanced"], recipe["seed"])
+    history: list[dict] = []
+    target_low = recipe["target_pass1"] - ev["band"]
+    last_eval: Optional[dict] = None
+    reached = False
+    step = 0
+    model.train()
+    bar = _progress_bar(recipe["max_steps"], progress)
+    try:
+        while step < recipe["max_steps"]:
+            input_ids, mask, labels = _collate(p_ids, c_ids, next(batches), tokenizer.pad_token_id)
+            for g in optim.param_groups:
+                g["lr"] = _lr_at(step, recipe)
+            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tr["grad_clip"])
+            optim.step()
+            step += 1
+            bar.update(1)
+            postfix = {"loss": f"{loss.item():.3f}"}
+            due = step >= ev["eval_start"] and (step - ev["eval_start"]) % ev["eval_every"] == 0
+            if due or step == recipe["max_steps"]:
+                last_eval = _eval(model, tokenizer, eval_problems, recipe, step)
+                history.append({"step": step, "loss": round(loss.item(), 4), "pass1": last_eval["pass1"],
+                                "mean_token_entropy": round(last_eval["mean_token_entropy"], 4),
+                                "per_level": last_eval["per_level"], "elapsed_s": round(time.time() - t0, 1)})
+                postfix["pass1"] = f"{last_eval['pass1']:.2f}"
+                reached = last_eval["pass1"] >= target_low
+            bar.set_postfix(postfix)
+            if reached:
+                break
+    finally:
+        bar.close()
+    if last_eval is None:
+        last_eval = _eval(model, tokenizer, eval_problems, recipe, step)
+    return {"steps": step, "reached": reached, "last_eval": last_eval, "history": history}
 
 
 def _warn_if_busy(num_threads: int) -> None:
