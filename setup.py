@@ -25,6 +25,7 @@ setup(
         "numpy>=1.26",
         "scipy>=1.11",
         "pyyaml>=6",
+        "filelock>=3.12",
         "tqdm>=4.60",
         "matplotlib>=3.7",
     ],

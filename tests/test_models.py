@@ -308,3 +308,34 @@ def test_warm_start_progress_off_a_terminal_is_a_few_lines(capsys):
     bar.close()
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 10 and lines[-1].startswith("warm-starting tiny model: 1500/1500 steps")
+
+
+def _slow_builder(folder):
+    import os
+    import time
+
+    from rllib_exgrpo.models.tiny import WARM_START_FILE
+
+    (folder.parent / f"built-by-{os.getpid()}").write_text("")
+    time.sleep(0.5)
+    (folder / WARM_START_FILE).write_text("{}")
+
+
+def _build_in_process(root):
+    from pathlib import Path
+
+    from rllib_exgrpo.models.tiny import build_cached
+
+    return str(build_cached(Path(root), "m", _slow_builder))
+
+
+def test_concurrent_builders_build_once(tmp_path):
+    """Two processes asking for the same missing folder: one builds (under the file lock),
+    the other waits and reuses it."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(2) as pool:
+        paths = pool.map(_build_in_process, [str(tmp_path)] * 2)
+    assert paths == [str(tmp_path / "m")] * 2
+    assert len(list(tmp_path.glob("built-by-*"))) == 1
+    assert not list(tmp_path.glob(".tmp-m-*"))

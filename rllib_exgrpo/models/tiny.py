@@ -31,12 +31,11 @@ varies with the seed: seed 1 was still at 0.25 when it hit ``max_steps=1500``
 
 The folder is cached under ``cache_dir`` / ``$RLLIB_EXGRPO_CACHE`` / ``~/.cache/rllib_exgrpo``
 in a subfolder keyed by a hash of the whole recipe. Builds go to a temporary folder that is
-renamed into place atomically, under an ``fcntl`` file lock, so concurrent callers (several
+renamed into place atomically, under a file lock (``filelock``), so concurrent callers (several
 Ray actors) wait for one build instead of racing.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -49,10 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-try:  # POSIX only; elsewhere concurrent builders are not serialised (rename is still atomic).
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None  # type: ignore[assignment]
+from filelock import FileLock
 
 #: Bump when the build procedure changes in a way the recipe does not capture.
 RECIPE_VERSION = 1
@@ -187,20 +183,6 @@ def _is_complete(folder: Path) -> bool:
     return (folder / WARM_START_FILE).is_file()
 
 
-@contextlib.contextmanager
-def file_lock(path: Path):
-    """An exclusive advisory lock on ``path`` (blocks until held)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        if fcntl is not None:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            if fcntl is not None:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
 def build_cached(root: Path, name: str, builder) -> Path:
     """Return ``root/name``, building it first with ``builder(tmp_dir)`` when missing.
 
@@ -215,7 +197,7 @@ def build_cached(root: Path, name: str, builder) -> Path:
     if (final / marker).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with file_lock(root / f".{name}.lock"):
+    with FileLock(root / f".{name}.lock"):  # one builder per name; the others wait
         if (final / marker).is_file():
             return final
         # Only the lock holder builds, so any temporary folder of this name is left over
