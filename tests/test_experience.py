@@ -131,3 +131,13 @@ def test_state_round_trip():
     assert m2.mixed_mode and m2.switch_iteration == 0
     assert set(m2.buffer) == {"a", "c"} and set(m2.buffer.retired) == {"b"}
     assert m2.buffer.sample_questions(2) == m.buffer.sample_questions(2)
+
+
+def test_check_delayed_start_fires_once_above_the_threshold():
+    m = ExperienceManager(config(delayed_start_solve_rate=0.35))
+    assert not m.check_delayed_start(0.35, iteration=0)  # strictly above
+    assert m.check_delayed_start(0.36, iteration=3) and m.switch_iteration == 3
+    assert not m.check_delayed_start(0.9, iteration=4) and m.switch_iteration == 3  # for good, once
+    assert m.learner_mixed_mode
+    grpo = ExperienceManager(config(experience_replay=False, delayed_start_solve_rate=0.0))
+    assert grpo.mixed_mode and not grpo.learner_mixed_mode  # on-policy GRPO never mixes

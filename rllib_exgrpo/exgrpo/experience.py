@@ -106,6 +106,21 @@ class ExperienceManager:
         return chosen, metrics
 
     # ---- update ------------------------------------------------------------------------
+    def check_delayed_start(self, solve_rate: float, iteration: int) -> bool:
+        """ExGRPO's delayed start, the one place it is decided: mixed mode (replay, policy
+        shaping, clip removal) switches on for good the first time a step's solve rate
+        exceeds ``delayed_start_solve_rate`` (0: on from the first step, set in
+        ``__init__``). Returns True on the step it fires."""
+        if self.mixed_mode or solve_rate <= self.config.delayed_start_solve_rate:
+            return False
+        self.mixed_mode, self.switch_iteration = True, iteration
+        return True
+
+    @property
+    def learner_mixed_mode(self) -> bool:
+        """What the learner is told: mixed-mode loss only where experience is replayed."""
+        return self.mixed_mode and self.config.experience_replay
+
     def observe(self, groups: ScoredGroups, *, iteration: int) -> Dict[str, float]:
         """Delayed-start check and pool update from one step's scored groups."""
         fresh_rewards = [t.reward for t in groups.trajectories if not t.off_policy]
@@ -116,9 +131,8 @@ class ExperienceManager:
         # Official order: the step's groups are collected first, the switch is checked
         # after, so the groups of the switch step are not pooled (pool_switch_step=False).
         collect = cfg.experience_replay and (self.mixed_mode or cfg.fill_pool_before_start)
-        switched = False
-        if not self.mixed_mode and solve_rate > cfg.delayed_start_solve_rate:
-            self.mixed_mode, self.switch_iteration, switched = True, iteration, True
+        switched = self.check_delayed_start(solve_rate, iteration)
+        if switched:
             collect = collect or (cfg.experience_replay and cfg.pool_switch_step)
         # Before the pool fills, solved (G/G) questions are still retired (official: from
         # the first step): update_group on an all-correct group retires without storing.

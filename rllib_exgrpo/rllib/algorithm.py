@@ -241,9 +241,8 @@ class ExGRPO(Algorithm):
             self._update_learners(batch, groups.group_index)
 
         with self._stage(BUFFER_TIMER):
-            was_mixed = self.experience.mixed_mode
             update_metrics = self.experience.observe(groups, iteration=self.iteration)
-            if self.experience.mixed_mode != was_mixed:
+            if update_metrics["switched"]:
                 logger.info("ExGRPO delayed start: mixed mode on from iteration %d", self.iteration)
                 self._sync_learner_mode()
         self._log_experience_metrics({**replay_metrics, **update_metrics}, groups)
@@ -332,7 +331,7 @@ class ExGRPO(Algorithm):
         self.metrics.log_value((STEP_TIMES, name), time.perf_counter() - start, window=1)
 
     def _sync_learner_mode(self) -> None:
-        mixed = self.experience.mixed_mode and self.config.experience_replay
+        mixed = self.experience.learner_mixed_mode
         self.learner_group.foreach_learner(lambda learner: learner.set_mixed_mode(mixed))
 
     def _score_trajectories(self, prompts, completions):
