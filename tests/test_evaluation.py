@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -208,6 +209,31 @@ def test_arithmetic_sources_use_the_held_out_split():
     assert {p.data_source for p in src.problems} == {"arithmetic:levels=5-6"}
 
 
+def test_folders_that_are_not_checkpoints(tmp_path):
+    from ray.rllib.utils.checkpoints import Checkpointable
+
+    from rllib_exgrpo.evaluation import checkpoints, is_checkpoint
+
+    assert checkpoints._CTOR_FILE == Checkpointable.CLASS_AND_CTOR_ARGS_FILE_NAME
+
+    assert not is_checkpoint(tmp_path / "missing") and not is_checkpoint(tmp_path)
+    hf = tmp_path / "hf_model"  # a plain HF model folder
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert not is_checkpoint(hf)
+    # checkpoint_* subfolders that are no algorithm checkpoint
+    (tmp_path / "checkpoint_000003").mkdir()
+    assert not is_checkpoint(tmp_path)
+    # RLlib's metadata and learner_group/ but no algorithm state or module: RLlib's
+    # get_checkpoint_info rejects it, find_checkpoint says FileNotFoundError
+    broken = tmp_path / "checkpoint_000004"
+    (broken / "learner_group").mkdir(parents=True)
+    (broken / "rllib_checkpoint.json").write_text('{"checkpoint_version": "2.1"}')
+    with pytest.raises(FileNotFoundError):
+        find_checkpoint(broken)
+    assert not is_checkpoint(broken) and not is_checkpoint(tmp_path)
+
+
 # =========================================================================== real runs
 
 
@@ -271,16 +297,28 @@ def test_checkpoint_weights_and_cli_evaluate(grpo_checkpoint, quick_tiny_model, 
     from rllib_exgrpo.rllib.module import load_causal_lm
 
     trial, path, learner_state = grpo_checkpoint
+    module_dir = path / "learner_group" / "learner" / "rl_module" / "default_policy"
     # a Tune trial folder resolves to its latest checkpoint
-    assert find_checkpoint(trial)[0] == path
+    assert find_checkpoint(trial) == (path, module_dir)
+    assert find_checkpoint(path) == (path, module_dir) and find_checkpoint(module_dir) == (None, module_dir)
     info = read_checkpoint(path)
     assert info.algorithm == "GRPO" and info.model_name_or_path == quick_tiny_model
     assert info.env_config["instruction"] == "Answer in \\boxed{}."
+    assert info.config["max_response_tokens"] == 8 and info.module_path == str(module_dir)
 
+    t0 = time.perf_counter()
     model, tokenizer = load_policy_from_checkpoint(path)
+    print(f"load_policy_from_checkpoint: {time.perf_counter() - t0:.2f}s")
+    assert not model.training and model.config.use_cache
     state = model.state_dict()
     for name, value in learner_state.items():
         assert torch.equal(state[name], value), name
+    # the module folder alone: same weights; no algorithm config to read
+    only_module = read_checkpoint(module_dir)
+    assert only_module.path is None and only_module.algorithm is None and only_module.config == {}
+    assert only_module.model_name_or_path == quick_tiny_model
+    from_module, _ = load_policy_from_checkpoint(module_dir)
+    assert all(torch.equal(v, state[n]) for n, v in from_module.state_dict().items())
     base = load_causal_lm({"model": quick_tiny_model}).state_dict()
     assert any(not torch.equal(base[n], learner_state[n]) for n in learner_state), "training moved no weight"
 

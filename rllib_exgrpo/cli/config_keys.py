@@ -101,6 +101,9 @@ def suggest(key: str, candidates: Sequence[str]) -> str:
 
 def check_config_keys(config: Any, user_config: Mapping[str, Any], algo_name: str) -> List[str]:
     """Return one message per bad top-level key of ``user_config``."""
+    # Long because it is one dispatch over the kinds of key RLlib accepts (old-stack
+    # switches, multi-agent, module spec, connectors, properties, attributes, methods),
+    # each with its own message; splitting it would scatter that table.
     cls = type(config)
     deprecated = _deprecated_attributes(config)
     errors: List[str] = []

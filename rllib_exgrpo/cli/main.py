@@ -178,6 +178,8 @@ def add_train_parser(subparsers: Any) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """Handler of ``rllib train``; returns the exit code."""
+    # Long because it is the command's whole flow in order, each step a few lines:
+    # defaults, argument checks, build (no Ray), --dry-run, resources, run, exit code.
     for k, v in _TRAIN_DEFAULTS.items():
         if not hasattr(args, k):
             setattr(args, k, v)

@@ -76,6 +76,7 @@ def mlflow_callback_class() -> type:
       trial start and per iteration on a sqlite store, blocking Tune's driver loop.
       Here they go in ``log_batch`` calls (falling back to Ray's way on any error).
     """
+    # Long because the callback class is defined inside (Ray's import is deferred to here).
     global _SAFE_MLFLOW_CLS
     if _SAFE_MLFLOW_CLS is None:
         from ray.air.integrations.mlflow import MLflowLoggerCallback

@@ -737,6 +737,13 @@ def mixed_policy_loss(
         loss = loss + kl_coeff * agg_loss(kl, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows)
         metrics["kl"] = masked_mean(kl.detach(), m)
 
+    metrics.update(_token_share_metrics(fresh_stats, rep_stats, m, fresh_tok, rep_tok))
+    return loss, metrics
+
+
+def _token_share_metrics(fresh_stats, rep_stats, m: Tensor, fresh_tok: Tensor, rep_tok: Tensor) -> Dict[str, Tensor]:
+    """The ratio, clip and token-share statistics of :func:`mixed_policy_loss`."""
+    metrics: Dict[str, Tensor] = {}
     metrics["clip_fraction"] = masked_mean(fresh_stats["clipped"], fresh_tok)
     metrics["trust_region_violation_fraction"] = masked_mean(
         fresh_stats["outside_trust_region"], fresh_tok
@@ -748,7 +755,7 @@ def mixed_policy_loss(
         metrics["replay_ratio_mean"] = _masked_stat(rep_stats["ratio"], rep_tok, "mean")
         metrics["replay_shaping_mean"] = _masked_stat(rep_stats["shaping"], rep_tok, "mean")
     else:
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        zero = torch.zeros((), dtype=m.dtype, device=m.device)
         metrics["replay_ratio_mean"] = zero
         metrics["replay_shaping_mean"] = zero
     n_valid = m.sum()
@@ -756,10 +763,10 @@ def mixed_policy_loss(
         metrics["fresh_token_fraction"] = (fresh_tok.sum() / n_valid).detach()
         metrics["replayed_token_fraction"] = (rep_tok.sum() / n_valid).detach()
     else:
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        zero = torch.zeros((), dtype=m.dtype, device=m.device)
         metrics["fresh_token_fraction"] = zero
         metrics["replayed_token_fraction"] = zero
-    return loss, metrics
+    return metrics
 
 
 # --------------------------------------------------------------------------------------

@@ -1,5 +1,13 @@
 """Reading this project's RLlib checkpoints for evaluation: find the latest checkpoint of a
-Tune trial folder, read its config, and load its policy module's weights into an HF model.
+Tune trial folder, read its config, and load its policy module into an HF model.
+
+RLlib's checkpoint API does the work where it has one: ``get_checkpoint_info`` reads an
+algorithm checkpoint's ``rllib_checkpoint.json`` and lists its module IDs, the component
+names (``learner_group/learner/rl_module/<module_id>``) and file names are RLlib's
+constants, and ``RLModule.from_checkpoint`` rebuilds the trained module (its class and
+constructor args as saved) and restores its weights, without Ray and without building the
+Algorithm (``Algorithm.from_checkpoint`` would start env runners and a learner group).
+RLlib imports are local to the functions: importing this module stays cheap.
 """
 from __future__ import annotations
 
@@ -9,7 +17,7 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 logger = logging.getLogger(__name__)
 
@@ -41,25 +49,56 @@ class CheckpointInfo:
         return dict(self.config.get("env_config") or {})
 
 
+# Tune names an algorithm checkpoint ``checkpoint_<index>`` inside the trial folder.
 _CKPT_NUM = re.compile(r"checkpoint_(\d+)$")
-_MODULE_ID = "default_policy"
+# = ``Checkpointable.CLASS_AND_CTOR_ARGS_FILE_NAME`` (a test checks it against RLlib's).
+_CTOR_FILE = "class_and_ctor_args.pkl"
 
 
 def _is_module_dir(p: Path) -> bool:
-    return (p / "class_and_ctor_args.pkl").is_file() and any(p.glob("module_state.*"))
+    """An RLModule folder as ``Checkpointable.save_to_path`` writes it."""
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
+    return (p / RLModule.CLASS_AND_CTOR_ARGS_FILE_NAME).is_file() and any(p.glob(RLModule.STATE_FILE_NAME + ".*"))
 
 
 def _is_algo_dir(p: Path) -> bool:
-    return (p / "rllib_checkpoint.json").is_file() and (p / "learner_group").is_dir()
+    """Cheap layout test for a new-API-stack algorithm checkpoint (before asking RLlib:
+    ``get_checkpoint_info`` logs a warning and raises on any other folder)."""
+    from ray.rllib.algorithms.algorithm import Algorithm
+    from ray.rllib.core import COMPONENT_LEARNER_GROUP
+
+    return (p / Algorithm.METADATA_FILE_NAME).is_file() and (p / COMPONENT_LEARNER_GROUP).is_dir()
 
 
 def _latest_checkpoint(p: Path) -> Optional[Path]:
+    # Hand-written: RLlib has no API for a Tune trial folder, and Tune's
+    # ``Result.from_path`` needs the trial's result.json / progress.csv (absent from a folder
+    # copied without them) and would return a half-written last checkpoint_* as well.
     found = []
     for child in p.iterdir() if p.is_dir() else []:
         m = _CKPT_NUM.search(child.name)
         if m and child.is_dir() and _is_algo_dir(child):
             found.append((int(m.group(1)), child))
     return max(found)[1] if found else None
+
+
+def _module_dir_of(algo: Path) -> Path:
+    """The learner's RLModule folder of an algorithm checkpoint (``default_policy`` first)."""
+    from ray.rllib.core import COMPONENT_LEARNER, COMPONENT_LEARNER_GROUP, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
+    from ray.rllib.utils.checkpoints import get_checkpoint_info
+
+    try:
+        meta = get_checkpoint_info(str(algo))
+    except ValueError as e:  # RLlib's "not a valid checkpoint"
+        raise FileNotFoundError(f"{algo}: {e}") from None
+    module_ids = set(meta.get("module_ids") or ())
+    rl_module = algo / COMPONENT_LEARNER_GROUP / COMPONENT_LEARNER / COMPONENT_RL_MODULE
+    preferred = [DEFAULT_MODULE_ID] if DEFAULT_MODULE_ID in module_ids else []
+    for module_id in preferred + sorted(module_ids - {DEFAULT_MODULE_ID}):
+        if _is_module_dir(rl_module / module_id):
+            return rl_module / module_id
+    raise FileNotFoundError(f"checkpoint {algo} holds no learner module state under {rl_module}")
 
 
 def find_checkpoint(path: Union[str, os.PathLike]) -> Tuple[Optional[Path], Path]:
@@ -81,12 +120,7 @@ def find_checkpoint(path: Union[str, os.PathLike]) -> Tuple[Optional[Path], Path
             f"{p} is not an RLlib checkpoint of this project: expected rllib_checkpoint.json and "
             "learner_group/ (algo.save_to_path), checkpoint_* subfolders (a Tune trial), or a module folder"
         )
-    rl_module = algo / "learner_group" / "learner" / "rl_module"
-    candidates = [rl_module / _MODULE_ID] + sorted(c for c in rl_module.glob("*") if c.is_dir())
-    for c in candidates:
-        if _is_module_dir(c):
-            return algo, c
-    raise FileNotFoundError(f"checkpoint {algo} holds no learner module state under {rl_module}")
+    return algo, _module_dir_of(algo)
 
 
 def is_checkpoint(path: Union[str, os.PathLike]) -> bool:
@@ -98,8 +132,14 @@ def is_checkpoint(path: Union[str, os.PathLike]) -> bool:
         return False
 
 
-def _read_pickle(path: Path) -> Any:
-    with open(path, "rb") as fh:
+def _ctor_info(folder: Path) -> dict:
+    """``{"class": ..., "ctor_args_and_kwargs": (args, kwargs)}`` that ``save_to_path`` wrote.
+
+    Hand-read: RLlib reads this file only inside ``Checkpointable.from_checkpoint``, which
+    then constructs the object; there is no API that returns an algorithm's class and
+    config, or a module's ``model_config``, without building it (and loading weights).
+    """
+    with open(folder / _CTOR_FILE, "rb") as fh:
         return pickle.load(fh)
 
 
@@ -108,16 +148,17 @@ def read_checkpoint(path: Union[str, os.PathLike]) -> CheckpointInfo:
     algo_dir, module_dir = find_checkpoint(path)
     config: dict = {}
     algorithm = None
-    if algo_dir is not None and (algo_dir / "class_and_ctor_args.pkl").is_file():
-        ctor = _read_pickle(algo_dir / "class_and_ctor_args.pkl")
+    if algo_dir is not None and (algo_dir / _CTOR_FILE).is_file():
+        ctor = _ctor_info(algo_dir)
         algorithm = getattr(ctor.get("class"), "__name__", None)
+        # Algorithm.get_ctor_args_and_kwargs(): ((config.get_state(),), {})
         args = ctor.get("ctor_args_and_kwargs", ((), {}))[0]
         if args and isinstance(args[0], dict):
             config = args[0]
         elif args and hasattr(args[0], "to_dict"):
             config = args[0].to_dict()
-    module_ctor = _read_pickle(module_dir / "class_and_ctor_args.pkl")
-    kwargs = module_ctor.get("ctor_args_and_kwargs", ((), {}))[1]
+    # RLModule.get_ctor_args_and_kwargs(): ((), {..., "model_config": ...})
+    kwargs = _ctor_info(module_dir).get("ctor_args_and_kwargs", ((), {}))[1]
     model_config = dict(kwargs.get("model_config") or {})
     if not model_config.get("model"):
         if not config.get("model_name_or_path"):
@@ -132,53 +173,33 @@ def read_checkpoint(path: Union[str, os.PathLike]) -> CheckpointInfo:
     )
 
 
-def _load_module_state(module_dir: Path) -> dict:
-    pkl = module_dir / "module_state.pkl"
-    if pkl.is_file():
-        return _read_pickle(pkl)
-    packed = module_dir / "module_state.msgpack"
-    if packed.is_file():
-        from ray.rllib.utils.checkpoints import try_import_msgpack
-
-        msgpack = try_import_msgpack(error=True)
-        with open(packed, "rb") as fh:
-            return msgpack.load(fh, strict_map_key=False)
-    raise FileNotFoundError(f"no module_state.pkl / .msgpack in {module_dir}")
-
-
 def load_policy_from_checkpoint(path: Union[str, os.PathLike], *, device: Optional[str] = None,
                                 info: Optional[CheckpointInfo] = None):
     """``(model, tokenizer)`` of the policy saved in an RLlib checkpoint of this project.
 
-    The HF model named by the checkpoint (module ``model_config['model']``, i.e. the config's
-    ``model_name_or_path``) is loaded and the learner's module weights are put into it;
-    the tokenizer is that model's. The model is in eval mode with the KV cache on.
+    ``RLModule.from_checkpoint`` rebuilds the learner's module from the module folder (the
+    saved module class and ``model_config``: the base HF model, then the saved weights on
+    top); its HF model is returned, in eval mode with the KV cache on, and the tokenizer is
+    the base model's. Neither Ray nor the Algorithm is started.
     """
-    import torch
-
     from rllib_exgrpo.rllib.env_runner import load_tokenizer
-    from rllib_exgrpo.rllib.module import load_causal_lm
+    from rllib_exgrpo.rllib.module import LLMTorchRLModule
 
     info = info or read_checkpoint(path)
-    model = load_causal_lm({**info.model_config, "gradient_checkpointing": False})
-    state = _load_module_state(Path(info.module_path))
-    prefix = "model."
-    weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    if not weights:
-        raise ValueError(f"{info.module_path}: module state holds no 'model.*' weights (keys: {list(state)[:5]})")
-    tensors = {k: torch.as_tensor(v) for k, v in weights.items()}
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    # Tied embeddings: lm_head.weight may be absent from the state and is shared anyway.
-    missing = [m for m in missing if not (m == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint weights do not fit {info.model_name_or_path!r}: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    # Calling it on LLMTorchRLModule checks that the saved class is one. The saved
+    # constructor args are used as they are: RLlib can only override arguments that the
+    # class' signature names, and TorchRLModule's is (*args, **kwargs).
+    # RLlib loads the weights with strict=False (TorchRLModule.set_state); the module is
+    # rebuilt from the model_config it was saved with, so the keys match unless the base
+    # model changed on disk since training (a changed shape still raises).
+    module = LLMTorchRLModule.from_checkpoint(info.module_path)
+    model = module.model
+    if module.model_config.get("gradient_checkpointing"):  # a learner setting: off for generation
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
     model.config.use_cache = True
     model.eval()
     if device:
         model.to(device)
     tokenizer = load_tokenizer(info.model_name_or_path)
     return model, tokenizer
-
-
-# =========================================================================== data

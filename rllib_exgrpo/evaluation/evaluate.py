@@ -116,6 +116,8 @@ def evaluate(
         device: Torch device for generation; default CUDA when available, else CPU.
         progress: True prints progress lines to stderr; a callable receives them.
     """
+    # Long because of its four numbered stages and the report's settings record; each
+    # stage's work is in _load_policy / _SourceRun / aggregate.
     import torch
 
     t_start = time.perf_counter()

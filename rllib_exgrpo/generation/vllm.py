@@ -289,6 +289,9 @@ class VLLMGenerationBackend:
     def generate(
         self, prompts: Sequence[Sequence[int]], num_samples: Sequence[int], params: SamplingParams
     ) -> List[List[Completion]]:
+        # Long because vLLM's request and output objects are translated in place: one
+        # request per prompt (n samples each), then per output the token ids, finish
+        # reason and (when they mean the learner's quantity) the engine's log-probs.
         llm = self._ensure_llm()
         from vllm import SamplingParams as VSamplingParams
 
