@@ -26,6 +26,7 @@ setup(
         "scipy>=1.11",
         "pyyaml>=6",
         "filelock>=3.12",
+        "bm25s>=0.3",
         "tqdm>=4.60",
         "matplotlib>=3.7",
     ],

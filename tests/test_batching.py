@@ -1,6 +1,5 @@
 """Grouping, advantages and the learner batch layout, on hand-made trajectories."""
 import numpy as np
-import pytest
 
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.groups import Trajectory, learner_batch, score_groups

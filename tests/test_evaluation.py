@@ -294,7 +294,7 @@ def test_checkpoint_weights_and_cli_evaluate(grpo_checkpoint, quick_tiny_model, 
     import torch
 
     from rllib_exgrpo.evaluation import evaluate, load_policy_from_checkpoint, read_checkpoint
-    from rllib_exgrpo.rllib.module import load_causal_lm
+    from rllib_exgrpo.models.loading import load_causal_lm
 
     trial, path, learner_state = grpo_checkpoint
     module_dir = path / "learner_group" / "learner" / "rl_module" / "default_policy"

@@ -220,3 +220,76 @@ def test_retrieval_on_a_full_corpus():
     for i in range(50):
         got = c.retrieve(f"What is {i} + 3?", k=2, exclude_ids=[i])
         assert len(got) == 2 and i not in ids(got)
+
+
+def _reference_scores(corpus, query, k1=1.5, b=0.75):
+    """Brute-force Okapi BM25 (Lucene idf, distinct query tokens) over the stored questions."""
+    docs = {e.question_id: tokenize(e.question) for e in corpus.examples()}
+    n = len(docs)
+    avgdl = sum(len(d) for d in docs.values()) / n
+    out = {}
+    for tok in set(tokenize(query)):
+        df = sum(tok in d for d in docs.values())
+        if df == 0:
+            continue
+        idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+        for qid, d in docs.items():
+            tf = d.count(tok)
+            if tf:
+                term = idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(d) / avgdl))
+                out[qid] = out.get(qid, 0.0) + term
+    return out
+
+
+def test_scores_match_reference_under_adds_and_evictions():
+    import random
+
+    rng = random.Random(0)
+
+    def question():
+        a, b, c = (rng.randint(1, 30) for _ in range(3))
+        op1, op2 = rng.choice("+-*/"), rng.choice("+-*/")
+        forms = [f"What is {a} {op1} {b}?", f"What is {a} {op1} {b} {op2} {c}?", f"Compute {a} {op1} {b}."]
+        return rng.choice(forms)
+
+    c = SolvedCorpus(capacity=40, keep="latest", k1=1.2, b=0.6)
+    for step in range(6):  # interleave changes and queries: the index must follow every change
+        for i in range(25):
+            c.add(rng.randint(0, 80), question(), f"solution {step}-{i}")
+        assert len(c) <= 40
+        order = {e.question_id: pos for pos, e in enumerate(c.examples())}
+        for _ in range(10):
+            q = question()
+            ref = _reference_scores(c, q, k1=1.2, b=0.6)
+            got = c.scores(q)
+            assert set(got) == set(ref)
+            assert all(got[i] == pytest.approx(ref[i], rel=1e-12) for i in ref)
+            # ranking: best score first, ties (to 1e-9) to the most recent insertion
+            qn = " ".join(q.split())
+            expected = sorted(
+                (i for i in ref if " ".join(c.get(i).question.split()) != qn),
+                key=lambda i: (-round(ref[i], 9), -order[i]),
+            )
+            assert ids(c.retrieve(q, k=5)) == expected[:5]
+
+
+def test_replacement_reindexes_new_question_text():
+    c = SolvedCorpus(keep="latest")
+    c.add("q", "apples and pears", "s1")
+    c.add("r", "trains and miles", "s2")
+    assert ids(c.retrieve("apples", k=2)) == ["q"]
+    c.add("q", "oranges and plums", "s3")  # same id, new question text
+    assert c.retrieve("apples", k=2) == []
+    assert ids(c.retrieve("plums", k=2)) == ["q"]
+    assert set(c.scores("and")) == {"q", "r"}
+
+
+def test_questions_without_tokens():
+    c = SolvedCorpus(seed=1)
+    assert c.add(1, "???", "x") and c.add(2, "!!", "y")  # stored, but match nothing
+    assert c.scores("What is 1 + 1?") == {}
+    assert c.retrieve("What is 1 + 1?", k=2) == []
+    assert len(c.retrieve("What is 1 + 1?", k=2, fill_random=True)) == 2
+    assert c.retrieve("", k=2) == []
+    c.add(3, "What is 1 + 1?", "2")
+    assert ids(c.retrieve("What is 2 + 2?", k=2)) == [3]

@@ -182,7 +182,7 @@ def load_policy_from_checkpoint(path: Union[str, os.PathLike], *, device: Option
     top); its HF model is returned, in eval mode with the KV cache on, and the tokenizer is
     the base model's. Neither Ray nor the Algorithm is started.
     """
-    from rllib_exgrpo.rllib.env_runner import load_tokenizer
+    from rllib_exgrpo.models.loading import load_tokenizer
     from rllib_exgrpo.rllib.module import LLMTorchRLModule
 
     info = info or read_checkpoint(path)

@@ -16,9 +16,9 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 
 from rllib_exgrpo.core import columns as C
-from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy, score_completions  # noqa: F401 (re-export)
-from rllib_exgrpo.core.tokens import position_ids_from_mask  # noqa: F401 (re-export)
-from rllib_exgrpo.models.loading import load_causal_lm  # noqa: F401 (re-export)
+from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
+from rllib_exgrpo.core.tokens import position_ids_from_mask
+from rllib_exgrpo.models.loading import load_causal_lm
 
 class LLMTorchRLModule(TorchRLModule):
     """RLModule wrapping a Hugging Face causal LM.
