@@ -1,6 +1,7 @@
 """Loading a policy network: any Hugging Face causal LM, or the embedded ones by name."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict
 
 import torch
@@ -30,7 +31,8 @@ def load_causal_lm(model_config: Dict[str, Any]):
     kwargs = {"dtype": resolve_dtype(model_config.get("dtype", "float32"))}
     if model_config.get("attn_implementation"):
         kwargs["attn_implementation"] = model_config["attn_implementation"]
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    with _no_progress_bars():  # a bar per load would be a log line per actor
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if model_config.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -50,3 +52,16 @@ def load_tokenizer(model: str):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

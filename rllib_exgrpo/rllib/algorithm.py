@@ -457,11 +457,10 @@ class ExGRPO(Algorithm):
             self._initial_heldout = result["accuracy"]
         if self._initial_heldout is not None:
             self.metrics.log_value((HELDOUT, "initial_accuracy"), self._initial_heldout, window=1)
-        # Printed as well as logged: this is the number a user watches a run for.
-        print(
-            f"[{type(self).__name__}] held-out accuracy after {after_iteration} iterations: "
-            f"{result['accuracy']:.3f} ({result['num_questions']} questions x {result['samples_per_question']})",
-            flush=True,
+        # Logged, not printed: `rllib train`'s one line per iteration shows it already.
+        logger.info(
+            "held-out accuracy after %d iterations: %.3f (%d questions x %d)", after_iteration,
+            result["accuracy"], result["num_questions"], result["samples_per_question"],
         )
 
     # ---- checkpoints -----------------------------------------------------------------
