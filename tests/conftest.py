@@ -47,3 +47,25 @@ def quick_tiny_model() -> str:
 
     resolve_model_path(QUICK_TINY)
     return QUICK_TINY
+
+
+# --- fault-injection suite (tests marked `faults`) -------------------------------------
+#: One record per injected fault: (test id, survived, items lost).
+FAULTS: list = []
+
+
+@pytest.fixture
+def fault_log(request):
+    """``fault_log(survived: bool, lost: int = 0)`` records one injected fault of this test."""
+
+    def record(survived: bool, lost: int = 0) -> None:
+        FAULTS.append((request.node.nodeid, bool(survived), int(lost)))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if FAULTS:
+        survived = sum(s for _, s, _ in FAULTS)
+        lost = sum(n for _, _, n in FAULTS)
+        terminalreporter.write_line(f"faults injected: {len(FAULTS)}, survived: {survived}, data lost: {lost}")

@@ -1,5 +1,7 @@
 """ExGRPOTorchLearner's own logic on a real (quick) tiny model: the grad-norm skip, the clip
-removal in mixed mode, the no-shaping ablation and the frozen KL reference."""
+removal in mixed mode, the no-shaping ablation, the frozen KL reference and the numerical
+guards (NaN/inf loss or gradients, zero-variance batches, extreme log-ratios)."""
+import copy
 import math
 
 import numpy as np
@@ -16,9 +18,9 @@ from rllib_exgrpo.rllib.env_runner import token_spaces
 
 
 def _learner(model, **training):
+    training = {"loss_agg_mode": "token-mean", "entropy_coeff": 0.0, "grad_clip": None, **training}
     cfg = ExGRPOConfig().training(
-        model_name_or_path=model, max_prompt_tokens=16, max_response_tokens=8, lr=1e-2,
-        loss_agg_mode="token-mean", entropy_coeff=0.0, grad_clip=None, **training,
+        model_name_or_path=model, max_prompt_tokens=16, max_response_tokens=8, lr=1e-2, **training,
     )
     vocab = len(load_tokenizer(model))
     group = cfg.build_learner_group(spaces={DEFAULT_MODULE_ID: token_spaces(vocab, 16, 8)})
@@ -101,3 +103,135 @@ def test_kl_reference_is_the_frozen_initial_policy(quick_tiny_model):
     assert all(torch.equal(a, b) for a, b in zip(ref_before, reference.parameters()))
     _, plain, _ = _learner(quick_tiny_model)
     assert plain._reference_models == {}
+
+
+# ------------------------------------------------------------------ numerical guards
+
+
+def _optimizer_state(learner):
+    state = learner.get_optimizer(DEFAULT_MODULE_ID).state_dict()
+    return copy.deepcopy(state)
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+def _warmed_learner(model, **training):
+    """A learner after one ordinary step, so AdamW has moments and a step count to keep."""
+    group, learner, cfg = _learner(model, **training)
+    group.update(batch=to_multi_agent_batch(_batch(learner, advantages=[1.0, -1.0], replayed=[False, False])))
+    state = _optimizer_state(learner)
+    assert state["state"], "AdamW state should exist after the warm-up step"
+    return group, learner, cfg
+
+
+@pytest.mark.parametrize("inject", ["nan_advantage", "nan_old_logp", "nan_old_logp_sequence", "nan_old_logp_replayed"])
+def test_nonfinite_loss_skips_the_update_and_is_counted(quick_tiny_model, inject):
+    training = {"ratio_mode": "sequence"} if inject == "nan_old_logp_sequence" else {}
+    group, learner, _ = _warmed_learner(quick_tiny_model, **training)
+    replayed = [inject == "nan_old_logp_replayed", False]  # a shaped row, or a fresh one
+    batch = _batch(learner, advantages=[1.0, -1.0], replayed=replayed)
+    assert batch[C.RESPONSE_MASK][0, 1] == 1
+    if inject == "nan_advantage":
+        batch[C.ADVANTAGES][0] = np.nan
+    else:
+        batch[C.OLD_LOGP][0, 1] = np.nan  # a valid response token of row 0
+    before, opt_before = _params(learner), _optimizer_state(learner)
+    result = group.update(batch=to_multi_agent_batch(batch))[0][DEFAULT_MODULE_ID]
+    assert result["skipped_nonfinite"] == 1
+    assert result["update_skipped"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(learner)))  # nothing moved
+    assert _same_state(opt_before, _optimizer_state(learner))  # moments and step count kept
+    assert all(p.grad is None for p in learner.module[DEFAULT_MODULE_ID].parameters())
+    # the next, healthy step is taken and not counted
+    result = group.update(batch=to_multi_agent_batch(_batch(learner, advantages=[1.0, -1.0], replayed=[False, False])))[0]
+    assert result[DEFAULT_MODULE_ID]["skipped_nonfinite"] == 0
+    assert result[DEFAULT_MODULE_ID]["update_skipped"] == 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, _params(learner)))
+
+
+def test_inf_gradients_skip_the_update_and_are_counted(quick_tiny_model):
+    group, learner, _ = _warmed_learner(quick_tiny_model, skip_update_grad_norm=None)
+    first = next(p for p in learner.module[DEFAULT_MODULE_ID].parameters() if p.requires_grad)
+    hook = first.register_hook(lambda g: torch.full_like(g, float("inf")))
+    try:
+        batch = _batch(learner, advantages=[1.0, -1.0], replayed=[False, False])
+        before, opt_before = _params(learner), _optimizer_state(learner)
+        result = group.update(batch=to_multi_agent_batch(batch))[0][DEFAULT_MODULE_ID]
+    finally:
+        hook.remove()
+    assert math.isfinite(result["total_loss"])  # the loss was fine, the gradient was not
+    assert not math.isfinite(result["grad_norm_preclip"])
+    assert result["skipped_nonfinite"] == 1 and result["update_skipped"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(learner)))
+    assert _same_state(opt_before, _optimizer_state(learner))
+
+
+def test_grad_norm_skip_is_not_counted_as_nonfinite(quick_tiny_model):
+    group, learner, _ = _learner(quick_tiny_model, skip_update_grad_norm=1e-9)
+    result = group.update(batch=to_multi_agent_batch(_batch(learner, advantages=[1.0, -1.0], replayed=[False, False])))[0]
+    assert result[DEFAULT_MODULE_ID]["update_skipped"] == 1
+    assert result[DEFAULT_MODULE_ID]["skipped_nonfinite"] == 0
+
+
+def test_skip_counts_add_up_over_minibatches(quick_tiny_model):
+    """reduce="sum": two minibatches in one update call, one of them NaN -> 1 skipped, and
+    the healthy one is applied; both NaN -> 2."""
+    group, learner, _ = _learner(quick_tiny_model)
+    batch = _batch(learner, advantages=[1.0, -1.0], replayed=[False, False])
+    batch[C.ADVANTAGES][0] = np.nan
+    before = _params(learner)
+    result = group.update(batch=to_multi_agent_batch(batch), minibatch_size=1, num_epochs=1)[0][DEFAULT_MODULE_ID]
+    assert result["skipped_nonfinite"] == 1 and result["update_skipped"] == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, _params(learner)))  # row 1's step
+    batch[C.ADVANTAGES][1] = np.nan
+    before = _params(learner)
+    result = group.update(batch=to_multi_agent_batch(batch), minibatch_size=1, num_epochs=1)[0][DEFAULT_MODULE_ID]
+    assert result["skipped_nonfinite"] == 2 and result["update_skipped"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(learner)))
+
+
+@pytest.mark.parametrize("ratio_mode", ["token", "sequence"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum-norm-official"])
+def test_zero_variance_batch_gives_a_finite_loss_and_zero_gradient(quick_tiny_model, agg, ratio_mode):
+    from rllib_exgrpo.core.losses import group_advantages
+
+    group, learner, _ = _learner(quick_tiny_model, loss_agg_mode=agg, ratio_mode=ratio_mode)
+    # one all-correct group: std-normalised advantages are exactly 0 (no 0/0)
+    adv = group_advantages(torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), mode="std_normalized", eps=0.0)
+    assert adv.tolist() == [0.0, 0.0]
+    batch = _batch(learner, advantages=adv.numpy(), replayed=[False, True], old_logp_shift=0.3)
+    result = group.update(batch=to_multi_agent_batch(batch))[0][DEFAULT_MODULE_ID]
+    assert math.isfinite(result["total_loss"]) and result["total_loss"] == 0.0
+    assert result["grad_norm_preclip"] == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in learner.module[DEFAULT_MODULE_ID].parameters())
+    assert result["zero_advantage_fraction"] == 1.0
+    assert result["zero_advantage_updates"] == 1
+    assert result["skipped_nonfinite"] == 0 and result["update_skipped"] == 0
+    ordinary = group.update(batch=to_multi_agent_batch(_batch(learner, advantages=[1.0, -1.0], replayed=[False, False])))[0]
+    assert ordinary[DEFAULT_MODULE_ID]["zero_advantage_updates"] == 0
+    assert ordinary[DEFAULT_MODULE_ID]["zero_advantage_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("shift", [1000.0, -1000.0])
+@pytest.mark.parametrize("ratio_mode", ["token", "sequence"])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_extreme_log_ratios_give_a_finite_loss_and_gradient(quick_tiny_model, shift, ratio_mode, mixed):
+    group, learner, _ = _learner(quick_tiny_model, ratio_mode=ratio_mode, skip_update_grad_norm=None)
+    learner.set_mixed_mode(mixed)  # mixed mode: no clip on fresh tokens, -w A
+    # logp - old_logp = shift on every token; one fresh row, one replayed (shaped) row
+    batch = _batch(learner, advantages=[1.0, -1.0], replayed=[False, True], old_logp_shift=shift)
+    result = group.update(batch=to_multi_agent_batch(batch))[0][DEFAULT_MODULE_ID]
+    assert math.isfinite(result["total_loss"])
+    assert math.isfinite(result["grad_norm_preclip"])
+    assert result["skipped_nonfinite"] == 0 and result["update_skipped"] == 0
+    assert result["ratio_max"] <= math.exp(20.0) * (1 + 1e-6)
+    assert result["ratio_min"] >= math.exp(-20.0) * (1 - 1e-6)
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in learner.module[DEFAULT_MODULE_ID].parameters())

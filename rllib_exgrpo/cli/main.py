@@ -107,6 +107,7 @@ _TRAIN_DEFAULTS = {
     "mlflow_uri": None,
     "verbose": 0,
     "dry_run": False,
+    "resume": False,
     "no_validate": False,
     "ray_address": None,
     "ray_num_cpus": None,
@@ -140,6 +141,10 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                    help="more output: -v Tune verbosity 2 and RLlib log_level INFO; -vv verbosity 3 and DEBUG")
     r.add_argument("--dry-run", action="store_true", default=S,
                    help="parse and validate the file, print the experiments, start nothing")
+    r.add_argument("--resume", action="store_true", default=S,
+                   help="continue each experiment of the file from its trials' latest checkpoints "
+                   "(a run killed mid-way, even with SIGKILL); finished trials stay finished, "
+                   "an experiment with nothing saved yet starts fresh")
     r.add_argument("--no-validate", action="store_true", default=S,
                    help="skip AlgorithmConfig.validate() of the search-space variants before starting")
     r.add_argument("--ray-address", default=S, metavar="ADDR",
@@ -238,6 +243,7 @@ def run_train(args: argparse.Namespace) -> int:
             verbose=min(1 + args.verbose, 3),
             ray_address=args.ray_address,
             ray_init_kwargs=ray_init_kwargs,
+            resume=args.resume,
         )
     except ResourceError as e:
         print(f"{PROG} train: error: {e}", file=sys.stderr)

@@ -71,6 +71,7 @@ def run_experiments(
     verbose: int = 1,
     ray_address: Optional[str] = None,
     ray_init_kwargs: Optional[Dict[str, Any]] = None,
+    resume: bool = False,
 ) -> List[ExperimentResult]:
     """Run experiments one after another with ``tune.Tuner``; return one result each.
 
@@ -78,6 +79,9 @@ def run_experiments(
     when ``ray_address`` or ``RAY_ADDRESS`` is set; else a private local instance
     (``ray.init(address="local", **ray_init_kwargs)``), shut down at the end. A failing
     trial does not stop later experiments; see ``ExperimentResult.errors``.
+
+    ``resume``: an experiment whose folder holds Tune's state continues from there
+    (:func:`_restored_tuner`); one with nothing saved starts fresh (and says so).
     """
     import ray
     from ray import tune
@@ -101,7 +105,8 @@ def run_experiments(
         for exp in experiments:
             fit_experiment_resources(exp)
         for exp in experiments:
-            tuner = tune.Tuner(
+            tuner = _restored_tuner(exp) if resume else None
+            tuner = tuner or tune.Tuner(
                 exp.algo_cls,
                 param_space=exp.param_space,
                 tune_config=tune.TuneConfig(num_samples=exp.num_samples),
@@ -122,3 +127,25 @@ def run_experiments(
         if started:
             ray.shutdown()
     return results
+
+
+def _restored_tuner(exp: Experiment) -> Any:
+    """Tune's own restore of ``<storage_path>/<name>``, or None when nothing was saved.
+
+    Tune keeps the experiment's state (trials, their configs, stop criteria, callbacks,
+    each trial's latest *completed* checkpoint) in that folder; a checkpoint still being
+    written when the run died is not registered there, so the restore starts from the
+    last whole one. Unfinished and errored trials continue from their checkpoint (the
+    algorithm's state restores model, optimiser, experience pool, sampler position,
+    delayed-start state, counters and RNG streams); finished ones stay finished.
+    """
+    from ray import tune
+
+    path = os.path.join(exp.storage_path, exp.name)
+    if not tune.Tuner.can_restore(path):
+        print(f"rllib train: --resume: nothing saved in {path} yet; experiment {exp.name!r} starts fresh",
+              file=sys.stderr)
+        return None
+    print(f"rllib train: --resume: experiment {exp.name!r} continues from {path}", file=sys.stderr)
+    return tune.Tuner.restore(path, trainable=exp.algo_cls, param_space=exp.param_space,
+                              resume_unfinished=True, resume_errored=True)

@@ -36,6 +36,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
     "RATIO_MODES",
+    "LOG_RATIO_CLAMP",
     "group_advantages",
     "zero_variance_group_mask",
     "masked_mean",
@@ -136,7 +137,8 @@ def _adv_mean_centered(rewards: Tensor, group_index: Tensor, eps: float = 1e-6) 
     inverse, k = _dense_groups(group_index)
     counts = _group_sum(torch.ones_like(r), inverse, k)
     mean = _group_sum(r, inverse, k) / counts
-    return r - mean[inverse]
+    adv = r - mean[inverse]
+    return _zero_where_no_variance(adv, r, inverse, k)
 
 
 def _adv_std_normalized(rewards: Tensor, group_index: Tensor, eps: float = 1e-6) -> Tensor:
@@ -144,8 +146,9 @@ def _adv_std_normalized(rewards: Tensor, group_index: Tensor, eps: float = 1e-6)
 
     Shapes: ``rewards [N]``, ``group_index [N]`` -> ``[N]``. ``std_g`` is the *unbiased*
     sample std (denominator ``n_g - 1``) as in verl ``compute_grpo_outcome_advantage``
-    (``torch.std``). A group of size 1 has no std: its advantage is 0 (r - mean = 0 and we
-    keep it 0). Ref: DeepSeekMath GRPO (arXiv 2402.03300), verl core_algos.
+    (``torch.std``). A group whose rewards are all equal (all-correct, all-wrong, or of
+    size 1) has no std: its advantage is exactly 0, never ``0 / eps`` noise or ``0 / 0``
+    (also with ``eps = 0``). Ref: DeepSeekMath GRPO (arXiv 2402.03300), verl core_algos.
     """
     r = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
     inverse, k = _dense_groups(group_index)
@@ -156,8 +159,19 @@ def _adv_std_normalized(rewards: Tensor, group_index: Tensor, eps: float = 1e-6)
     var = sq / (counts - 1).clamp_min(1)
     std = var.sqrt()
     adv = centered / (std[inverse] + eps)
-    single = counts[inverse] <= 1
-    return torch.where(single, torch.zeros_like(adv), adv)
+    return _zero_where_no_variance(adv, r, inverse, k)
+
+
+def _zero_where_no_variance(adv: Tensor, r: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    """``adv [N]`` with every row of a zero-variance group (all rewards equal, exactly as
+    :func:`zero_variance_group_mask`; size-1 groups included) set to exactly 0.
+
+    Binary rewards already give 0 there; this also covers continuous rewards (whose group
+    mean is off by an ulp, which ``std_normalized`` would blow up to ``~1e-7 / eps``) and
+    ``eps = 0`` (``0 / 0``). Other groups keep their value bit for bit.
+    """
+    flat = _group_flat(r, inverse, num_groups)[inverse]
+    return torch.where(flat, torch.zeros_like(adv), adv)
 
 
 #: name -> fn(rewards [N], group_index [N], eps) -> advantages [N]
@@ -218,7 +232,12 @@ def zero_variance_group_mask(rewards: Tensor, group_index: Tensor) -> Tensor:
     """
     r = rewards.to(torch.float32) if not rewards.is_floating_point() else rewards
     inverse, k = _dense_groups(group_index)
-    big = torch.full((k,), float("inf"), dtype=r.dtype, device=r.device)
+    return _group_flat(r, inverse, k)
+
+
+def _group_flat(r: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    """``[K]`` bool: group max == group min (all rewards of the group equal)."""
+    big = torch.full((num_groups,), float("inf"), dtype=r.dtype, device=r.device)
     gmax = (-big).scatter_reduce(0, inverse, r, reduce="amax", include_self=True)
     gmin = big.scatter_reduce(0, inverse, r, reduce="amin", include_self=True)
     return gmax == gmin
@@ -229,23 +248,39 @@ def zero_variance_group_mask(rewards: Tensor, group_index: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------
 
 
-def log_ratio(logp: Tensor, old_logp: Tensor, clamp: float = 20.0) -> Tensor:
+#: Bound ``c`` of every importance log-ratio before ``exp``: ``log w`` is clamped to
+#: ``[-c, c]``, so ``e^-20 ~ 2e-9 <= w <= e^20 ~ 4.9e8``: ``exp`` never overflows to inf
+#: (the learner's log-probs are float32, max 3.4e38) nor underflows to 0. The value is
+#: verl's: ``compute_policy_loss`` (vanilla / dual-clip PPO) clamps
+#: ``negative_approx_kl = log_prob - old_log_prob`` to ``[-20, 20]`` before ``exp``, as
+#: does TRL's VESPO loss per token (TRL's plain GRPO loss does not clamp). verl's GSPO
+#: loss clamps its sequence log-ratio at ``max=10``; we keep one bound, 20, for both
+#: ratio modes (docs/ALGORITHMS.md section 1). Outside the clamp the gradient is 0.
+LOG_RATIO_CLAMP = 20.0
+
+
+def log_ratio(logp: Tensor, old_logp: Tensor, clamp: float = LOG_RATIO_CLAMP) -> Tensor:
     """Per-token log importance ratio ``log w_t = clamp(logp_t - old_logp_t, -c, c)``.
 
     Shapes: ``logp [N, T]``, ``old_logp [N, T]`` -> ``[N, T]``. ``old_logp`` is the
     behaviour policy's log-prob recorded at sampling time (for replayed ExGRPO
-    trajectories: the one stored in the pool). The clamp (``c = 20`` as verl
-    ``compute_policy_loss``) keeps ``exp`` finite; outside it the gradient is 0.
+    trajectories: the one stored in the pool). The clamp (``c`` =
+    :data:`LOG_RATIO_CLAMP` = 20, as verl ``compute_policy_loss``) keeps ``exp`` finite
+    (also for ``old_logp = -inf``); outside it the gradient is 0. A NaN stays NaN (the
+    learner then drops the step).
     """
     return torch.clamp(logp - old_logp, min=-clamp, max=clamp)
 
 
-def _sequence_log_ratio(lw: Tensor, mask: Tensor, clamp: float) -> Tensor:
-    """GSPO sequence log-ratio ``log s_i = mean_{valid t} log w_t``: ``[N, T] -> [N]``.
+def _sequence_log_ratio(lw: Tensor, mask: Tensor, clamp: float) -> Tuple[Tensor, Tensor]:
+    """GSPO sequence log-ratio ``log s_i = clamp(mean_{valid t} log w_t, -c, c)``:
+    ``[N, T] -> ([N], inside [N] bool)``, ``inside`` = the clamp did not act (strictly
+    inside ``(-c, c)``; a row whose every token was clamped to the bound is outside).
 
     Rows with no valid token get ``log s_i = 0`` (s_i = 1).
     """
-    return torch.clamp(masked_mean(lw, mask, dim=-1), min=-clamp, max=clamp)
+    raw = masked_mean(lw, mask, dim=-1)
+    return torch.clamp(raw, min=-clamp, max=clamp), (raw.abs() < clamp).detach()
 
 
 #: names of the importance-ratio granularities accepted by :func:`clipped_surrogate`
@@ -262,7 +297,7 @@ def clipped_surrogate(
     eps_high: float = 0.2,
     clip: bool = True,
     ratio_mode: str = "token",
-    log_ratio_clamp: float = 20.0,
+    log_ratio_clamp: float = LOG_RATIO_CLAMP,
     ratio_cap: Optional[float] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO/GRPO clipped surrogate, per token (no aggregation).
@@ -295,7 +330,10 @@ def clipped_surrogate(
       and its gradient is ``s_i * grad log pi(t)``; with a per-row advantage and
       ``seq-mean-token-mean`` aggregation this equals the GSPO sequence gradient
       ``s_i * A_i * mean_t grad log pi(t)``. GSPO uses much smaller clip ranges (paper:
-      3e-4 / 4e-4); pass them via ``eps_low`` / ``eps_high``.
+      3e-4 / 4e-4); pass them via ``eps_low`` / ``eps_high``. The sequence log-ratio is
+      clamped to +-``log_ratio_clamp`` like the token one, and a row where the clamp acts
+      gets no gradient (as the token ratio outside its clamp, and verl's GSPO clamp of the
+      whole straight-through log-ratio).
 
     Stats (all detached, ``[N, T]`` float):
 
@@ -316,9 +354,11 @@ def clipped_surrogate(
         ratio = torch.exp(lw)
     else:
         m = torch.ones_like(logp) if mask is None else mask
-        seq_lw = _sequence_log_ratio(lw, m, log_ratio_clamp)  # [N]
-        # value: sg[log s_i]; gradient: d logp_t (pi / sg[pi] in log space).
-        log_w = seq_lw.detach().unsqueeze(-1) + logp - logp.detach()
+        seq_lw, inside = _sequence_log_ratio(lw, m, log_ratio_clamp)  # [N], [N]
+        # value: sg[log s_i]; gradient: d logp_t (pi / sg[pi] in log space), none where
+        # the clamp acted. The where() leaves values (and inside rows' gradients) bit for bit.
+        logp_grad = torch.where(inside.unsqueeze(-1), logp, logp.detach())
+        log_w = seq_lw.detach().unsqueeze(-1) + logp_grad - logp.detach()
         ratio = torch.exp(log_w)
 
     unclipped = -ratio * adv
@@ -360,7 +400,7 @@ def shaped_surrogate(
     advantages: Tensor,
     *,
     beta: float = 0.1,
-    log_ratio_clamp: float = 20.0,
+    log_ratio_clamp: float = LOG_RATIO_CLAMP,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """ExGRPO surrogate for *replayed* tokens: ``l_t = -A * f(w_t)``, no clipping.
 
@@ -443,6 +483,8 @@ def _agg_seq_mean_token_sum_norm_official(
     Written per learner, data-parallel averaging over learners keeps it whatever their
     number. ``micro_batch_rows=None`` means one micro-batch (``sum / L``).
     """
+    if micro_batch_rows is not None and micro_batch_rows < 1:
+        raise ValueError(f"micro_batch_rows must be >= 1 (or None), got {micro_batch_rows}")
     lm, _ = _masked_loss(per_token_loss, mask)
     L = lm.shape[-1] if max_len is None else max_len
     n_rows = lm.shape[0] if lm.dim() > 1 else 1
@@ -701,8 +743,16 @@ def mixed_policy_loss(
     when ``clip_fresh=False``); ``ratio_mean/ratio_max/ratio_min`` (fresh tokens);
     ``replay_ratio_mean``, ``replay_shaping_mean`` (mean f(w) on replayed tokens);
     ``entropy`` (token mean, if given); ``kl`` (token mean of k3, if ``kl_coeff > 0``);
-    ``fresh_token_fraction`` / ``replayed_token_fraction`` (shares of the valid tokens).
-    A statistic over an empty token set is reported as 0.
+    ``fresh_token_fraction`` / ``replayed_token_fraction`` (shares of the valid tokens);
+    ``zero_advantage_fraction`` (share of the valid tokens whose advantage is exactly 0:
+    1 when every group of the batch is all-correct or all-wrong, a step with no policy
+    gradient). A statistic over an empty token set is reported as 0.
+
+    Numerical guards: every importance log-ratio is clamped to +-:data:`LOG_RATIO_CLAMP`
+    before ``exp`` (fresh and replayed tokens, both ratio modes), every aggregation divides
+    by a count clamped away from 0 or a constant >= 1, so all-zero advantages give a finite
+    loss (0 from the surrogate) and a zero policy gradient. A NaN/inf in the inputs is not
+    hidden: it reaches the loss, and the learner drops the update.
     """
     if off_policy.dim() != 1 or off_policy.shape[0] != logp.shape[0]:
         raise ValueError(f"off_policy must be [N]={logp.shape[0]}, got {tuple(off_policy.shape)}")
@@ -738,6 +788,8 @@ def mixed_policy_loss(
         metrics["kl"] = masked_mean(kl.detach(), m)
 
     metrics.update(_token_share_metrics(fresh_stats, rep_stats, m, fresh_tok, rep_tok))
+    adv_tok = _broadcast_adv(advantages.detach(), logp).expand_as(m)
+    metrics["zero_advantage_fraction"] = masked_mean((adv_tok == 0).to(m.dtype), m)
     return loss, metrics
 
 

@@ -471,6 +471,7 @@ class ExGRPO(Algorithm):
             "experience": self.experience.get_state(),
             "icl_corpus": self.seeder.get_state() if self.seeder is not None else None,
             "initial_heldout": self._initial_heldout,
+            "rng": self._rng_states(),
         }
         return state
 
@@ -482,7 +483,38 @@ class ExGRPO(Algorithm):
             self._initial_heldout = state[STATE_KEY].get("initial_heldout")
             if self.seeder is not None and state[STATE_KEY].get("icl_corpus") is not None:
                 self.seeder.set_state(state[STATE_KEY]["icl_corpus"])
+            if state[STATE_KEY].get("rng") is not None:
+                self._set_rng_states(state[STATE_KEY]["rng"])
             self._sync_learner_mode()
+
+    def _rng_states(self) -> dict:
+        """The sampling RNG streams: torch's in this process (the local env runner and
+        learner) and in each remote env runner, so that a resumed run samples what the
+        uninterrupted one would have (every other stream is seeded per step or is part of
+        the sampler / pool / corpus state)."""
+        import torch
+
+        group = self.env_runner_group
+        remote = {}
+        if group is not None and group.num_remote_workers() > 0:
+            ids = group.healthy_worker_ids()
+            states = group.foreach_env_runner(lambda r: _torch_rng_state(), local_env_runner=False,
+                                              remote_worker_ids=ids)
+            remote = dict(zip(ids, states))
+        return {"torch": torch.get_rng_state(), "remote_env_runners": remote}
+
+    def _set_rng_states(self, rng: dict) -> None:
+        import torch
+
+        torch.set_rng_state(rng["torch"])
+        group = self.env_runner_group
+        if group is None or group.num_remote_workers() == 0:
+            return
+        healthy = set(group.healthy_worker_ids())
+        for wid, runner_state in rng.get("remote_env_runners", {}).items():
+            if wid in healthy:
+                group.foreach_env_runner(lambda r, st=runner_state: _set_torch_rng_state(st),
+                                         local_env_runner=False, remote_worker_ids=[wid])
 
 
 class GRPO(ExGRPO):
@@ -491,6 +523,18 @@ class GRPO(ExGRPO):
     @classmethod
     def get_default_config(cls) -> GRPOConfig:
         return GRPOConfig()
+
+
+def _torch_rng_state():
+    import torch
+
+    return torch.get_rng_state()
+
+
+def _set_torch_rng_state(state) -> None:
+    import torch
+
+    torch.set_rng_state(state)
 
 
 @contextlib.contextmanager

@@ -1,15 +1,34 @@
 """``ExGRPOTorchLearner``: the (mixed-policy) GRPO loss on RLlib's TorchLearner.
 
 All the maths lives in ``losses.py``; this class only wires the module's forward
-outputs and the batch columns into it, adds the official "skip the update when the
-gradient norm explodes" guard, and logs the metrics.
+outputs and the batch columns into it, adds the update guards, and logs the metrics.
+
+Update guards (one decision per optimiser step, i.e. per ``_update`` call):
+
+* a NaN/inf loss or a NaN/inf gradient norm drops the step (``skipped_nonfinite``);
+* a gradient norm above ``skip_update_grad_norm`` drops it too (official ExGRPO: 500);
+* a dropped step changes neither the parameters nor the optimiser state (no
+  ``optimizer.step()``: AdamW's moments, step count and weight decay are untouched), and
+  ``update_skipped`` counts every dropped step, whatever the reason.
+
+Counts are logged with ``reduce="sum"``, so RLlib adds them over the minibatches of an
+``update`` call, over the calls of an iteration and over learners. With data-parallel
+learners the decision is the same on every learner (DDP averages the gradients in
+``backward``, and a learner whose own loss is not finite turns its gradients into NaN
+before that average), so only the first learner logs a 1 for a dropped step: the sums
+count optimiser steps, comparable with the algorithm's ``optimizer_steps``.
+``zero_advantage_updates`` counts learner updates (one learner's shard of a step) whose
+every advantage is 0 (all groups all-correct or all-wrong): no policy gradient, a finite
+loss; the step is still taken, as verl and the official code do.
 """
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Dict
 
 import torch
+import torch.distributed as dist
 
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
@@ -25,7 +44,7 @@ class ExGRPOTorchLearner(TorchLearner):
         # A remote learner holds num_cpus_per_learner; the local one lives in the main process.
         apply_threads_for(self.config, "learner")
         super().build()
-        self._skip_step = False
+        self._reset_update_guards()
         self.mixed_mode = False
         self._reference_models: Dict[str, torch.nn.Module] = {}
         if self.config.kl_coeff > 0:
@@ -44,6 +63,23 @@ class ExGRPOTorchLearner(TorchLearner):
         self.register_optimizer(
             module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr
         )
+
+    def _reset_update_guards(self) -> None:
+        """Forget the previous step's guard flags (start and end of every ``_update``)."""
+        self._skip_step = False
+        self._nonfinite_step = False
+        self._guarded_modules: list = []
+
+    def _counts_here(self) -> float:
+        """1.0 on the learner that logs step counts (the only one, or rank 0 of the
+        data-parallel group), else 0.0: the guards' decisions are the same on all learners."""
+        if dist.is_available() and dist.is_initialized():
+            return 1.0 if dist.get_rank() == 0 else 0.0
+        return 1.0
+
+    def compute_losses(self, *, fwd_out, batch):
+        self._reset_update_guards()
+        return super().compute_losses(fwd_out=fwd_out, batch=batch)
 
     def set_mixed_mode(self, on: bool) -> None:
         """Called by the algorithm when ExGRPO's delayed start fires (and on restore)."""
@@ -94,27 +130,47 @@ class ExGRPOTorchLearner(TorchLearner):
         )
         for key, value in metrics.items():
             self.metrics.log_value((module_id, key), float(value), window=1)
-        self.metrics.log_value((module_id, "total_loss"), float(loss.detach()), window=1)
+        loss_value = float(loss.detach())
+        self.metrics.log_value((module_id, "total_loss"), loss_value, window=1)
         self.metrics.log_value((module_id, "clip_on_fresh_tokens"), float(self.use_clip_for_fresh_tokens(config)), window=1)
+        self.metrics.log_value(
+            (module_id, "zero_advantage_updates"),
+            float(float(metrics["zero_advantage_fraction"]) == 1.0),
+            reduce="sum",
+        )
+        self._guarded_modules.append(module_id)
+        if not math.isfinite(loss_value):
+            # The step is dropped (apply_gradients). NaN gradients everywhere make every
+            # data-parallel learner drop it too: DDP averages them in backward.
+            self._skip_step = self._nonfinite_step = True
+            loss = loss * float("nan")
         return loss
 
     def postprocess_gradients_for_module(self, *, module_id, config=None, module_gradients_dict):
         threshold = getattr(config, "skip_update_grad_norm", None)
         grads = [g for g in module_gradients_dict.values() if g is not None]
         if grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-            self.metrics.log_value((module_id, "grad_norm_preclip"), float(norm), window=1)
-            explode = not torch.isfinite(norm) or (threshold is not None and float(norm) > threshold)
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            self.metrics.log_value((module_id, "grad_norm_preclip"), norm, window=1)
+            nonfinite = not math.isfinite(norm)
+            explode = nonfinite or (threshold is not None and norm > threshold)
+            self._nonfinite_step = self._nonfinite_step or nonfinite
             self._skip_step = self._skip_step or explode
-            self.metrics.log_value((module_id, "update_skipped"), float(explode), reduce="sum")
         return super().postprocess_gradients_for_module(
             module_id=module_id, config=config, module_gradients_dict=module_gradients_dict
         )
 
     def apply_gradients(self, gradients_dict) -> None:
-        if self._skip_step:
-            # Official ExGRPO: an update whose gradient norm explodes is dropped whole.
-            self._skip_step = False
+        skip, nonfinite = self._skip_step, self._nonfinite_step
+        once = self._counts_here()
+        for module_id in dict.fromkeys(self._guarded_modules):
+            self.metrics.log_value((module_id, "update_skipped"), once * float(skip), reduce="sum")
+            self.metrics.log_value((module_id, "skipped_nonfinite"), once * float(nonfinite), reduce="sum")
+        self._reset_update_guards()
+        if skip:
+            # Official ExGRPO: an update whose gradient norm explodes is dropped whole; so is
+            # one with a NaN/inf loss or gradient. No optimizer.step(): parameters and
+            # optimiser state stay as they are (RLlib would zero NaN gradients and step).
             for p in self._params.values():
                 p.grad = None
             return
