@@ -142,3 +142,65 @@ def test_resume_with_nothing_saved_starts_fresh(tmp_path, tiny_model, fault_log)
     assert proc.returncode == 0, out[-3000:]
     assert "nothing saved in" in out and 1 in _rows(tmp_path / "fresh")
     fault_log(survived=True, lost=0)
+
+
+# --- a remote env runner killed mid-sample ------------------------------------------------
+#: Set by the test before the runners are built (the class travels to them by value).
+KILL_MARKER = ""
+
+
+def _kill_once_runner_cls():
+    from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
+
+    class KillOnceRunner(LLMEnvRunner):
+        """Runner 1 kills its own actor (``ray.kill``) in the middle of its first sample()."""
+
+        def sample(self, **kwargs):
+            if self.worker_index == 1 and kwargs.get("question_ids") and not os.path.exists(KILL_MARKER):
+                import ray
+
+                open(KILL_MARKER, "w").close()
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=False)
+                time.sleep(60)  # never returns: the kill lands first
+            return super().sample(**kwargs)
+
+    return KillOnceRunner
+
+
+@pytest.mark.slow
+def test_runner_killed_mid_sample_is_restarted_and_its_questions_sampled_again(
+    ray_local, quick_tiny_model, tmp_path, fault_log
+):
+    from ray import cloudpickle
+
+    from rllib_exgrpo import ExGRPOConfig
+
+    global KILL_MARKER
+    KILL_MARKER = str(tmp_path / "killed-once")
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cfg = (
+        ExGRPOConfig()
+        .environment(env_config={"dataset": "arithmetic"})
+        .env_runners(num_env_runners=2, num_cpus_per_env_runner=0.5, env_runner_cls=_kill_once_runner_cls())
+        .training(model_name_or_path=quick_tiny_model, questions_per_step=4, group_size=4, max_prompt_tokens=128,
+                  max_response_tokens=12, lr=1e-3, minibatch_size=16, loss_agg_mode="token-mean")
+    )
+    algo = cfg.build_algo()
+    try:
+        result = algo.train()
+        assert os.path.exists(KILL_MARKER), "the fault was not injected"
+        # every question sampled exactly once with its whole group: nothing lost, nothing twice
+        assert result["num_completions"] == 4 * 4
+        assert result["env_runner_failures"] == 1 and result["resampled_questions"] == 2
+        again = algo.train()
+        assert again["num_completions"] == 16 and again["env_runner_failures"] == 0
+        deadline = time.time() + 120  # the restarted actor loads its model again first
+        while len(algo.env_runner_group.healthy_worker_ids()) < 2 and time.time() < deadline:
+            algo.restore_env_runners(algo.env_runner_group)
+            time.sleep(1)
+        assert len(algo.env_runner_group.healthy_worker_ids()) == 2  # the killed one came back
+        assert algo.train()["num_completions"] == 16
+    finally:
+        algo.stop()
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    fault_log(survived=True, lost=0)

@@ -2,8 +2,12 @@
 
 Library side of ``rllib train file`` (:mod:`rllib_exgrpo.cli.main`):
 :func:`build_experiments` reads the file (``experiment_file.py``), checks every key
-(``config_keys.py``), validates each search-space variant's config, and returns
-:class:`Experiment` records; ``tune_runner.run_experiments`` runs them.
+(``config_keys.py``), runs the preflight checks on each search-space variant
+(``preflight.py``: config values, data and model paths, optional packages, GPUs, stop
+and checkpoint metric names), and returns :class:`Experiment` records;
+``tune_runner.run_experiments`` runs them. Problems come back as one
+:class:`CliConfigError` with one line per problem,
+``<file>: experiment '<name>': <key>: <what is wrong>``, for every experiment of the file.
 
 File schema (one file may hold several experiments; they run in file order)::
 
@@ -49,6 +53,7 @@ from rllib_exgrpo.cli.registry import CliConfigError, resolve_algorithm, resolve
 from rllib_exgrpo.cli.config_keys import apply_config, check_config_keys, quiet_rllib_logs, suggest
 from rllib_exgrpo.cli.experiment_file import convert_search_spaces, deep_merge, is_number, load_experiment_file
 from rllib_exgrpo.cli.mlflow_logging import build_mlflow, make_mlflow_callback
+from rllib_exgrpo.cli import preflight
 logger = logging.getLogger(__name__)
 
 #: Default for ``storage_path`` (relative to the current directory, made absolute).
@@ -97,54 +102,6 @@ LEGACY_STOP_KEYS = {
     "episodes_total": "env_runners/num_episodes_lifetime",
 }
 
-# Config keys that the new API stack cannot honour.
-_MAX_VALIDATED_VARIANTS = 32
-
-
-# --------------------------------------------------------------------------- YAML
-
-
-def _validate_variants(
-    algo_cls: type, user_config: Dict[str, Any], env: Any, found: Dict[str, Any]
-) -> List[str]:
-    """Run ``AlgorithmConfig.validate()`` on (up to 32) resolved variants of the search space."""
-    from ray.tune.search.variant_generator import generate_variants
-
-    if found:
-        variants = []
-        for i, (assignment, resolved) in enumerate(generate_variants(copy.deepcopy(user_config))):
-            if i >= _MAX_VALIDATED_VARIANTS:
-                break
-            desc = ", ".join(f"{'/'.join(map(str, k))}={v!r}" for k, v in assignment.items())
-            variants.append((desc, resolved))
-    else:
-        variants = [("", user_config)]
-    errors: List[str] = []
-    for desc, resolved in variants:
-        cfg = algo_cls.get_default_config()
-        apply_errors = apply_config(cfg, resolved)
-        where = f" (variant {desc})" if desc else ""
-        if apply_errors:
-            errors += [e + where for e in apply_errors]
-            continue
-        if env is not None:
-            cfg.env = env
-        try:
-            with quiet_rllib_logs():
-                cfg.validate()
-        except Exception as e:
-            msg = f"invalid config{where}: {type(e).__name__}: {e}"
-            if not isinstance(e, ValueError):  # a crash inside validate(), not a verdict
-                frame = traceback.extract_tb(e.__traceback__)[-1]
-                msg += (
-                    f" (raised in {frame.name}() at {frame.filename}:{frame.lineno}; "
-                    "`rllib train --no-validate` / validate=False skips this check)"
-                )
-            if msg not in errors:
-                errors.append(msg)
-    return errors
-
-
 # -------------------------------------------------------------------- experiments
 
 
@@ -169,6 +126,8 @@ class Experiment:
     env: Any = None
     mlflow: Optional[Dict[str, Any]] = None
     source: Optional[str] = None
+    #: What preflight noticed without it being an error (shown by ``--dry-run``).
+    notes: List[str] = field(default_factory=list)
 
     @property
     def param_space(self) -> Dict[str, Any]:
@@ -201,6 +160,8 @@ class Experiment:
             lines.append(f"  mlflow:        {self.mlflow['tracking_uri']} (experiment {self.mlflow['experiment_name']!r})")
         for path, dom in self.search_space.items():
             lines.append(f"  search:        {path} = {_describe_domain(dom)}")
+        for note in self.notes:
+            lines.append(f"  note:          {note}")
         return "\n".join(lines)
 
 
@@ -234,6 +195,8 @@ def _resolve_storage_path(path: Optional[str]) -> str:
 
 
 def _check_stop(stop: Dict[str, Any], errors: List[str]) -> None:
+    """Types and old-stack names; the names against the algorithm's metrics are checked
+    per variant by ``preflight.variant_problems``."""
     for k, v in stop.items():
         if not isinstance(k, str):
             errors.append(f"stop: keys must be strings, got {k!r}.")
@@ -264,6 +227,10 @@ def _build_checkpoint_config(spec: Dict[str, Any], errors: List[str]) -> Any:
                 errors.append(f"`{legacy}` ({spec[legacy]!r}) contradicts checkpoint_config.{new} ({ckpt[new]!r}).")
             ckpt[new] = spec[legacy]
     ckpt = {k: v for k, v in ckpt.items() if k in CHECKPOINT_KEYS}
+    type_errors = preflight.checkpoint_problems(ckpt)
+    if type_errors:
+        errors += type_errors
+        return tune.CheckpointConfig()
     try:
         return tune.CheckpointConfig(**ckpt)
     except Exception as e:
@@ -284,23 +251,32 @@ def build_experiments(
     checkpoint_freq: Optional[int] = None,
     checkpoint_at_end: Optional[bool] = None,
     validate: bool = True,
+    ray_address: Optional[str] = None,
+    ray_num_gpus: Optional[int] = None,
 ) -> List[Experiment]:
-    """Parse and validate an experiment file (path) or an already-loaded mapping.
+    """Parse and check an experiment file (path) or an already-loaded mapping.
 
     Nothing starts Ray. Env class paths are registered with ``register_env`` (they
     reach Ray's workers when Ray starts). Overrides apply to every experiment:
     ``stop`` is merged over each file ``stop``, ``config_overrides`` deep-merged over
     each ``config`` (and then checked like it), the others replace the file's values.
-    ``validate`` also runs ``AlgorithmConfig.validate()`` on up to 32 variants of the
-    search space. Raises :class:`CliConfigError` naming every problem found in the
-    first bad experiment.
+    Every experiment goes through the preflight checks (:mod:`rllib_exgrpo.cli.preflight`)
+    on up to 32 variants of its search space (every value of each dimension at least
+    once); ``validate`` adds ``AlgorithmConfig.validate()`` to them. GPUs are checked
+    against the running Ray cluster, else ``ray_num_gpus``, else this machine; not at all
+    when ``ray_address`` (or ``RAY_ADDRESS``) names a cluster to join (``tune_runner``
+    checks it after joining). Raises :class:`CliConfigError` with one line per problem of
+    every experiment, each ``<file>: experiment '<name>': <key>: <problem>``.
     """
     src_name: Optional[str] = None
     if isinstance(source, Mapping):
         data = dict(source)
     else:
         src_name = str(source)
-        data = load_experiment_file(source)
+        try:
+            data = load_experiment_file(source)
+        except CliConfigError as e:
+            raise CliConfigError(preflight.one_line(str(e))) from None
     if not data:
         raise CliConfigError(f"{src_name or 'experiments'}: no experiments given.")
     if experiment_name is not None and len(data) != 1:
@@ -313,25 +289,41 @@ def build_experiments(
     if config_overrides is not None and not isinstance(config_overrides, Mapping):
         raise CliConfigError(f"--config must be a JSON object, got {config_overrides!r}.")
 
-    experiments = []
+    cluster = _cluster(ray_address, ray_num_gpus)
+    experiments: List[Experiment] = []
+    problems: List[str] = []
     for name, spec in data.items():
-        experiments.append(
-            _build_one(
-                str(experiment_name if experiment_name is not None else name),
-                spec,
-                src_name=src_name,
-                stop=stop,
-                config_overrides=config_overrides,
-                storage_path=storage_path,
-                num_samples=num_samples,
-                env_override=env,
-                mlflow_uri=mlflow_uri,
-                checkpoint_freq=checkpoint_freq,
-                checkpoint_at_end=checkpoint_at_end,
-                validate=validate,
+        try:
+            experiments.append(
+                _build_one(
+                    str(experiment_name if experiment_name is not None else name),
+                    spec,
+                    src_name=src_name,
+                    stop=stop,
+                    config_overrides=config_overrides,
+                    storage_path=storage_path,
+                    num_samples=num_samples,
+                    env_override=env,
+                    mlflow_uri=mlflow_uri,
+                    checkpoint_freq=checkpoint_freq,
+                    checkpoint_at_end=checkpoint_at_end,
+                    validate=validate,
+                    cluster=cluster,
+                )
             )
-        )
+        except CliConfigError as e:
+            problems.append(str(e))
+    if problems:
+        raise CliConfigError("\n".join(problems))
     return experiments
+
+
+def _cluster(ray_address: Optional[str], ray_num_gpus: Optional[int]) -> Optional[preflight.Cluster]:
+    try:
+        return preflight.Cluster.detect(ray_address=ray_address, num_gpus=ray_num_gpus)
+    except Exception:  # noqa: BLE001 - no resource check rather than no run
+        logger.debug("could not detect the resources to check against", exc_info=True)
+        return None
 
 
 class _Invalid(Exception):
@@ -357,12 +349,21 @@ def _as_invalid():
 
 
 def _build_one(name: str, spec: Any, *, src_name: Optional[str], **options: Any) -> Experiment:
-    """One experiment, or a ``CliConfigError`` listing its problems under its name."""
+    """One experiment, or a ``CliConfigError`` with one line per problem, each naming the
+    file and the experiment. A crash inside a check is one such line too, not a traceback."""
     prefix = f"{src_name}: experiment {name!r}" if src_name else f"experiment {name!r}"
     try:
         return _build_checked(name, spec, src_name=src_name, **options)
     except _Invalid as e:
-        raise CliConfigError(prefix + ":\n  - " + "\n  - ".join(e.errors)) from None
+        errors = e.errors
+    except CliConfigError as e:
+        errors = [str(e)]
+    except Exception as e:  # noqa: BLE001 - one line naming the failing check, no traceback
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        errors = [f"could not be checked: {type(e).__name__}: {e} (in {frame.name}() at "
+                  f"{os.path.basename(frame.filename)}:{frame.lineno})"]
+    lines = list(dict.fromkeys(preflight.one_line(m) for m in errors))
+    raise CliConfigError("\n".join(f"{prefix}: {m}" for m in lines)) from None
 
 
 def _build_checked(
@@ -379,29 +380,29 @@ def _build_checked(
     checkpoint_freq: Optional[int],
     checkpoint_at_end: Optional[bool],
     validate: bool,
+    cluster: Optional[preflight.Cluster],
 ) -> Experiment:
+    # Long because it is the experiment's whole check in order, collecting what it can:
+    # keys, algorithm, run settings (stop, samples, storage, checkpoints, MLflow), then the
+    # config and the preflight of each search-space variant.
     if not isinstance(spec, dict):
         raise _Invalid([f"expected a mapping with `run`, `env`, `config`, ..., got {type(spec).__name__}."])
-    _stop_if(_experiment_key_errors(spec))
-    algo_cls, config, algo_name = _default_config(spec["run"])
-    user_config, found = _user_config(spec, config_overrides)
-    errors: List[str] = []
-    env = _experiment_env(spec, user_config, env_override, found, errors)
-    errors += check_config_keys(config, user_config, algo_name)
-    _stop_if(errors)
-    env = _resolved_env(env, found)
-    _stop_if(apply_config(config, user_config))
-    if env is not None:
-        config.env = env
-    if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
-        raise _Invalid(["the config switches RLlib's new API stack off; this command runs the new API stack only."])
-    if validate:
-        _stop_if(_validate_variants(algo_cls, user_config, env, found))
+    errors: List[str] = _experiment_key_errors(spec)
+    algo_cls = config = algo_name = None
+    if "run" in spec:
+        try:
+            algo_cls, config, algo_name = _default_config(spec["run"])
+        except _Invalid as e:
+            errors += e.errors
 
-    # --- run settings: every problem of these is reported at once
-    with _as_invalid():
-        stop_dict = dict(_as_json_like_dict(spec.get("stop"), "stop"))
-    stop_dict.update(stop or {})
+    # --- run settings: need no config
+    try:
+        with _as_invalid():
+            stop_dict = preflight.flatten_stop(dict(_as_json_like_dict(spec.get("stop"), "stop")))
+    except _Invalid as e:
+        errors += e.errors
+        stop_dict = {}
+    stop_dict.update(preflight.flatten_stop(stop or {}))
     _check_stop(stop_dict, errors)
     n = num_samples if num_samples is not None else spec.get("num_samples", 1)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -410,8 +411,45 @@ def _build_checked(
     if spec.get("storage_path") is not None and not isinstance(spec["storage_path"], str):
         errors.append(f"storage_path must be a string, got {spec['storage_path']!r}.")
     storage = _resolve_storage_path(storage_path or spec.get("storage_path"))
+    errors += preflight.storage_problems(storage)
     checkpoint_config = _checkpoint_settings(spec, checkpoint_freq, checkpoint_at_end, errors)
     mlflow_settings = build_mlflow(name, spec, storage, mlflow_uri, errors)
+    errors += preflight.mlflow_problems(mlflow_settings)
+    if algo_cls is None:
+        raise _Invalid(errors)
+    ckpt_block = spec.get("checkpoint_config")
+    score_attribute = ckpt_block.get("checkpoint_score_attribute") if isinstance(ckpt_block, dict) else None
+    metric_names = [k for k in stop_dict if isinstance(k, str) and k not in LEGACY_STOP_KEYS]
+
+    # --- the config: keys, then each variant of the search space
+    try:
+        user_config, found = _user_config(spec, config_overrides)
+    except _Invalid as e:
+        raise _Invalid(errors + e.errors) from None
+    env_errors: List[str] = []
+    env = _experiment_env(spec, user_config, env_override, found, env_errors)
+    key_errors = env_errors + check_config_keys(config, user_config, algo_name)
+    try:
+        if not key_errors:
+            env = _resolved_env(env, found)
+    except _Invalid as e:
+        key_errors += e.errors
+    if key_errors:  # the variants cannot be built: still check the stop names
+        errors += key_errors + preflight.stop_problems_without_config(algo_cls, metric_names)
+        raise _Invalid(errors)
+    notes = preflight.absolute_paths(user_config)
+    apply_errors = apply_config(config, user_config)
+    if apply_errors:
+        raise _Invalid(errors + apply_errors)
+    if env is not None:
+        config.env = env
+    if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
+        raise _Invalid(errors + ["the config switches RLlib's new API stack off; this command runs the new API stack only."])
+    variant_errors, variant_notes = preflight.check_variants(
+        algo_cls, user_config, env, found, apply_config=apply_config, validate=validate, cluster=cluster,
+        stop={k: stop_dict[k] for k in metric_names}, score_attribute=score_attribute,
+    )
+    errors += variant_errors
     _stop_if(errors)
     return Experiment(
         name=name,
@@ -426,6 +464,7 @@ def _build_checked(
         env=env,
         mlflow=mlflow_settings,
         source=src_name,
+        notes=notes + variant_notes,
     )
 
 

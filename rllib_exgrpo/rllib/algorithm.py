@@ -67,6 +67,8 @@ ADVANTAGE_TIMER = "advantages"
 HELDOUT_TIMER = "heldout_eval"
 HELDOUT = "heldout"
 STATE_KEY = "exgrpo"
+#: Sampling rounds per call before a step gives up on runners that keep dying.
+_SAMPLE_ATTEMPTS = 3
 
 
 class ExGRPOConfig(AlgorithmConfig):
@@ -356,38 +358,73 @@ class ExGRPO(Algorithm):
     ):
         """Spread questions over the healthy runners; a question's group stays together.
 
-        A runner that dies mid-call loses its share of this step (logged); RLlib restarts
-        it (``restart_failed_env_runners``) and it gets weights at the next sync.
+        A runner that dies mid-call returns nothing, so its shard is neither lost nor
+        counted twice: the dead runner is restarted (RLlib's ``restart_failed_env_runners``,
+        then this step's weights are pushed to it) and its shard is sampled again on the
+        healthy runners, up to ``_SAMPLE_ATTEMPTS`` times (``env_runner_failures`` and
+        ``resampled_questions`` count it). With no remote runners the local one samples.
         """
         prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
         group = self.env_runner_group
-        remote_ids = group.healthy_worker_ids() if group.num_remote_workers() > 0 else []
-        if not remote_ids:
+        pending = list(zip(question_ids, num_samples, prefixes))
+        if group.num_remote_workers() == 0:
             runner = group.local_env_runner
             episodes = runner.sample(
                 question_ids=list(question_ids), num_samples=list(num_samples), prompt_prefixes=prefixes, **sample_kwargs
             )
             return episodes, [runner.get_metrics()]
-        shards = _split_evenly(list(zip(question_ids, num_samples, prefixes)), len(remote_ids))
-        funcs, workers = [], []
-        for wid, shard in zip(remote_ids, shards):
-            if not shard:
-                continue
+        episodes, metrics = [], []
+        for key in ("env_runner_failures", "resampled_questions"):  # reported as 0, not NaN
+            self.metrics.log_value(key, 0, reduce="sum")
+        for attempt in range(_SAMPLE_ATTEMPTS):
+            failed = self._sample_on_remote_runners(pending, sample_kwargs, episodes, metrics)
+            if not failed:
+                return episodes, metrics
+            self.metrics.log_value("env_runner_failures", len(failed), reduce="sum")
+            self.metrics.log_value("resampled_questions", sum(len(shard) for shard in failed), reduce="sum")
+            pending = [item for shard in failed for item in shard]
+            logger.warning("%d env runner(s) failed while sampling; restarting them and sampling their "
+                           "%d question(s) again", len(failed), len(pending))
+            self._restart_failed_runners()
+        raise RuntimeError(
+            f"env runners kept failing: {len(pending)} question(s) still unsampled after "
+            f"{_SAMPLE_ATTEMPTS} attempts (see the runners' logs for why they die)"
+        )
+
+    def _sample_on_remote_runners(self, items, sample_kwargs, episodes: list, metrics: list) -> List[list]:
+        """One sampling round over the healthy remote runners; returns the shards of the
+        runners that returned nothing (died); the others' episodes and metrics are appended."""
+        group = self.env_runner_group
+        remote_ids = group.healthy_worker_ids()
+        if not remote_ids:
+            return [items]
+        shards = [(wid, shard) for wid, shard in zip(remote_ids, _split_evenly(items, len(remote_ids))) if shard]
+        funcs = []
+        for _, shard in shards:
             qs, ns, ps = ([x[i] for x in shard] for i in range(3))
 
             def call(r, qs=qs, ns=ns, ps=ps):
-                return r.sample(question_ids=qs, num_samples=ns, prompt_prefixes=ps, **sample_kwargs), r.get_metrics()
+                eps = r.sample(question_ids=qs, num_samples=ns, prompt_prefixes=ps, **sample_kwargs)
+                return r.worker_index, eps, r.get_metrics()
 
             funcs.append(call)
-            workers.append(wid)
-        results = group.foreach_env_runner(funcs, remote_worker_ids=workers, local_env_runner=False)
-        episodes = [e for eps, _ in results for e in eps]
-        if len(results) < len(workers):
-            logger.warning(
-                "%d of %d env runners failed this step; training on the %d episodes that came back",
-                len(workers) - len(results), len(workers), len(episodes),
+        results = group.foreach_env_runner(funcs, remote_worker_ids=[w for w, _ in shards], local_env_runner=False)
+        returned = set()
+        for wid, eps, m in results:
+            returned.add(wid)
+            episodes += eps
+            metrics.append(m)
+        return [shard for wid, shard in shards if wid not in returned]
+
+    def _restart_failed_runners(self) -> None:
+        """Bring dead runners back (RLlib restarts the actors) and give them the current
+        weights before they sample again."""
+        restored = self.restore_env_runners(self.env_runner_group)
+        if restored:
+            self.env_runner_group.sync_weights(
+                from_worker_or_learner_group=self.learner_group, to_worker_indices=restored,
+                inference_only=True, timeout_seconds=None,
             )
-        return episodes, [m for _, m in results]
 
     def _sample_trajectories(self, question_ids, num_samples, prefixes=None) -> List[Trajectory]:
         """Generate + score on the runners; runner metrics go into ``env_runners/``."""
