@@ -99,7 +99,7 @@ def tiny_model() -> str:
 @pytest.mark.slow
 def test_sigkill_then_resume_continues_exactly(tmp_path, tiny_model, fault_log):
     """SIGKILL of the whole `rllib train` process group after iteration 3 (checkpoint at 2),
-    then `--resume`: iterations 3 and 4 equal an uninterrupted run's exactly (rewards,
+    a half-written newer checkpoint folder left behind, then `--resume`: iterations 3 and 4 equal an uninterrupted run's exactly (rewards,
     sampled tokens, counters, loss, experience-pool metrics), so the model, optimiser,
     pool, sampler position, delayed-start state and RNG streams came back."""
     yaml_file = tmp_path / "resume.yaml"
@@ -123,6 +123,11 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, tiny_model, fault_log):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert 4 not in _rows(killed), "killed too late to test anything"
+    # A checkpoint being written when the process died: a newer, half-written folder.
+    trial = next((killed / "resume-check").glob("ExGRPO_*"))
+    partial = trial / "checkpoint_000009"
+    (partial / "learner_group").mkdir(parents=True)
+    (partial / "rllib_checkpoint.json").write_text('{"type": "Algorithm", "checkpoint_vers')
 
     resumed = _train(yaml_file, killed, "--resume")
     out, _ = resumed.communicate(timeout=600)
@@ -131,7 +136,8 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, tiny_model, fault_log):
     got = _rows(killed)
     for it in (3, 4):
         assert _fingerprint(got[it]) == _fingerprint(expected[it]), f"iteration {it} differs after resume"
-    fault_log(survived=True, lost=0)
+    fault_log(survived=True, lost=0)  # the SIGKILL
+    fault_log(survived=True, lost=0)  # the half-written checkpoint (Tune restores the last registered one)
 
 
 def test_resume_with_nothing_saved_starts_fresh(tmp_path, tiny_model, fault_log):
@@ -203,4 +209,30 @@ def test_runner_killed_mid_sample_is_restarted_and_its_questions_sampled_again(
     finally:
         algo.stop()
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    fault_log(survived=True, lost=0)
+
+
+@pytest.mark.slow
+def test_dead_learner_ends_the_run_with_a_clear_message(ray_local, quick_tiny_model, fault_log):
+    import ray
+
+    from rllib_exgrpo import ExGRPOConfig
+    from rllib_exgrpo.rllib.algorithm import LearnerDiedError
+
+    cfg = (
+        ExGRPOConfig()
+        .environment(env_config={"dataset": "arithmetic"})
+        .learners(num_learners=2, num_cpus_per_learner=0.5)
+        .training(model_name_or_path=quick_tiny_model, questions_per_step=4, group_size=4, max_prompt_tokens=128,
+                  max_response_tokens=12, lr=1e-3, minibatch_size=8, loss_agg_mode="token-mean")
+    )
+    algo = cfg.build_algo()
+    try:
+        algo.train()
+        victim = next(iter(algo.learner_group._worker_manager._actors.values()))
+        ray.kill(victim, no_restart=True)
+        with pytest.raises(LearnerDiedError, match="a learner actor died during iteration 2.*--resume"):
+            algo.train()
+    finally:
+        algo.stop()
     fault_log(survived=True, lost=0)

@@ -50,7 +50,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 
 from rllib_exgrpo.cli.registry import CliConfigError, resolve_algorithm, resolve_env
-from rllib_exgrpo.cli.config_keys import apply_config, check_config_keys, quiet_rllib_logs, suggest
+from rllib_exgrpo.cli.config_keys import apply_config, check_config_keys, suggest
 from rllib_exgrpo.cli.experiment_file import convert_search_spaces, deep_merge, is_number, load_experiment_file
 from rllib_exgrpo.cli.mlflow_logging import build_mlflow, make_mlflow_callback
 from rllib_exgrpo.cli import preflight
@@ -421,26 +421,31 @@ def _build_checked(
     score_attribute = ckpt_block.get("checkpoint_score_attribute") if isinstance(ckpt_block, dict) else None
     metric_names = [k for k in stop_dict if isinstance(k, str) and k not in LEGACY_STOP_KEYS]
 
-    # --- the config: keys, then each variant of the search space
+    # --- the config: keys, then each variant of the search space. A bad key is reported
+    # and left out, so that the rest of the config is still checked.
     try:
         user_config, found = _user_config(spec, config_overrides)
     except _Invalid as e:
-        raise _Invalid(errors + e.errors) from None
-    env_errors: List[str] = []
-    env = _experiment_env(spec, user_config, env_override, found, env_errors)
-    key_errors = env_errors + check_config_keys(config, user_config, algo_name)
+        raise _Invalid(errors + e.errors + preflight.stop_problems_without_config(algo_cls, metric_names)) from None
+    env = _experiment_env(spec, user_config, env_override, found, errors)
+    bad_keys = set()
+    for key, value in user_config.items():
+        key_errors = check_config_keys(config, {key: value}, algo_name)
+        key_errors = key_errors or apply_config(config, {key: value})
+        if key_errors:
+            bad_keys.add(key)
+            errors += key_errors
+    if bad_keys:
+        user_config = {k: v for k, v in user_config.items() if k not in bad_keys}
+        found = {p: d for p, d in found.items() if p.split("/")[1] not in bad_keys}
     try:
-        if not key_errors:
-            env = _resolved_env(env, found)
+        env = _resolved_env(env, found)
     except _Invalid as e:
-        key_errors += e.errors
-    if key_errors:  # the variants cannot be built: still check the stop names
-        errors += key_errors + preflight.stop_problems_without_config(algo_cls, metric_names)
-        raise _Invalid(errors)
+        errors += e.errors
+        env = None
     notes = preflight.absolute_paths(user_config)
-    apply_errors = apply_config(config, user_config)
-    if apply_errors:
-        raise _Invalid(errors + apply_errors)
+    config = algo_cls.get_default_config()  # the good keys, with absolute paths
+    errors += apply_config(config, user_config)
     if env is not None:
         config.env = env
     if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):

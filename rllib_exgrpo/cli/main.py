@@ -256,12 +256,23 @@ def run_train(args: argparse.Namespace) -> int:
             print(f"{PROG} train: experiment {exp.name!r}: all trials finished; results in {where}")
         for trial_path, err_file in res.errors:
             failed += 1
+            reason = _last_error_line(err_file)
             print(
-                f"{PROG} train: experiment {exp.name!r}: trial {trial_path} errored; "
-                f"error file: {err_file or '(none written)'}",
+                f"{PROG} train: experiment {exp.name!r}: trial {trial_path} errored"
+                + (f": {reason}" if reason else "") + f"; error file: {err_file or '(none written)'}",
                 file=sys.stderr,
             )
     return 1 if failed else 0
+
+
+def _last_error_line(err_file: Optional[str]) -> Optional[str]:
+    """The exception line at the end of a trial's error file (what went wrong, in one line)."""
+    try:
+        lines = [ln.strip() for ln in open(err_file, encoding="utf-8", errors="replace").read().splitlines()]
+    except (OSError, TypeError):
+        return None
+    lines = [ln for ln in lines if ln]
+    return lines[-1][:500] if lines else None
 
 
 #: Subcommand registry: each entry adds one subparser and sets ``func``.

@@ -111,7 +111,7 @@ _LEARNER_OWN = (
     "policy_loss", "entropy", "kl", "clip_fraction", "trust_region_violation_fraction",
     "ratio_mean", "ratio_max", "ratio_min", "replay_ratio_mean", "replay_shaping_mean",
     "fresh_token_fraction", "replayed_token_fraction", "total_loss", "clip_on_fresh_tokens",
-    "grad_norm_preclip", "update_skipped",
+    "grad_norm_preclip", "update_skipped", "skipped_nonfinite", "zero_advantage_updates",
 )
 _ALL_MODULES = (
     "num_env_steps_trained", "num_env_steps_trained_lifetime", "num_env_steps_trained_throughput",
@@ -145,11 +145,12 @@ _XRPO_SHARPENING = ("sharpening_bonus_mean", "sharpened_fraction")
 _STAGES = ("plan", "replay_choice", "sample", "advantages", "learner_update_timer", "buffer_update",
            "synch_weights", "heldout_eval")
 _RLLIB_TIMERS = ("training_iteration", "training_step", "restore_env_runners", "synch_env_connectors")
-# ExGRPO.training_step / _log_group_metrics / _update_learners, and RLlib's top level
+# ExGRPO.training_step / _log_group_metrics / _update_learners / _sample, and RLlib's top level
 _PROJECT_TOP = (
     "reward_mean", "solve_rate", "zero_variance_group_fraction", "all_correct_group_fraction",
     "num_completions", "unscored_completions", "optimizer_steps", "minibatch_rows_min",
-    "minibatch_rows_max", "num_env_steps_sampled_lifetime", "num_training_step_calls_per_iteration",
+    "minibatch_rows_max", "env_runner_failures", "resampled_questions", "num_env_steps_sampled_lifetime",
+    "num_training_step_calls_per_iteration",
 )
 
 
@@ -938,8 +939,3 @@ def checkpoint_problems(ckpt: Mapping[str, Any]) -> List[str]:
         if k in ckpt and not ok(ckpt[k]):
             out.append(f"checkpoint_config.{k}: must be {what}, got {ckpt[k]!r}.")
     return out
-
-
-def iter_lines(messages: Iterable[str]) -> List[str]:
-    """Each message as one line."""
-    return [one_line(m) for m in messages]

@@ -285,11 +285,28 @@ class ExGRPO(Algorithm):
                 if self.learner_group.is_local:
                     results = self.learner_group.update(batch=parts[0], timesteps=timesteps)
                 else:
-                    results = self.learner_group.update(batches=parts, timesteps=timesteps)
+                    results = self._remote_update(parts, timesteps)
                 self.metrics.aggregate(results, key=LEARNER_RESULTS)
         self.metrics.log_value("optimizer_steps", len(sizes), window=1)
         self.metrics.log_value("minibatch_rows_min", min(sizes) if sizes else 0, window=1)
         self.metrics.log_value("minibatch_rows_max", max(sizes) if sizes else 0, window=1)
+
+    def _remote_update(self, parts, timesteps):
+        """One update on the remote learners; a dead learner ends the run with what to do.
+
+        A learner holds model and optimiser state that the others cannot rebuild in the
+        middle of a step (and DDP cannot shrink), so the step is not redone: the run stops
+        and resumes from its latest checkpoint (``rllib train file X.yaml --resume``).
+        """
+        from ray.exceptions import RayActorError
+
+        try:
+            return self.learner_group.update(batches=parts, timesteps=timesteps)
+        except RayActorError as e:
+            raise LearnerDiedError(
+                f"a learner actor died during iteration {self.iteration + 1} ({type(e).__name__}); the run "
+                "stops here. Continue from the latest checkpoint: `rllib train file <your file> --resume`"
+            ) from e
 
     def _sample_step(self, fresh_ids, replay_ids) -> Tuple[List[Trajectory], Dict[str, float]]:
         """All of a step's generation: fresh groups (G each, or planner rounds), G - 1
@@ -560,6 +577,10 @@ class GRPO(ExGRPO):
     @classmethod
     def get_default_config(cls) -> GRPOConfig:
         return GRPOConfig()
+
+
+class LearnerDiedError(RuntimeError):
+    """A learner actor died during an update (see ``ExGRPO._remote_update``)."""
 
 
 def _torch_rng_state():
