@@ -22,6 +22,21 @@ Cheap work stays in the caller: extracting the answer, a normalised exact-match 
 path (equal -> 1 without math-verify) and de-duplication of identical
 (ground truth, answer) pairs inside a batch, which GRPO groups produce a lot of.
 
+Why not ``pebble.ProcessPool`` (per-task timeout, kills and replaces an overrunning
+worker)? Measured with ``benchmarks/reward_pool_compare.py`` (pebble 5.2.3, same caller
+code, only the pool swapped): it cannot start workers inside a daemonic multiprocessing
+worker at all ("daemonic processes are not allowed to have children", every start
+method), which this module supports. Where it does work, it matched this pool on hangs
+(2.0 s for a 2 s timeout, the neighbours scored) and in a Ray actor, and throughput was
+the same within the noise of a shared 2-core machine. But a faithful port needed the
+same machinery this pool has anyway: a worker initializer (math-verify timeouts off,
+parent-death signal; without it a hung worker outlives a SIGKILLed caller), a long-lived
+starter thread, a multiprocessing finalizer (else a non-daemonic multiprocessing child
+never exits, as multiprocessing joins pebble's workers), rebuilding a pool pebble
+declares broken, a retry for an item whose worker died. And a raw ``os.fork()`` child
+that exits normally SIGTERMs one of the parent's pebble workers from pebble's atexit
+hook. So the hand-written pool stays.
+
 This file must stay importable as a bare script (workers load it by path): it imports
 nothing from the ``envs`` package at module level.
 """
