@@ -236,3 +236,65 @@ def test_dead_learner_ends_the_run_with_a_clear_message(ray_local, quick_tiny_mo
     finally:
         algo.stop()
     fault_log(survived=True, lost=0)
+
+
+# --- bad data and a bad verifier inside a training step ----------------------------------
+HANG_TRUTH = "9^{9^{9^{9^9}}}"  # sympy evaluates it for ever: the verifier hangs on it
+
+
+@pytest.mark.slow
+def test_malformed_rows_hanging_and_crashing_verifier_do_not_stop_the_step(
+    ray_local, tiny_model, tmp_path, caplog, fault_log
+):
+    """A data file with two malformed rows, a question whose verification hangs, and the
+    verifier's worker processes killed while the step scores: the step completes with
+    every completion of every good question, the bad rows reported by file and line,
+    the hangs scored 0 as timeouts and counted."""
+    import logging
+    import threading
+
+    from envs import rewards
+    from rllib_exgrpo import ExGRPOConfig
+
+    data = tmp_path / "train.jsonl"
+    rows = [json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) for a, b in
+            [(3, 4), (12, 30), (7, 8), (21, 5), (9, 9), (14, 6)]]
+    rows.insert(2, '{"problem": "What is 1 + 1?", "answer": ')  # line 3: broken JSON
+    rows.insert(5, json.dumps({"problem": "", "answer": "2"}))  # line 6: empty question
+    rows.append(json.dumps({"problem": "What is 2 + 2?", "answer": HANG_TRUTH}))
+    data.write_text("\n".join(rows) + "\n")
+
+    cfg = (
+        ExGRPOConfig()
+        .environment(env_config={"dataset": str(data), "reward_timeout_s": 1.0})
+        .training(model_name_or_path=tiny_model, questions_per_step=7, group_size=4, max_prompt_tokens=128,
+                  max_response_tokens=24, lr=1e-4, minibatch_size=28, loss_agg_mode="token-mean",
+                  experience_replay=False)
+    )
+    stop = threading.Event()
+
+    def kill_verifier_workers():  # a verifier that crashes mid-step, for real
+        while not stop.wait(0.3):
+            pool = rewards._POOL
+            if pool is not None:
+                with pool._lock:
+                    for w in list(pool._all):
+                        w.proc.kill()
+                return
+
+    with caplog.at_level(logging.WARNING, logger="envs.datasets"):
+        algo = cfg.build_algo()
+    killer = threading.Thread(target=kill_verifier_workers, daemon=True)
+    try:
+        killer.start()
+        result = algo.train()
+    finally:
+        stop.set()
+        algo.stop()
+    warnings = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"{data}:3" in warnings and f"{data}:6" in warnings
+    assert result["num_completions"] + result["unscored_completions"] == 7 * 4  # none lost
+    assert result["env_runners"]["reward_timeouts"] >= 1  # the hanging question, cut at 1 s
+    fault_log(survived=True, lost=0)  # malformed rows
+    fault_log(survived=True, lost=0)  # hanging verifier
+    fault_log(survived=True, lost=0)  # crashing verifier
