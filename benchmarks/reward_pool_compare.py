@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -86,40 +85,7 @@ def _pebble_init(parent_pid: Optional[int], stock: bool) -> None:
         # code never runs it, so terminate() would only bite after pebble's 3 s grace.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         rewards._set_parent_death_signal(parent_pid if parent_pid is not None else os.getppid())
-    import functools
-
-    import math_verify.grader as mv_grader
-    import math_verify.parser as mv_parser
-    from math_verify import parse, verify
-
-    mv_parser.TIMEOUT_WARNING_SHOWN = True
-    mv_grader.TIMEOUT_WARNING_SHOWN = True
-    captured = rewards._CapturedErrors()
-    mv_logger = logging.getLogger("math_verify")
-    mv_logger.handlers[:] = [captured]
-    mv_logger.setLevel(logging.DEBUG)
-    mv_logger.propagate = False
-
-    @functools.lru_cache(maxsize=16384)
-    def gold_of(gt: str):
-        for text in ("$" + gt + "$", "\\boxed{" + gt + "}", gt):
-            parsed = parse(text, parsing_timeout=None)
-            if parsed:
-                return parsed
-        return []
-
-    def verify_one(gt: str, pred_text: str):
-        captured.messages.clear()
-        gold = gold_of(gt)
-        if not gold:
-            return False, None, f"ground truth could not be parsed by math-verify: {gt[:200]!r}", 0
-        pred = parse(pred_text, parsing_timeout=None)
-        if not pred:
-            return False, None, None, len(captured.messages)
-        ok = bool(verify(gold, pred, timeout_seconds=None))
-        parsed = next((x[:200] for x in pred if isinstance(x, str)), None)
-        return ok, parsed, None, len(captured.messages)
-
+    verify_one = rewards.make_verifier()
     verify_one("1", "\\boxed{1}")
     _VERIFY = verify_one
 

@@ -194,16 +194,12 @@ class _CapturedErrors(logging.Handler):
             self.messages.append(f"{type(exc).__name__}: {str(exc)[:_MAX_REPR]}")
 
 
-def _worker_main(in_fd: int, out_fd: int, parent_pid: int) -> None:
-    """Loop of a verifier process: receive (task id, gold text, answer text), verify."""
-    _set_parent_death_signal(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
-    # Keep the protocol pipe ours alone: stray prints from libraries go to stderr.
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(2, 1)
-    inbox, outbox = Connection(in_fd, writable=False), Connection(out_fd, readable=False)
-
+def make_verifier():
+    """``verify_one(ground_truth, answer_text) -> (ok, parsed, error, swallowed)`` for this
+    process: math-verify with its own signal timeouts off (the caller enforces deadlines),
+    its log captured (``swallowed`` counts the errors it logged and hid), ground truths
+    parsed once (cached). Runs in a verifier process, not in the caller.
+    """
     import functools
 
     import math_verify.grader as mv_grader
@@ -249,6 +245,20 @@ def _worker_main(in_fd: int, out_fd: int, parent_pid: int) -> None:
         ok = bool(verify(gold, pred, timeout_seconds=None))
         return ok, answer_repr(pred), None, len(captured.messages)
 
+    return verify_one
+
+
+def _worker_main(in_fd: int, out_fd: int, parent_pid: int) -> None:
+    """Loop of a verifier process: receive (task id, gold text, answer text), verify."""
+    _set_parent_death_signal(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
+    # Keep the protocol pipe ours alone: stray prints from libraries go to stderr.
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    inbox, outbox = Connection(in_fd, writable=False), Connection(out_fd, readable=False)
+
+    verify_one = make_verifier()
     verify_one("1", "\\boxed{1}")  # import the lazy parts of sympy/antlr before "ready"
     outbox.send(("ready", os.getpid()))
     while True:
