@@ -211,6 +211,8 @@ def run_train(args: argparse.Namespace) -> int:
             checkpoint_freq=args.checkpoint_freq,
             checkpoint_at_end=args.checkpoint_at_end,
             validate=not args.no_validate,
+            ray_address=args.ray_address,
+            ray_num_gpus=args.ray_num_gpus,
         )
     except CliConfigError as e:
         print(f"{PROG} train: error: {e}", file=sys.stderr)
