@@ -537,3 +537,155 @@ def test_ratio_cap_truncates_the_unclipped_ratio():
     torch.testing.assert_close(g, torch.tensor([[-2.0, -1.125, -0.5]]))
     uncapped, _ = L.clipped_surrogate(logp, old, adv, clip=False)
     assert float(uncapped[0, 0]) == pytest.approx(-5.0)
+
+
+# ------------------------------------------------------------------ numerical guards
+
+
+def test_log_ratio_clamp_is_verls_twenty():
+    assert L.LOG_RATIO_CLAMP == 20.0
+    lw = L.log_ratio(torch.tensor([[0.0, -1.0, 0.0]]), torch.tensor([[float("-inf"), 1e6, float("nan")]]))
+    assert lw[0, :2].tolist() == [20.0, -20.0]
+    assert math.isnan(lw[0, 2])  # a NaN is not hidden: the learner drops the step
+
+
+@pytest.mark.parametrize("mode", ["mean_centered", "std_normalized"])
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+def test_zero_variance_groups_get_exactly_zero_advantage(mode, eps):
+    # all-correct, all-wrong, a singleton, continuous all-equal (0.1 x 3: mean off by an ulp)
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.1, 0.1, 0.1], dtype=torch.float32)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3])
+    adv = L.group_advantages(rewards, groups, mode=mode, eps=eps)
+    assert torch.equal(adv, torch.zeros(9))
+    # a mixed group next to them is untouched (the loop reference)
+    rewards2 = torch.cat([rewards, torch.tensor([1.0, 0.0, 0.0])])
+    groups2 = torch.cat([groups, torch.tensor([4, 4, 4])])
+    adv2 = L.group_advantages(rewards2, groups2, mode=mode, eps=eps)
+    assert torch.equal(adv2[:9], torch.zeros(9))
+    torch.testing.assert_close(adv2[9:], _ref_adv(rewards2[9:], groups2[9:], mode, eps).to(adv2.dtype))
+
+
+@pytest.mark.parametrize("agg", sorted(L.LOSS_AGG_MODES))
+@pytest.mark.parametrize("ratio_mode", L.RATIO_MODES)
+@pytest.mark.parametrize("clip", [True, False])
+@pytest.mark.parametrize("estimator", sorted(L.ADVANTAGE_ESTIMATORS))
+def test_all_zero_variance_step_is_finite_with_zero_policy_gradient(agg, ratio_mode, clip, estimator):
+    logp, old, mask, _ = _ragged()
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])  # every group all-correct or all-wrong
+    adv = L.group_advantages(rewards, torch.tensor([0, 0, 1, 1]), mode=estimator)
+    assert torch.equal(adv, torch.zeros(4))
+    for rep in (torch.zeros(4, dtype=torch.bool), torch.tensor([False, True, False, True])):
+        for cap in (None, 2.0):
+            loss, met = L.mixed_policy_loss(
+                logp, old, adv, mask, rep, agg_mode=agg, ratio_mode=ratio_mode, clip_fresh=clip,
+                ratio_cap=cap, max_len=8, micro_batch_rows=2,
+            )
+            (g,) = torch.autograd.grad(loss, logp)
+            assert float(loss) == 0.0
+            assert torch.equal(g, torch.zeros_like(g))
+            assert float(met["zero_advantage_fraction"]) == 1.0
+            assert all(math.isfinite(float(v)) for v in met.values())
+    # all rows padded too: still finite, still attached
+    loss, _ = L.mixed_policy_loss(logp, old, adv, torch.zeros_like(mask), torch.zeros(4, dtype=torch.bool), agg_mode=agg)
+    (g,) = torch.autograd.grad(loss, logp)
+    assert float(loss) == 0.0 and torch.equal(g, torch.zeros_like(g))
+
+
+def test_zero_advantage_fraction_counts_valid_tokens():
+    logp, old, mask, _ = _ragged()
+    adv = torch.tensor([0.0, 1.0, 0.0, 0.0])  # valid tokens per row: 5, 2, 0, 3
+    _, met = L.mixed_policy_loss(logp, old, adv, mask, torch.zeros(4, dtype=torch.bool))
+    assert float(met["zero_advantage_fraction"]) == pytest.approx(8 / 10)
+
+
+def test_official_aggregation_rejects_zero_micro_batch_rows():
+    logp, _, mask, _ = _ragged()
+    with pytest.raises(ValueError, match="micro_batch_rows"):
+        L.agg_loss(logp, mask, "seq-mean-token-sum-norm-official", micro_batch_rows=0)
+
+
+@pytest.mark.parametrize("shift", [1000.0, -1000.0])
+@pytest.mark.parametrize("ratio_mode", L.RATIO_MODES)
+@pytest.mark.parametrize("clip", [True, False])
+@pytest.mark.parametrize("agg", sorted(L.LOSS_AGG_MODES))
+def test_extreme_log_ratios_give_finite_loss_and_gradient(shift, ratio_mode, clip, agg):
+    for dtype in (torch.float32, torch.float64):
+        logp, _, mask, adv = _ragged()
+        logp = logp.detach().to(dtype).requires_grad_(True)
+        old = logp.detach() - shift  # logp - old_logp = +-1000 on every token
+        for rep in (torch.zeros(4, dtype=torch.bool), torch.tensor([True, False, False, True])):
+            for cap in (None, 2.0):
+                loss, met = L.mixed_policy_loss(
+                    logp, old, adv.to(dtype), mask, rep, agg_mode=agg, ratio_mode=ratio_mode,
+                    clip_fresh=clip, ratio_cap=cap, max_len=8, micro_batch_rows=2,
+                )
+                (g,) = torch.autograd.grad(loss, logp)
+                assert torch.isfinite(loss) and torch.isfinite(g).all()
+                assert float(met["ratio_max"]) <= math.exp(20.0) * (1 + 1e-6)
+                assert all(math.isfinite(float(v)) for v in met.values())
+                if cap is None:
+                    # outside the clamp no gradient flows (token and sequence ratio alike)
+                    assert torch.equal(g, torch.zeros_like(g))
+    # -inf behaviour log-probs (an engine's underflow) are clamped as well
+    logp, _, mask, adv = _ragged()
+    old = torch.full_like(logp, float("-inf"))
+    for ratio_mode in L.RATIO_MODES:
+        loss, _ = L.mixed_policy_loss(logp, old, adv, mask, torch.tensor([True, False, False, False]), ratio_mode=ratio_mode, clip_fresh=False)
+        (g,) = torch.autograd.grad(loss, logp)
+        assert torch.isfinite(loss) and torch.isfinite(g).all()
+
+
+def test_nonfinite_inputs_reach_the_loss():
+    """The guards keep exp finite; they do not hide NaN/inf inputs (the learner drops them)."""
+    logp, old, mask, adv = _ragged()
+    rep = torch.zeros(4, dtype=torch.bool)
+    bad_adv = adv.clone()
+    bad_adv[0] = float("nan")
+    assert math.isnan(float(L.mixed_policy_loss(logp, old, bad_adv, mask, rep)[0]))
+    bad_old = old.clone()
+    bad_old[0, 1] = float("nan")
+    for ratio_mode in L.RATIO_MODES:
+        assert math.isnan(float(L.mixed_policy_loss(logp, bad_old, adv, mask, rep, ratio_mode=ratio_mode)[0]))
+    # ... but a NaN on a padding token stays out (row 1 is valid up to t = 1)
+    pad_old = old.clone()
+    pad_old[1, 4] = float("nan")
+    assert math.isfinite(float(L.mixed_policy_loss(logp, pad_old, adv, mask, rep)[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_guards_leave_normal_ranges_bit_for_bit(dtype):
+    """Inside the clamp the guarded surrogates equal the unguarded formulas exactly, values
+    and gradients (torch.equal, not allclose)."""
+    g = torch.Generator().manual_seed(7)
+    logp0 = -torch.rand(6, 7, generator=g, dtype=dtype) * 3.0
+    old = logp0 + (torch.rand(6, 7, generator=g, dtype=dtype) - 0.5) * 2.0
+    mask = torch.rand(6, 7, generator=g) > 0.3
+    adv = torch.randn(6, generator=g, dtype=dtype)
+    a = adv.unsqueeze(-1)
+
+    def plain_token(logp):
+        w = torch.exp(logp - old)
+        return torch.maximum(-w * a, -torch.clamp(w, 0.8, 1.28) * a)
+
+    def plain_sequence(logp):
+        seq = L.masked_mean(logp.detach() - old, mask, dim=-1)
+        w = torch.exp(seq.unsqueeze(-1) + logp - logp.detach())
+        return torch.maximum(-w * a, -torch.clamp(w, 0.8, 1.28) * a)
+
+    def plain_shaped(logp):
+        w = torch.exp(logp - old)
+        return -a * (w / (w + 0.1))
+
+    cases = [
+        (plain_token, lambda lp: L.clipped_surrogate(lp, old, adv, mask, eps_high=0.28)[0]),
+        (plain_sequence, lambda lp: L.clipped_surrogate(lp, old, adv, mask, eps_high=0.28, ratio_mode="sequence")[0]),
+        (plain_shaped, lambda lp: L.shaped_surrogate(lp, old, adv)[0]),
+    ]
+    for plain, guarded in cases:
+        lp1 = logp0.clone().requires_grad_(True)
+        lp2 = logp0.clone().requires_grad_(True)
+        want, got = plain(lp1), guarded(lp2)
+        assert torch.equal(got, want)
+        (g1,) = torch.autograd.grad(L.agg_loss(want, mask), lp1)
+        (g2,) = torch.autograd.grad(L.agg_loss(got, mask), lp2)
+        assert torch.equal(g2, g1)

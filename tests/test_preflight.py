@@ -134,8 +134,9 @@ BAD_FILES = {
 }
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("kind", sorted(BAD_FILES))
-def test_bad_file_fails_before_ray_in_one_line_per_problem(kind, tmp_path):
+def test_bad_file_fails_before_ray_in_one_line_per_problem(kind, tmp_path, fault_log):
     if kind == "vllm_not_installed" and importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
     text, keys = BAD_FILES[kind]
@@ -149,6 +150,7 @@ def test_bad_file_fails_before_ray_in_one_line_per_problem(kind, tmp_path):
     print(f"\npreflight {kind}: exit {proc.returncode} after {wall:.1f} s")
     lines = _check_failed_before_ray(proc, str(bad), keys, storage)
     assert len(lines) == len(set(lines))
+    fault_log(survived=True, lost=0)  # refused in one line each, nothing started or written
 
 
 def test_dry_run_of_the_qwen_example_lists_its_problems_on_this_machine(tmp_path):
