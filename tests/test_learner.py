@@ -132,8 +132,9 @@ def _warmed_learner(model, **training):
     return group, learner, cfg
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("inject", ["nan_advantage", "nan_old_logp", "nan_old_logp_sequence", "nan_old_logp_replayed"])
-def test_nonfinite_loss_skips_the_update_and_is_counted(quick_tiny_model, inject):
+def test_nonfinite_loss_skips_the_update_and_is_counted(quick_tiny_model, inject, fault_log):
     training = {"ratio_mode": "sequence"} if inject == "nan_old_logp_sequence" else {}
     group, learner, _ = _warmed_learner(quick_tiny_model, **training)
     replayed = [inject == "nan_old_logp_replayed", False]  # a shaped row, or a fresh one
@@ -155,9 +156,11 @@ def test_nonfinite_loss_skips_the_update_and_is_counted(quick_tiny_model, inject
     assert result[DEFAULT_MODULE_ID]["skipped_nonfinite"] == 0
     assert result[DEFAULT_MODULE_ID]["update_skipped"] == 0
     assert any(not torch.equal(a, b) for a, b in zip(before, _params(learner)))
+    fault_log(survived=True, lost=0)
 
 
-def test_inf_gradients_skip_the_update_and_are_counted(quick_tiny_model):
+@pytest.mark.faults
+def test_inf_gradients_skip_the_update_and_are_counted(quick_tiny_model, fault_log):
     group, learner, _ = _warmed_learner(quick_tiny_model, skip_update_grad_norm=None)
     first = next(p for p in learner.module[DEFAULT_MODULE_ID].parameters() if p.requires_grad)
     hook = first.register_hook(lambda g: torch.full_like(g, float("inf")))
@@ -172,6 +175,7 @@ def test_inf_gradients_skip_the_update_and_are_counted(quick_tiny_model):
     assert result["skipped_nonfinite"] == 1 and result["update_skipped"] == 1
     assert all(torch.equal(a, b) for a, b in zip(before, _params(learner)))
     assert _same_state(opt_before, _optimizer_state(learner))
+    fault_log(survived=True, lost=0)
 
 
 def test_grad_norm_skip_is_not_counted_as_nonfinite(quick_tiny_model):
