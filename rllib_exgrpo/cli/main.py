@@ -231,6 +231,10 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"{PROG} train: dry run: {len(experiments)} experiment(s) valid; nothing started.")
         return 0
 
+    if (args.ray_address or os.environ.get("RAY_ADDRESS")) and (args.ray_num_cpus is not None or args.ray_num_gpus is not None):
+        print(f"{PROG} train: error: --ray-num-cpus / --ray-num-gpus size a local Ray instance; a cluster "
+              "joined with --ray-address / RAY_ADDRESS has its own resources (leave them out)", file=sys.stderr)
+        return 2
     ray_init_kwargs = {}
     if args.ray_num_cpus is not None:
         ray_init_kwargs["num_cpus"] = args.ray_num_cpus
