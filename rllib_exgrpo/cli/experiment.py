@@ -52,6 +52,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from rllib_exgrpo.cli.registry import CliConfigError, resolve_algorithm, resolve_env
 from rllib_exgrpo.cli.config_keys import apply_config, check_config_keys, suggest
 from rllib_exgrpo.cli.experiment_file import convert_search_spaces, deep_merge, is_number, load_experiment_file
+from rllib_exgrpo.cli.scheduler import scheduler_settings
 from rllib_exgrpo.cli.mlflow_logging import build_mlflow, make_mlflow_callback
 from rllib_exgrpo.cli import preflight
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ EXPERIMENT_KEYS = (
     "checkpoint_freq",
     "checkpoint_at_end",
     "mlflow",
+    "scheduler",
 )
 
 # Keys of old RLlib/Tune files that this schema spells differently (or drops).
@@ -128,6 +130,8 @@ class Experiment:
     source: Optional[str] = None
     #: What preflight noticed without it being an error (shown by ``--dry-run``).
     notes: List[str] = field(default_factory=list)
+    #: The checked ``scheduler:`` section (``cli/scheduler.py``), or None.
+    scheduler: Optional[Dict[str, Any]] = None
 
     @property
     def param_space(self) -> Dict[str, Any]:
@@ -415,6 +419,7 @@ def _build_checked(
     checkpoint_config = _checkpoint_settings(spec, checkpoint_freq, checkpoint_at_end, errors)
     mlflow_settings = build_mlflow(name, spec, storage, mlflow_uri, errors)
     errors += preflight.mlflow_problems(mlflow_settings)
+    scheduler = scheduler_settings(spec.get("scheduler"), errors)
     if algo_cls is None:
         raise _Invalid(errors)
     ckpt_block = spec.get("checkpoint_config")
@@ -455,6 +460,9 @@ def _build_checked(
         stop={k: stop_dict[k] for k in metric_names}, score_attribute=score_attribute,
     )
     errors += variant_errors
+    if scheduler and isinstance(scheduler.get("metric"), str):
+        msg = preflight.metric_problem(scheduler["metric"], algo_cls, config, "scheduler.metric")
+        errors += [msg] if msg else []
     _stop_if(errors)
     return Experiment(
         name=name,
@@ -470,6 +478,7 @@ def _build_checked(
         mlflow=mlflow_settings,
         source=src_name,
         notes=notes + variant_notes,
+        scheduler=scheduler,
     )
 
 

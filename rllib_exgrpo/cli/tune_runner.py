@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from rllib_exgrpo.cli.console import iteration_lines_callback_class
 from rllib_exgrpo.cli.experiment import Experiment
 from rllib_exgrpo.cli.mlflow_logging import prepare_mlflow
+from rllib_exgrpo.cli.scheduler import make_scheduler
 
 @dataclass
 class ExperimentResult:
@@ -109,7 +110,7 @@ def run_experiments(
             tuner = tuner or tune.Tuner(
                 exp.algo_cls,
                 param_space=exp.param_space,
-                tune_config=tune.TuneConfig(num_samples=exp.num_samples),
+                tune_config=tune.TuneConfig(num_samples=exp.num_samples, **_scheduling(exp)),
                 run_config=tune.RunConfig(
                     name=exp.name,
                     storage_path=exp.storage_path,
@@ -123,6 +124,7 @@ def run_experiments(
             )
             grid = tuner.fit()
             results.append(ExperimentResult(experiment=exp, result_grid=grid, errors=_trial_errors(grid)))
+            _print_best_trial(exp, grid)
     finally:
         if started:
             ray.shutdown()
@@ -149,3 +151,38 @@ def _restored_tuner(exp: Experiment) -> Any:
     print(f"rllib train: --resume: experiment {exp.name!r} continues from {path}", file=sys.stderr)
     return tune.Tuner.restore(path, trainable=exp.algo_cls, param_space=exp.param_space,
                               resume_unfinished=True, resume_errored=True)
+
+
+def _scheduling(exp: Experiment) -> Dict[str, Any]:
+    """TuneConfig's scheduler, metric and mode from the experiment's ``scheduler:``."""
+    settings = exp.scheduler or {}
+    out: Dict[str, Any] = {}
+    scheduler = make_scheduler(settings)
+    if scheduler is not None:
+        out["scheduler"] = scheduler
+        knobs = ", ".join(f"{k} {settings[k]}" for k in ("max_t", "grace_period", "reduction_factor") if settings.get(k))
+        print(f"rllib train: experiment {exp.name!r}: ASHA on {settings['metric']} ({settings['mode']})"
+              + (f", {knobs}" if knobs else ""), file=sys.stderr)
+    if settings.get("metric"):
+        out.update(metric=settings["metric"], mode=settings["mode"])
+    return out
+
+
+def _print_best_trial(exp: Experiment, grid: Any) -> None:
+    """With a scheduler metric: the best trial, its value and its searched settings."""
+    settings = exp.scheduler or {}
+    if not settings.get("metric") or not exp.search_space:
+        return
+    try:
+        best = grid.get_best_result(metric=settings["metric"], mode=settings["mode"], scope="all")
+    except (RuntimeError, KeyError, ValueError):
+        return
+    value = best.metrics_dataframe[settings["metric"]].agg(settings["mode"]) if best.metrics_dataframe is not None else None
+    chosen = {}
+    for path in exp.search_space:
+        node: Any = best.config
+        for part in path.split("/")[1:]:
+            node = node.get(part) if isinstance(node, dict) else None
+        chosen[path.split("/", 1)[1]] = node
+    print(f"rllib train: experiment {exp.name!r}: best trial {best.path} ({settings['metric']} "
+          f"{settings['mode']} {'?' if value is None else format(value, '.4g')}): {chosen}", file=sys.stderr)
