@@ -32,7 +32,7 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm>=0.10"],
-        "deepspeed": ["deepspeed>=0.15"],
+        "deepspeed": ["deepspeed>=0.19,<0.20"],
         "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
     },

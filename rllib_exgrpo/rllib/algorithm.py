@@ -126,6 +126,15 @@ class ExGRPOConfig(AlgorithmConfig):
         }
 
     def get_default_learner_class(self):
+        """``ExGRPOTorchLearner`` (RLlib's DDP with ``num_learners >= 2``), or with
+        ``learner_backend="deepspeed"`` the same learner on DeepSpeed ZeRO engines
+        (``rllib/deepspeed_learner.py``; its config is checked here, in the driver,
+        before RLlib starts a learner)."""
+        if getattr(self, "learner_backend", "ddp") == "deepspeed":
+            from rllib_exgrpo.rllib.deepspeed_learner import DeepSpeedExGRPOLearner, check_deepspeed_config
+
+            check_deepspeed_config(self)
+            return DeepSpeedExGRPOLearner
         return ExGRPOTorchLearner
 
     @property

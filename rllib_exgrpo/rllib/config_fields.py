@@ -308,8 +308,29 @@ _HELDOUT = [
        "Max completion tokens in held-out evaluation (None: max_response_tokens)."),
 ]
 
+_SECTION = "learners (docs/deepspeed.md)"
+#: Values of ``learner_backend`` / ``deepspeed_zero_stage`` (``rllib/deepspeed_learner.py`` uses them).
+LEARNER_BACKENDS = ("ddp", "deepspeed")
+DEEPSPEED_ZERO_STAGES = (1, 2, 3)
+_LEARNERS = [
+    _f("learner_backend", "ddp", one_of(LEARNER_BACKENDS),
+       "How num_learners >= 2 learners share the work: 'ddp' (RLlib's DistributedDataParallel, "
+       "every learner a full copy of model and AdamW state) or 'deepspeed' (one DeepSpeed ZeRO "
+       "engine per learner: optimiser state (stage 1), gradients (2) and parameters (3) "
+       "partitioned; bf16 on GPU, fp32 on CPU; same loss, AdamW, grad clip and grad-norm skip). "
+       "Needs the 'deepspeed' extra."),
+    _f("deepspeed_zero_stage", 2, one_of(DEEPSPEED_ZERO_STAGES),
+       "ZeRO stage of learner_backend='deepspeed': 1, 2 or 3."),
+    _f("deepspeed", {}, mapping,
+       "Overrides merged into the generated DeepSpeed config of learner_backend='deepspeed', "
+       "e.g. {'zero_optimization': {'stage3_param_persistence_threshold': 0}} or "
+       "{'bf16': {'enabled': False}}; the stage is deepspeed_zero_stage's, and optimizer, "
+       "scheduler, gradient_clipping and batch sizes belong to lr, weight_decay, grad_clip and "
+       "minibatch_size."),
+]
+
 #: Every field this project adds, in documentation order.
-FIELDS: Tuple[Field, ...] = tuple(_MODEL + _SAMPLING + _OBJECTIVE + _EXPERIENCE + _XRPO + _HELDOUT)
+FIELDS: Tuple[Field, ...] = tuple(_MODEL + _SAMPLING + _OBJECTIVE + _EXPERIENCE + _XRPO + _HELDOUT + _LEARNERS)
 FIELDS_BY_NAME: Dict[str, Field] = {f.name: f for f in FIELDS}
 assert len(FIELDS_BY_NAME) == len(FIELDS), "a field is defined twice"
 

@@ -146,6 +146,19 @@ class ExGRPOTorchLearner(TorchLearner):
             loss = loss * float("nan")
         return loss
 
+    def _agreed(self, skip: bool, nonfinite: bool):
+        """The skip decision of every data-parallel learner at once (a max over them):
+        one learner's NaN shard must not leave the others stepping. NaN gradients alone do
+        not carry it there: the log-ratio clamp passes no gradient to NaN inputs."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return skip, nonfinite
+        device = next(iter(self._params.values())).device if self._params else "cpu"
+        flags = torch.tensor([float(skip), float(nonfinite)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), bool(flags[1].item())
+
     def postprocess_gradients_for_module(self, *, module_id, config=None, module_gradients_dict):
         threshold = getattr(config, "skip_update_grad_norm", None)
         grads = [g for g in module_gradients_dict.values() if g is not None]
@@ -161,7 +174,7 @@ class ExGRPOTorchLearner(TorchLearner):
         )
 
     def apply_gradients(self, gradients_dict) -> None:
-        skip, nonfinite = self._skip_step, self._nonfinite_step
+        skip, nonfinite = self._agreed(self._skip_step, self._nonfinite_step)
         once = self._counts_here()
         for module_id in dict.fromkeys(self._guarded_modules):
             self.metrics.log_value((module_id, "update_skipped"), once * float(skip), reduce="sum")

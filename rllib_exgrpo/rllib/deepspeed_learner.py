@@ -1,0 +1,670 @@
+"""``DeepSpeedExGRPOLearner``: the ExGRPO learner on a DeepSpeed ZeRO engine (stage 1, 2, 3).
+
+Chosen with ``learner_backend="deepspeed"`` (``ExGRPOConfig.get_default_learner_class``).
+Each learner actor of RLlib's ``LearnerGroup`` wraps its module in one DeepSpeed engine
+instead of RLlib's DDP; everything else is the ExGRPO learner's own code, reached through
+its hooks (this file never copies them):
+
+* the loss: ``compute_losses`` / ``compute_loss_for_module`` of ``ExGRPOTorchLearner``
+  (the forward pass goes through the engine, so ZeRO-3 gathers the parameters);
+* the gradient: ``engine.backward`` (gradients averaged over the learners, as DDP does;
+  ZeRO-2/3 keep only this learner's partition), then the pre-clip global norm that the
+  ZeRO optimiser computes over all partitions;
+* the guards: ExGRPO's ``postprocess_gradients_for_module`` sees that norm (grad-norm skip,
+  NaN/inf) and its ``apply_gradients`` logs ``update_skipped`` / ``skipped_nonfinite``;
+  a step it keeps is ``engine.step()`` (AdamW with the config's ``lr`` -- RLlib's schedule
+  -- and ``weight_decay``, clipped to ``grad_clip`` by global norm as RLlib clips), a step
+  it drops goes through DeepSpeed's own overflow path: no parameter, moment or step count
+  changes. The learners agree before stepping (a non-finite loss anywhere is an inf norm
+  everywhere, and one learner dropping a step drops it on all): ranks never diverge and
+  no collective is left waiting.
+
+The engine step sits *below* ExGRPO's hooks in the method order::
+
+    DeepSpeedExGRPOLearner -> ExGRPOTorchLearner -> _DeepSpeedStep -> TorchLearner
+
+so ``super().apply_gradients`` inside ExGRPO's hook marks the step as kept, and
+``_uncompiled_update`` then runs ``engine.step()`` (or the dropped step) on every learner.
+
+State. RLlib asks only its first learner for ``get_state`` (weight sync, checkpoints), so
+that call must not start a collective (ZeRO-3's gather would wait forever for the other
+ranks). The learner that is asked fetches the other ranks' local pieces through Ray
+instead (``_ds_local_partitions``, ``_ds_local_optimizer_state``; the actor handles are
+exchanged once at build), which needs no collective:
+
+* ``rl_module``: the full weights in the module's own dtype (ZeRO-3 partitions put back
+  together), as RLlib's module state: env runners and ``RLModule.from_checkpoint`` read it
+  unchanged;
+* ``optimizer``: every rank's ZeRO optimiser state (fp32 master partitions, AdamW moments,
+  step), restored rank by rank (same number of learners).
+
+``set_state`` and ``restore_from_path`` run on every learner; each writes its own slice
+(ZeRO-3) or the full tensors (ZeRO-1/2) and refreshes the fp32 master copy, no collective
+either. Pitfalls of DeepSpeed on this stack (``/work/shared/design/RLLIB_NOTES.md``) are
+handled in ``_prepare_distributed`` and ``build_deepspeed_config``; ``docs/deepspeed.md``
+has the measurements.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import pathlib
+import socket
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ray.rllib.core import COMPONENT_RL_MODULE
+from ray.rllib.core.learner.learner import DEFAULT_OPTIMIZER
+from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
+from ray.rllib.core.rl_module.rl_module import RLModule
+from ray.rllib.utils import force_list
+from ray.rllib.utils.checkpoints import Checkpointable
+from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
+
+from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
+
+logger = logging.getLogger(__name__)
+
+#: Keys of the generated DeepSpeed config that other fields own: ``deepspeed`` may not set them.
+_OWNED_KEYS = {
+    "optimizer": "the optimiser is AdamW with lr / weight_decay (the DDP learner's)",
+    "scheduler": "the learning rate is RLlib's (lr, a number or a schedule)",
+    "gradient_clipping": "use grad_clip (clipped by global norm)",
+    "gradient_accumulation_steps": "one engine step per optimiser step (minibatch_size rows per learner)",
+    "train_batch_size": "the algorithm plans minibatches itself (minibatch_size)",
+    "train_micro_batch_size_per_gpu": "the algorithm plans minibatches itself (minibatch_size)",
+}
+#: Seconds the asked learner waits for the other ranks' pieces in ``get_state``.
+GATHER_TIMEOUT_S = float(os.environ.get("RLLIB_EXGRPO_DEEPSPEED_GATHER_TIMEOUT_S", "600"))
+
+
+def deepspeed_importable() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:  # ImportError, or a broken install that fails at import
+        return False
+    return True
+
+
+def _merged(base: Dict[str, Any], overrides: Dict[str, Any]) -> Dict[str, Any]:
+    """``base`` with ``overrides`` merged in, dict by dict (overrides win)."""
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def deepspeed_config_errors(config) -> List[str]:
+    """What is wrong with a config that asks for the DeepSpeed learner (empty when fine)."""
+    errors = []
+    overrides = getattr(config, "deepspeed", None) or {}
+    stage = getattr(config, "deepspeed_zero_stage", 2)
+    for key, why in _OWNED_KEYS.items():
+        if key in overrides:
+            errors.append(f"deepspeed[{key!r}] cannot be set: {why}")
+    zero = overrides.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        errors.append(f"deepspeed['zero_optimization'] must be a dict, got {zero!r}")
+    elif "stage" in zero and zero["stage"] != stage:
+        errors.append(
+            f"deepspeed['zero_optimization']['stage'] = {zero['stage']!r} disagrees with "
+            f"deepspeed_zero_stage = {stage!r}: set the stage with deepspeed_zero_stage"
+        )
+    data_types = overrides.get("data_types")
+    accum = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
+    if stage == 1 and accum in ("fp32", "float32", "float"):
+        errors.append(
+            "deepspeed_zero_stage=1 with data_types.grad_accum_dtype fp32 makes DeepSpeed (bf16) use its "
+            "BF16_Optimizer, which this learner does not drive: use stage 2 for fp32 gradient accumulation"
+        )
+    if config.grad_clip is not None and config.grad_clip_by != "global_norm":
+        errors.append(
+            f"learner_backend='deepspeed' clips by global norm only: grad_clip_by must be "
+            f"'global_norm', got {config.grad_clip_by!r}"
+        )
+    if getattr(config, "torch_compile_learner", False):
+        errors.append("learner_backend='deepspeed' does not support torch_compile_learner")
+    if getattr(config, "_torch_grad_scaler_class", None) is not None:
+        errors.append("learner_backend='deepspeed' does its own loss scaling: unset _torch_grad_scaler_class")
+    if getattr(config, "_torch_lr_scheduler_classes", None):
+        errors.append("learner_backend='deepspeed' takes the learning rate from lr (a number or a schedule)")
+    if not deepspeed_importable():
+        errors.append("learner_backend='deepspeed' needs DeepSpeed: pip install 'rllib-exgrpo[deepspeed]'")
+    return errors
+
+
+def check_deepspeed_config(config) -> None:
+    errors = deepspeed_config_errors(config)
+    if errors:
+        raise ValueError("Invalid DeepSpeed learner config:\n  - " + "\n  - ".join(errors))
+
+
+#: DeepSpeed's own default size (elements) of its gradient-reduction and all-gather buckets.
+DEFAULT_BUCKET = 500_000_000
+
+
+def build_deepspeed_config(config, device: torch.device, num_parameters: Optional[int] = None) -> Dict[str, Any]:
+    """The DeepSpeed config of one learner: ZeRO stage ``deepspeed_zero_stage``; bf16 on a
+    GPU (fp32 master weights in the optimiser), fp32 on CPU (``model_dtype`` bfloat16 /
+    float16 ask for bf16 / fp16 anywhere); ``grad_clip``; buckets no larger than the model;
+    then ``deepspeed`` merged in."""
+    on_gpu = device.type == "cuda"
+    dtype = getattr(config, "model_dtype", "float32")
+    # ZeRO-1/2 allocate a reduce bucket of reduce_bucket_size elements every step (5e8 by
+    # default: 2 GB in fp32, seconds per step on CPU for a 1M-parameter model).
+    bucket = int(min(DEFAULT_BUCKET, max(num_parameters or DEFAULT_BUCKET, 1_000_000)))
+    base = {
+        # Bookkeeping only: the algorithm hands each engine step one minibatch of its own.
+        "train_micro_batch_size_per_gpu": max(1, int(config.minibatch_size or 1)),
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": float(config.grad_clip) if config.grad_clip else 0.0,
+        "zero_optimization": {
+            "stage": int(config.deepspeed_zero_stage),
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+        },
+        "bf16": {"enabled": dtype == "bfloat16" or (on_gpu and dtype == "float32")},
+        "fp16": {"enabled": dtype == "float16"},
+        # torch.optim.AdamW is on DeepSpeed's ZeRO list; kept for torch versions where the
+        # class check differs.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return _merged(base, dict(getattr(config, "deepspeed", None) or {}))
+
+
+# --- the process group DeepSpeed needs ------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prepare_distributed(device: torch.device) -> None:
+    """Make ``deepspeed.init_distributed`` reuse RLlib's process group.
+
+    * RLlib's backend (``ray/train/torch/config.py``) creates the gloo / nccl group and
+      exports MASTER_ADDR / MASTER_PORT only; DeepSpeed asserts on a missing LOCAL_RANK.
+      A learner sees only its own GPU, so its local device is ``device.index``.
+    * A local learner (``num_learners=0``) has no group: a one-rank gloo group is made.
+    * DeepSpeed would compile its shared-memory comm op (~86 s, or fail without a C++
+      compiler) although gloo does all the work: marked incompatible first.
+    """
+    import deepspeed
+    import deepspeed.ops
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            rank=0, world_size=1,
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world)
+    os.environ["LOCAL_RANK"] = str(device.index or 0) if device.type == "cuda" else str(rank)
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+# --- ZeRO internals used in one step -------------------------------------------------------
+def _zero_stage(engine) -> int:
+    return int(engine.zero_optimization_stage())
+
+
+def _pre_step_grad_norm(engine) -> torch.Tensor:
+    """The global L2 norm of the averaged gradient over all partitions, before clipping:
+    the number the ZeRO optimiser's own ``step`` clips with (inf if any is NaN/inf)."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    opt = engine.optimizer
+    if _zero_stage(engine) == 3:
+        norm = combine_grad_norm_groups(opt._get_norm_groups())
+    else:
+        norm = opt.scaled_global_norm()
+    norm = torch.as_tensor(norm, dtype=torch.float64).detach().cpu()
+    return norm / float(opt.loss_scale)
+
+
+@contextlib.contextmanager
+def _overflow_forced(engine):
+    """Make the next ``engine.step()`` take DeepSpeed's overflow path: gradients and
+    reduction buffers cleared, no optimiser step (parameters, moments, step count kept)."""
+    opt = engine.optimizer
+    patched: Dict[str, Any] = {}
+
+    def patch(name, value):
+        patched[name] = opt.__dict__.get(name, _MISSING)
+        setattr(opt, name, value)
+
+    if _zero_stage(engine) == 3:
+        def forced(update_scale=True):
+            opt.overflow = True
+            return opt._loss_scale_update_and_overflow_cleanup() if update_scale else True
+
+        patch("_overflow_check_and_loss_scale_update", forced)
+    else:
+        def forced(partition_gradients=True):
+            opt.overflow = True
+
+        patch("check_grad_overflow", True)
+        patch("check_overflow", forced)
+    try:
+        yield
+    finally:
+        for name, old in patched.items():
+            if old is _MISSING:
+                opt.__dict__.pop(name, None)
+            else:
+                setattr(opt, name, old)
+
+
+_MISSING = object()
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """``flag`` or'ed over the learners (one scalar all-reduce; the local value alone
+    without a process group of several ranks)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def _cpu_copy(obj):
+    """A CPU copy of a (nested) state: tensors cloned, never views of live buffers."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+def _to_numpy(t: torch.Tensor, dtype: torch.dtype):
+    """As RLlib's module state: numpy; dtypes numpy lacks (bfloat16) become float32."""
+    if dtype in (torch.bfloat16,):
+        dtype = torch.float32
+    return t.detach().to("cpu", dtype=dtype).numpy()
+
+
+class _TrainForward(torch.nn.Module):
+    """What the engine wraps: the RLModule, called through ``forward_train``; going through
+    ``engine(batch)`` fires the hooks ZeRO-3 gathers parameters with."""
+
+    def __init__(self, rl_module: torch.nn.Module):
+        super().__init__()
+        self.rl_module = rl_module
+
+    def forward(self, batch):
+        return self.rl_module.forward_train(batch)
+
+
+class _StateFile(Checkpointable):
+    """Reads one RLModule folder's state file (``module_state.pkl``) without a module."""
+
+    STATE_FILE_NAME = RLModule.STATE_FILE_NAME
+
+    def __init__(self):
+        self.state = None
+
+    def get_state(self, *args, **kwargs):
+        return self.state
+
+    def set_state(self, state) -> None:
+        self.state = state
+
+    def get_ctor_args_and_kwargs(self):
+        return (), {}
+
+
+# --- the engine step, below ExGRPO's hooks -----------------------------------------------
+class _DeepSpeedStep(TorchLearner):
+    """``compute_gradients`` / ``postprocess_gradients_for_module`` / ``apply_gradients`` on
+    DeepSpeed engines (``self._engines``); ExGRPO's versions of the last two call these."""
+
+    _engines: Dict[str, Any]
+
+    def compute_gradients(self, loss_per_module, **kwargs):
+        """``engine.backward`` per module; the "gradient" handed on is one tensor per
+        module, the global pre-clip norm, under the module's first parameter (so RLlib's
+        per-optimizer filter keeps it and ExGRPO's norm of it is that norm).
+
+        A non-finite loss on any learner makes that norm inf on every learner. A NaN loss
+        does not always give NaN gradients (``log_ratio``'s clamp passes no gradient to a
+        NaN input), so without this the learner with the NaN loss would drop the step
+        and the others take it: diverging ranks, and under ZeRO a collective that never
+        completes."""
+        grads, norms = {}, {}
+        bad = False
+        for module_id, loss in loss_per_module.items():
+            engine = self._engines.get(module_id)
+            if engine is None or not torch.is_tensor(loss) or loss.grad_fn is None:
+                continue
+            bad = bad or not bool(torch.isfinite(loss.detach()).all())
+            engine.backward(loss)
+            norms[module_id] = _pre_step_grad_norm(engine)
+        if norms and _any_rank(bad, self._device):
+            norms = {mid: torch.full_like(n, float("inf")) for mid, n in norms.items()}
+        for module_id, norm in norms.items():
+            first = self._optimizer_parameters[self.get_optimizer(module_id, DEFAULT_OPTIMIZER)][0]
+            grads[first] = norm.reshape(1).float()
+        return grads
+
+    def postprocess_gradients_for_module(self, *, module_id, config=None, module_gradients_dict):
+        """No clipping here: ``engine.step()`` clips to ``grad_clip`` by the same global norm.
+        RLlib's norm metric is logged as the DDP learner logs it."""
+        if (config.grad_clip and config.grad_clip_by == "global_norm") or config.log_gradients:
+            for value in module_gradients_dict.values():
+                self.metrics.log_value(
+                    (module_id, f"gradients_{DEFAULT_OPTIMIZER}_global_norm"), float(value.reshape(-1)[0]), window=1
+                )
+        return dict(module_gradients_dict)
+
+    def apply_gradients(self, gradients_dict) -> None:
+        """The step is kept: ``_uncompiled_update`` runs ``engine.step()`` once every
+        learner has decided (all keep it, or all drop it)."""
+        self._ds_keep_step = True
+
+
+class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
+    """The ExGRPO learner with one DeepSpeed ZeRO engine per module (see the module doc)."""
+
+    # ---- build ---------------------------------------------------------------------------
+    def build(self) -> None:
+        check_deepspeed_config(self.config)
+        self._engines = {}
+        self._ds_peers: Optional[list] = None
+        self._ds_dtypes: Dict[str, Dict[str, torch.dtype]] = {}
+        self._ds_keep_step = False
+        # ExGRPO's build: threads, RLlib's module and AdamW, the frozen KL reference (a
+        # deep copy of the full model, taken before any partitioning).
+        super().build()
+        self._init_engines()
+
+    def _make_modules_ddp_if_necessary(self) -> None:
+        """No DDP: the engines made at the end of ``build`` replace it."""
+
+    def add_module(self, **kwargs):
+        if getattr(self, "_engines", None):
+            raise NotImplementedError("learner_backend='deepspeed' does not add modules after the learner is built")
+        return super().add_module(**kwargs)
+
+    def remove_module(self, module_id, **kwargs):
+        raise NotImplementedError("learner_backend='deepspeed' does not remove modules")
+
+    def _init_engines(self) -> None:
+        import deepspeed
+
+        _prepare_distributed(self._device)
+        for module_id in self.module.keys():
+            rl_module = self.module[module_id]
+            names = self._module_optimizers.get(module_id, [])
+            if not isinstance(rl_module, torch.nn.Module) or not names:
+                continue
+            if len(names) != 1:
+                raise NotImplementedError(f"module {module_id!r}: one optimiser per module with DeepSpeed, got {names}")
+            self._ds_dtypes[module_id] = {k: v.dtype for k, v in rl_module.state_dict().items()}
+            num_parameters = sum(p.numel() for p in rl_module.parameters())
+            ds_config = build_deepspeed_config(self.config, self._device, num_parameters)
+            optimizer = self._named_optimizers[names[0]]
+            engine, _, _, _ = deepspeed.initialize(
+                model=_TrainForward(rl_module), optimizer=optimizer, config=ds_config, dist_init_required=False
+            )
+            zero_cls = type(engine.optimizer).__name__
+            if zero_cls not in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
+                raise NotImplementedError(
+                    f"DeepSpeed chose {zero_cls} for this config; the learner drives the ZeRO optimisers "
+                    "(stage 1/2: DeepSpeedZeroOptimizer, stage 3: DeepSpeedZeroOptimizer_Stage3) only"
+                )
+            self._engines[module_id] = engine
+        if dist.get_world_size() > 1:
+            import ray
+
+            handles: list = [None] * dist.get_world_size()
+            dist.all_gather_object(handles, ray.get_runtime_context().current_actor)
+            self._ds_peers = handles
+
+    @property
+    def deepspeed_engines(self) -> Dict[str, Any]:
+        """The DeepSpeed engine of each module (read-only use: metrics, debugging)."""
+        return dict(self._engines)
+
+    # ---- one update ----------------------------------------------------------------------
+    def _uncompiled_update(self, batch: Dict, **kwargs):
+        self._compute_off_policyness(batch)
+        fwd_out = {
+            mid: (self._engines[mid](batch[mid]) if mid in self._engines else self.module[mid].forward_train(batch[mid]))
+            for mid in batch.keys()
+            if mid in self.module
+        }
+        loss_per_module = self.compute_losses(fwd_out=fwd_out, batch=batch)
+        self._ds_keep_step = False
+        gradients = self.compute_gradients(loss_per_module)
+        # ExGRPO's guards: the norm metric and the skip decision, the same on every rank
+        # (the norm is the all-reduced one; a NaN loss anywhere makes every norm inf).
+        postprocessed = self.postprocess_gradients(gradients)
+        self.apply_gradients(postprocessed)  # ExGRPO's: counts; _DeepSpeedStep's if it keeps the step
+        keep = not _any_rank(not self._ds_keep_step, self._device)
+        if self._ds_keep_step and not keep:
+            logger.warning("another learner dropped this step: dropped here too (ranks must step together)")
+        for engine in self._engines.values():
+            if keep:
+                engine.step()
+            else:  # dropped: DeepSpeed's overflow path, nothing changes
+                with _overflow_forced(engine):
+                    engine.step()
+        return fwd_out, loss_per_module, {}
+
+    # ---- pieces each rank holds (called on the other learners through Ray) ---------------
+    def _ds_local_partitions(self, module_id) -> Dict[int, torch.Tensor]:
+        """ZeRO-3: this rank's partition of every parameter (``ds_tensor``), by ``ds_id``."""
+        engine = self._engines[module_id]
+        return {p.ds_id: p.ds_tensor.detach().to("cpu", copy=True) for p in engine.module.parameters() if hasattr(p, "ds_id")}
+
+    def _ds_local_optimizer_state(self, module_id) -> Dict[str, Any]:
+        """This rank's ZeRO optimiser state (no collective)."""
+        return _cpu_copy(self._engines[module_id].optimizer.state_dict())
+
+    def _from_every_rank(self, method: str, *args) -> list:
+        """``method(*args)`` on every rank, in rank order: here directly, on the others as
+        Ray calls to their actors (idle: RLlib asks one learner at a time)."""
+        own = getattr(self, method)(*args)
+        if not self._ds_peers:
+            return [own]
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        rank = dist.get_rank()
+        refs = {r: getattr(h, method).remote(*args) for r, h in enumerate(self._ds_peers) if r != rank}
+        try:
+            got = dict(zip(refs, ray.get(list(refs.values()), timeout=GATHER_TIMEOUT_S)))
+        except GetTimeoutError as e:
+            raise RuntimeError(
+                f"DeepSpeed learner {rank}: the other learners did not hand over their ZeRO shards within "
+                f"{GATHER_TIMEOUT_S:g} s. get_state must be called on one learner at a time (as RLlib's "
+                "LearnerGroup does); for every learner's own view use full_parameters_collective()"
+            ) from e
+        got[rank] = own
+        return [got[r] for r in range(len(self._ds_peers))]
+
+    # ---- module state ------------------------------------------------------------------
+    def _module_tensors(self, module_id, inference_only: bool = False) -> Dict[str, torch.Tensor]:
+        rl_module = self.module[module_id]
+        tensors = rl_module.state_dict(keep_vars=True)
+        if inference_only and not rl_module.inference_only and isinstance(rl_module, InferenceOnlyAPI):
+            attrs = rl_module.get_non_inference_attributes()
+            tensors = {
+                k: v for k, v in tensors.items()
+                if not any(k.startswith(a) and (len(k) == len(a) or k[len(a)] == ".") for a in attrs)
+            }
+        return tensors
+
+    def _full_module_state(self, module_id, inference_only: bool = False) -> Dict[str, Any]:
+        """The module's full weights as numpy, in the dtype it was built with."""
+        if module_id not in self._engines:
+            return self.module[module_id].get_state(inference_only=inference_only)
+        tensors = self._module_tensors(module_id, inference_only)
+        dtypes = self._ds_dtypes[module_id]
+        parts = None
+        if any(hasattr(t, "ds_id") for t in tensors.values()):
+            parts = self._from_every_rank("_ds_local_partitions", module_id)
+        out = {}
+        for key, t in tensors.items():
+            if hasattr(t, "ds_id"):
+                flat = torch.cat([p[t.ds_id].reshape(-1) for p in parts])[: t.ds_numel]
+                t = flat.view(t.ds_shape)
+            out[key] = _to_numpy(t, dtypes.get(key, t.dtype))
+        return out
+
+    @torch.no_grad()
+    def _set_module_weights(self, module_id, weights: Dict[str, Any]) -> None:
+        """Full weights in: ZeRO-3 keeps its own slice of each, ZeRO-1/2 the whole tensor;
+        then the optimiser's fp32 master copy follows. Local to this rank (no collective)."""
+        if module_id not in self._engines:
+            self.module[module_id].set_state(weights)
+            return
+        engine = self._engines[module_id]
+        tensors = self._module_tensors(module_id)
+        rank = dist.get_rank()
+        for key, value in weights.items():
+            t = tensors.get(key)
+            if t is None:
+                continue
+            full = torch.as_tensor(value)
+            if hasattr(t, "ds_id"):
+                part = t.ds_tensor
+                size = part.numel()
+                flat = full.reshape(-1).to(part.dtype)
+                piece = flat[rank * size : (rank + 1) * size]
+                part.data.reshape(-1)[: piece.numel()].copy_(piece)
+                part.data.reshape(-1)[piece.numel():].zero_()
+                if t.data.numel() == t.ds_numel:  # available (persistent or gathered): keep it equal
+                    t.data.copy_(full.reshape(t.ds_shape).to(t.dtype))
+            else:
+                t.data.copy_(full.reshape(t.shape).to(t.dtype))
+        engine.optimizer.refresh_fp32_params()
+
+    # ---- optimizer state -----------------------------------------------------------------
+    def _get_optimizer_state(self) -> Dict[str, Any]:
+        shards = {
+            mid: {
+                "zero_stage": _zero_stage(engine),
+                "world_size": dist.get_world_size(),
+                "shards": self._from_every_rank("_ds_local_optimizer_state", mid),
+            }
+            for mid, engine in self._engines.items()
+        }
+        return {"deepspeed": shards}
+
+    def _set_optimizer_state(self, state: Dict[str, Any]) -> None:
+        if "deepspeed" not in state:
+            if state:
+                logger.warning(
+                    "optimizer state without DeepSpeed shards (saved by another learner backend): weights "
+                    "restored, optimizer state (AdamW moments, step) starts afresh"
+                )
+            return
+        for mid, entry in state["deepspeed"].items():
+            engine = self._engines.get(mid)
+            if engine is None:
+                continue
+            stage, world = _zero_stage(engine), dist.get_world_size()
+            if entry["zero_stage"] != stage or entry["world_size"] != world:
+                raise ValueError(
+                    f"module {mid!r}: the checkpoint holds ZeRO-{entry['zero_stage']} optimizer shards of "
+                    f"{entry['world_size']} learner(s); this run has ZeRO-{stage} with {world}. Restore with the "
+                    "same deepspeed_zero_stage and num_learners (re-sharding is not supported)"
+                )
+            engine.optimizer.load_state_dict(
+                copy.deepcopy(entry["shards"]), load_optimizer_states=True, load_from_fp32_weights=True
+            )
+
+    # ---- RLlib's state API -----------------------------------------------------------------
+    def get_state(self, components=None, *, not_components=None, **kwargs):
+        self._check_is_built()
+        if not self._engines:
+            return super().get_state(components, not_components=not_components, **kwargs)
+        want_module = self._check_component(COMPONENT_RL_MODULE, components, not_components)
+        state = super().get_state(
+            components, not_components=force_list(not_components) + [COMPONENT_RL_MODULE], **kwargs
+        )
+        if want_module:
+            sub = self._get_subcomponents(COMPONENT_RL_MODULE, components)
+            not_sub = self._get_subcomponents(COMPONENT_RL_MODULE, not_components)
+            state[COMPONENT_RL_MODULE] = {
+                mid: self._full_module_state(mid, inference_only=kwargs.get("inference_only", False))
+                for mid in self.module.keys()
+                if self.module._check_component(mid, sub, not_sub)
+            }
+        return state
+
+    def set_state(self, state) -> None:
+        self._check_is_built()
+        if not self._engines:
+            return super().set_state(state)
+        state = dict(state)
+        module_state = state.pop(COMPONENT_RL_MODULE, None)
+        seq_no = state.get(WEIGHTS_SEQ_NO, 0)
+        if module_state is not None and (seq_no == 0 or self._weights_seq_no < seq_no):
+            for mid, weights in module_state.items():
+                if mid in self.module:
+                    self._set_module_weights(mid, weights)
+        super().set_state(state)  # optimizer (_set_optimizer_state), seq no, metrics
+
+    def _restore_all_subcomponents_from_path(self, path, filesystem, only_comp_names=None, component=None, **kwargs):
+        """The module folder's weights go through ``_set_module_weights`` (a ZeRO-3 module
+        cannot ``load_state_dict`` full tensors); folders as RLlib writes them."""
+        path = pathlib.Path(path)
+        if component is None:
+            if only_comp_names is not None and COMPONENT_RL_MODULE not in only_comp_names:
+                return
+            folder, mids = path / COMPONENT_RL_MODULE, list(self.module.keys())
+        elif component == COMPONENT_RL_MODULE:
+            folder, mids = path, list(self.module.keys())
+        elif component.startswith(COMPONENT_RL_MODULE + "/"):
+            mid = component[len(COMPONENT_RL_MODULE) + 1 :].split("/")[0]
+            self._restore_module_folder(mid, path, filesystem)
+            return
+        else:
+            return
+        for mid in mids:
+            self._restore_module_folder(mid, folder / mid, filesystem)
+
+    def _restore_module_folder(self, module_id, folder: pathlib.Path, filesystem) -> None:
+        from ray.rllib.utils.checkpoints import _exists_at_fs_path
+
+        if not (_exists_at_fs_path(filesystem, folder.as_posix()) if filesystem is not None else folder.exists()):
+            return
+        reader = _StateFile()
+        reader.restore_from_path(folder, filesystem=filesystem)
+        self._set_module_weights(module_id, reader.state)
+
+    # ---- checks ----------------------------------------------------------------------------
+    def full_parameters_collective(self, module_id=None) -> Dict[str, Any]:
+        """This rank's own gathered view of the full parameters (numpy), through DeepSpeed's
+        ``GatheredParameters`` -- a collective: call it on every learner at once
+        (``learner_group.foreach_learner``). For tests and debugging."""
+        import deepspeed
+
+        from ray.rllib.core import DEFAULT_MODULE_ID
+
+        module_id = module_id or DEFAULT_MODULE_ID
+        rl_module = self.module[module_id]
+        params = list(rl_module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {k: _to_numpy(v, v.dtype) for k, v in rl_module.state_dict().items()}
