@@ -1,0 +1,308 @@
+"""Experience testbed: GRPO vs ExGRPO where experience can matter (issue "Experience that pays").
+
+    python benchmarks/experience_testbed.py --phase diag   [--seeds 0]
+    python benchmarks/experience_testbed.py --phase search [--seeds 0]
+    python benchmarks/experience_testbed.py --phase final  [--seeds 0 1 2 3 4] --best '{...}'
+    python benchmarks/experience_testbed.py --variants '{"name": ["grpo_finite", {"lr": 1e-4}], ...}'
+
+Testbed (tuned_examples/grpo_finite_tiny.yaml and exgrpo_finite_tiny.yaml, twins): the
+embedded tiny Qwen2 on a FINITE training set of 600 arithmetic questions (levels 1-4, the
+held-out distribution; the warm start solves levels 1/2/3/4 at about 55/52/7/19%), 32
+questions x 8 completions per step, 80 steps = 2560 question draws = 4.3 epochs of the set.
+
+Two evaluators, both greedy, both on the arithmetic *test* split (never trained on: the
+train and test splits are disjoint by construction, envs/arithmetic.py):
+
+* ``test``: the first 200 test questions, exactly ``_runs.heldout_accuracy`` (the final
+  figures, the same set as compare.py);
+* ``val``: test questions 200-400 (``validation_accuracy`` below), the only numbers that
+  tuning looks at.
+
+Every run goes through ``_runs`` (its ``build``, cache naming and reading helpers); runs are
+cached as JSON under ``--out`` (default benchmarks/out/testbed/runs), so a killed phase
+resumes. Equal budget as in compare.py: for each seed the budget is the completion tokens
+the phase's reference GRPO variant has sampled after ``--iterations`` steps; every variant
+trains until it has done ``--iterations`` steps and spent that budget, and is read at the
+first evaluation whose tokens reach the budget (evaluations every ``--eval-interval`` steps
+and at the crossing step).
+
+Selection metric (decided before looking): ``val_tail``, the mean validation accuracy of the
+evaluations at or after 70% of the budget, up to the crossing (4 to 5 evaluations: less
+noise than one point). The final figure is ``test@budget`` (one point, as compare.py), with
+``test_tail`` next to it; mean and 95% t-interval over seeds, and the paired difference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+import _common
+from _common import ROOT, start_ray
+import _runs
+from _runs import _cache_path, _scalars, build, heldout_accuracy
+
+_common.RECIPES.setdefault("grpo_finite", ("grpo_finite_tiny.yaml", {}))
+_common.RECIPES.setdefault("exgrpo_finite", ("exgrpo_finite_tiny.yaml", {}))
+
+VAL_SLICE = (200, 400)
+TESTBED_FORMAT = 1
+LEARNER_KEYS = ("policy_loss", "entropy", "clip_fraction", "ratio_mean", "ratio_max", "replay_ratio_mean",
+                "replay_shaping_mean", "grad_norm_preclip", "update_skipped")
+TOP_KEYS = ("reward_mean", "solve_rate", "zero_variance_group_fraction", "all_correct_group_fraction")
+
+G, E = "grpo_finite", "exgrpo_finite"
+#: Phase 2: one switch at a time on top of the official ExGRPO defaults (lr 3e-4).
+DIAG = {
+    # (the lr / experience_ratio variants spell their overrides as the search does, so the
+    # cached runs are shared with it)
+    "grpo": [G, {"lr": 3e-4}],
+    "exgrpo": [E, {"lr": 3e-4, "experience_ratio": 0.5}],
+    "ex_keepclip": [E, {"remove_clip_in_mixed_mode": False}],
+    "ex_rho0.25": [E, {"lr": 3e-4, "experience_ratio": 0.25}],
+    "grpo_lr1e-4": [G, {"lr": 1e-4}],
+    "ex_lr1e-4": [E, {"lr": 1e-4, "experience_ratio": 0.5}],
+    "ex_noshaping": [E, {"policy_shaping": False}],
+    "ex_random_traj": [E, {"trajectory_selection": "random"}],
+    "ex_delay0.6": [E, {"delayed_start_solve_rate": 0.6}],
+    "ex_noretire": [E, {"retire_solved": False}],
+    # not an official default: draw pooled questions uniformly instead of by the Gaussian
+    # bucket weight (on this pool the mid buckets hold 2-8 questions, replayed every step)
+    "ex_lr1e-4_uniform": [E, {"lr": 1e-4, "experience_ratio": 0.5, "bucket_weighting": "uniform"}],
+}
+#: Phase 3: equal-effort validation search, lr x 3 each, plus ExGRPO's experience_ratio.
+SEARCH = {
+    "grpo_lr3e-4": [G, {"lr": 3e-4}],  # first: the budget reference, as in the diag phase
+    "grpo_lr1e-4": [G, {"lr": 1e-4}],
+    "grpo_lr6e-4": [G, {"lr": 6e-4}],
+}
+
+
+def validation_accuracy(algo, max_new_tokens: int) -> float:
+    """Greedy accuracy on held-out (test-split) questions 200-400: the tuning set, disjoint
+    from both the training set and the 200 questions of the final figures."""
+    runner = algo.env_runner
+    ids = [p.id for p in runner.heldout_env.problems][VAL_SLICE[0]:VAL_SLICE[1]]
+    if len(ids) < VAL_SLICE[1] - VAL_SLICE[0]:
+        raise ValueError(f"held-out set has {len(runner.heldout_env.problems)} questions; need {VAL_SLICE[1]}")
+    episodes = runner.sample(question_ids=ids, num_samples=1, heldout=True, temperature=0.0,
+                             max_new_tokens=max_new_tokens, return_logprobs=False)
+    return float(np.mean([e.get_return() for e in episodes]))
+
+
+def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[float], eval_interval: int,
+              overrides: dict, out: Path, log=print) -> dict:
+    """_runs.train_run with both evaluators and the learner / experience metrics per step."""
+    key = {"algo": name, "seed": seed, "iterations": iterations, "token_budget": token_budget,
+           "eval_interval": eval_interval, "overrides": overrides, "model": None,
+           "format": _runs.RUN_FORMAT, "testbed": TESTBED_FORMAT}
+    path = _cache_path(out, key)
+    if path.exists():
+        return json.loads(path.read_text())
+    config, algo = build(name, seed, overrides)
+    max_tokens = int(config.max_response_tokens)
+    steps: List[dict] = []
+    evals: List[dict] = []
+    tokens, crossed_at = 0.0, None
+    t_run = time.perf_counter()
+
+    def evaluate(step: int):
+        if evals and evals[-1]["step"] == step:
+            return
+        t0 = time.perf_counter()
+        evals.append({"step": step, "tokens": tokens, "accuracy": heldout_accuracy(algo, max_tokens),
+                      "val": validation_accuracy(algo, max_tokens), "eval_s": time.perf_counter() - t0})
+
+    try:
+        evaluate(0)
+        while True:
+            t0 = time.perf_counter()
+            result = algo.train()
+            wall = time.perf_counter() - t0
+            runners = result.get("env_runners", {})
+            tokens = float(runners.get("num_response_tokens_lifetime", tokens))
+            learner = (result.get("learners") or {}).get("default_policy", {})
+            step = len(steps) + 1
+            steps.append({
+                "step": step, "tokens": tokens, "wall_s": wall,
+                "solve_rate": float(runners.get("episode_return_mean", math.nan)),
+                "top": {k: float(result[k]) for k in TOP_KEYS if isinstance(result.get(k), (int, float))},
+                "learner": {k: float(learner[k]) for k in LEARNER_KEYS if isinstance(learner.get(k), (int, float))},
+                "experience": _scalars(result.get("experience")),
+            })
+            budget_met = token_budget is None or tokens >= token_budget
+            if token_budget is not None and budget_met and crossed_at is None:
+                crossed_at = step
+            if step % eval_interval == 0 or step == iterations or step == crossed_at:
+                evaluate(step)
+                log(f"  {name} seed {seed} step {step}: tokens {int(tokens):,}, test {evals[-1]['accuracy']:.3f}"
+                    f" val {evals[-1]['val']:.3f}, {time.perf_counter() - t_run:.0f} s", flush=True)
+            if (step >= iterations and budget_met) or step >= 3 * iterations:
+                break
+        evaluate(len(steps))
+    finally:
+        algo.stop()
+    record = {**key, "steps": steps, "evals": evals, "budget_step": crossed_at,
+              "wall_s": time.perf_counter() - t_run}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    return record
+
+
+# ---- reading -----------------------------------------------------------------------------
+def at_budget(run: dict, budget: float, field: str) -> float:
+    for e in run["evals"]:
+        if e["tokens"] >= budget:
+            return e[field]
+    return math.nan
+
+
+def tail(run: dict, budget: float, field: str, frac: float = 0.7) -> float:
+    vals = []
+    for e in run["evals"]:
+        if e["tokens"] >= frac * budget:
+            vals.append(e[field])
+        if e["tokens"] >= budget:
+            break
+    return float(np.mean(vals)) if vals else math.nan
+
+
+def ci95(values) -> tuple:
+    """(mean, half-width of the 95% t-interval, n)."""
+    from scipy import stats
+
+    a = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    if a.size < 2:
+        return (float(a.mean()) if a.size else math.nan, math.nan, int(a.size))
+    return float(a.mean()), float(stats.t.ppf(0.975, a.size - 1) * a.std(ddof=1) / math.sqrt(a.size)), int(a.size)
+
+
+def run_metrics(run: dict, upto: Optional[int] = None, last: int = 30) -> Dict[str, float]:
+    """Mean of the diagnostic metrics over the last ``last`` steps (up to ``upto``)."""
+    steps = run["steps"][:upto] if upto else run["steps"]
+    window = steps[-last:]
+
+    def m(section, k):
+        v = [s[section].get(k) for s in window if s[section].get(k) is not None]
+        return float(np.mean(v)) if v else math.nan
+
+    last_exp = steps[-1]["experience"]
+    return {"solve": float(np.mean([s["solve_rate"] for s in window])),
+            "zero_var": m("top", "zero_variance_group_fraction"),
+            "all_ok": m("top", "all_correct_group_fraction"),
+            "loss": m("learner", "policy_loss"), "clip": m("learner", "clip_fraction"),
+            "shaping": m("learner", "replay_shaping_mean"), "entropy": m("learner", "entropy"),
+            "gnorm": m("learner", "grad_norm_preclip"),
+            "replayed": m("experience", "replayed_fraction"),
+            "pool": last_exp.get("pool_size", math.nan), "retired": last_exp.get("retired", math.nan),
+            "switch": last_exp.get("switch_iteration", math.nan)}
+
+
+def report(runs: Dict[str, List[dict]], budgets: Dict[int, float], ref: str) -> List[str]:
+    lines = [f"budget per seed (tokens of '{ref}' after its iterations): "
+             + ", ".join(f"seed {s}: {int(b):,}" for s, b in budgets.items()), "",
+             f"{'variant':<18}{'n':>2} {'test@budget':>16} {'test_tail':>14} {'val@budget':>14} {'val_tail':>14}"
+             f" {'steps':>5} | solve zero_var all_ok  clip  shaping entropy replayed pool retired switch"]
+    for name, mine in runs.items():
+        def cell(field, fn):
+            m, h, n = ci95([fn(r, budgets[r["seed"]], field) for r in mine])
+            return f"{m:.3f}" + (f"±{h:.3f}" if not math.isnan(h) else "      ")
+        steps = np.mean([_runs.steps_to_budget(r, budgets[r["seed"]]) for r in mine])
+        ms = [run_metrics(r, _runs.steps_to_budget(r, budgets[r["seed"]])) for r in mine]
+        avg = {k: float(np.nanmean([x[k] for x in ms])) if not all(math.isnan(x[k]) for x in ms) else math.nan
+               for k in ms[0]}
+        lines.append(
+            f"{name:<18}{len(mine):>2} {cell('accuracy', at_budget):>16} {cell('accuracy', tail):>14}"
+            f" {cell('val', at_budget):>14} {cell('val', tail):>14} {steps:>5.0f} |"
+            f" {avg['solve']:.3f} {avg['zero_var']:.3f}  {avg['all_ok']:.3f} {avg['clip']:.3f} {avg['shaping']:.3f}"
+            f"   {avg['entropy']:.3f}   {avg['replayed']:.3f} {avg['pool']:>4.0f} {avg['retired']:>6.0f} {avg['switch']:>4.0f}")
+    lines += ["", "per run: variant seed | test@budget val@budget | test/val at each evaluation step"]
+    for name, mine in runs.items():
+        for r in mine:
+            b = budgets[r["seed"]]
+            curve = " ".join(f"{e['step']}:{e['accuracy']:.2f}/{e['val']:.2f}" for e in r["evals"])
+            lines.append(f"{name:<18} {r['seed']} | {at_budget(r, b, 'accuracy'):.3f} {at_budget(r, b, 'val'):.3f} | {curve}")
+    return lines
+
+
+def paired(runs: Dict[str, List[dict]], budgets, a: str, b: str, field: str = "accuracy") -> str:
+    ra = {r["seed"]: at_budget(r, budgets[r["seed"]], field) for r in runs[a]}
+    rb = {r["seed"]: at_budget(r, budgets[r["seed"]], field) for r in runs[b]}
+    seeds = sorted(set(ra) & set(rb))
+    m, h, n = ci95([ra[s] - rb[s] for s in seeds])
+    return f"{a} - {b} ({field}@budget, paired over seeds {seeds}): {m:+.3f} ± {h:.3f} (95% t, n={n})"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phase", choices=["diag", "search", "final", "custom"], default="custom")
+    p.add_argument("--variants", default=None, help='JSON {"name": [recipe, overrides], ...} (custom phase; '
+                   'with another phase: only these names of it)')
+    p.add_argument("--only", nargs="+", default=None, help="run only these variant names of the phase")
+    p.add_argument("--best", default="{}", help='final phase: JSON {"grpo": {...}, "exgrpo": {...}} overrides')
+    p.add_argument("--rhos", nargs="+", type=float, default=[0.25, 0.5], help="search: ExGRPO experience_ratio values")
+    p.add_argument("--ex-base", default="{}", help="search: JSON overrides of every ExGRPO variant")
+    p.add_argument("--ref", default=None, help="variant whose tokens set the budget (default: the first GRPO one)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--iterations", type=int, default=80)
+    p.add_argument("--eval-interval", type=int, default=10)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "testbed"))
+    args = p.parse_args()
+
+    if args.phase == "diag":
+        variants = dict(DIAG)
+    elif args.phase == "search":
+        variants = dict(SEARCH)
+        base = json.loads(args.ex_base)
+        for lr in (1e-4, 3e-4, 6e-4):
+            for rho in args.rhos:
+                variants[f"ex_lr{lr:.0e}_rho{rho}"] = [E, {**base, "lr": lr, "experience_ratio": rho}]
+    elif args.phase == "final":
+        best = json.loads(args.best)
+        variants = {"grpo": [G, best.get("grpo", {})], "exgrpo": [E, best.get("exgrpo", {})]}
+    else:
+        variants = {}
+    if args.variants:
+        variants.update(json.loads(args.variants))
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k in args.only}
+    ref = args.ref or next(k for k, (recipe, _) in variants.items() if recipe == G)
+    order = [ref] + [k for k in variants if k != ref]
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start_ray()
+    runs: Dict[str, List[dict]] = {k: [] for k in order}
+    budgets: Dict[int, float] = {}
+    for seed in args.seeds:
+        recipe, ov = variants[ref]
+        r = train_run(recipe, seed, iterations=args.iterations, token_budget=None,
+                      eval_interval=args.eval_interval, overrides=ov, out=out)
+        runs[ref].append(r)
+        budgets[seed] = r["steps"][args.iterations - 1]["tokens"]
+        for name in order[1:]:
+            recipe, ov = variants[name]
+            t0 = time.time()
+            runs[name].append(train_run(recipe, seed, iterations=args.iterations, token_budget=budgets[seed],
+                                        eval_interval=args.eval_interval, overrides=ov, out=out))
+            r = runs[name][-1]
+            print(f"[{time.strftime('%H:%M:%S')}] {name} seed {seed}: test@budget "
+                  f"{at_budget(r, budgets[seed], 'accuracy'):.3f} val@budget {at_budget(r, budgets[seed], 'val'):.3f}"
+                  f" ({time.time() - t0:.0f} s)", flush=True)
+        runs_so_far = {k: v for k, v in runs.items() if v}
+        print("\n".join(report(runs_so_far, budgets, ref)), flush=True)
+    lines = report(runs, budgets, ref)
+    if args.phase == "final" and len(args.seeds) > 1:
+        lines += ["", paired(runs, budgets, "exgrpo", "grpo"), paired(runs, budgets, "exgrpo", "grpo", "val")]
+    text = "\n".join(lines)
+    print("\n" + text)
+    (out / f"report-{args.phase}.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
