@@ -40,7 +40,7 @@ exchanged once at build), which needs no collective:
 
 ``set_state`` and ``restore_from_path`` run on every learner; each writes its own slice
 (ZeRO-3) or the full tensors (ZeRO-1/2) and refreshes the fp32 master copy, no collective
-either. Pitfalls of DeepSpeed on this stack (``/work/shared/design/RLLIB_NOTES.md``) are
+either. Pitfalls of DeepSpeed on this stack (listed in ``docs/deepspeed.md``) are
 handled in ``_prepare_distributed`` and ``build_deepspeed_config``; ``docs/deepspeed.md``
 has the measurements.
 """
