@@ -73,13 +73,15 @@ def _cache_path(out: Path, key: dict) -> Path:
 
 def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[float] = None,
               eval_interval: int = 10, overrides: Optional[dict] = None, out: Path,
-              max_iterations: Optional[int] = None, model: Optional[str] = None) -> dict:
+              max_iterations: Optional[int] = None, model: Optional[str] = None,
+              key_extra: Optional[dict] = None, extra_eval=None, step_fields=None, on_eval=None) -> dict:
     """One run (cached). Returns ``{"algo", "seed", "steps": [...], "evals": [...], ...}``:
     per step its sampled tokens so far, wall time and scalar metrics; per evaluation the
     step, tokens so far and held-out accuracy."""
     overrides = dict(overrides or {})
     key = {"algo": name, "seed": seed, "iterations": iterations, "token_budget": token_budget,
-           "eval_interval": eval_interval, "overrides": overrides, "model": model, "format": RUN_FORMAT}
+           "eval_interval": eval_interval, "overrides": overrides, "model": model, "format": RUN_FORMAT,
+           **(key_extra or {})}
     path = _cache_path(out, key)
     if path.exists():
         return json.loads(path.read_text())
@@ -95,8 +97,11 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
         if evals and evals[-1]["step"] == step:
             return
         t0 = time.perf_counter()
-        evals.append({"step": step, "tokens": tokens, "accuracy": heldout_accuracy(algo, max_tokens),
-                      "eval_s": time.perf_counter() - t0})
+        record = {"step": step, "tokens": tokens, "accuracy": heldout_accuracy(algo, max_tokens)}
+        record.update(extra_eval(algo, max_tokens) if extra_eval else {})
+        evals.append({**record, "eval_s": time.perf_counter() - t0})
+        if on_eval:
+            on_eval(evals[-1], time.perf_counter() - t_run)
 
     try:
         evaluate(0)
@@ -114,6 +119,7 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
                 "experience": _scalars(result.get("experience")),
                 "xrpo": _scalars(result.get("xrpo")),
                 "stage_s": _scalars(result.get("step_time_s")),
+                **(step_fields(result) if step_fields else {}),
             })
             budget_met = token_budget is None or tokens >= token_budget
             if token_budget is not None and budget_met and crossed_at is None:

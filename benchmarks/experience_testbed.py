@@ -45,7 +45,6 @@ import numpy as np
 import _common
 from _common import ROOT, start_ray
 import _runs
-from _runs import _cache_path, _scalars, build, heldout_accuracy
 
 _common.RECIPES.setdefault("grpo_finite", ("grpo_finite_tiny.yaml", {}))
 _common.RECIPES.setdefault("exgrpo_finite", ("exgrpo_finite_tiny.yaml", {}))
@@ -98,60 +97,24 @@ def validation_accuracy(algo, max_new_tokens: int) -> float:
 def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[float], eval_interval: int,
               overrides: dict, out: Path, log=print) -> dict:
     """_runs.train_run with both evaluators and the learner / experience metrics per step."""
-    key = {"algo": name, "seed": seed, "iterations": iterations, "token_budget": token_budget,
-           "eval_interval": eval_interval, "overrides": overrides, "model": None,
-           "format": _runs.RUN_FORMAT, "testbed": TESTBED_FORMAT}
-    path = _cache_path(out, key)
-    if path.exists():
-        return json.loads(path.read_text())
-    config, algo = build(name, seed, overrides)
-    max_tokens = int(config.max_response_tokens)
-    steps: List[dict] = []
-    evals: List[dict] = []
-    tokens, crossed_at = 0.0, None
-    t_run = time.perf_counter()
 
-    def evaluate(step: int):
-        if evals and evals[-1]["step"] == step:
-            return
-        t0 = time.perf_counter()
-        evals.append({"step": step, "tokens": tokens, "accuracy": heldout_accuracy(algo, max_tokens),
-                      "val": validation_accuracy(algo, max_tokens), "eval_s": time.perf_counter() - t0})
+    def step_fields(result) -> dict:
+        learner = (result.get("learners") or {}).get("default_policy", {})
+        return {
+            "top": {k: float(result[k]) for k in TOP_KEYS if isinstance(result.get(k), (int, float))},
+            "learner": {k: float(learner[k]) for k in LEARNER_KEYS if isinstance(learner.get(k), (int, float))},
+        }
 
-    try:
-        evaluate(0)
-        while True:
-            t0 = time.perf_counter()
-            result = algo.train()
-            wall = time.perf_counter() - t0
-            runners = result.get("env_runners", {})
-            tokens = float(runners.get("num_response_tokens_lifetime", tokens))
-            learner = (result.get("learners") or {}).get("default_policy", {})
-            step = len(steps) + 1
-            steps.append({
-                "step": step, "tokens": tokens, "wall_s": wall,
-                "solve_rate": float(runners.get("episode_return_mean", math.nan)),
-                "top": {k: float(result[k]) for k in TOP_KEYS if isinstance(result.get(k), (int, float))},
-                "learner": {k: float(learner[k]) for k in LEARNER_KEYS if isinstance(learner.get(k), (int, float))},
-                "experience": _scalars(result.get("experience")),
-            })
-            budget_met = token_budget is None or tokens >= token_budget
-            if token_budget is not None and budget_met and crossed_at is None:
-                crossed_at = step
-            if step % eval_interval == 0 or step == iterations or step == crossed_at:
-                evaluate(step)
-                log(f"  {name} seed {seed} step {step}: tokens {int(tokens):,}, test {evals[-1]['accuracy']:.3f}"
-                    f" val {evals[-1]['val']:.3f}, {time.perf_counter() - t_run:.0f} s", flush=True)
-            if (step >= iterations and budget_met) or step >= 3 * iterations:
-                break
-        evaluate(len(steps))
-    finally:
-        algo.stop()
-    record = {**key, "steps": steps, "evals": evals, "budget_step": crossed_at,
-              "wall_s": time.perf_counter() - t_run}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1))
-    return record
+    def on_eval(e: dict, elapsed: float) -> None:
+        log(f"  {name} seed {seed} step {e['step']}: tokens {int(e['tokens']):,}, test {e['accuracy']:.3f}"
+            f" val {e['val']:.3f}, {elapsed:.0f} s", flush=True)
+
+    return _runs.train_run(
+        name, seed, iterations=iterations, token_budget=token_budget, eval_interval=eval_interval,
+        overrides=overrides, out=out, key_extra={"testbed": TESTBED_FORMAT},
+        extra_eval=lambda algo, max_tokens: {"val": validation_accuracy(algo, max_tokens)},
+        step_fields=step_fields, on_eval=on_eval,
+    )
 
 
 # ---- reading -----------------------------------------------------------------------------
