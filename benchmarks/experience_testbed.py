@@ -74,12 +74,11 @@ DIAG = {
     # bucket weight (on this pool the mid buckets hold 2-8 questions, replayed every step)
     "ex_lr1e-4_uniform": [E, {"lr": 1e-4, "experience_ratio": 0.5, "bucket_weighting": "uniform"}],
 }
-#: Phase 3: equal-effort validation search, lr x 3 each, plus ExGRPO's experience_ratio.
-SEARCH = {
-    "grpo_lr3e-4": [G, {"lr": 3e-4}],  # first: the budget reference, as in the diag phase
-    "grpo_lr1e-4": [G, {"lr": 1e-4}],
-    "grpo_lr6e-4": [G, {"lr": 6e-4}],
-}
+#: Phase 3: equal-effort validation search: the same three learning rates for each method
+#: (around the 1e-4 at which GRPO was stable over 80 steps in the diag phase; 3e-4 broke it
+#: at step ~75), plus ExGRPO's own key switch, the experience ratio. The first lr's GRPO
+#: run is the budget reference.
+SEARCH_LRS = (1e-4, 5e-5, 2e-4)
 
 
 def validation_accuracy(algo, max_new_tokens: int) -> float:
@@ -209,6 +208,8 @@ def main():
     p.add_argument("--only", nargs="+", default=None, help="run only these variant names of the phase")
     p.add_argument("--best", default="{}", help='final phase: JSON {"grpo": {...}, "exgrpo": {...}} overrides')
     p.add_argument("--rhos", nargs="+", type=float, default=[0.25, 0.5], help="search: ExGRPO experience_ratio values")
+    p.add_argument("--lrs", nargs="+", type=float, default=list(SEARCH_LRS),
+                   help="search: learning rates, the same for each method (the first GRPO one sets the budget)")
     p.add_argument("--ex-base", default="{}", help="search: JSON overrides of every ExGRPO variant")
     p.add_argument("--ref", default=None, help="variant whose tokens set the budget (default: the first GRPO one)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -220,9 +221,9 @@ def main():
     if args.phase == "diag":
         variants = dict(DIAG)
     elif args.phase == "search":
-        variants = dict(SEARCH)
+        variants = {f"grpo_lr{lr:.0e}": [G, {"lr": lr}] for lr in args.lrs}
         base = json.loads(args.ex_base)
-        for lr in (1e-4, 3e-4, 6e-4):
+        for lr in args.lrs:
             for rho in args.rhos:
                 variants[f"ex_lr{lr:.0e}_rho{rho}"] = [E, {**base, "lr": lr, "experience_ratio": rho}]
     elif args.phase == "final":

@@ -163,8 +163,11 @@ def train_and_time(algo, iterations: int) -> List[float]:
     return per_step
 
 
-def test_ddp_two_learners_match_one_learner_and_the_runner(quick_tiny_model):
-    algo = two_learner_config(quick_tiny_model).build_algo()
+@pytest.mark.parametrize("micro", [None, 4])
+def test_ddp_two_learners_match_one_learner_and_the_runner(quick_tiny_model, micro):
+    """``micro``: learner_micro_batch_rows=4 (4 passes per learner and step, DDP's
+    all-reduce only in the last backward), against the same one-pass reference."""
+    algo = two_learner_config(quick_tiny_model, learner_micro_batch_rows=micro).build_algo()
     try:
         initial = runner_parameters(algo)
         steps = record_steps(algo)
@@ -184,7 +187,7 @@ def test_ddp_two_learners_match_one_learner_and_the_runner(quick_tiny_model):
         algo.stop()
     reference = reference_parameters(quick_tiny_model, steps)
     worst = assert_close_to_reference(views[0], reference, initial, atol=REFERENCE_ATOL)
-    print(f"\nDDP x2: learner step {np.mean(per_step) * 1e3:.1f} ms (iterations: "
+    print(f"\nDDP x2{' micro-batches of 4 rows' if micro else ''}: learner step {np.mean(per_step) * 1e3:.1f} ms (iterations: "
           f"{', '.join(f'{t * 1e3:.1f}' for t in per_step)} ms), 2 iterations {wall:.1f} s, "
           f"max |DDP - single learner| = {worst:.2g}")
 

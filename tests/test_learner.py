@@ -242,3 +242,58 @@ def test_extreme_log_ratios_give_a_finite_loss_and_gradient(quick_tiny_model, sh
     assert result["ratio_max"] <= math.exp(20.0) * (1 + 1e-6)
     assert result["ratio_min"] >= math.exp(-20.0) * (1 - 1e-6)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in learner.module[DEFAULT_MODULE_ID].parameters())
+
+
+def _ragged_batch(learner, n_rows: int = 6, seed: int = 0):
+    """n_rows completions of different lengths, some replayed, behaviour log-probs a
+    little off the current ones (ratios != 1, so the clip and the shaping both act)."""
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for i in range(n_rows):
+        length = 1 + i % 8
+        trajs.append(Trajectory(f"q{i // 3}", np.array([5, 6, 7]), rng.integers(8, 60, size=length),
+                                np.zeros(length, np.float32), float(i % 2), off_policy=(i % 3 == 2)))
+    adv = rng.normal(size=n_rows).astype(np.float32)
+    batch = learner_batch(trajs, adv, pad_id=0)
+    module = learner.module[DEFAULT_MODULE_ID]
+    with torch.no_grad():
+        logp = module._forward_train({k: torch.as_tensor(v) for k, v in batch.items()})[C.LOGP].numpy()
+    batch[C.OLD_LOGP] = (logp - rng.normal(scale=0.2, size=logp.shape)) * batch[C.RESPONSE_MASK]
+    return batch
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm-official"])
+@pytest.mark.parametrize("micro", [1, 4])
+def test_micro_batches_give_the_one_pass_update(quick_tiny_model, agg, micro):
+    """learner_micro_batch_rows cuts the pass, not the update: the gradient of the step
+    (left in ``p.grad``, after the clip) and the loss equal the one-pass learner's (float
+    tolerance; parameters are not compared: AdamW's first step is ~lr * sign(g), which
+    turns float noise on near-zero gradients into lr-sized differences)."""
+    results, params = [], []
+    for rows in (None, micro):
+        group, learner, _ = _learner(quick_tiny_model, loss_agg_mode=agg, entropy_coeff=0.01, kl_coeff=0.05,
+                                     grad_clip=1.0, learner_micro_batch_rows=rows)
+        learner.set_mixed_mode(True)
+        batch = _ragged_batch(learner)
+        results.append(group.update(batch=to_multi_agent_batch(batch))[0][DEFAULT_MODULE_ID])
+        params.append([p.grad.detach().clone() for p in learner.module[DEFAULT_MODULE_ID].parameters()])
+    one, cut = results
+    scale = max(float(g.abs().max()) for g in params[0])
+    for a, b in zip(*params):
+        assert torch.allclose(a, b, atol=1e-5 * scale, rtol=1e-4)
+    def value(stat):
+        return float(stat.peek() if hasattr(stat, "peek") else stat)
+
+    for key in ("policy_loss", "total_loss", "grad_norm_preclip", "ratio_max", "entropy"):
+        assert value(cut[key]) == pytest.approx(value(one[key]), rel=1e-4, abs=1e-6), key
+    assert cut["update_skipped"] == one["update_skipped"] == 0
+
+
+def test_a_nonfinite_micro_batch_drops_the_whole_update(quick_tiny_model):
+    group, learner, _ = _learner(quick_tiny_model, learner_micro_batch_rows=2)
+    batch = _ragged_batch(learner)
+    batch[C.ADVANTAGES][5] = np.nan  # only the last micro-batch
+    before = _params(learner)
+    result = group.update(batch=to_multi_agent_batch(batch))[0][DEFAULT_MODULE_ID]
+    assert result["update_skipped"] == 1 and result["skipped_nonfinite"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(learner)))

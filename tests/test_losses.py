@@ -689,3 +689,43 @@ def test_guards_leave_normal_ranges_bit_for_bit(dtype):
         (g1,) = torch.autograd.grad(L.agg_loss(want, mask), lp1)
         (g2,) = torch.autograd.grad(L.agg_loss(got, mask), lp2)
         assert torch.equal(g2, g1)
+
+
+@pytest.mark.parametrize("mode", sorted(L.LOSS_AGG_MODES))
+@pytest.mark.parametrize("cut", [1, 2, 3])
+def test_micro_batch_losses_with_batch_totals_sum_to_the_whole(mode, cut):
+    """Learner gradient accumulation: rows cut into slices, each slice aggregated with the
+    whole batch's ``agg_totals``; the slices' losses (policy + entropy + KL) and gradients
+    add up to the one-pass ones. Rows of different lengths, one with no valid token."""
+    g = torch.Generator().manual_seed(7)
+    N, T = 5, 6
+    logp = (-torch.rand(N, T, generator=g, dtype=torch.float64) - 0.1).requires_grad_(True)
+    old = logp.detach() - 0.3 * torch.rand(N, T, generator=g, dtype=torch.float64)
+    ref = logp.detach() - 0.2
+    ent = torch.rand(N, T, generator=g, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.0, -0.5, 0.25, 2.0, -1.0], dtype=torch.float64)
+    mask = torch.zeros(N, T)
+    for i, n in enumerate([6, 3, 0, 5, 1]):
+        mask[i, :n] = 1
+    off = torch.tensor([False, True, False, False, True])
+    kw = dict(agg_mode=mode, max_len=T, micro_batch_rows=2, clip_fresh=False, entropy_coeff=0.01, kl_coeff=0.05)
+
+    whole, _ = L.mixed_policy_loss(logp, old, adv, mask, off, entropy=ent, ref_logp=ref, **kw)
+    g_logp, g_ent = torch.autograd.grad(whole, (logp, ent))
+    totals = L.agg_totals(mask)
+    parts = []
+    for s in range(0, N, cut):
+        sl = slice(s, s + cut)
+        part, _ = L.mixed_policy_loss(logp[sl], old[sl], adv[sl], mask[sl], off[sl], entropy=ent[sl],
+                                      ref_logp=ref[sl], totals=totals, **kw)
+        parts.append(part)
+    summed = sum(parts)
+    p_logp, p_ent = torch.autograd.grad(summed, (logp, ent))
+    assert torch.allclose(summed, whole, atol=1e-12)
+    assert torch.allclose(p_logp, g_logp, atol=1e-12) and torch.allclose(p_ent, g_ent, atol=1e-12)
+    # without the totals a slice divides by its own counts: the sum differs (the point)
+    if cut < N and mode != "seq-mean-token-sum-norm-official":
+        own = sum(L.mixed_policy_loss(logp[s:s + cut], old[s:s + cut], adv[s:s + cut], mask[s:s + cut],
+                                      off[s:s + cut], entropy=ent[s:s + cut], ref_logp=ref[s:s + cut], **kw)[0]
+                  for s in range(0, N, cut))
+        assert not torch.allclose(own, whole)

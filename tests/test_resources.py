@@ -4,6 +4,7 @@ import torch
 
 from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 from rllib_exgrpo.rllib.resources import (
+    runner_device,
     ClusterResources,
     ResourceError,
     fit_resources,
@@ -117,3 +118,11 @@ def test_env_runner_and_learner_actors_use_their_cpus(quick_tiny_model):
         algo.train()
     finally:
         algo.stop()
+
+
+def test_a_runner_given_a_gpu_keeps_its_module_there():
+    cfg = ExGRPOConfig()
+    assert runner_device(cfg, cuda_available=True).type == "cpu"  # no GPU asked for
+    cfg.env_runners(num_gpus_per_env_runner=1)
+    assert runner_device(cfg, cuda_available=True) == torch.device("cuda", 0)
+    assert runner_device(cfg, cuda_available=False).type == "cpu"  # asked, but no CUDA here

@@ -27,7 +27,7 @@ Registries (name -> function):
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -45,6 +45,8 @@ __all__ = [
     "policy_shaping",
     "shaped_surrogate",
     "agg_loss",
+    "AggTotals",
+    "agg_totals",
     "entropy_from_logits",
     "streamed_entropy",
     "token_logprobs_from_logits",
@@ -437,18 +439,41 @@ def _masked_loss(per_token_loss: Tensor, mask: Tensor) -> Tuple[Tensor, Tensor]:
     return torch.where(m != 0, per_token_loss, zero) * m, m
 
 
+class AggTotals(NamedTuple):
+    """The counts an aggregation divides by, taken from a whole (mini-)batch so that a
+    slice of its rows (a learner micro-batch, gradient accumulation) can be aggregated
+    on its own and the slices' losses *sum* to the whole batch's loss exactly.
+
+    ``rows``: all rows; ``tokens``: valid tokens (``sum m``); ``rows_with_tokens``: rows
+    with at least one valid token. Floats or 0-d tensors (no host sync needed)."""
+
+    rows: float
+    tokens: Tensor
+    rows_with_tokens: Tensor
+
+
+def agg_totals(mask: Tensor) -> AggTotals:
+    """:class:`AggTotals` of a ``mask [N, T]`` (the whole batch that will be sliced)."""
+    m = mask.to(torch.float32) if mask.dtype == torch.bool else mask
+    rows = m.shape[0] if m.dim() > 1 else 1
+    return AggTotals(float(rows), m.sum().detach(), (m.sum(dim=-1) > 0).sum().to(m.dtype).detach())
+
+
 def _agg_token_mean(
-    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None
+    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
+    totals: Optional[AggTotals] = None,
 ) -> Tensor:
     """``sum_{i,t} m l / sum_{i,t} m`` (DAPO / verl ``token-mean``)."""
     del max_len, micro_batch_rows
     lm, m = _masked_loss(per_token_loss, mask)
+    tokens = m.sum() if totals is None else torch.as_tensor(totals.tokens, dtype=lm.dtype, device=lm.device)
     # An all-zero mask gives 0 / 1e-8 = 0, still attached to the graph (no host sync).
-    return lm.sum() / m.sum().clamp_min(1e-8)
+    return lm.sum() / tokens.clamp_min(1e-8)
 
 
 def _agg_seq_mean_token_mean(
-    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None
+    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
+    totals: Optional[AggTotals] = None,
 ) -> Tensor:
     """``mean_{i: n_i>0} (sum_t m l / n_i)``; rows with no valid token are excluded."""
     del max_len, micro_batch_rows
@@ -456,24 +481,35 @@ def _agg_seq_mean_token_mean(
     n_tok = m.sum(dim=-1)
     has = n_tok > 0
     seq = lm.sum(dim=-1) / torch.where(has, n_tok, torch.ones_like(n_tok))
-    n_seq = has.sum().to(seq.dtype)
+    if totals is None:
+        n_seq = has.sum().to(seq.dtype)
+    else:
+        n_seq = torch.as_tensor(totals.rows_with_tokens, dtype=seq.dtype, device=seq.device)
     # rows without tokens contribute 0 to the sum and are not counted (no host sync).
     return (seq * has.to(seq.dtype)).sum() / n_seq.clamp_min(1.0)
 
 
+def _rows(lm: Tensor, totals: Optional[AggTotals]) -> float:
+    if totals is not None:
+        return float(totals.rows)
+    return lm.shape[0] if lm.dim() > 1 else 1
+
+
 def _agg_seq_mean_token_sum_norm(
-    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None
+    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
+    totals: Optional[AggTotals] = None,
 ) -> Tensor:
     """Dr.GRPO: ``sum_{i,t} m l / (N * L)``, ``L = max_len or T``, N = all rows."""
     del micro_batch_rows
     lm, _ = _masked_loss(per_token_loss, mask)
-    n_rows = lm.shape[0] if lm.dim() > 1 else 1
+    n_rows = _rows(lm, totals)
     L = lm.shape[-1] if max_len is None else max_len
     return lm.sum() / float(max(n_rows, 1) * max(L, 1))
 
 
 def _agg_seq_mean_token_sum_norm_official(
-    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None
+    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
+    totals: Optional[AggTotals] = None,
 ) -> Tensor:
     """Official ExGRPO: ``sum_{i,t} m l / ((N / M) * L)``, ``M = micro_batch_rows`` (64).
 
@@ -487,12 +523,12 @@ def _agg_seq_mean_token_sum_norm_official(
         raise ValueError(f"micro_batch_rows must be >= 1 (or None), got {micro_batch_rows}")
     lm, _ = _masked_loss(per_token_loss, mask)
     L = lm.shape[-1] if max_len is None else max_len
-    n_rows = lm.shape[0] if lm.dim() > 1 else 1
+    n_rows = _rows(lm, totals)
     micro_batches = 1.0 if micro_batch_rows is None else max(n_rows, 1) / float(micro_batch_rows)
     return lm.sum() / (micro_batches * float(max(L, 1)))
 
 
-#: name -> fn(per_token_loss [N, T], mask [N, T], max_len, micro_batch_rows) -> scalar
+#: name -> fn(per_token_loss [N, T], mask [N, T], max_len, micro_batch_rows, totals) -> scalar
 LOSS_AGG_MODES: Dict[str, Callable[..., Tensor]] = {
     "token-mean": _agg_token_mean,
     "seq-mean-token-mean": _agg_seq_mean_token_mean,
@@ -508,6 +544,7 @@ def agg_loss(
     *,
     max_len: Optional[int] = None,
     micro_batch_rows: Optional[int] = None,
+    totals: Optional[AggTotals] = None,
 ) -> Tensor:
     """Aggregate a per-token loss to a scalar (names as verl ``agg_loss``).
 
@@ -530,12 +567,16 @@ def agg_loss(
     Set ``max_len`` to the configured max response length for the sum-norm modes so the
     normaliser does not depend on each batch's padding. An all-zero mask returns 0 that is
     still attached to ``per_token_loss``'s graph (backward gives zero grads).
+
+    ``totals`` (:func:`agg_totals` of a whole batch) replaces the counts this slice of it
+    would divide by (``N``, ``sum m``, rows with tokens): the slices' aggregates then add up
+    to the whole batch's, which is how the learner accumulates micro-batch gradients.
     """
     try:
         fn = LOSS_AGG_MODES[mode]
     except KeyError:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; choose from {sorted(LOSS_AGG_MODES)}") from None
-    return fn(per_token_loss, mask, max_len=max_len, micro_batch_rows=micro_batch_rows)
+    return fn(per_token_loss, mask, max_len=max_len, micro_batch_rows=micro_batch_rows, totals=totals)
 
 
 # --------------------------------------------------------------------------------------
@@ -714,6 +755,7 @@ def mixed_policy_loss(
     kl_coeff: float = 0.0,
     ratio_mode: str = "token",
     ratio_cap: Optional[float] = None,
+    totals: Optional[AggTotals] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """ExGRPO mixed-policy objective over one (mini/micro-)batch.
 
@@ -737,6 +779,11 @@ def mixed_policy_loss(
     ``entropy_coeff = 0.001``, no KL. With ``off_policy`` all False this is exactly the
     plain GRPO loss ``agg(clipped_surrogate(...))`` (+ the same entropy/KL terms).
     Replayed rows always use the token-level ratio (``ratio_mode`` only affects fresh rows).
+
+    ``totals``: when these rows are one micro-batch of a larger mini-batch, the
+    :func:`agg_totals` of the whole mini-batch; every term (policy, entropy, KL) is then
+    divided by the mini-batch's counts, so the micro-batches' losses (and gradients) sum
+    to the mini-batch's. The metrics stay this micro-batch's own.
 
     Metrics: ``policy_loss``; ``clip_fraction`` (active clip over fresh valid tokens),
     ``trust_region_violation_fraction`` (would-clip fraction over fresh tokens, meaningful
@@ -773,18 +820,21 @@ def mixed_policy_loss(
         rep_stats = None
         per_token = fresh_loss
 
-    pg_loss = agg_loss(per_token, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows)
+    pg_loss = agg_loss(per_token, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows, totals=totals)
     loss = pg_loss
 
     metrics: Dict[str, Tensor] = {"policy_loss": pg_loss.detach()}
     if entropy is not None:
         if entropy_coeff != 0.0:
             # A token mean whatever agg_mode, as in the official code.
-            loss = loss - entropy_coeff * masked_mean(entropy, m)
+            ent = masked_mean(entropy, m) if totals is None else agg_loss(entropy, m, "token-mean", totals=totals)
+            loss = loss - entropy_coeff * ent
         metrics["entropy"] = masked_mean(entropy.detach(), m)
     if ref_logp is not None and kl_coeff != 0.0:
         kl = k3_kl(logp, ref_logp)
-        loss = loss + kl_coeff * agg_loss(kl, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows)
+        loss = loss + kl_coeff * agg_loss(
+            kl, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows, totals=totals
+        )
         metrics["kl"] = masked_mean(kl.detach(), m)
 
     metrics.update(_token_share_metrics(fresh_stats, rep_stats, m, fresh_tok, rep_tok))

@@ -313,6 +313,13 @@ _SECTION = "learners (docs/deepspeed.md)"
 LEARNER_BACKENDS = ("ddp", "deepspeed")
 DEEPSPEED_ZERO_STAGES = (1, 2, 3)
 _LEARNERS = [
+    _f("learner_micro_batch_rows", None, optional(integer()),
+       "Rows per forward/backward pass of a learner (gradient accumulation): each learner's "
+       "share of a minibatch is cut into passes of at most this many rows whose gradients add "
+       "up, each pass divided by the whole minibatch's counts, so the update equals one pass "
+       "over the minibatch (float tolerance) with the activation memory of one micro-batch. "
+       "None: one pass. Memory only; the loss scale is loss_agg_mode's (official ExGRPO: a "
+       "32k-token cap per GPU pass)."),
     _f("learner_backend", "ddp", one_of(LEARNER_BACKENDS),
        "How num_learners >= 2 learners share the work: 'ddp' (RLlib's DistributedDataParallel, "
        "every learner a full copy of model and AdamW state) or 'deepspeed' (one DeepSpeed ZeRO "

@@ -66,6 +66,8 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
+from rllib_exgrpo.core import columns as C
+from rllib_exgrpo.core.losses import agg_totals
 from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
 
 logger = logging.getLogger(__name__)
@@ -75,9 +77,9 @@ _OWNED_KEYS = {
     "optimizer": "the optimiser is AdamW with lr / weight_decay (the DDP learner's)",
     "scheduler": "the learning rate is RLlib's (lr, a number or a schedule)",
     "gradient_clipping": "use grad_clip (clipped by global norm)",
-    "gradient_accumulation_steps": "one engine step per optimiser step (minibatch_size rows per learner)",
+    "gradient_accumulation_steps": "one engine step per optimiser step; learner_micro_batch_rows cuts its passes",
     "train_batch_size": "the algorithm plans minibatches itself (minibatch_size)",
-    "train_micro_batch_size_per_gpu": "the algorithm plans minibatches itself (minibatch_size)",
+    "train_micro_batch_size_per_gpu": "use learner_micro_batch_rows (rows per forward/backward pass)",
 }
 #: Seconds the asked learner waits for the other ranks' pieces in ``get_state``.
 GATHER_TIMEOUT_S = float(os.environ.get("RLLIB_EXGRPO_DEEPSPEED_GATHER_TIMEOUT_S", "600"))
@@ -349,14 +351,27 @@ class _DeepSpeedStep(TorchLearner):
         NaN input), so without this the learner with the NaN loss would drop the step
         and the others take it: diverging ranks, and under ZeRO a collective that never
         completes."""
-        grads, norms = {}, {}
+        return self._ds_gradient_norms(self._ds_backward(loss_per_module))
+
+    def _ds_backward(self, loss_per_module) -> bool:
+        """``engine.backward`` of each module's loss (one micro-batch's, or the whole
+        minibatch's); True if a loss was not finite."""
         bad = False
         for module_id, loss in loss_per_module.items():
             engine = self._engines.get(module_id)
             if engine is None or not torch.is_tensor(loss) or loss.grad_fn is None:
                 continue
             bad = bad or not bool(torch.isfinite(loss.detach()).all())
-            engine.backward(loss)
+            # No 1/GAS scaling: each micro-batch's loss is already divided by the
+            # minibatch's counts (ExGRPOTorchLearner's micro-batches), and GAS is 1.
+            engine.backward(loss, scale_wrt_gas=False)
+        return bad
+
+    def _ds_gradient_norms(self, bad: bool) -> Dict[Any, torch.Tensor]:
+        """After the last backward: the global pre-clip norm per module, inf on every rank
+        when any rank's loss was not finite (see ``compute_gradients``)."""
+        grads, norms = {}, {}
+        for module_id, engine in self._engines.items():
             norms[module_id] = _pre_step_grad_norm(engine)
         if norms and _any_rank(bad, self._device):
             norms = {mid: torch.full_like(n, float("inf")) for mid, n in norms.items()}
@@ -446,15 +461,40 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
 
     # ---- one update ----------------------------------------------------------------------
     def _uncompiled_update(self, batch: Dict, **kwargs):
+        """One optimiser step: forward + ``engine.backward`` per micro-batch
+        (``learner_micro_batch_rows``; DeepSpeed's own accumulation boundary marks the last
+        one, where ZeRO reduces the gradients), then the guards and one ``engine.step()``."""
         self._compute_off_policyness(batch)
-        fwd_out = {
-            mid: (self._engines[mid](batch[mid]) if mid in self._engines else self.module[mid].forward_train(batch[mid]))
-            for mid in batch.keys()
-            if mid in self.module
-        }
-        loss_per_module = self.compute_losses(fwd_out=fwd_out, batch=batch)
+        chunks = self._micro_batches(batch)
+        if chunks is not None:
+            self._loss_totals = {mid: agg_totals(b[C.RESPONSE_MASK]) for mid, b in batch.items() if C.RESPONSE_MASK in b}
+            self._metric_parts = []
+        skip = nonfinite = bad = False
+        guarded: list = []
+        loss_per_module: Dict[str, torch.Tensor] = {}
+        try:
+            for i, chunk in enumerate(chunks or [batch]):
+                for engine in self._engines.values():
+                    engine.set_gradient_accumulation_boundary(i == len(chunks or [batch]) - 1)
+                fwd_out = {
+                    mid: (self._engines[mid](chunk[mid]) if mid in self._engines
+                          else self.module[mid].forward_train(chunk[mid]))
+                    for mid in chunk.keys()
+                    if mid in self.module
+                }
+                losses = self.compute_losses(fwd_out=fwd_out, batch=chunk)
+                skip, nonfinite = skip or self._skip_step, nonfinite or self._nonfinite_step
+                guarded += self._guarded_modules
+                bad = self._ds_backward(losses) or bad
+                for mid, value in losses.items():
+                    loss_per_module[mid] = loss_per_module[mid] + value.detach() if mid in loss_per_module else value
+            if chunks is not None:
+                self._combined_metrics()
+        finally:
+            self._loss_totals, self._metric_parts = {}, None
+        self._skip_step, self._nonfinite_step, self._guarded_modules = skip, nonfinite, guarded
         self._ds_keep_step = False
-        gradients = self.compute_gradients(loss_per_module)
+        gradients = self._ds_gradient_norms(bad)
         # ExGRPO's guards: the norm metric and the skip decision, the same on every rank
         # (the norm is the all-reduced one; a NaN loss anywhere makes every norm inf).
         postprocessed = self.postprocess_gradients(gradients)

@@ -47,7 +47,7 @@ from rllib_exgrpo.generation.base import SamplingParams
 from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
 from rllib_exgrpo.models.loading import load_tokenizer
 from rllib_exgrpo.rllib.config_fields import field_defaults
-from rllib_exgrpo.rllib.resources import apply_threads_for
+from rllib_exgrpo.rllib.resources import apply_threads_for, runner_device
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +221,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             spaces={DEFAULT_MODULE_ID: (self.obs_space, self.act_space)}, inference_only=True
         )
         self.module = spec.build()
+        self.module.to(runner_device(self.config))
         self.module.eval()
         if self._pending_module_state is not None:
             self.module.set_state(self._pending_module_state)

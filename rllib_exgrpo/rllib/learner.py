@@ -20,12 +20,23 @@ count optimiser steps, comparable with the algorithm's ``optimizer_steps``.
 ``zero_advantage_updates`` counts learner updates (one learner's shard of a step) whose
 every advantage is 0 (all groups all-correct or all-wrong): no policy gradient, a finite
 loss; the step is still taken, as verl and the official code do.
+
+Micro-batches (``learner_micro_batch_rows``): RLlib runs one forward and one backward per
+minibatch, which for an LLM holds the activations (and logits) of every row at once. With
+the field set, ``_uncompiled_update`` cuts the learner's minibatch into row slices, runs
+forward + backward per slice and accumulates the gradients, each slice's loss divided by
+the *minibatch's* counts (``losses.agg_totals``), so the slices' gradients add up to the
+one-pass gradient; data-parallel learners all-reduce once, on the last slice
+(``no_sync`` before it). The guards, the gradient norm and the optimiser step then run
+once, as without micro-batches. Metrics of the slices are combined: losses summed, ``*_max``
+/ ``*_min`` as max / min, the rest weighted by each slice's valid tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,7 +44,7 @@ import torch.distributed as dist
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
 from rllib_exgrpo.core import columns as C
-from rllib_exgrpo.core.losses import mixed_policy_loss
+from rllib_exgrpo.core.losses import agg_totals, mixed_policy_loss
 from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
 
 
@@ -45,6 +56,8 @@ class ExGRPOTorchLearner(TorchLearner):
         apply_threads_for(self.config, "learner")
         super().build()
         self._reset_update_guards()
+        self._loss_totals: Dict[str, Any] = {}
+        self._metric_parts: Optional[List[Tuple[str, Dict[str, float]]]] = None
         self.mixed_mode = False
         self._reference_models: Dict[str, torch.nn.Module] = {}
         if self.config.kl_coeff > 0:
@@ -127,17 +140,17 @@ class ExGRPOTorchLearner(TorchLearner):
                 if config.behaviour_logprobs == "engine" and config.generation_backend == "vllm"
                 else None
             ),
+            totals=self._loss_totals.get(module_id),
         )
-        for key, value in metrics.items():
-            self.metrics.log_value((module_id, key), float(value), window=1)
         loss_value = float(loss.detach())
-        self.metrics.log_value((module_id, "total_loss"), loss_value, window=1)
-        self.metrics.log_value((module_id, "clip_on_fresh_tokens"), float(self.use_clip_for_fresh_tokens(config)), window=1)
-        self.metrics.log_value(
-            (module_id, "zero_advantage_updates"),
-            float(float(metrics["zero_advantage_fraction"]) == 1.0),
-            reduce="sum",
-        )
+        values = {key: float(value) for key, value in metrics.items()}
+        values["total_loss"] = loss_value
+        values["clip_on_fresh_tokens"] = float(self.use_clip_for_fresh_tokens(config))
+        values["_tokens"] = float(batch[C.RESPONSE_MASK].sum())
+        if self._metric_parts is not None:  # a micro-batch: logged once, combined
+            self._metric_parts.append((module_id, values))
+        else:
+            self._log_loss_metrics(module_id, values)
         self._guarded_modules.append(module_id)
         if not math.isfinite(loss_value):
             # The step is dropped (apply_gradients). NaN gradients everywhere make every
@@ -145,6 +158,107 @@ class ExGRPOTorchLearner(TorchLearner):
             self._skip_step = self._nonfinite_step = True
             loss = loss * float("nan")
         return loss
+
+    def _log_loss_metrics(self, module_id, values: Dict[str, float]) -> None:
+        for key, value in values.items():
+            if not key.startswith("_"):
+                self.metrics.log_value((module_id, key), value, window=1)
+        self.metrics.log_value(
+            (module_id, "zero_advantage_updates"), float(values["zero_advantage_fraction"] == 1.0), reduce="sum"
+        )
+
+    # ---- micro-batches (gradient accumulation) --------------------------------------------
+    def _micro_batches(self, batch: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+        """Row slices of ``batch`` (module id -> columns) of at most
+        ``learner_micro_batch_rows`` rows, or None when one pass holds it all."""
+        size = getattr(self.config, "learner_micro_batch_rows", None)
+        rows = {mid: int(b[C.RESPONSE_MASK].shape[0]) for mid, b in batch.items() if C.RESPONSE_MASK in b}
+        if not size or not rows or max(rows.values()) <= size:
+            return None
+
+        def cut(columns, n: int, start: int) -> Dict[str, Any]:
+            return {
+                k: (v[start:start + size] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v)
+                for k, v in columns.items()
+            }
+
+        return [
+            {mid: cut(b, rows[mid], start) for mid, b in batch.items() if mid in rows and start < rows[mid]}
+            for start in range(0, max(rows.values()), size)
+        ]
+
+    def _combined_metrics(self) -> None:
+        """Log the micro-batches' loss metrics as one update's (see the module doc)."""
+        by_module: Dict[str, List[Dict[str, float]]] = {}
+        for module_id, values in self._metric_parts or []:
+            by_module.setdefault(module_id, []).append(values)
+        for module_id, parts in by_module.items():
+            tokens = [p["_tokens"] for p in parts]
+            weight = sum(tokens) or 1.0
+            combined: Dict[str, float] = {}
+            for key in parts[0]:
+                vals = [p[key] for p in parts]
+                if key in ("policy_loss", "total_loss"):
+                    combined[key] = sum(vals)
+                elif key.endswith("_max"):
+                    combined[key] = max(vals)
+                elif key.endswith("_min"):
+                    combined[key] = min(vals)
+                else:
+                    combined[key] = sum(v * t for v, t in zip(vals, tokens)) / weight
+            self._log_loss_metrics(module_id, combined)
+
+    def _accumulate_gradients(self, chunks: List[Dict[str, Any]]):
+        """Forward + backward per micro-batch, gradients summed in ``p.grad``; returns the
+        last micro-batch's forward outputs and the summed (detached) losses."""
+        for optim in self._optimizer_parameters:
+            optim.zero_grad(set_to_none=True)
+        skip = nonfinite = False
+        guarded: list = []
+        losses: Dict[str, torch.Tensor] = {}
+        fwd_out: Dict[str, Any] = {}
+        ddp = self.config.num_learners > 1
+        for i, chunk in enumerate(chunks):
+            with contextlib.ExitStack() as stack:
+                if ddp and i < len(chunks) - 1:  # all-reduce once, in the last backward
+                    for mod in self.module.values():
+                        if isinstance(mod, torch.nn.Module) and hasattr(mod, "no_sync"):
+                            stack.enter_context(mod.no_sync())
+                fwd_out = self.module.forward_train(chunk)
+                loss_per_module = self.compute_losses(fwd_out=fwd_out, batch=chunk)
+                skip, nonfinite = skip or self._skip_step, nonfinite or self._nonfinite_step
+                guarded += self._guarded_modules
+                total = sum(loss_per_module.values())
+                if torch.is_tensor(total) and total.grad_fn is not None:
+                    if self._grad_scalers is not None:
+                        total = sum(self._grad_scalers[m].scale(v) for m, v in loss_per_module.items())
+                    total.backward()
+            for mid, value in loss_per_module.items():
+                losses[mid] = losses.get(mid, 0.0) + value.detach()
+        self._skip_step, self._nonfinite_step, self._guarded_modules = skip, nonfinite, guarded
+        return fwd_out, losses
+
+    def _uncompiled_update(self, batch: Dict, **kwargs):
+        chunks = self._micro_batches(batch)
+        if chunks is None:
+            return super()._uncompiled_update(batch, **kwargs)
+        self._compute_off_policyness(batch)
+        self._loss_totals = {mid: agg_totals(b[C.RESPONSE_MASK]) for mid, b in batch.items() if C.RESPONSE_MASK in b}
+        self._metric_parts = []
+        try:
+            fwd_out, loss_per_module = self._accumulate_gradients(chunks)
+            self._combined_metrics()
+        finally:
+            self._loss_totals, self._metric_parts = {}, None
+        gradients = {pid: p.grad for pid, p in self._params.items()}
+        with contextlib.ExitStack() as stack:
+            if self.config.num_learners > 1:
+                for mod in self.module.values():
+                    if isinstance(mod, torch.nn.Module) and hasattr(mod, "no_sync"):
+                        stack.enter_context(mod.no_sync())
+            postprocessed = self.postprocess_gradients(gradients)
+            self.apply_gradients(postprocessed)
+        return fwd_out, loss_per_module, {}
 
     def _agreed(self, skip: bool, nonfinite: bool):
         """The skip decision of every data-parallel learner at once (a max over them):

@@ -216,3 +216,19 @@ def apply_torch_threads(fallback_cpus: float, *, who: str = "process") -> int:
         torch.set_num_threads(n)
     logger.info("%s: %g CPU(s) held -> %d torch thread(s)", who, cpus, n)
     return n
+
+
+def runner_device(config, cuda_available: Optional[bool] = None) -> "torch.device":
+    """Where an env runner keeps its policy module: its GPU when it was given one
+    (``num_gpus_per_env_runner > 0``; Ray then sets ``CUDA_VISIBLE_DEVICES`` to it, so it is
+    ``cuda:0`` inside the actor) and CUDA is there, else the CPU. RLlib's own
+    SingleAgentEnvRunner places its module the same way; without this the HF backend's
+    generation and every scoring pass (behaviour log-probs, the lowest-entropy choice of a
+    replayed trajectory) would run on the runner's CPU next to an idle GPU."""
+    import torch
+
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if float(getattr(config, "num_gpus_per_env_runner", 0) or 0) > 0 and cuda_available:
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
