@@ -94,7 +94,7 @@ def validation_accuracy(algo, max_new_tokens: int) -> float:
 
 
 def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[float], eval_interval: int,
-              overrides: dict, out: Path, log=print) -> dict:
+              overrides: dict, out: Path, model: Optional[str] = None, log=print) -> dict:
     """_runs.train_run with both evaluators and the learner / experience metrics per step."""
 
     def step_fields(result) -> dict:
@@ -110,7 +110,7 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
 
     return _runs.train_run(
         name, seed, iterations=iterations, token_budget=token_budget, eval_interval=eval_interval,
-        overrides=overrides, out=out, key_extra={"testbed": TESTBED_FORMAT},
+        overrides=overrides, out=out, model=model, key_extra={"testbed": TESTBED_FORMAT},
         extra_eval=lambda algo, max_tokens: {"val": validation_accuracy(algo, max_tokens)},
         step_fields=step_fields, on_eval=on_eval,
     )
@@ -192,6 +192,49 @@ def report(runs: Dict[str, List[dict]], budgets: Dict[int, float], ref: str) -> 
     return lines
 
 
+def plot(runs: Dict[str, List[dict]], budgets: Dict[int, float], path: Path, title: str) -> None:
+    """Two panels: held-out (test) accuracy against sampled tokens, mean over seeds with
+    its 95% t-band (evaluations aligned by step), and the training reward (solve rate)
+    per step, mean over seeds (thin lines: each seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from scipy import stats
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    for i, (name, mine) in enumerate(runs.items()):
+        color = f"C{i}"
+        steps = sorted(set.intersection(*[{e["step"] for e in r["evals"]} for r in mine]))
+        by_step = [[next(e for e in r["evals"] if e["step"] == s) for r in mine] for s in steps]
+        x = np.array([np.mean([e["tokens"] for e in es]) for es in by_step]) / 1e3
+        y = np.array([[e["accuracy"] for e in es] for es in by_step])
+        mean = y.mean(axis=1)
+        ax.plot(x, mean, color=color, marker="o", ms=3, label=f"{name} (n={len(mine)})")
+        if len(mine) > 1:
+            half = stats.t.ppf(0.975, len(mine) - 1) * y.std(axis=1, ddof=1) / math.sqrt(len(mine))
+            ax.fill_between(x, mean - half, mean + half, color=color, alpha=0.18)
+        n = min(len(r["steps"]) for r in mine)
+        reward = np.array([[r["steps"][k]["solve_rate"] for k in range(n)] for r in mine])
+        ax2.plot(np.arange(1, n + 1), reward.mean(axis=0), color=color, label=name)
+        for row in reward:
+            ax2.plot(np.arange(1, n + 1), row, color=color, lw=0.5, alpha=0.35)
+    if budgets:
+        ax.axvline(np.mean(list(budgets.values())) / 1e3, color="grey", ls=":", lw=1, label="budget")
+    ax.set_xlabel("sampled completion tokens (thousands)")
+    ax.set_ylabel("held-out accuracy (greedy, 200 test questions)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax2.set_xlabel("training step")
+    ax2.set_ylabel("training reward (solve rate of the step)")
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def paired(runs: Dict[str, List[dict]], budgets, a: str, b: str, field: str = "accuracy") -> str:
     ra = {r["seed"]: at_budget(r, budgets[r["seed"]], field) for r in runs[a]}
     rb = {r["seed"]: at_budget(r, budgets[r["seed"]], field) for r in runs[b]}
@@ -202,7 +245,7 @@ def paired(runs: Dict[str, List[dict]], budgets, a: str, b: str, field: str = "a
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phase", choices=["diag", "search", "final", "custom"], default="custom")
+    p.add_argument("--phase", choices=["diag", "search", "final", "weak", "custom"], default="custom")
     p.add_argument("--variants", default=None, help='JSON {"name": [recipe, overrides], ...} (custom phase; '
                    'with another phase: only these names of it)')
     p.add_argument("--only", nargs="+", default=None, help="run only these variant names of the phase")
@@ -213,6 +256,9 @@ def main():
     p.add_argument("--ex-base", default="{}", help="search: JSON overrides of every ExGRPO variant")
     p.add_argument("--ref", default=None, help="variant whose tokens set the budget (default: the first GRPO one)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--model", default=None, help="policy model of every run (default: the recipes' tiny)")
+    p.add_argument("--weak-lr", type=float, default=1e-3,
+                   help="weak phase: the learning rate of both methods (one at which on-policy GRPO collapses)")
     p.add_argument("--iterations", type=int, default=80)
     p.add_argument("--eval-interval", type=int, default=10)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "testbed"))
@@ -226,6 +272,11 @@ def main():
         for lr in args.lrs:
             for rho in args.rhos:
                 variants[f"ex_lr{lr:.0e}_rho{rho}"] = [E, {**base, "lr": lr, "experience_ratio": rho}]
+    elif args.phase == "weak":
+        # The delayed start (solve rate > 0.35) would never fire from a ~10% start, leaving
+        # ExGRPO = GRPO; here mixed mode is on from the first step (stated in the docs).
+        variants = {"grpo": [G, {"lr": args.weak_lr}],
+                    "exgrpo": [E, {"lr": args.weak_lr, "delayed_start_solve_rate": 0.0}]}
     elif args.phase == "final":
         best = json.loads(args.best)
         variants = {"grpo": [G, best.get("grpo", {})], "exgrpo": [E, best.get("exgrpo", {})]}
@@ -246,14 +297,14 @@ def main():
     for seed in args.seeds:
         recipe, ov = variants[ref]
         r = train_run(recipe, seed, iterations=args.iterations, token_budget=None,
-                      eval_interval=args.eval_interval, overrides=ov, out=out)
+                      eval_interval=args.eval_interval, overrides=ov, out=out, model=args.model)
         runs[ref].append(r)
         budgets[seed] = r["steps"][args.iterations - 1]["tokens"]
         for name in order[1:]:
             recipe, ov = variants[name]
             t0 = time.time()
             runs[name].append(train_run(recipe, seed, iterations=args.iterations, token_budget=budgets[seed],
-                                        eval_interval=args.eval_interval, overrides=ov, out=out))
+                                        eval_interval=args.eval_interval, overrides=ov, out=out, model=args.model))
             r = runs[name][-1]
             print(f"[{time.strftime('%H:%M:%S')}] {name} seed {seed}: test@budget "
                   f"{at_budget(r, budgets[seed], 'accuracy'):.3f} val@budget {at_budget(r, budgets[seed], 'val'):.3f}"
@@ -261,8 +312,12 @@ def main():
         runs_so_far = {k: v for k, v in runs.items() if v}
         print("\n".join(report(runs_so_far, budgets, ref)), flush=True)
     lines = report(runs, budgets, ref)
-    if args.phase == "final" and len(args.seeds) > 1:
+    if args.phase in ("final", "weak") and len(args.seeds) > 1:
         lines += ["", paired(runs, budgets, "exgrpo", "grpo"), paired(runs, budgets, "exgrpo", "grpo", "val")]
+    if args.phase in ("final", "weak"):
+        png = out / f"plot-{args.phase}.png"
+        plot(runs, budgets, png, f"experience testbed, phase {args.phase}" + (f", model {args.model}" if args.model else ""))
+        lines.append(f"plot: {png}")
     text = "\n".join(lines)
     print("\n" + text)
     (out / f"report-{args.phase}.txt").write_text(text + "\n")

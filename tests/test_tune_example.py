@@ -57,6 +57,9 @@ def test_tune_example_runs_four_trials_with_asha_and_mlflow_reads_them_back(tmp_
     trials = [p for p in (tmp_path / "results" / "exgrpo-tune").iterdir() if p.name.startswith("ExGRPO_")]
     assert len(trials) == 4
     assert "ASHA on heldout/accuracy (max)" in proc.stderr  # the trials ran under ASHA
+    for trial in trials:  # the held-out plot next to each trial's results
+        assert (trial / "heldout_accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", trial
+    assert proc.stdout.count("held-out accuracy plot:") == 4
     mlflow.set_tracking_uri(f"sqlite:///{db}")
     runs = mlflow.search_runs(experiment_names=["exgrpo-tune"])
     assert len(runs) == 4

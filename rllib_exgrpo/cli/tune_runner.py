@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from rllib_exgrpo.cli.console import iteration_lines_callback_class
 from rllib_exgrpo.cli.experiment import Experiment
 from rllib_exgrpo.cli.mlflow_logging import prepare_mlflow
+from rllib_exgrpo.cli.plots import write_grid_plots
 from rllib_exgrpo.cli.scheduler import make_scheduler
 
 @dataclass
@@ -124,6 +125,8 @@ def run_experiments(
             )
             grid = tuner.fit()
             results.append(ExperimentResult(experiment=exp, result_grid=grid, errors=_trial_errors(grid)))
+            for path in write_grid_plots(grid, exp.name):
+                print(f"held-out accuracy plot: {path}")
             _print_best_trial(exp, grid)
     finally:
         if started:
