@@ -28,7 +28,6 @@ from envs.rewards import RewardResult
 from ray.rllib.core.columns import Columns
 from rllib_exgrpo.rllib.ppo_module import (
     ACTIONS_LEN,
-    CH_TOKEN,
     OBS_LEN,
     CompletionDistribution,
     LLMPPOTorchRLModule,

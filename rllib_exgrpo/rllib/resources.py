@@ -27,7 +27,10 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 logger = logging.getLogger(__name__)
 
