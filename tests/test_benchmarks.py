@@ -45,3 +45,34 @@ def test_compare_runs_share_budget_and_cache(ray_local, quick_tiny_model, tmp_pa
     assert budgets == {0: budget} and any(line.startswith("PPO (RLlib)") for line in table)
     lines = learning_curves.summary_lines(runs, 2)
     assert any(line.startswith("ExGRPO") and "x" in line for line in lines)
+
+
+def _synthetic_run(seed: int, acc: list, reward: float) -> dict:
+    """A testbed run record as _runs.train_run writes it, 20 steps, evaluations every 10."""
+    steps = [{"step": k, "tokens": 1000.0 * k, "wall_s": 1.0, "solve_rate": reward, "episodes": 8.0,
+              "experience": {"pool_size": 3.0, "retired": 1.0}, "xrpo": {}, "stage_s": {},
+              "top": {"zero_variance_group_fraction": 0.5}, "learner": {"entropy": 0.1}}
+             for k in range(1, 21)]
+    evals = [{"step": s, "tokens": 1000.0 * s, "accuracy": a, "val": a - 0.01} for s, a in zip((0, 10, 20), acc)]
+    return {"seed": seed, "steps": steps, "evals": evals, "budget_step": 20}
+
+
+def test_testbed_reading_report_and_plot_on_hand_made_runs(tmp_path):
+    """The testbed's reading side on hand-made runs: the figure at the budget, the tail
+    mean, the 95% interval, the paired difference, the table and the PNG."""
+    import experience_testbed as tb
+
+    runs = {"grpo": [_synthetic_run(0, [0.3, 0.4, 0.5], 0.4), _synthetic_run(1, [0.3, 0.45, 0.55], 0.4)],
+            "exgrpo": [_synthetic_run(0, [0.3, 0.5, 0.6], 0.5), _synthetic_run(1, [0.3, 0.5, 0.62], 0.5)]}
+    budgets = {0: 20000.0, 1: 20000.0}
+    assert tb.at_budget(runs["grpo"][0], 20000.0, "accuracy") == 0.5
+    assert tb.tail(runs["grpo"][0], 20000.0, "accuracy", frac=0.5) == pytest.approx(0.45)  # steps 10 and 20
+    mean, half, n = tb.ci95([0.5, 0.55])
+    assert (mean, n) == (pytest.approx(0.525), 2) and half == pytest.approx(12.706 * 0.05 / math.sqrt(2) / math.sqrt(2), rel=1e-3)
+    line = tb.paired(runs, budgets, "exgrpo", "grpo")
+    assert "+0.085" in line and "n=2" in line  # (0.6 - 0.5 + 0.62 - 0.55) / 2
+    table = tb.report(runs, budgets, "grpo")
+    assert any(row.startswith("exgrpo") and "0.610" in row for row in table)
+    png = tmp_path / "plot.png"
+    tb.plot(runs, budgets, png, "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
