@@ -3,6 +3,8 @@
     python benchmarks/experience_testbed.py --phase diag   [--seeds 0]
     python benchmarks/experience_testbed.py --phase search [--seeds 0]
     python benchmarks/experience_testbed.py --phase final  [--seeds 0 1 2 3 4] --best '{...}'
+    python benchmarks/experience_testbed.py --phase ablate [--seeds 0] --best '{...}'
+    python benchmarks/experience_testbed.py --phase weak   [--seeds 0 1 2] --model "tiny:target_pass1=0.12,threads=1"
     python benchmarks/experience_testbed.py --variants '{"name": ["grpo_finite", {"lr": 1e-4}], ...}'
 
 Testbed (tuned_examples/grpo_finite_tiny.yaml and exgrpo_finite_tiny.yaml, twins): the
@@ -79,6 +81,18 @@ DIAG = {
 #: at step ~75), plus ExGRPO's own key switch, the experience ratio. The first lr's GRPO
 #: run is the budget reference.
 SEARCH_LRS = (1e-4, 5e-5, 2e-4)
+
+
+#: Phase "ablate": the paper's ablations (bucket weights, trajectory choice, policy shaping,
+#: experience ratio), each one switch on top of the chosen ExGRPO setting.
+ABLATIONS = {
+    "abl_uniform_buckets": {"bucket_weighting": "uniform"},
+    "abl_highest_entropy": {"trajectory_selection": "highest_entropy"},
+    "abl_random_traj": {"trajectory_selection": "random"},
+    "abl_no_shaping": {"policy_shaping": False},
+    "abl_rho0.5": {"experience_ratio": 0.5},
+    "abl_rho0.75": {"experience_ratio": 0.75},
+}
 
 
 def validation_accuracy(algo, max_new_tokens: int) -> float:
@@ -245,7 +259,7 @@ def paired(runs: Dict[str, List[dict]], budgets, a: str, b: str, field: str = "a
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phase", choices=["diag", "search", "final", "weak", "custom"], default="custom")
+    p.add_argument("--phase", choices=["diag", "search", "final", "weak", "ablate", "custom"], default="custom")
     p.add_argument("--variants", default=None, help='JSON {"name": [recipe, overrides], ...} (custom phase; '
                    'with another phase: only these names of it)')
     p.add_argument("--only", nargs="+", default=None, help="run only these variant names of the phase")
@@ -277,6 +291,14 @@ def main():
         # ExGRPO = GRPO; here mixed mode is on from the first step (stated in the docs).
         variants = {"grpo": [G, {"lr": args.weak_lr}],
                     "exgrpo": [E, {"lr": args.weak_lr, "delayed_start_solve_rate": 0.0}]}
+    elif args.phase == "ablate":
+        # The paper's ablations, one switch at a time on top of --best's ExGRPO setting, next
+        # to --best's GRPO (the budget reference).
+        best = json.loads(args.best)
+        base = best.get("exgrpo", {})
+        variants = {"grpo": [G, best.get("grpo", {})], "exgrpo": [E, base]}
+        for name, switch in ABLATIONS.items():
+            variants[name] = [E, {**base, **switch}]
     elif args.phase == "final":
         best = json.loads(args.best)
         variants = {"grpo": [G, best.get("grpo", {})], "exgrpo": [E, best.get("exgrpo", {})]}

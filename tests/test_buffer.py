@@ -284,7 +284,8 @@ def test_choose_trajectory_modes():
         choose_trajectory(stats, "bogus", rng)
     with pytest.raises(ValueError):
         choose_trajectory([], "lowest_entropy", rng)
-    assert set(TRAJECTORY_SELECTIONS) == {"lowest_entropy", "highest_logp", "lowest_logp", "random"}
+    assert set(TRAJECTORY_SELECTIONS) == {"lowest_entropy", "highest_entropy", "highest_logp", "lowest_logp", "random"}
+    assert choose_trajectory([(1.0, 0.0), (3.0, 0.0), (3.0, 0.0), (np.nan, 0.0)], "highest_entropy") == 1
 
 
 def test_mean_over_tokens_is_over_response_tokens():

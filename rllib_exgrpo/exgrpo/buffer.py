@@ -82,7 +82,8 @@ Choosing the trajectory (:func:`choose_trajectory`)
 The algorithm re-scores every stored trajectory of a selected question under the current
 policy and passes per-trajectory means; :data:`TRAJECTORY_SELECTIONS`:
 ``"lowest_entropy"`` (official: argmin of the mean token entropy over the response tokens;
-the intended mean, not the official code's pad-masking slip), ``"highest_logp"`` /
+the intended mean, not the official code's pad-masking slip), ``"highest_entropy"`` (the
+paper's ablation), ``"highest_logp"`` /
 ``"lowest_logp"`` (mean token log-prob), ``"random"``. Ties go to the lowest index.
 
 State
@@ -121,7 +122,9 @@ BUCKET_WEIGHTINGS: Tuple[str, ...] = ("gaussian", "uniform", "uniform_buckets")
 #: Official mode names whose definitions we do not have: selecting one raises ValueError.
 UNIMPLEMENTED_BUCKET_WEIGHTINGS: Tuple[str, ...] = ("linear", "sqrt", "linear_clip")
 #: Trajectory selection modes of :func:`choose_trajectory`.
-TRAJECTORY_SELECTIONS: Tuple[str, ...] = ("lowest_entropy", "highest_logp", "lowest_logp", "random")
+TRAJECTORY_SELECTIONS: Tuple[str, ...] = (
+    "lowest_entropy", "highest_entropy", "highest_logp", "lowest_logp", "random"
+)
 #: Storage formats of the recorded log-probs.
 LOGP_DTYPES: Tuple[str, ...] = ("float16", "bfloat16", "float32")
 #: Return values of :meth:`ExperienceBuffer.update_group`.
@@ -830,7 +833,7 @@ def choose_trajectory(trajectory_stats: Sequence[Any], mode: str, rng: Any = Non
     ``(mean_entropy, mean_logp)``, the per-token means over trajectory i's response tokens
     under the current policy (see :func:`mean_over_tokens`); only the key the mode needs is
     read. Modes (:data:`TRAJECTORY_SELECTIONS`): ``"lowest_entropy"`` (official),
-    ``"highest_logp"``, ``"lowest_logp"``, ``"random"`` (uniform, needs ``rng``: a numpy
+    ``"highest_entropy"`` (the paper's ablation), ``"highest_logp"``, ``"lowest_logp"``, ``"random"`` (uniform, needs ``rng``: a numpy
     Generator or ``random.Random``). Ties go to the lowest index; NaN values are never
     chosen unless every value is NaN (then index 0).
     """
@@ -845,6 +848,8 @@ def choose_trajectory(trajectory_stats: Sequence[Any], mode: str, rng: Any = Non
         return int(rng.randrange(n))
     if mode == "lowest_entropy":
         vals, sign = [_stat(s, "mean_entropy", 0) for s in trajectory_stats], 1.0
+    elif mode == "highest_entropy":
+        vals, sign = [_stat(s, "mean_entropy", 0) for s in trajectory_stats], -1.0
     elif mode == "highest_logp":
         vals, sign = [_stat(s, "mean_logp", 1) for s in trajectory_stats], -1.0
     elif mode == "lowest_logp":

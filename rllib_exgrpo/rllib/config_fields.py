@@ -238,7 +238,8 @@ _EXPERIENCE = [
        "Std of the Gaussian bucket weight on the rate scale (0.125 = 1/G for G=8)."),
     _f("trajectory_selection", "lowest_entropy", one_of(TRAJECTORY_SELECTIONS),
        "Which stored trajectory of a replayed question is used: 'lowest_entropy' under the "
-       "current policy (official), 'highest_logp', 'lowest_logp', 'random' (ablation)."),
+       "current policy (official), 'highest_entropy' (the paper's ablation), 'highest_logp', "
+       "'lowest_logp', 'random'."),
     _f("policy_shaping", True, boolean,
        "Shape replayed tokens with f(w) = w / (w + beta) (official); False treats them like fresh "
        "tokens (ablation)."),
