@@ -11,8 +11,8 @@ sys.path.insert(0, str(ROOT))
 #: Recipes compared by the benchmarks: tuned example file + config overrides.
 RECIPES = {
     "ppo": ("ppo_tiny.yaml", {}),
-    "grpo": ("grpo_tiny.yaml", {}),
-    "exgrpo": ("exgrpo_tiny.yaml", {}),
+    "grpo": ("grpo_stream_tiny.yaml", {}),
+    "exgrpo": ("exgrpo_stream_tiny.yaml", {}),
     "xrpo": ("xrpo_tiny.yaml", {}),
     "exgrpo_xrpo": ("exgrpo_xrpo_tiny.yaml", {}),
 }

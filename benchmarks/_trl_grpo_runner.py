@@ -61,7 +61,7 @@ for _var in ("WANDB_DISABLED", "MLFLOW_DISABLE"):
 
 HERE = Path(__file__).resolve()
 
-#: Settings of tuned_examples/grpo_tiny.yaml (and the project's GRPO defaults).
+#: Settings of tuned_examples/grpo_stream_tiny.yaml (and the project's GRPO defaults).
 DEFAULT_SETTINGS = {
     "group_size": 8,  # G completions per prompt
     "questions_per_step": 32,  # B prompts per iteration

@@ -40,7 +40,7 @@ TRL_VERSION = "1.16.0"
 MATH_VERIFY_SPEC = "math-verify[antlr4_13_2]>=0.9,<0.10"
 MARKER = ".rllib_exgrpo_trl_venv.json"
 
-#: B of tuned_examples/grpo_tiny.yaml (questions per iteration). Every other setting of the
+#: B of tuned_examples/grpo_stream_tiny.yaml (questions per iteration). Every other setting of the
 #: TRL run defaults to the runner's DEFAULT_SETTINGS (the same recipe); ``settings`` overrides.
 QUESTIONS_PER_STEP = 32
 

@@ -8,7 +8,7 @@
   draws at step i with seed s, rendered by ``ReasoningEnv``; TRL gets exactly those prompts
   in that order (``benchmarks/_trl_venv.py`` builds them, ``_trl_grpo_runner.py`` keeps the
   order and checks it).
-* **Settings** (``tuned_examples/grpo_tiny.yaml`` and the runner's ``DEFAULT_SETTINGS``):
+* **Settings** (``tuned_examples/grpo_stream_tiny.yaml`` and the runner's ``DEFAULT_SETTINGS``):
   B = 32 x G = 8, 48 new tokens, temperature 1, top-p 1, no top-k, lr 3e-4 constant,
   AdamW (weight decay 0.01 on every parameter), 2 optimiser steps of 128 completions per
   iteration, Dr.GRPO advantages (r - mean), token-mean loss (TRL: ``dapo``), no KL, clip
@@ -46,7 +46,7 @@ from _trl_venv import ensure_trl_venv, run_trl, trl_inputs  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out" / "peer_trl"
 RLLIB = str(Path(sys.executable).with_name("rllib"))
-RECIPE = ROOT / "tuned_examples" / "grpo_tiny.yaml"
+RECIPE = ROOT / "tuned_examples" / "grpo_stream_tiny.yaml"
 HELDOUT = 200
 #: The recipe's max_response_tokens: the same completion budget for every model evaluated.
 MAX_NEW_TOKENS = 48
@@ -75,7 +75,7 @@ def _accuracy(report: dict) -> float:
 
 
 def run_ours(seed: int, iterations: int, overrides: dict, tag: str) -> dict:
-    """``rllib train file tuned_examples/grpo_tiny.yaml`` for one seed; per-iteration times."""
+    """``rllib train file tuned_examples/grpo_stream_tiny.yaml`` for one seed; per-iteration times."""
     where = OUT / tag / f"seed{seed}"
     summary = where / "summary.json"
     if summary.exists():
