@@ -131,14 +131,21 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
 
 
 # ---- reading -----------------------------------------------------------------------------
-def at_budget(run: dict, budget: float, field: str) -> float:
+def at_budget(run: dict, budget: Optional[float], field: str) -> float:
+    """The first evaluation at or past ``budget`` tokens; the last one when ``budget`` is
+    None (equal steps)."""
+    if budget is None:
+        return run["evals"][-1][field]
     for e in run["evals"]:
         if e["tokens"] >= budget:
             return e[field]
     return math.nan
 
 
-def tail(run: dict, budget: float, field: str, frac: float = 0.7) -> float:
+def tail(run: dict, budget: Optional[float], field: str, frac: float = 0.7) -> float:
+    if budget is None:  # equal steps: the evaluations from frac of the run's steps on
+        last = run["evals"][-1]["step"]
+        return float(np.mean([e[field] for e in run["evals"] if e["step"] >= frac * last]))
     vals = []
     for e in run["evals"]:
         if e["tokens"] >= frac * budget:
@@ -179,17 +186,22 @@ def run_metrics(run: dict, upto: Optional[int] = None, last: int = 30) -> Dict[s
             "switch": last_exp.get("switch_iteration", math.nan)}
 
 
+def _reach(run: dict, budget: Optional[float]) -> int:
+    return len(run["steps"]) if budget is None else _runs.steps_to_budget(run, budget)
+
+
 def report(runs: Dict[str, List[dict]], budgets: Dict[int, float], ref: str) -> List[str]:
     lines = [f"budget per seed (tokens of '{ref}' after its iterations): "
-             + ", ".join(f"seed {s}: {int(b):,}" for s, b in budgets.items()), "",
+             + ", ".join(f"seed {s}: {int(b):,}" if b is not None else f"seed {s}: none (equal steps)"
+                         for s, b in budgets.items()), "",
              f"{'variant':<18}{'n':>2} {'test@budget':>16} {'test_tail':>14} {'val@budget':>14} {'val_tail':>14}"
              f" {'steps':>5} | solve zero_var all_ok  clip  shaping entropy replayed pool retired switch"]
     for name, mine in runs.items():
         def cell(field, fn):
             m, h, n = ci95([fn(r, budgets[r["seed"]], field) for r in mine])
             return f"{m:.3f}" + (f"±{h:.3f}" if not math.isnan(h) else "      ")
-        steps = np.mean([_runs.steps_to_budget(r, budgets[r["seed"]]) for r in mine])
-        ms = [run_metrics(r, _runs.steps_to_budget(r, budgets[r["seed"]])) for r in mine]
+        steps = np.mean([_reach(r, budgets[r["seed"]]) for r in mine])
+        ms = [run_metrics(r, _reach(r, budgets[r["seed"]])) for r in mine]
         avg = {k: float(np.nanmean([x[k] for x in ms])) if not all(math.isnan(x[k]) for x in ms) else math.nan
                for k in ms[0]}
         lines.append(
@@ -233,7 +245,7 @@ def plot(runs: Dict[str, List[dict]], budgets: Dict[int, float], path: Path, tit
         ax2.plot(np.arange(1, n + 1), reward.mean(axis=0), color=color, label=name)
         for row in reward:
             ax2.plot(np.arange(1, n + 1), row, color=color, lw=0.5, alpha=0.35)
-    if budgets:
+    if budgets and all(b is not None for b in budgets.values()):
         ax.axvline(np.mean(list(budgets.values())) / 1e3, color="grey", ls=":", lw=1, label="budget")
     ax.set_xlabel("sampled completion tokens (thousands)")
     ax.set_ylabel("held-out accuracy (greedy, 200 test questions)")
@@ -271,6 +283,9 @@ def main():
     p.add_argument("--ref", default=None, help="variant whose tokens set the budget (default: the first GRPO one)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--model", default=None, help="policy model of every run (default: the recipes' tiny)")
+    p.add_argument("--equal-steps", action="store_true",
+                   help="every variant runs --iterations steps, no token budget (the weak phase's default: a "
+                        "collapsed policy writes max-length completions, which would inflate the budget)")
     p.add_argument("--weak-lr", type=float, default=1e-3,
                    help="weak phase: the learning rate of both methods (one at which on-policy GRPO collapses)")
     p.add_argument("--iterations", type=int, default=80)
@@ -313,6 +328,7 @@ def main():
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    equal_steps = args.equal_steps or args.phase == "weak"
     start_ray()
     runs: Dict[str, List[dict]] = {k: [] for k in order}
     budgets: Dict[int, float] = {}
@@ -321,11 +337,12 @@ def main():
         r = train_run(recipe, seed, iterations=args.iterations, token_budget=None,
                       eval_interval=args.eval_interval, overrides=ov, out=out, model=args.model)
         runs[ref].append(r)
-        budgets[seed] = r["steps"][args.iterations - 1]["tokens"]
+        budgets[seed] = None if equal_steps else r["steps"][args.iterations - 1]["tokens"]
         for name in order[1:]:
             recipe, ov = variants[name]
             t0 = time.time()
-            runs[name].append(train_run(recipe, seed, iterations=args.iterations, token_budget=budgets[seed],
+            runs[name].append(train_run(recipe, seed, iterations=args.iterations,
+                                        token_budget=None if equal_steps else budgets[seed],
                                         eval_interval=args.eval_interval, overrides=ov, out=out, model=args.model))
             r = runs[name][-1]
             print(f"[{time.strftime('%H:%M:%S')}] {name} seed {seed}: test@budget "
