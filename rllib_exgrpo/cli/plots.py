@@ -65,7 +65,9 @@ def write_grid_plots(grid, experiment_name: str) -> List[Path]:
         df = getattr(result, "metrics_dataframe", None)
         if df is None or result.path is None or ACCURACY not in df.columns:
             continue
-        path = write_heldout_plot(Path(result.path), df.to_dict("records"), f"{experiment_name}: {Path(result.path).name}")
+        trial_id = (result.metrics or {}).get("trial_id", "")
+        title = f"{experiment_name}, trial {trial_id}: held-out accuracy" if trial_id else experiment_name
+        path = write_heldout_plot(Path(result.path), df.to_dict("records"), title)
         if path is not None:
             written.append(path)
     return written
