@@ -53,6 +53,17 @@ def build(name: str, seed: int, overrides: dict, model: Optional[str] = None):
     return config, config.build_algo()
 
 
+def timed_steps(algo, warmup: int, steps: int):
+    """``(wall seconds, result)`` of each of ``steps`` training steps after ``warmup``
+    untimed ones (the first steps include lazy model loads)."""
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        result = algo.train()
+        wall = time.perf_counter() - t0
+        if i >= warmup:
+            yield wall, result
+
+
 def heldout_accuracy(algo, max_new_tokens: int) -> float:
     """Greedy accuracy on the first 200 held-out questions under the runner's weights."""
     runner = algo.env_runner

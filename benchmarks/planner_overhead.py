@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import _common  # noqa: F401  (sys.path, recipes)
 from _common import start_ray
-from _runs import build
+from _runs import build, timed_steps
 
 ARMS = {
     "grpo": ("grpo", {}),
@@ -37,12 +36,7 @@ def time_arm(recipe: str, overrides: dict, *, seed: int, warmup: int, steps: int
     _, algo = build(recipe, seed, dict(overrides))  # build turns the in-training evaluation off
     walls, sample, learn, completions = [], [], [], []
     try:
-        for k in range(warmup + steps):
-            t0 = time.perf_counter()
-            result = algo.train()
-            wall = time.perf_counter() - t0
-            if k < warmup:
-                continue
+        for wall, result in timed_steps(algo, warmup, steps):
             stages = result.get("step_time_s", {})
             walls.append(wall)
             sample.append(float(stages.get("sample", float("nan"))))

@@ -14,11 +14,11 @@ is off: it is not part of a training step.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 from _common import recipe_config, start_ray
+from _runs import timed_steps
 
 STAGES = ("generation", "scoring", "learner", "sync", "replay_choice", "buffer_update", "rest")
 
@@ -30,12 +30,7 @@ def profile(name: str, iterations: int, warmup: int, overrides: dict) -> dict:
     algo = recipe_config(name, **extra).build_algo()
     rows = []
     try:
-        for i in range(warmup + iterations):
-            t0 = time.perf_counter()
-            result = algo.train()
-            wall = time.perf_counter() - t0
-            if i < warmup:
-                continue
+        for wall, result in timed_steps(algo, warmup, iterations):
             st = result["step_time_s"]
             runners = result["env_runners"]
             gen = float(runners["generation_time_s"])
