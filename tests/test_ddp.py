@@ -163,18 +163,25 @@ def train_and_time(algo, iterations: int) -> List[float]:
     return per_step
 
 
+def train_two_recorded(algo):
+    """The runner's initial weights, two recorded iterations (each with one shard per
+    learner), their learner time per step and their wall time."""
+    initial = runner_parameters(algo)
+    steps = record_steps(algo)
+    t0 = time.perf_counter()
+    per_step = train_and_time(algo, 2)
+    wall = time.perf_counter() - t0
+    assert len(steps) == 2 and all(len(s["shards"]) == 2 for s in steps)
+    return initial, steps, per_step, wall
+
+
 @pytest.mark.parametrize("micro", [None, 4])
 def test_ddp_two_learners_match_one_learner_and_the_runner(quick_tiny_model, micro):
     """``micro``: learner_micro_batch_rows=4 (4 passes per learner and step, DDP's
     all-reduce only in the last backward), against the same one-pass reference."""
     algo = two_learner_config(quick_tiny_model, learner_micro_batch_rows=micro).build_algo()
     try:
-        initial = runner_parameters(algo)
-        steps = record_steps(algo)
-        t0 = time.perf_counter()
-        per_step = train_and_time(algo, 2)
-        wall = time.perf_counter() - t0
-        assert len(steps) == 2 and all(len(s["shards"]) == 2 for s in steps)
+        initial, steps, per_step, wall = train_two_recorded(algo)
         from ray.rllib.core import COMPONENT_RL_MODULE
 
         views = [

@@ -32,6 +32,7 @@ from test_ddp import (  # noqa: E402  (tests/ is on sys.path: the shared helpers
     reference_parameters,
     runner_parameters,
     train_and_time,
+    train_two_recorded,
     two_learner_config,
 )
 
@@ -163,12 +164,7 @@ def test_two_zero_learners_match_one_learner_and_the_runner(quick_tiny_model, st
     algo = two_learner_config(quick_tiny_model, **training).build_algo()
     t_build = time.perf_counter() - t_build
     try:
-        initial = runner_parameters(algo)
-        steps = record_steps(algo)
-        t0 = time.perf_counter()
-        per_step = train_and_time(algo, 2)
-        wall = time.perf_counter() - t0
-        assert len(steps) == 2 and all(len(s["shards"]) == 2 for s in steps)
+        initial, steps, per_step, wall = train_two_recorded(algo)
         for master, held, total in local_shares(algo):
             assert master <= total // 2 + 64, f"fp32 master partition {master} of {total}: not sharded"
             if stage == 3:

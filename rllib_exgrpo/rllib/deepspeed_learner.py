@@ -66,8 +66,6 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
-from rllib_exgrpo.core import columns as C
-from rllib_exgrpo.core.losses import agg_totals
 from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
 
 logger = logging.getLogger(__name__)
@@ -465,36 +463,26 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
         (``learner_micro_batch_rows``; DeepSpeed's own accumulation boundary marks the last
         one, where ZeRO reduces the gradients), then the guards and one ``engine.step()``."""
         self._compute_off_policyness(batch)
-        chunks = self._micro_batches(batch)
-        if chunks is not None:
-            self._loss_totals = {mid: agg_totals(b[C.RESPONSE_MASK]) for mid, b in batch.items() if C.RESPONSE_MASK in b}
-            self._metric_parts = []
-        skip = nonfinite = bad = False
-        guarded: list = []
-        loss_per_module: Dict[str, torch.Tensor] = {}
-        try:
-            for i, chunk in enumerate(chunks or [batch]):
-                for engine in self._engines.values():
-                    engine.set_gradient_accumulation_boundary(i == len(chunks or [batch]) - 1)
-                fwd_out = {
-                    mid: (self._engines[mid](chunk[mid]) if mid in self._engines
-                          else self.module[mid].forward_train(chunk[mid]))
-                    for mid in chunk.keys()
-                    if mid in self.module
-                }
-                losses = self.compute_losses(fwd_out=fwd_out, batch=chunk)
-                skip, nonfinite = skip or self._skip_step, nonfinite or self._nonfinite_step
-                guarded += self._guarded_modules
-                bad = self._ds_backward(losses) or bad
-                for mid, value in losses.items():
-                    loss_per_module[mid] = loss_per_module[mid] + value.detach() if mid in loss_per_module else value
-            if chunks is not None:
-                self._combined_metrics()
-        finally:
-            self._loss_totals, self._metric_parts = {}, None
-        self._skip_step, self._nonfinite_step, self._guarded_modules = skip, nonfinite, guarded
+        bad = []
+
+        def forward(chunk):
+            return {
+                mid: (self._engines[mid](chunk[mid]) if mid in self._engines else self.module[mid].forward_train(chunk[mid]))
+                for mid in chunk.keys()
+                if mid in self.module
+            }
+
+        def at_boundary(last: bool):
+            for engine in self._engines.values():
+                engine.set_gradient_accumulation_boundary(last)
+            return contextlib.nullcontext()
+
+        fwd_out, loss_per_module = self._run_passes(
+            batch, forward=forward, backward=lambda losses: bad.append(self._ds_backward(losses)),
+            pass_context=at_boundary,
+        )
         self._ds_keep_step = False
-        gradients = self._ds_gradient_norms(bad)
+        gradients = self._ds_gradient_norms(any(bad))
         # ExGRPO's guards: the norm metric and the skip decision, the same on every rank
         # (the norm is the all-reduced one; a NaN loss anywhere makes every norm inf).
         postprocessed = self.postprocess_gradients(gradients)

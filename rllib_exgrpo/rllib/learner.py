@@ -146,8 +146,8 @@ class ExGRPOTorchLearner(TorchLearner):
         values = {key: float(value) for key, value in metrics.items()}
         values["total_loss"] = loss_value
         values["clip_on_fresh_tokens"] = float(self.use_clip_for_fresh_tokens(config))
-        values["_tokens"] = float(batch[C.RESPONSE_MASK].sum())
         if self._metric_parts is not None:  # a micro-batch: logged once, combined
+            values["_tokens"] = float(batch[C.RESPONSE_MASK].sum())
             self._metric_parts.append((module_id, values))
         else:
             self._log_loss_metrics(module_id, values)
@@ -208,54 +208,69 @@ class ExGRPOTorchLearner(TorchLearner):
                     combined[key] = sum(v * t for v, t in zip(vals, tokens)) / weight
             self._log_loss_metrics(module_id, combined)
 
-    def _accumulate_gradients(self, chunks: List[Dict[str, Any]]):
-        """Forward + backward per micro-batch, gradients summed in ``p.grad``; returns the
-        last micro-batch's forward outputs and the summed (detached) losses."""
-        for optim in self._optimizer_parameters:
-            optim.zero_grad(set_to_none=True)
+    def _no_sync(self, on: bool) -> contextlib.ExitStack:
+        """DDP's ``no_sync`` on every module when ``on`` (data-parallel learners only)."""
+        stack = contextlib.ExitStack()
+        if on and self.config.num_learners > 1:
+            for mod in self.module.values():
+                if isinstance(mod, torch.nn.Module) and hasattr(mod, "no_sync"):
+                    stack.enter_context(mod.no_sync())
+        return stack
+
+    def _run_passes(self, batch: Dict[str, Any], *, forward, backward, pass_context):
+        """Forward, loss and backward per micro-batch of ``batch`` (one pass without
+        ``learner_micro_batch_rows``): the one loop of both learners. ``forward(chunk)``
+        gives the forward outputs, ``backward(loss_per_module)`` accumulates gradients,
+        ``pass_context(last)`` wraps each pass (DDP's no_sync, DeepSpeed's boundary).
+        Returns the last pass's forward outputs and the summed (detached) losses; the
+        guard flags of all passes are kept for the one optimiser step."""
+        chunks = self._micro_batches(batch)
+        if chunks is not None:
+            self._loss_totals = {mid: agg_totals(b[C.RESPONSE_MASK]) for mid, b in batch.items() if C.RESPONSE_MASK in b}
+            self._metric_parts = []
         skip = nonfinite = False
         guarded: list = []
         losses: Dict[str, torch.Tensor] = {}
         fwd_out: Dict[str, Any] = {}
-        ddp = self.config.num_learners > 1
-        for i, chunk in enumerate(chunks):
-            with contextlib.ExitStack() as stack:
-                if ddp and i < len(chunks) - 1:  # all-reduce once, in the last backward
-                    for mod in self.module.values():
-                        if isinstance(mod, torch.nn.Module) and hasattr(mod, "no_sync"):
-                            stack.enter_context(mod.no_sync())
-                fwd_out = self.module.forward_train(chunk)
-                loss_per_module = self.compute_losses(fwd_out=fwd_out, batch=chunk)
-                skip, nonfinite = skip or self._skip_step, nonfinite or self._nonfinite_step
-                guarded += self._guarded_modules
-                total = sum(loss_per_module.values())
-                if torch.is_tensor(total) and total.grad_fn is not None:
-                    if self._grad_scalers is not None:
-                        total = sum(self._grad_scalers[m].scale(v) for m, v in loss_per_module.items())
-                    total.backward()
-            for mid, value in loss_per_module.items():
-                losses[mid] = losses.get(mid, 0.0) + value.detach()
+        passes = chunks or [batch]
+        try:
+            for i, chunk in enumerate(passes):
+                with pass_context(i == len(passes) - 1):
+                    fwd_out = forward(chunk)
+                    loss_per_module = self.compute_losses(fwd_out=fwd_out, batch=chunk)
+                    skip, nonfinite = skip or self._skip_step, nonfinite or self._nonfinite_step
+                    guarded += self._guarded_modules
+                    backward(loss_per_module)
+                for mid, value in loss_per_module.items():
+                    losses[mid] = losses[mid] + value.detach() if mid in losses else value
+            if chunks is not None:
+                self._combined_metrics()
+        finally:
+            self._loss_totals, self._metric_parts = {}, None
         self._skip_step, self._nonfinite_step, self._guarded_modules = skip, nonfinite, guarded
         return fwd_out, losses
 
+    def _torch_backward(self, loss_per_module) -> None:
+        total = sum(loss_per_module.values())
+        if torch.is_tensor(total) and total.grad_fn is not None:
+            if self._grad_scalers is not None:
+                total = sum(self._grad_scalers[m].scale(v) for m, v in loss_per_module.items())
+            total.backward()
+
     def _uncompiled_update(self, batch: Dict, **kwargs):
-        chunks = self._micro_batches(batch)
-        if chunks is None:
+        if self._micro_batches(batch) is None:
             return super()._uncompiled_update(batch, **kwargs)
         self._compute_off_policyness(batch)
-        self._loss_totals = {mid: agg_totals(b[C.RESPONSE_MASK]) for mid, b in batch.items() if C.RESPONSE_MASK in b}
-        self._metric_parts = []
-        try:
-            fwd_out, loss_per_module = self._accumulate_gradients(chunks)
-            self._combined_metrics()
-        finally:
-            self._loss_totals, self._metric_parts = {}, None
+        for optim in self._optimizer_parameters:
+            optim.zero_grad(set_to_none=True)
+        fwd_out, loss_per_module = self._run_passes(
+            batch,
+            forward=self.module.forward_train,
+            backward=self._torch_backward,
+            pass_context=lambda last: self._no_sync(not last),  # all-reduce once, in the last backward
+        )
         gradients = {pid: p.grad for pid, p in self._params.items()}
-        with contextlib.ExitStack() as stack:
-            if self.config.num_learners > 1:
-                for mod in self.module.values():
-                    if isinstance(mod, torch.nn.Module) and hasattr(mod, "no_sync"):
-                        stack.enter_context(mod.no_sync())
+        with self._no_sync(True):
             postprocessed = self.postprocess_gradients(gradients)
             self.apply_gradients(postprocessed)
         return fwd_out, loss_per_module, {}
