@@ -29,9 +29,14 @@ HELDOUT_QUESTIONS = 200
 RUN_FORMAT = 1
 
 
+def is_ppo(name: str) -> bool:
+    """Whether a recipe runs RLlib's stock PPO (its runner settings live in model_config)."""
+    return RECIPES[name][0].startswith("ppo")
+
+
 def _heldout_overrides(name: str, config) -> dict:
     """Point the runner at the held-out set; keep the algorithm's own evaluation out."""
-    if name == "ppo":
+    if is_ppo(name):
         # RLlib's PPO reads runner settings from the module's model_config.
         return {"model_config": {**(config.model_config or {}), "heldout_dataset": "arithmetic",
                                  "heldout_split": "test"}}
@@ -45,7 +50,7 @@ def build(name: str, seed: int, overrides: dict, model: Optional[str] = None):
     config = recipe_config(name, seed=seed, **overrides)
     extra = _heldout_overrides(name, config)
     if model:
-        if name == "ppo":
+        if is_ppo(name):
             extra["model_config"]["model"] = model
         else:
             extra["model_name_or_path"] = model
@@ -98,7 +103,7 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
         return json.loads(path.read_text())
     max_iterations = max_iterations or 3 * iterations
     config, algo = build(name, seed, overrides, model)
-    max_tokens = int(config.model_config.get("max_response_tokens", 0)) if name == "ppo" else int(config.max_response_tokens)
+    max_tokens = int(config.model_config.get("max_response_tokens", 0)) if is_ppo(name) else int(config.max_response_tokens)
     steps: List[dict] = []
     evals: List[dict] = []
     tokens, crossed_at = 0.0, None

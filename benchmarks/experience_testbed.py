@@ -50,6 +50,8 @@ import _runs
 
 _common.RECIPES.setdefault("grpo_finite", ("grpo_finite_tiny.yaml", {}))
 _common.RECIPES.setdefault("exgrpo_finite", ("exgrpo_finite_tiny.yaml", {}))
+# RLlib's stock PPO on the same finite set (ppo_tiny.yaml's settings otherwise).
+_common.RECIPES.setdefault("ppo_finite", ("ppo_tiny.yaml", {"env_config": {"dataset": "arithmetic:levels=1-4,n=600"}}))
 
 VAL_SLICE = (200, 400)
 TESTBED_FORMAT = 1
@@ -57,7 +59,22 @@ LEARNER_KEYS = ("policy_loss", "entropy", "clip_fraction", "ratio_mean", "ratio_
                 "replay_shaping_mean", "grad_norm_preclip", "update_skipped")
 TOP_KEYS = ("reward_mean", "solve_rate", "zero_variance_group_fraction", "all_correct_group_fraction")
 
-G, E = "grpo_finite", "exgrpo_finite"
+G, E, P = "grpo_finite", "exgrpo_finite", "ppo_finite"
+#: XRPO's keys (xrpo_tiny.yaml): planner, in-context seeding, novelty sharpening, on top of
+#: the GRPO twin (XRPO) or the ExGRPO twin (ExGRPO+XRPO).
+XRPO_KEYS = {"xrpo_planner": True, "planner_n0": 4, "planner_rounds": 2, "icl_seeding": True,
+             "icl_num_examples": 2, "icl_samples": 4, "novelty_sharpening": True}
+#: Every method of the protocol: (recipe, its base overrides, short name, its own key
+#: switch as (config key, values) or None). The search gives each one the same learning
+#: rates x its key switch.
+METHODS = {
+    "grpo": (G, {}, "grpo", None),
+    "exgrpo": (E, {}, "ex", ("experience_ratio", (0.25, 0.5))),
+    "xrpo": (G, XRPO_KEYS, "xrpo", ("icl_seeding", (True, False))),
+    "exgrpo_xrpo": (E, XRPO_KEYS, "exx", ("experience_ratio", (0.25, 0.5))),
+    "ppo": (P, {}, "ppo", None),
+}
+SWITCH_LABEL = {"experience_ratio": "rho", "icl_seeding": "icl"}
 #: Phase 2: one switch at a time on top of the official ExGRPO defaults (lr 3e-4).
 DIAG = {
     # (the lr / experience_ratio variants spell their overrides as the search does, so the
@@ -82,6 +99,22 @@ DIAG = {
 #: run is the budget reference.
 SEARCH_LRS = (1e-4, 5e-5, 2e-4)
 
+
+#: Phase "search2" (session 6): a second round, the same effort ratio as the first (two
+#: ExGRPO arms per GRPO arm). ExGRPO gets the small-pool switches its first round pointed
+#: at -- a replay cooldown (not in the papers) and a lower bucket mean, on the selected
+#: lr 1e-4 / rho 0.25, and the official rho 0.5 with a cooldown; GRPO gets its own two
+#: levers on the same data: a higher lr and a second epoch over each batch (its form of
+#: reusing samples). The first entry (cached from the first round) sets the budget.
+SEARCH2 = {
+    "grpo_lr1e-04": [G, {"lr": 1e-4}],
+    "grpo_lr3e-04": [G, {"lr": 3e-4}],
+    "grpo_lr2e-04_ep2": [G, {"lr": 2e-4, "num_epochs": 2}],
+    "ex_cd1": [E, {"lr": 1e-4, "experience_ratio": 0.25, "replay_cooldown_steps": 1}],
+    "ex_cd4": [E, {"lr": 1e-4, "experience_ratio": 0.25, "replay_cooldown_steps": 4}],
+    "ex_mu0.25": [E, {"lr": 1e-4, "experience_ratio": 0.25, "bucket_mu": 0.25}],
+    "ex_rho0.5_cd4": [E, {"lr": 1e-4, "experience_ratio": 0.5, "replay_cooldown_steps": 4}],
+}
 
 #: Phase "ablate": the paper's ablations (bucket weights, trajectory choice, policy shaping,
 #: experience ratio), each one switch on top of the chosen ExGRPO setting.
@@ -271,11 +304,14 @@ def paired(runs: Dict[str, List[dict]], budgets, a: str, b: str, field: str = "a
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phase", choices=["diag", "search", "final", "weak", "ablate", "custom"], default="custom")
+    p.add_argument("--phase", choices=["diag", "search", "search2", "final", "weak", "ablate", "custom"],
+                   default="custom")
     p.add_argument("--variants", default=None, help='JSON {"name": [recipe, overrides], ...} (custom phase; '
                    'with another phase: only these names of it)')
     p.add_argument("--only", nargs="+", default=None, help="run only these variant names of the phase")
     p.add_argument("--best", default="{}", help='final phase: JSON {"grpo": {...}, "exgrpo": {...}} overrides')
+    p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=["grpo", "exgrpo"],
+                   help="search: the methods searched (GRPO's first lr always runs: the budget reference)")
     p.add_argument("--rhos", nargs="+", type=float, default=[0.25, 0.5], help="search: ExGRPO experience_ratio values")
     p.add_argument("--lrs", nargs="+", type=float, default=list(SEARCH_LRS),
                    help="search: learning rates, the same for each method (the first GRPO one sets the budget)")
@@ -296,11 +332,24 @@ def main():
     if args.phase == "diag":
         variants = dict(DIAG)
     elif args.phase == "search":
-        variants = {f"grpo_lr{lr:.0e}": [G, {"lr": lr}] for lr in args.lrs}
-        base = json.loads(args.ex_base)
-        for lr in args.lrs:
-            for rho in args.rhos:
-                variants[f"ex_lr{lr:.0e}_rho{rho}"] = [E, {**base, "lr": lr, "experience_ratio": rho}]
+        # GRPO is always there: its first lr sets the budget.
+        methods = ["grpo"] + [m for m in args.methods if m != "grpo"]
+        variants = {}
+        for method in methods:
+            recipe, base, short, switch = METHODS[method]
+            base = {**base, **(json.loads(args.ex_base) if method == "exgrpo" else {})}
+            lrs = args.lrs[:1] if method == "grpo" and "grpo" not in args.methods else args.lrs
+            for lr in lrs:
+                if switch is None:
+                    variants[f"{short}_lr{lr:.0e}"] = [recipe, {**base, "lr": lr}]
+                    continue
+                key, values = switch
+                values = args.rhos if key == "experience_ratio" else values
+                for v in values:
+                    label = f"{SWITCH_LABEL[key]}{int(v) if isinstance(v, bool) else v}"
+                    variants[f"{short}_lr{lr:.0e}_{label}"] = [recipe, {**base, "lr": lr, key: v}]
+    elif args.phase == "search2":
+        variants = dict(SEARCH2)
     elif args.phase == "weak":
         # The delayed start (solve rate > 0.35) would never fire from a ~10% start, leaving
         # ExGRPO = GRPO; here mixed mode is on from the first step (stated in the docs).
@@ -315,8 +364,10 @@ def main():
         for name, switch in ABLATIONS.items():
             variants[name] = [E, {**base, **switch}]
     elif args.phase == "final":
+        # Each method of --best at its selected setting (GRPO first: the budget reference).
         best = json.loads(args.best)
-        variants = {"grpo": [G, best.get("grpo", {})], "exgrpo": [E, best.get("exgrpo", {})]}
+        variants = {m: [METHODS[m][0], {**METHODS[m][1], **best.get(m, {})}]
+                    for m in ["grpo"] + [m for m in METHODS if m in best and m != "grpo"]}
     else:
         variants = {}
     if args.variants:
@@ -352,7 +403,9 @@ def main():
         print("\n".join(report(runs_so_far, budgets, ref)), flush=True)
     lines = report(runs, budgets, ref)
     if args.phase in ("final", "weak") and len(args.seeds) > 1:
-        lines += ["", paired(runs, budgets, "exgrpo", "grpo"), paired(runs, budgets, "exgrpo", "grpo", "val")]
+        lines.append("")
+        for name in order[1:]:
+            lines += [paired(runs, budgets, name, ref), paired(runs, budgets, name, ref, "val")]
     if args.phase in ("final", "weak"):
         png = out / f"plot-{args.phase}.png"
         plot(runs, budgets, png, f"experience testbed, phase {args.phase}" + (f", model {args.model}" if args.model else ""))

@@ -264,6 +264,31 @@ def test_sampling_after_removals_keeps_index_consistent():
         assert set(ids) <= pooled and len(set(ids)) == len(ids) == min(10, len(pooled))
 
 
+def test_excluded_questions_are_never_drawn_and_the_rest_keep_the_rule():
+    buf = ExperienceBuffer(G, seed=9)
+    fill(buf, {1: 20, 4: 3, 7: 20})
+    mid = {f"q4_{i}" for i in range(3)}
+    # without exclusion the 3 mid questions are taken on (nearly) every 4-question draw
+    assert all(mid <= set(buf.sample_questions(4)) for _ in range(50))
+    seen = Counter()
+    for _ in range(2_000):
+        ids = buf.sample_questions(4, exclude=mid)
+        assert len(ids) == 4 == len(set(ids)) and not (set(ids) & mid)
+        seen.update(buf.bucket_of(q) for q in ids)
+    # buckets 1 and 7 have equal Gaussian weight: the draw splits between them evenly
+    assert abs(seen[1] / (seen[1] + seen[7]) - 0.5) < 0.05
+    # excluding everything but two questions returns those two
+    rest = set(buf) - {"q1_0", "q7_0"}
+    assert sorted(buf.sample_questions(5, exclude=rest)) == ["q1_0", "q7_0"]
+
+
+def test_empty_exclusion_keeps_the_official_random_stream():
+    a, b = ExperienceBuffer(G, seed=3), ExperienceBuffer(G, seed=3)
+    fill(a, {2: 5, 4: 4, 6: 7})
+    fill(b, {2: 5, 4: 4, 6: 7})
+    assert [a.sample_questions(6) for _ in range(20)] == [b.sample_questions(6, exclude=set()) for _ in range(20)]
+
+
 # ------------------------------------------------------------------------- trajectory choice
 
 

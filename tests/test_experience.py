@@ -133,6 +133,45 @@ def test_state_round_trip():
     assert m2.buffer.sample_questions(2) == m.buffer.sample_questions(2)
 
 
+def _cooldown_manager(cooldown):
+    m = ExperienceManager(config(delayed_start_solve_rate=0.0, retire_min_remaining=0,
+                                 experience_ratio=0.5, replay_cooldown_steps=cooldown))
+    groups = []
+    for q in "abcd":  # four pooled questions, all in bucket 2
+        groups += group(q, [1, 1, 0, 0])
+    m.observe(score_groups(groups), iteration=0)
+    return m, QuestionSampler([f"f{i}" for i in range(20)], seed=0)
+
+
+def test_replay_cooldown_spreads_the_draw_and_survives_a_restore():
+    # B = 4, rho 0.5: 2 replayed questions a step out of 4 pooled ones.
+    m, fresh = _cooldown_manager(cooldown=1)
+    replayed = [set(m.plan(4, fresh, 20, iteration=t)[1]) for t in range(1, 7)]
+    for t in range(1, len(replayed)):
+        # a question replayed at step t waits one step: steps t and t+1 share none
+        assert len(replayed[t]) == 2 and not (replayed[t] & replayed[t - 1])
+    assert set().union(*replayed) == set("abcd")
+    # the cooldown is part of the state: a restored manager skips the same questions
+    state = m.get_state()
+    m2, _ = _cooldown_manager(cooldown=1)
+    m2.set_state(state)
+    assert m2.cooling_down(7) == m.cooling_down(7) == replayed[-1]
+    # official (no cooldown): nothing is excluded
+    off, _ = _cooldown_manager(cooldown=0)
+    off.plan(4, fresh, 20, iteration=1)
+    assert off.cooling_down(2) == set()
+
+
+def test_replay_cooldown_longer_than_the_pool_allows_replays_less():
+    # 4 pooled questions, 2 slots, cooldown 3: after two steps everything is cooling down.
+    m, fresh = _cooldown_manager(cooldown=3)
+    sizes = [len(m.plan(4, fresh, 20, iteration=t)[1]) for t in range(1, 6)]
+    assert sizes == [2, 2, 0, 0, 2]
+    # the step's remaining slots go to fresh questions
+    fresh_ids, replay_ids = m.plan(4, fresh, 20, iteration=6)
+    assert len(fresh_ids) + len(replay_ids) == 4
+
+
 def test_check_delayed_start_fires_once_above_the_threshold():
     m = ExperienceManager(config(delayed_start_solve_rate=0.35))
     assert not m.check_delayed_start(0.35, iteration=0)  # strictly above

@@ -76,6 +76,8 @@ Inside a bucket, questions are drawn uniformly without replacement (Floyd's algo
 O(count) time). Each bucket keeps a list of its questions plus a position map (O(1)
 add/remove by swap-remove), so the cost per sampled question does not grow with the pool.
 The returned ids are distinct, ``min(n, len(buffer))`` of them, in random order.
+``exclude`` (not official; the manager's ``replay_cooldown_steps``) takes questions out of
+their buckets for one draw; with nothing excluded the draw is exactly the one above.
 
 Choosing the trajectory (:func:`choose_trajectory`)
 ---------------------------------------------------
@@ -97,7 +99,7 @@ rebuild a buffer whose subsequent samples and evictions are identical.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, KeysView, List, Optional, Sequence, Tuple, Union
+from typing import Any, Collection, Dict, Iterator, KeysView, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -627,13 +629,24 @@ class ExperienceBuffer:
         w = np.exp(masked - masked.max())
         return w / w.sum()
 
-    def sample_questions(self, n: int) -> List[str]:
-        """Draw ``min(n, len(self))`` distinct pooled question ids (rules in the module doc)."""
-        n = min(int(n), len(self._questions))
+    def sample_questions(self, n: int, exclude: Optional[Collection[str]] = None) -> List[str]:
+        """Draw ``min(n, eligible)`` distinct pooled question ids (rules in the module doc).
+
+        ``exclude``: pooled questions that may not be drawn this time (the manager's replay
+        cooldown); the draw runs over the other questions as if the excluded ones were not
+        in their buckets. With nothing excluded, the draw (and its random stream) is exactly
+        the official one.
+        """
+        members = self._members
+        if exclude:
+            members = [[q for q in m if q not in exclude] for m in self._members]
+        eligible = sum(len(members[k]) for k in range(1, self.group_size))
+        n = min(int(n), eligible)
         if n <= 0:
             return []
         rng = self._rng
-        sizes = self._sizes()
+        sizes = np.fromiter((len(members[k]) for k in range(1, self.group_size)),
+                            dtype=np.int64, count=self.group_size - 1)
         if self.bucket_weighting == "uniform":
             counts = rng.multivariate_hypergeometric(sizes, n)
         else:
@@ -642,7 +655,7 @@ class ExperienceBuffer:
                 counts = self._redistribute(counts, sizes)
         out: List[str] = []
         for i in np.flatnonzero(counts):
-            out.extend(self._draw_from_bucket(int(i) + 1, int(counts[i])))
+            out.extend(self._draw_from_bucket(members[int(i) + 1], int(counts[i])))
         if len(out) > 1:
             order = rng.permutation(len(out))
             out = [out[j] for j in order]
@@ -667,8 +680,8 @@ class ExperienceBuffer:
             excess -= take
         return counts
 
-    def _draw_from_bucket(self, bucket: int, k: int) -> List[str]:
-        members = self._members[bucket]
+    def _draw_from_bucket(self, members: List[str], k: int) -> List[str]:
+        """A uniform ``k``-subset of one bucket's (eligible) ``members``."""
         m = len(members)
         if k >= m:
             return list(members)

@@ -3,7 +3,9 @@
 ``ExperienceManager`` holds what ExGRPO adds to a GRPO step (docs/ALGORITHMS.md section 2):
 
 * **plan**: of B questions, ``min(#pooled, floor(rho * B))`` come from the pool (in mixed
-  mode), the rest are fresh questions that are not retired;
+  mode), the rest are fresh questions that are not retired; with ``replay_cooldown_steps``
+  c > 0 (not in the papers) a question replayed at step t can be replayed again from step
+  t + c + 1 on;
 * **replay choice**: every stored trajectory of a replayed question is re-scored under the
   current policy (one batched pass by a ``scorer`` callable) and the one with the lowest
   mean token entropy (or the configured rule) is replayed;
@@ -44,6 +46,8 @@ class ExperienceManager:
         self.mixed_mode = config.delayed_start_solve_rate == 0
         self.switch_iteration: Optional[int] = 0 if self.mixed_mode else None
         self._rng = np.random.default_rng([seed, 7])
+        #: question id -> the iteration it was last replayed at (only while cooling down).
+        self._last_replayed: Dict[str, int] = {}
 
     # ---- plan --------------------------------------------------------------------------
     def num_replayed(self, questions_per_step: int) -> int:
@@ -60,9 +64,22 @@ class ExperienceManager:
             return retired
         return set()
 
-    def plan(self, questions_per_step: int, fresh_sampler, num_questions: int) -> Tuple[List[str], List[str]]:
+    def cooling_down(self, iteration: int) -> set:
+        """Pooled questions replayed within the last ``replay_cooldown_steps`` iterations,
+        which this iteration's draw skips (forgetting the ones whose wait is over)."""
+        cooldown = self.config.replay_cooldown_steps
+        self._last_replayed = {q: t for q, t in self._last_replayed.items() if iteration - t <= cooldown}
+        return set(self._last_replayed)
+
+    def plan(self, questions_per_step: int, fresh_sampler, num_questions: int,
+             iteration: int = 0) -> Tuple[List[str], List[str]]:
         """Question ids of one step: (fresh, replayed)."""
-        replay_ids = self.buffer.sample_questions(self.num_replayed(questions_per_step))
+        n_replay = self.num_replayed(questions_per_step)
+        if self.config.replay_cooldown_steps and n_replay:
+            replay_ids = self.buffer.sample_questions(n_replay, exclude=self.cooling_down(iteration))
+            self._last_replayed.update(dict.fromkeys(replay_ids, iteration))
+        else:
+            replay_ids = self.buffer.sample_questions(n_replay)
         exclude = self.fresh_exclusions(num_questions, questions_per_step) | set(replay_ids)
         fresh_ids = fresh_sampler.next_batch(questions_per_step - len(replay_ids), exclude=exclude)
         return fresh_ids, replay_ids
@@ -180,6 +197,7 @@ class ExperienceManager:
             "mixed_mode": self.mixed_mode,
             "switch_iteration": self.switch_iteration,
             "rng": self._rng.bit_generator.state,
+            "last_replayed": dict(self._last_replayed),
         }
 
     def set_state(self, state: dict) -> None:
@@ -187,3 +205,4 @@ class ExperienceManager:
         self.mixed_mode = state["mixed_mode"]
         self.switch_iteration = state["switch_iteration"]
         self._rng.bit_generator.state = state["rng"]
+        self._last_replayed = {q: int(t) for q, t in state.get("last_replayed", {}).items()}

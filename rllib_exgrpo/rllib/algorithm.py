@@ -225,7 +225,7 @@ class ExGRPO(Algorithm):
 
         with self._stage(PLAN_TIMER):
             fresh_ids, replay_ids = self.experience.plan(
-                cfg.questions_per_step, self.sampler, len(self.sampler.question_ids)
+                cfg.questions_per_step, self.sampler, len(self.sampler.question_ids), iteration=self.iteration
             )
         with self._stage(REPLAY_CHOICE_TIMER):
             replayed, replay_metrics = self.experience.replayed_trajectories(replay_ids, self._score_trajectories)

@@ -233,6 +233,10 @@ _EXPERIENCE = [
     _f("bucket_weighting", "gaussian", one_of(BUCKET_WEIGHTINGS),
        "How pooled questions are drawn: 'gaussian' over correctness buckets (official), "
        "'uniform' over questions (ablation), 'uniform_buckets'."),
+    _f("replay_cooldown_steps", 0, integer(0),
+       "Not in the papers: a question replayed at step t is not replayed again before step "
+       "t + this + 1 (0: official, no wait). For small pools, where the Gaussian draw would "
+       "replay the same few mid-bucket questions every step."),
     _f("bucket_mu", 0.5, number(), "Mean of the Gaussian bucket weight on the correctness-rate scale (0.5)."),
     _f("bucket_sigma", 0.125, number(0, low_open=True),
        "Std of the Gaussian bucket weight on the rate scale (0.125 = 1/G for G=8)."),
