@@ -76,3 +76,20 @@ def test_testbed_reading_report_and_plot_on_hand_made_runs(tmp_path):
     png = tmp_path / "plot.png"
     tb.plot(runs, budgets, png, "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_icl_rescue_counts_add_up(ray_local, quick_tiny_model):
+    """benchmarks/icl_rescue.py end to end on the quick model (which solves little): the
+    counts it reports are consistent, whatever the rates."""
+    import icl_rescue
+
+    r = icl_rescue.measure(quick_tiny_model, 0, questions=24, extra=2, num_examples=2)
+    assert r["questions"] == 24 and r["solved"] + r["all_failing"] == 24
+    assert 0 <= r["seeded_questions"] <= r["all_failing"]
+    assert r["seeded_questions"] == 0 or r["corpus"] > 0
+    for k in ("rescued_seeded", "rescued_plain"):
+        assert 0 <= r[k] <= r["seeded_questions"]
+    assert r["only_seeded"] - r["only_plain"] == r["rescued_seeded"] - r["rescued_plain"]
+    assert sum(v["n"] for v in r["by_level"].values()) == r["seeded_questions"]
+    lo, hi = icl_rescue.wilson(3, 10)
+    assert lo < 0.3 < hi and abs(lo - 0.1078) < 1e-3 and abs(hi - 0.6032) < 1e-3

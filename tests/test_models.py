@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -206,6 +207,48 @@ def test_failed_build_leaves_nothing(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
 
 
+def test_icl_recipe_keeps_the_default_key_and_prefixes_hold_similar_solved_examples():
+    from envs import arithmetic
+
+    plain = tiny_recipe(max_steps=6)
+    # icl_fraction 0 adds nothing to the recipe: the default model's cache key is unchanged
+    assert "icl" not in plain and tiny_mod.recipe_key(tiny_recipe(max_steps=6, icl_fraction=0.0)) == tiny_mod.recipe_key(plain)
+    icl = tiny_recipe(max_steps=6, icl_fraction=0.5)
+    assert icl["icl"]["fraction"] == 0.5 and tiny_mod.recipe_key(icl) != tiny_mod.recipe_key(plain)
+    with pytest.raises(ValueError, match="icl_fraction"):
+        tiny_recipe(icl_fraction=1.0)
+    assert tiny_mod.icl_prefixes([object()] * 3, plain) == ["", "", ""]
+
+    problems = arithmetic.generate(400, split="train", seed=0, levels=(1, 2, 3, 4))
+    prefixes = tiny_mod.icl_prefixes(problems, icl)
+    assert prefixes == tiny_mod.icl_prefixes(problems, icl)  # seeded
+    seeded = [(p, pre) for p, pre in zip(problems, prefixes) if pre]
+    assert 0.4 < len(seeded) / len(problems) < 0.6
+    shared = 0
+    for p, pre in seeded:
+        blocks = [b for b in pre.split("\n\n") if b]
+        assert len(blocks) == 2 and all(b.startswith("Question: ") and "\nSolution: " in b for b in blocks)
+        questions = [b.split("\n")[0][len("Question: "):] for b in blocks]
+        assert p.question not in questions  # never the question itself
+        # the examples are the retrieval's most similar questions: they share a number
+        numbers = set(re.findall(r"\d+", p.question))
+        shared += any(numbers & set(re.findall(r"\d+", q)) for q in questions)
+        # each example carries its worked solution from the training data
+        sols = {q.question: q.solution for q in problems}
+        assert all(b.split("\nSolution: ")[1] == sols[q] for b, q in zip(blocks, questions))
+    assert shared / len(seeded) > 0.9
+
+
+def test_icl_build_trains_on_prefixed_prompts_and_loads(tiny_cache):
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(str(tiny_cache), icl_fraction=0.3, **FAST)
+    report = read_warm_start(path)
+    assert report["recipe"]["icl"]["fraction"] == 0.3 and report["steps"] >= 1
+    assert path != build_tiny_model(str(tiny_cache), **FAST)  # its own cache entry
+    assert AutoModelForCausalLM.from_pretrained(path, local_files_only=True).config.model_type == "qwen2"
+
+
 def test_recipe_validation():
     with pytest.raises(ValueError, match="unknown train options"):
         tiny_recipe(overrides={"train": {"learning_rate": 1.0}})
@@ -224,6 +267,7 @@ def test_resolve_model_path_and_spec(tiny_cache, tiny_path, monkeypatch):
     }
     assert parse_tiny_spec("tiny:levels=1+4")["levels"] == (1, 4)
     assert parse_tiny_spec("tiny:threads=2") == {"overrides": {"train": {"num_threads": 2}}}
+    assert parse_tiny_spec("tiny:icl=0.3") == {"icl_fraction": 0.3}
     with pytest.raises(ValueError, match="bad tiny model option"):
         parse_tiny_spec("tiny:lr=3")
     seen = {}

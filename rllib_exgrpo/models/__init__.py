@@ -44,13 +44,15 @@ __all__ = [
     "tiny_recipe",
 ]
 
-_TINY_KEYS = {"seed": int, "target_pass1": float, "max_steps": int, "levels": None, "threads": int}
+_TINY_KEYS = {"seed": int, "target_pass1": float, "max_steps": int, "levels": None, "threads": int,
+              "icl": float}
 
 
 def parse_tiny_spec(spec: str) -> dict[str, Any]:
     """Keyword arguments of :func:`build_tiny_model` from ``"tiny"`` or
     ``"tiny:seed=1,target_pass1=0.3,levels=1-4,max_steps=1500,threads=2"`` (levels also
-    ``1+2+4``; ``threads`` sets the build's torch thread count, part of the recipe)."""
+    ``1+2+4``; ``threads`` sets the build's torch thread count, part of the recipe; ``icl``
+    is the share of warm-start prompts that carry worked examples, ``icl_fraction``)."""
     name, _, rest = spec.partition(":")
     if name != "tiny":
         raise ValueError(f"not a tiny model spec: {spec!r}")
@@ -64,6 +66,8 @@ def parse_tiny_spec(spec: str) -> dict[str, Any]:
             )
         if key == "threads":  # torch threads of the build (part of the recipe)
             out.setdefault("overrides", {}).setdefault("train", {})["num_threads"] = int(value)
+        elif key == "icl":
+            out["icl_fraction"] = float(value)
         elif key == "levels":
             if "-" in value:
                 lo, hi = (int(x) for x in value.split("-", 1))

@@ -70,6 +70,9 @@ CHAT_TEMPLATE = (
 )
 
 
+#: Worked examples in an ICL-trained prompt (XRPO's icl_num_examples default).
+ICL_NUM_EXAMPLES = 2
+
 #: Everything that shapes the result besides the public arguments.
 _DEFAULTS: dict[str, Any] = {
     "tokenizer": {"vocab_size": 512, "min_frequency": 2},
@@ -124,11 +127,15 @@ def tiny_recipe(
     levels: Sequence[int] = (1, 2, 3, 4),
     max_steps: int = 1500,
     overrides: Optional[dict] = None,
+    icl_fraction: float = 0.0,
 ) -> dict:
     """The full, JSON-serialisable recipe of a tiny model (what the cache key hashes).
 
     ``overrides`` is a nested dict merged into the defaults, e.g.
     ``{"model": {"num_hidden_layers": 2}, "eval": {"eval_every": 25}}``; unknown keys raise.
+    ``icl_fraction`` > 0 makes the model able to read worked examples in its prompt (see
+    :func:`icl_prefixes`); at 0 the recipe has no ``icl`` section, so the default model's
+    cache key is what it was before the option existed.
     """
     from envs import arithmetic
     from envs.prompting import DEFAULT_INSTRUCTION
@@ -137,6 +144,8 @@ def tiny_recipe(
         raise ValueError(f"target_pass1 must be in (0, 1], got {target_pass1}")
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    if not 0.0 <= icl_fraction < 1.0:
+        raise ValueError(f"icl_fraction must be in [0, 1), got {icl_fraction}")
     levels = tuple(int(lv) for lv in levels)
     recipe: dict[str, Any] = {
         "kind": "tiny-qwen2-arithmetic",
@@ -158,6 +167,11 @@ def tiny_recipe(
         if unknown:
             raise ValueError(f"unknown {section} options {sorted(unknown)}; known: {sorted(_DEFAULTS[section])}")
         recipe[section].update(values)
+    if icl_fraction > 0:
+        from rllib_exgrpo.xrpo.icl import DEFAULT_TEMPLATE
+
+        recipe["icl"] = {"fraction": float(icl_fraction), "num_examples": ICL_NUM_EXAMPLES,
+                         "template": DEFAULT_TEMPLATE}
     # Fingerprint of the data the build would see: a change in the generator rebuilds.
     sample = arithmetic.generate(16, split="train", seed=seed, levels=levels)
     sample += arithmetic.generate(4, split="test", seed=recipe["eval"]["eval_seed"], levels=levels)
@@ -452,10 +466,45 @@ def _lr_at(step: int, recipe: dict) -> float:
     return t["lr"] * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _encode_examples(tokenizer, problems, instruction: str):
+def icl_prefixes(problems, recipe: dict) -> list[str]:
+    """The in-context prefix of each warm-start example ("" for most): what makes the
+    model able to use XRPO's in-context seeding.
+
+    XRPO seeds a question whose completions all failed by putting a few solved questions
+    similar to it before its prompt (BM25 over the question texts, ``xrpo/icl.py``). A model
+    never trained on such prompts has no reason to use them (a pretrained LLM has). So a
+    ``recipe["icl"]["fraction"]`` share of the warm-start examples get exactly that prefix:
+    the ``num_examples`` training questions most similar to it by the same retrieval, with
+    their worked solutions, rendered by the same ``format_examples``. Similar arithmetic
+    questions share numbers and sub-expressions ("94 - 76 + 73" retrieves "94 - 76 + 12",
+    whose solution holds "94 - 76 = 18"), so the examples carry usable information and the
+    model can learn to copy it. The choice of examples is seeded by the recipe's seed.
+    """
+    icl = recipe.get("icl")
+    if not icl:
+        return [""] * len(problems)
+    from rllib_exgrpo.xrpo.icl import SolvedCorpus, format_examples
+
+    corpus = SolvedCorpus(capacity=len(problems), seed=recipe["seed"])
+    for i, p in enumerate(problems):
+        corpus.add(i, p.question, p.solution)
+    rng = random.Random(f"tiny-icl:{recipe['seed']}")
+    out = []
+    for i, p in enumerate(problems):
+        if rng.random() >= icl["fraction"]:
+            out.append("")
+            continue
+        examples = corpus.retrieve(p.question, k=icl["num_examples"], exclude_ids=[i])
+        out.append(format_examples(examples, icl["template"]))
+    return out
+
+
+def _encode_examples(tokenizer, problems, instruction: str, prefixes: Optional[Sequence[str]] = None):
     from envs.prompting import render_prompt
 
     prompts = [render_prompt(p.question, tokenizer=tokenizer, instruction=instruction) for p in problems]
+    if prefixes is not None:
+        prompts = [pre + prompt for pre, prompt in zip(prefixes, prompts)]
     completions = [p.solution + IM_END for p in problems]
     p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     c_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
@@ -596,7 +645,8 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
     import torch
 
     tr, ev = recipe["train"], recipe["eval"]
-    p_ids, c_ids = _encode_examples(tokenizer, train_problems, recipe["instruction"])
+    p_ids, c_ids = _encode_examples(tokenizer, train_problems, recipe["instruction"],
+                                    icl_prefixes(train_problems, recipe))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optim = torch.optim.AdamW(
@@ -728,6 +778,7 @@ def build_tiny_model(
     max_steps: int = 1500,
     progress: bool = True,
     overrides: Optional[dict] = None,
+    icl_fraction: float = 0.0,
 ) -> str:
     """Build (once) and return the folder of the warm-started tiny model.
 
@@ -744,12 +795,15 @@ def build_tiny_model(
         max_steps: Hard stop (also the length of the cosine learning-rate schedule).
         progress: Show a tqdm progress bar while building.
         overrides: Nested recipe overrides, see :func:`tiny_recipe`.
+        icl_fraction: Share of warm-start examples with worked examples before the question
+            (:func:`icl_prefixes`); 0, the default, trains on bare prompts only.
 
     Returns:
         The folder path. A second call with the same recipe returns at once; concurrent
         callers wait for a single build.
     """
-    recipe = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps, overrides=overrides)
+    recipe = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
+                         overrides=overrides, icl_fraction=icl_fraction)
     name = f"tiny-{recipe_key(recipe)}"
 
     def builder(tmp: Path):
