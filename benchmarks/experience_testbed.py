@@ -71,7 +71,8 @@ METHODS = {
     "grpo": (G, {}, "grpo", None),
     "exgrpo": (E, {}, "ex", ("experience_ratio", (0.25, 0.5))),
     "xrpo": (G, XRPO_KEYS, "xrpo", ("icl_seeding", (True, False))),
-    "exgrpo_xrpo": (E, XRPO_KEYS, "exx", ("experience_ratio", (0.25, 0.5))),
+    # rho fixed at ExGRPO's selected 0.25 (machine time): lr x 3 only, less search than the others
+    "exgrpo_xrpo": (E, XRPO_KEYS, "exx", ("experience_ratio", (0.25,))),
     "ppo": (P, {}, "ppo", None),
 }
 SWITCH_LABEL = {"experience_ratio": "rho", "icl_seeding": "icl"}
@@ -344,7 +345,7 @@ def main():
                     variants[f"{short}_lr{lr:.0e}"] = [recipe, {**base, "lr": lr}]
                     continue
                 key, values = switch
-                values = args.rhos if key == "experience_ratio" else values
+                values = args.rhos if method == "exgrpo" else values
                 for v in values:
                     label = f"{SWITCH_LABEL[key]}{int(v) if isinstance(v, bool) else v}"
                     variants[f"{short}_lr{lr:.0e}_{label}"] = [recipe, {**base, "lr": lr, key: v}]
