@@ -295,6 +295,30 @@ def plot(runs: Dict[str, List[dict]], budgets: Dict[int, float], path: Path, tit
     plt.close(fig)
 
 
+def tokens_to_reach(mine: List[dict], target: float, field: str = "accuracy") -> Optional[float]:
+    """Mean sampled tokens at the first evaluation step (common to all seeds) at which the
+    seeds' mean ``field`` reaches ``target``; None if it never does."""
+    steps = sorted(set.intersection(*[{e["step"] for e in r["evals"]} for r in mine]))
+    for s in steps:
+        es = [next(e for e in r["evals"] if e["step"] == s) for r in mine]
+        if np.mean([e[field] for e in es]) >= target - 1e-9:
+            return float(np.mean([e["tokens"] for e in es]))
+    return None
+
+
+def reach_lines(runs: Dict[str, List[dict]], budgets, ref: str) -> List[str]:
+    """How soon each method reaches the reference's final (mean test@budget over seeds):
+    the issue's "in at most half of GRPO's sampled tokens" reading."""
+    target = float(np.mean([at_budget(r, budgets[r["seed"]], "accuracy") for r in runs[ref]]))
+    budget = float(np.mean(list(budgets.values())))
+    lines = [f"tokens to reach {ref}'s final test accuracy {target:.3f} (mean over seeds, evaluation steps common "
+             f"to all seeds; budget {budget:,.0f}):"]
+    for name, mine in runs.items():
+        t = tokens_to_reach(mine, target)
+        lines.append(f"  {name:<18} " + ("never within the run" if t is None else f"{t:,.0f} tokens = {t / budget:.2f} x budget"))
+    return lines
+
+
 def paired(runs: Dict[str, List[dict]], budgets, a: str, b: str, field: str = "accuracy") -> str:
     ra = {r["seed"]: at_budget(r, budgets[r["seed"]], field) for r in runs[a]}
     rb = {r["seed"]: at_budget(r, budgets[r["seed"]], field) for r in runs[b]}
@@ -407,6 +431,8 @@ def main():
         lines.append("")
         for name in order[1:]:
             lines += [paired(runs, budgets, name, ref), paired(runs, budgets, name, ref, "val")]
+        if all(b is not None for b in budgets.values()):
+            lines += [""] + reach_lines(runs, budgets, ref)
     if args.phase in ("final", "weak"):
         png = out / f"plot-{args.phase}.png"
         plot(runs, budgets, png, f"experience testbed, phase {args.phase}" + (f", model {args.model}" if args.model else ""))

@@ -73,6 +73,10 @@ def test_testbed_reading_report_and_plot_on_hand_made_runs(tmp_path):
     assert "+0.085" in line and "n=2" in line  # (0.6 - 0.5 + 0.62 - 0.55) / 2
     table = tb.report(runs, budgets, "grpo")
     assert any(row.startswith("exgrpo") and "0.610" in row for row in table)
+    # the first common evaluation whose seed-mean reaches a target, in mean tokens
+    assert tb.tokens_to_reach(runs["exgrpo"], 0.5) == 10000.0 and tb.tokens_to_reach(runs["grpo"], 0.9) is None
+    reach = tb.reach_lines(runs, budgets, "grpo")  # GRPO's final: (0.5 + 0.55) / 2
+    assert "0.525" in reach[0] and "20,000 tokens = 1.00 x budget" in reach[1] and "1.00 x" in reach[2]
     png = tmp_path / "plot.png"
     tb.plot(runs, budgets, png, "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
