@@ -58,7 +58,6 @@ def measure(model: str, seed: int, questions: int, extra: int, num_examples: int
     config, algo = _runs.build("grpo_finite", seed, overrides, model)
     try:
         runner = algo.env_runner
-        runner._ensure_module()
         problems = {p.id: p for p in runner.env.problems}
         ids = list(problems)
         t0 = time.perf_counter()

@@ -615,9 +615,11 @@ class ExperienceBuffer:
 
     # ---------------------------------------------------------------- sampling
 
-    def _sizes(self) -> np.ndarray:
+    def _sizes(self, members: Optional[List[List[str]]] = None) -> np.ndarray:
+        """Questions per bucket 1..G-1 (of ``members``, default the pool's bucket lists)."""
+        members = self._members if members is None else members
         return np.fromiter(
-            (len(self._members[k]) for k in range(1, self.group_size)),
+            (len(members[k]) for k in range(1, self.group_size)),
             dtype=np.int64,
             count=self.group_size - 1,
         )
@@ -640,13 +642,11 @@ class ExperienceBuffer:
         members = self._members
         if exclude:
             members = [[q for q in m if q not in exclude] for m in self._members]
-        eligible = sum(len(members[k]) for k in range(1, self.group_size))
-        n = min(int(n), eligible)
+        sizes = self._sizes(members)
+        n = min(int(n), int(sizes.sum()))
         if n <= 0:
             return []
         rng = self._rng
-        sizes = np.fromiter((len(members[k]) for k in range(1, self.group_size)),
-                            dtype=np.int64, count=self.group_size - 1)
         if self.bucket_weighting == "uniform":
             counts = rng.multivariate_hypergeometric(sizes, n)
         else:
