@@ -34,21 +34,28 @@ def is_ppo(name: str) -> bool:
     return RECIPES[name][0].startswith("ppo")
 
 
-def _heldout_overrides(name: str, config) -> dict:
-    """Point the runner at the held-out set; keep the algorithm's own evaluation out."""
+#: The held-out dataset spec of every run (its first 200 test questions are the figure).
+HELDOUT_DATASET = "arithmetic"
+
+
+def _heldout_overrides(name: str, config, heldout_dataset: str = HELDOUT_DATASET) -> dict:
+    """Point the runner at the held-out set; keep the algorithm's own evaluation out.
+    ``heldout_dataset`` may ask for more test questions (``arithmetic:n_test=N``): the
+    first ones are the same whatever N (the generator is one stream)."""
     if is_ppo(name):
         # RLlib's PPO reads runner settings from the module's model_config.
-        return {"model_config": {**(config.model_config or {}), "heldout_dataset": "arithmetic",
+        return {"model_config": {**(config.model_config or {}), "heldout_dataset": heldout_dataset,
                                  "heldout_split": "test"}}
-    return {"heldout_dataset": "arithmetic", "heldout_split": "test",
+    return {"heldout_dataset": heldout_dataset, "heldout_split": "test",
             "heldout_num_questions": HELDOUT_QUESTIONS, "heldout_interval": 0}
 
 
-def build(name: str, seed: int, overrides: dict, model: Optional[str] = None):
+def build(name: str, seed: int, overrides: dict, model: Optional[str] = None,
+          heldout_dataset: str = HELDOUT_DATASET):
     """The algorithm of a recipe; ``model`` replaces the policy model (``model_name_or_path``
     for this project's algorithms, the module's ``model_config["model"]`` for RLlib's PPO)."""
     config = recipe_config(name, seed=seed, **overrides)
-    extra = _heldout_overrides(name, config)
+    extra = _heldout_overrides(name, config, heldout_dataset)
     if model:
         if is_ppo(name):
             extra["model_config"]["model"] = model
@@ -90,7 +97,8 @@ def _cache_path(out: Path, key: dict) -> Path:
 def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[float] = None,
               eval_interval: int = 10, overrides: Optional[dict] = None, out: Path,
               max_iterations: Optional[int] = None, model: Optional[str] = None,
-              key_extra: Optional[dict] = None, extra_eval=None, step_fields=None, on_eval=None) -> dict:
+              key_extra: Optional[dict] = None, extra_eval=None, step_fields=None, on_eval=None,
+              heldout_dataset: str = HELDOUT_DATASET) -> dict:
     """One run (cached). Returns ``{"algo", "seed", "steps": [...], "evals": [...], ...}``:
     per step its sampled tokens so far, wall time and scalar metrics; per evaluation the
     step, tokens so far and held-out accuracy."""
@@ -98,11 +106,13 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
     key = {"algo": name, "seed": seed, "iterations": iterations, "token_budget": token_budget,
            "eval_interval": eval_interval, "overrides": overrides, "model": model, "format": RUN_FORMAT,
            **(key_extra or {})}
+    if heldout_dataset != HELDOUT_DATASET:  # (absent by default: older cache files stay valid)
+        key["heldout_dataset"] = heldout_dataset
     path = _cache_path(out, key)
     if path.exists():
         return json.loads(path.read_text())
     max_iterations = max_iterations or 3 * iterations
-    config, algo = build(name, seed, overrides, model)
+    config, algo = build(name, seed, overrides, model, heldout_dataset)
     max_tokens = int(config.model_config.get("max_response_tokens", 0)) if is_ppo(name) else int(config.max_response_tokens)
     steps: List[dict] = []
     evals: List[dict] = []

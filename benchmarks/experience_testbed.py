@@ -47,6 +47,7 @@ import numpy as np
 import _common
 from _common import ROOT, start_ray
 import _runs
+from rllib_exgrpo.core.columns import QUESTION_ID
 
 _common.RECIPES.setdefault("grpo_finite", ("grpo_finite_tiny.yaml", {}))
 _common.RECIPES.setdefault("exgrpo_finite", ("exgrpo_finite_tiny.yaml", {}))
@@ -55,6 +56,19 @@ _common.RECIPES.setdefault("ppo_finite", ("ppo_tiny.yaml", {"env_config": {"data
 
 VAL_SLICE = (200, 400)
 TESTBED_FORMAT = 1
+#: The large final set (session 7; declared, with its score, before any run read it): every
+#: question of ``arithmetic:n_test=2400`` outside the validation slice, 2200 questions. The
+#: test split holds only 30 level-1 and 82 level-3 questions (small problem spaces; the
+#: generator dedupes), so the set has all of them there are outside validation (29 and 59)
+#: next to 699 of level 2 and 1413 of level 4. Its score, ``final``, is the mean of the four
+#: level accuracies: the training set's uniform level mix, whatever the held-out counts.
+#: The pooled accuracy and each level's are recorded too, and every question's outcome
+#: (``final_bits``, in set order) for paired bootstraps over questions. The first 200
+#: questions (``test``) are part of it; validation (200-400) never is. Runs that use it
+#: are their own cache entries (``--final-set``; the default of the final phase).
+FINAL_SET_DATASET = "arithmetic:n_test=2400"
+FINAL_SET_SIZE = 2400
+FINAL_FORMAT = 2
 LEARNER_KEYS = ("policy_loss", "entropy", "clip_fraction", "ratio_mean", "ratio_max", "replay_ratio_mean",
                 "replay_shaping_mean", "grad_norm_preclip", "update_skipped")
 TOP_KEYS = ("reward_mean", "solve_rate", "zero_variance_group_fraction", "all_correct_group_fraction")
@@ -141,9 +155,39 @@ def validation_accuracy(algo, max_new_tokens: int) -> float:
     return float(np.mean([e.get_return() for e in episodes]))
 
 
+def final_set_questions(problems) -> list:
+    """The final set's problems (in order): the held-out problems outside VAL_SLICE."""
+    if len(problems) < FINAL_SET_SIZE:
+        raise ValueError(f"held-out set has {len(problems)} questions; the final set needs {FINAL_SET_SIZE}")
+    return [p for i, p in enumerate(problems[:FINAL_SET_SIZE]) if not VAL_SLICE[0] <= i < VAL_SLICE[1]]
+
+
+def final_set_scores(problems, correct: Dict[str, float]) -> dict:
+    """``final`` (mean of the level accuracies), ``final_pooled``, ``final_L<k>`` and
+    ``final_bits`` from each question's reward (``correct``: question id -> 0/1)."""
+    levels = sorted({p.difficulty for p in problems})
+    by_level = {k: float(np.mean([correct[p.id] for p in problems if p.difficulty == k])) for k in levels}
+    return {"final": float(np.mean(list(by_level.values()))),
+            "final_pooled": float(np.mean([correct[p.id] for p in problems])),
+            **{f"final_L{k}": v for k, v in by_level.items()},
+            "final_bits": "".join("1" if correct[p.id] > 0.5 else "0" for p in problems)}
+
+
+def final_set_accuracy(algo, max_new_tokens: int) -> dict:
+    """Greedy scores on the final set (see FINAL_SET_DATASET), the same runner call as the
+    other evaluators."""
+    runner = algo.env_runner
+    problems = final_set_questions(list(runner.heldout_env.problems))
+    episodes = runner.sample(question_ids=[p.id for p in problems], num_samples=1, heldout=True,
+                             temperature=0.0, max_new_tokens=max_new_tokens, return_logprobs=False)
+    correct = {e.get_infos(-1)[QUESTION_ID]: e.get_return() for e in episodes}
+    return final_set_scores(problems, correct)
+
+
 def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[float], eval_interval: int,
-              overrides: dict, out: Path, model: Optional[str] = None, log=print) -> dict:
-    """_runs.train_run with both evaluators and the learner / experience metrics per step."""
+              overrides: dict, out: Path, model: Optional[str] = None, log=print, final_set: bool = False) -> dict:
+    """_runs.train_run with both evaluators (plus the final set when ``final_set``) and the
+    learner / experience metrics per step."""
 
     def step_fields(result) -> dict:
         learner = (result.get("learners") or {}).get("default_policy", {})
@@ -154,13 +198,19 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
 
     def on_eval(e: dict, elapsed: float) -> None:
         log(f"  {name} seed {seed} step {e['step']}: tokens {int(e['tokens']):,}, test {e['accuracy']:.3f}"
-            f" val {e['val']:.3f}, {elapsed:.0f} s", flush=True)
+            f" val {e['val']:.3f}" + (f" final {e['final']:.3f}" if "final" in e else "") + f", {elapsed:.0f} s",
+            flush=True)
+
+    def extra_eval(algo, max_tokens):
+        return {"val": validation_accuracy(algo, max_tokens),
+                **(final_set_accuracy(algo, max_tokens) if final_set else {})}
 
     return _runs.train_run(
         name, seed, iterations=iterations, token_budget=token_budget, eval_interval=eval_interval,
-        overrides=overrides, out=out, model=model, key_extra={"testbed": TESTBED_FORMAT},
-        extra_eval=lambda algo, max_tokens: {"val": validation_accuracy(algo, max_tokens)},
+        overrides=overrides, out=out, model=model,
+        key_extra={"testbed": FINAL_FORMAT if final_set else TESTBED_FORMAT}, extra_eval=extra_eval,
         step_fields=step_fields, on_eval=on_eval,
+        heldout_dataset=FINAL_SET_DATASET if final_set else _runs.HELDOUT_DATASET,
     )
 
 
@@ -243,16 +293,28 @@ def report(runs: Dict[str, List[dict]], budgets: Dict[int, float], ref: str) -> 
             f" {cell('val', at_budget):>14} {cell('val', tail):>14} {steps:>5.0f} |"
             f" {avg['solve']:.3f} {avg['zero_var']:.3f}  {avg['all_ok']:.3f} {avg['clip']:.3f} {avg['shaping']:.3f}"
             f"   {avg['entropy']:.3f}   {avg['replayed']:.3f} {avg['pool']:>4.0f} {avg['retired']:>6.0f} {avg['switch']:>4.0f}")
+    if all("final" in r["evals"][0] for mine in runs.values() for r in mine):
+        lines += ["", f"final set ({FINAL_SET_DATASET} outside validation; score = mean of the level accuracies):",
+                  f"{'variant':<18}{'n':>2} {'final@budget':>16} {'final_tail':>14} {'pooled@budget':>14}"
+                  + "".join(f" {f'L{k}@budget':>14}" for k in (1, 2, 3, 4))]
+        for name, mine in runs.items():
+            def fcell(field, fn=at_budget):
+                m, h, n = ci95([fn(r, budgets[r["seed"]], field) for r in mine])
+                return f"{m:.3f}" + (f"±{h:.3f}" if not math.isnan(h) else "      ")
+            lines.append(f"{name:<18}{len(mine):>2} {fcell('final'):>16} {fcell('final', tail):>14}"
+                         f" {fcell('final_pooled'):>14}" + "".join(f" {fcell(f'final_L{k}'):>14}" for k in (1, 2, 3, 4)))
     lines += ["", "per run: variant seed | test@budget val@budget | test/val at each evaluation step"]
     for name, mine in runs.items():
         for r in mine:
             b = budgets[r["seed"]]
             curve = " ".join(f"{e['step']}:{e['accuracy']:.2f}/{e['val']:.2f}" for e in r["evals"])
-            lines.append(f"{name:<18} {r['seed']} | {at_budget(r, b, 'accuracy'):.3f} {at_budget(r, b, 'val'):.3f} | {curve}")
+            fin = f" final {at_budget(r, b, 'final'):.3f}" if "final" in r["evals"][0] else ""
+            lines.append(f"{name:<18} {r['seed']} | {at_budget(r, b, 'accuracy'):.3f} {at_budget(r, b, 'val'):.3f}{fin} | {curve}")
     return lines
 
 
-def plot(runs: Dict[str, List[dict]], budgets: Dict[int, float], path: Path, title: str) -> None:
+def plot(runs: Dict[str, List[dict]], budgets: Dict[int, float], path: Path, title: str,
+         field: str = "accuracy") -> None:
     """Two panels: held-out (test) accuracy against sampled tokens, mean over seeds with
     its 95% t-band (evaluations aligned by step), and the training reward (solve rate)
     per step, mean over seeds (thin lines: each seed)."""
@@ -268,7 +330,7 @@ def plot(runs: Dict[str, List[dict]], budgets: Dict[int, float], path: Path, tit
         steps = sorted(set.intersection(*[{e["step"] for e in r["evals"]} for r in mine]))
         by_step = [[next(e for e in r["evals"] if e["step"] == s) for r in mine] for s in steps]
         x = np.array([np.mean([e["tokens"] for e in es]) for es in by_step]) / 1e3
-        y = np.array([[e["accuracy"] for e in es] for es in by_step])
+        y = np.array([[e[field] for e in es] for es in by_step])
         mean = y.mean(axis=1)
         ax.plot(x, mean, color=color, marker="o", ms=3, label=f"{name} (n={len(mine)})")
         if len(mine) > 1:
@@ -282,7 +344,8 @@ def plot(runs: Dict[str, List[dict]], budgets: Dict[int, float], path: Path, tit
     if budgets and all(b is not None for b in budgets.values()):
         ax.axvline(np.mean(list(budgets.values())) / 1e3, color="grey", ls=":", lw=1, label="budget")
     ax.set_xlabel("sampled completion tokens (thousands)")
-    ax.set_ylabel("held-out accuracy (greedy, 200 test questions)")
+    ax.set_ylabel("held-out accuracy (greedy, 200 test questions)" if field == "accuracy" else
+                  "final-set score (greedy, 2200 questions, level mean)" if field == "final" else field)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax2.set_xlabel("training step")
@@ -306,15 +369,16 @@ def tokens_to_reach(mine: List[dict], target: float, field: str = "accuracy") ->
     return None
 
 
-def reach_lines(runs: Dict[str, List[dict]], budgets, ref: str) -> List[str]:
-    """How soon each method reaches the reference's final (mean test@budget over seeds):
-    the issue's "in at most half of GRPO's sampled tokens" reading."""
-    target = float(np.mean([at_budget(r, budgets[r["seed"]], "accuracy") for r in runs[ref]]))
+def reach_lines(runs: Dict[str, List[dict]], budgets, ref: str, field: str = "accuracy") -> List[str]:
+    """How soon each method reaches the reference's final (mean ``field``@budget over
+    seeds): the issue's "in at most half of GRPO's sampled tokens" reading."""
+    target = float(np.mean([at_budget(r, budgets[r["seed"]], field) for r in runs[ref]]))
     budget = float(np.mean(list(budgets.values())))
-    lines = [f"tokens to reach {ref}'s final test accuracy {target:.3f} (mean over seeds, evaluation steps common "
+    what = "test accuracy" if field == "accuracy" else f"'{field}' score"
+    lines = [f"tokens to reach {ref}'s final {what} {target:.3f} (mean over seeds, evaluation steps common "
              f"to all seeds; budget {budget:,.0f}):"]
     for name, mine in runs.items():
-        t = tokens_to_reach(mine, target)
+        t = tokens_to_reach(mine, target, field)
         lines.append(f"  {name:<18} " + ("never within the run" if t is None else f"{t:,.0f} tokens = {t / budget:.2f} x budget"))
     return lines
 
@@ -325,6 +389,51 @@ def paired(runs: Dict[str, List[dict]], budgets, a: str, b: str, field: str = "a
     seeds = sorted(set(ra) & set(rb))
     m, h, n = ci95([ra[s] - rb[s] for s in seeds])
     return f"{a} - {b} ({field}@budget, paired over seeds {seeds}): {m:+.3f} ± {h:.3f} (95% t, n={n})"
+
+
+def final_set_levels() -> np.ndarray:
+    """The level of each final-set question, in ``final_bits`` order."""
+    from envs.datasets import load_problems
+
+    return np.array([p.difficulty for p in final_set_questions(list(load_problems(FINAL_SET_DATASET, split="test")))])
+
+
+def _bits_at_budget(run: dict, budget: Optional[float]) -> np.ndarray:
+    if budget is None:
+        e = run["evals"][-1]
+    else:
+        e = next((e for e in run["evals"] if e["tokens"] >= budget), None)
+        if e is None:
+            raise ValueError(f"run {run['algo']} seed {run['seed']} never reached the budget")
+    return np.frombuffer(e["final_bits"].encode(), dtype=np.uint8) - ord("0")
+
+
+def paired_bootstrap(runs: Dict[str, List[dict]], budgets, a: str, b: str, levels: np.ndarray,
+                     draws: int = 4000, seed: int = 0) -> str:
+    """``a - b`` on the final score at the budget, paired over seeds, with a 95% interval
+    from a two-way bootstrap: seeds resampled (training noise) and, within each level,
+    questions resampled (the held-out sample's own error, which a t-interval over seeds on
+    one fixed question set leaves out)."""
+    ra = {r["seed"]: _bits_at_budget(r, budgets[r["seed"]]) for r in runs[a]}
+    rb = {r["seed"]: _bits_at_budget(r, budgets[r["seed"]]) for r in runs[b]}
+    seeds = sorted(set(ra) & set(rb))
+    diff = np.stack([ra[s].astype(float) - rb[s].astype(float) for s in seeds])  # (seeds, questions)
+    ks = sorted(set(levels.tolist()))
+    idx = {k: np.flatnonzero(levels == k) for k in ks}
+
+    def score(d: np.ndarray, cols: Dict[int, np.ndarray]) -> float:  # d: (seeds, questions)
+        return float(np.mean([d[:, cols[k]].mean() for k in ks]))
+
+    point = score(diff, idx)
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(draws):
+        rows = diff[rng.integers(0, len(seeds), len(seeds))]
+        cols = {k: v[rng.integers(0, len(v), len(v))] for k, v in idx.items()}
+        boots.append(score(rows, cols))
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    return (f"{a} - {b} (final@budget, paired over seeds {seeds}): {point:+.3f}, 95% bootstrap over seeds and "
+            f"questions [{lo:+.3f}, {hi:+.3f}]; {np.mean(np.array(boots) > 0):.0%} of draws above 0")
 
 
 def main():
@@ -349,6 +458,9 @@ def main():
                         "collapsed policy writes max-length completions, which would inflate the budget)")
     p.add_argument("--weak-lr", type=float, default=1e-3,
                    help="weak phase: the learning rate of both methods (one at which on-policy GRPO collapses)")
+    p.add_argument("--final-set", choices=["on", "off"], default=None,
+                   help="also evaluate the large final set (FINAL_SET_DATASET; default: on in the final phase, "
+                        "off elsewhere, where cached runs without it are reused)")
     p.add_argument("--iterations", type=int, default=80)
     p.add_argument("--eval-interval", type=int, default=10)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "testbed"))
@@ -405,13 +517,14 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     equal_steps = args.equal_steps or args.phase == "weak"
+    final_set = (args.final_set or ("on" if args.phase == "final" else "off")) == "on"
     start_ray()
     runs: Dict[str, List[dict]] = {k: [] for k in order}
     budgets: Dict[int, float] = {}
     for seed in args.seeds:
         recipe, ov = variants[ref]
         r = train_run(recipe, seed, iterations=args.iterations, token_budget=None,
-                      eval_interval=args.eval_interval, overrides=ov, out=out, model=args.model)
+                      eval_interval=args.eval_interval, overrides=ov, out=out, model=args.model, final_set=final_set)
         runs[ref].append(r)
         budgets[seed] = None if equal_steps else r["steps"][args.iterations - 1]["tokens"]
         for name in order[1:]:
@@ -419,7 +532,8 @@ def main():
             t0 = time.time()
             runs[name].append(train_run(recipe, seed, iterations=args.iterations,
                                         token_budget=None if equal_steps else budgets[seed],
-                                        eval_interval=args.eval_interval, overrides=ov, out=out, model=args.model))
+                                        eval_interval=args.eval_interval, overrides=ov, out=out, model=args.model,
+                                        final_set=final_set))
             r = runs[name][-1]
             print(f"[{time.strftime('%H:%M:%S')}] {name} seed {seed}: test@budget "
                   f"{at_budget(r, budgets[seed], 'accuracy'):.3f} val@budget {at_budget(r, budgets[seed], 'val'):.3f}"
@@ -431,11 +545,20 @@ def main():
         lines.append("")
         for name in order[1:]:
             lines += [paired(runs, budgets, name, ref), paired(runs, budgets, name, ref, "val")]
+        if final_set:
+            levels = final_set_levels()
+            lines.append("")
+            for name in order[1:]:
+                lines += [paired(runs, budgets, name, ref, "final"),
+                          paired_bootstrap(runs, budgets, name, ref, levels)]
         if all(b is not None for b in budgets.values()):
             lines += [""] + reach_lines(runs, budgets, ref)
+            if final_set:
+                lines += reach_lines(runs, budgets, ref, "final")
     if args.phase in ("final", "weak"):
         png = out / f"plot-{args.phase}.png"
-        plot(runs, budgets, png, f"experience testbed, phase {args.phase}" + (f", model {args.model}" if args.model else ""))
+        plot(runs, budgets, png, f"experience testbed, phase {args.phase}" + (f", model {args.model}" if args.model else ""),
+             field="final" if final_set else "accuracy")
         lines.append(f"plot: {png}")
     text = "\n".join(lines)
     print("\n" + text)
