@@ -12,13 +12,17 @@ embedded tiny Qwen2 on a FINITE training set of 600 arithmetic questions (levels
 held-out distribution; the warm start solves levels 1/2/3/4 at about 55/52/7/19%), 32
 questions x 8 completions per step, 80 steps = 2560 question draws = 4.3 epochs of the set.
 
-Two evaluators, both greedy, both on the arithmetic *test* split (never trained on: the
-train and test splits are disjoint by construction, envs/arithmetic.py):
+Two evaluators (three with ``--final-set on``, the final phase's default), all greedy, all
+on the arithmetic *test* split (never trained on: the train and test splits are disjoint
+by construction, envs/arithmetic.py):
 
 * ``test``: the first 200 test questions, exactly ``_runs.heldout_accuracy`` (the final
   figures, the same set as compare.py);
 * ``val``: test questions 200-400 (``validation_accuracy`` below), the only numbers that
-  tuning looks at.
+  tuning looks at;
+* ``final``: the large final set (FINAL_SET_DATASET below, 2200 questions outside
+  validation, the mean of the four level accuracies), declared in session 7 before its
+  runs.
 
 Every run goes through ``_runs`` (its ``build``, cache naming and reading helpers); runs are
 cached as JSON under ``--out`` (default benchmarks/out/testbed/runs), so a killed phase
@@ -315,7 +319,8 @@ def report(runs: Dict[str, List[dict]], budgets: Dict[int, float], ref: str) -> 
 
 def plot(runs: Dict[str, List[dict]], budgets: Dict[int, float], path: Path, title: str,
          field: str = "accuracy") -> None:
-    """Two panels: held-out (test) accuracy against sampled tokens, mean over seeds with
+    """Two panels: held-out accuracy (``field``: the 200 test questions, or the final set's
+    score) against sampled tokens, mean over seeds with
     its 95% t-band (evaluations aligned by step), and the training reward (solve rate)
     per step, mean over seeds (thin lines: each seed)."""
     import matplotlib
@@ -398,13 +403,14 @@ def final_set_levels() -> np.ndarray:
     return np.array([p.difficulty for p in final_set_questions(list(load_problems(FINAL_SET_DATASET, split="test")))])
 
 
-def _bits_at_budget(run: dict, budget: Optional[float]) -> np.ndarray:
+def _bits_at_budget(run: dict, budget: Optional[float]) -> Optional[np.ndarray]:
+    """Each final-set question's outcome (0/1) at the budget; None if the run never got there."""
     if budget is None:
         e = run["evals"][-1]
     else:
         e = next((e for e in run["evals"] if e["tokens"] >= budget), None)
         if e is None:
-            raise ValueError(f"run {run['algo']} seed {run['seed']} never reached the budget")
+            return None
     return np.frombuffer(e["final_bits"].encode(), dtype=np.uint8) - ord("0")
 
 
@@ -413,11 +419,24 @@ def paired_bootstrap(runs: Dict[str, List[dict]], budgets, a: str, b: str, level
     """``a - b`` on the final score at the budget, paired over seeds, with a 95% interval
     from a two-way bootstrap: seeds resampled (training noise) and, within each level,
     questions resampled (the held-out sample's own error, which a t-interval over seeds on
-    one fixed question set leaves out)."""
+    one fixed question set leaves out).
+
+    The interval is approximate, in both directions: drawing seeds and questions
+    independently counts each (seed, question) outcome's own noise twice (too wide), while
+    a percentile interval over 5 seeds has no small-sample t correction (too narrow). It
+    is reported next to the t-interval over seeds, not instead of it. Levels 1 and 3 hold
+    nearly every such question the split has (29 and 59), so resampling them overstates
+    their part; with equal level weights the question error is about that of ~300 pooled
+    questions, not 2200."""
     ra = {r["seed"]: _bits_at_budget(r, budgets[r["seed"]]) for r in runs[a]}
     rb = {r["seed"]: _bits_at_budget(r, budgets[r["seed"]]) for r in runs[b]}
-    seeds = sorted(set(ra) & set(rb))
+    missing = sorted(s for s in set(ra) | set(rb) if ra.get(s) is None or rb.get(s) is None)
+    seeds = sorted(s for s in set(ra) & set(rb) if s not in missing)
+    if not seeds:
+        return f"{a} - {b} (final@budget): no seed where both reached the budget"
     diff = np.stack([ra[s].astype(float) - rb[s].astype(float) for s in seeds])  # (seeds, questions)
+    if diff.shape[1] != len(levels):
+        raise ValueError(f"{diff.shape[1]} final-set outcomes per run but {len(levels)} question levels")
     ks = sorted(set(levels.tolist()))
     idx = {k: np.flatnonzero(levels == k) for k in ks}
 
@@ -432,8 +451,9 @@ def paired_bootstrap(runs: Dict[str, List[dict]], budgets, a: str, b: str, level
         cols = {k: v[rng.integers(0, len(v), len(v))] for k, v in idx.items()}
         boots.append(score(rows, cols))
     lo, hi = np.percentile(boots, [2.5, 97.5])
+    note = f" (seeds {missing} left out: short of the budget)" if missing else ""
     return (f"{a} - {b} (final@budget, paired over seeds {seeds}): {point:+.3f}, 95% bootstrap over seeds and "
-            f"questions [{lo:+.3f}, {hi:+.3f}]; {np.mean(np.array(boots) > 0):.0%} of draws above 0")
+            f"questions [{lo:+.3f}, {hi:+.3f}]; {np.mean(np.array(boots) > 0):.0%} of draws above 0{note}")
 
 
 def main():
@@ -556,7 +576,7 @@ def main():
             if final_set:
                 lines += reach_lines(runs, budgets, ref, "final")
     if args.phase in ("final", "weak"):
-        png = out / f"plot-{args.phase}.png"
+        png = out / f"plot-{args.phase}{'-final-set' if final_set else ''}.png"
         plot(runs, budgets, png, f"experience testbed, phase {args.phase}" + (f", model {args.model}" if args.model else ""),
              field="final" if final_set else "accuracy")
         lines.append(f"plot: {png}")

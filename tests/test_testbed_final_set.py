@@ -68,5 +68,7 @@ def test_paired_bootstrap_point_and_interval():
     assert "+1.000, 95% bootstrap over seeds and questions [+1.000, +1.000]; 100% of draws above 0" in sure
     same = tb.paired_bootstrap({"a": runs["a"], "b": runs["a"]}, budgets, "a", "b", levels, draws=200)
     assert "+0.000, 95% bootstrap over seeds and questions [+0.000, +0.000]" in same
-    with pytest.raises(ValueError, match="never reached the budget"):
-        tb.paired_bootstrap(runs, {0: 1e9, 1: 100.0}, "a", "b", levels, draws=10)
+    short = tb.paired_bootstrap(runs, {0: 1e9, 1: 100.0}, "a", "b", levels, draws=10)
+    assert "seeds [1]" in short and "seeds [0] left out: short of the budget" in short
+    with pytest.raises(ValueError, match="4 final-set outcomes per run but 3 question levels"):
+        tb.paired_bootstrap(runs, budgets, "a", "b", levels[:3], draws=10)
