@@ -147,16 +147,22 @@ ABLATIONS = {
 }
 
 
+def _greedy_rewards(algo, ids: List[str], max_new_tokens: int) -> Dict[str, float]:
+    """Each held-out question's greedy reward (question id -> 0/1), one runner call: the
+    same call as ``_runs.heldout_accuracy``."""
+    episodes = algo.env_runner.sample(question_ids=ids, num_samples=1, heldout=True, temperature=0.0,
+                                      max_new_tokens=max_new_tokens, return_logprobs=False)
+    return {e.get_infos(-1)[QUESTION_ID]: e.get_return() for e in episodes}
+
+
 def validation_accuracy(algo, max_new_tokens: int) -> float:
     """Greedy accuracy on held-out (test-split) questions 200-400: the tuning set, disjoint
     from both the training set and the 200 questions of the final figures."""
-    runner = algo.env_runner
-    ids = [p.id for p in runner.heldout_env.problems][VAL_SLICE[0]:VAL_SLICE[1]]
+    problems = algo.env_runner.heldout_env.problems
+    ids = [p.id for p in problems][VAL_SLICE[0]:VAL_SLICE[1]]
     if len(ids) < VAL_SLICE[1] - VAL_SLICE[0]:
-        raise ValueError(f"held-out set has {len(runner.heldout_env.problems)} questions; need {VAL_SLICE[1]}")
-    episodes = runner.sample(question_ids=ids, num_samples=1, heldout=True, temperature=0.0,
-                             max_new_tokens=max_new_tokens, return_logprobs=False)
-    return float(np.mean([e.get_return() for e in episodes]))
+        raise ValueError(f"held-out set has {len(problems)} questions; need {VAL_SLICE[1]}")
+    return float(np.mean(list(_greedy_rewards(algo, ids, max_new_tokens).values())))
 
 
 def final_set_questions(problems) -> list:
@@ -180,12 +186,8 @@ def final_set_scores(problems, correct: Dict[str, float]) -> dict:
 def final_set_accuracy(algo, max_new_tokens: int) -> dict:
     """Greedy scores on the final set (see FINAL_SET_DATASET), the same runner call as the
     other evaluators."""
-    runner = algo.env_runner
-    problems = final_set_questions(list(runner.heldout_env.problems))
-    episodes = runner.sample(question_ids=[p.id for p in problems], num_samples=1, heldout=True,
-                             temperature=0.0, max_new_tokens=max_new_tokens, return_logprobs=False)
-    correct = {e.get_infos(-1)[QUESTION_ID]: e.get_return() for e in episodes}
-    return final_set_scores(problems, correct)
+    problems = final_set_questions(list(algo.env_runner.heldout_env.problems))
+    return final_set_scores(problems, _greedy_rewards(algo, [p.id for p in problems], max_new_tokens))
 
 
 def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[float], eval_interval: int,
@@ -284,17 +286,19 @@ def report(runs: Dict[str, List[dict]], budgets: Dict[int, float], ref: str) -> 
                          for s, b in budgets.items()), "",
              f"{'variant':<18}{'n':>2} {'test@budget':>16} {'test_tail':>14} {'val@budget':>14} {'val_tail':>14}"
              f" {'steps':>5} | solve zero_var all_ok  clip  shaping entropy replayed pool retired switch"]
+    def cell(mine, field, fn=at_budget):
+        """Mean ± 95% half-width over seeds of ``fn(run, budget, field)``."""
+        m, h, n = ci95([fn(r, budgets[r["seed"]], field) for r in mine])
+        return f"{m:.3f}" + (f"±{h:.3f}" if not math.isnan(h) else "      ")
+
     for name, mine in runs.items():
-        def cell(field, fn):
-            m, h, n = ci95([fn(r, budgets[r["seed"]], field) for r in mine])
-            return f"{m:.3f}" + (f"±{h:.3f}" if not math.isnan(h) else "      ")
         steps = np.mean([_reach(r, budgets[r["seed"]]) for r in mine])
         ms = [run_metrics(r, _reach(r, budgets[r["seed"]])) for r in mine]
         avg = {k: float(np.nanmean([x[k] for x in ms])) if not all(math.isnan(x[k]) for x in ms) else math.nan
                for k in ms[0]}
         lines.append(
-            f"{name:<18}{len(mine):>2} {cell('accuracy', at_budget):>16} {cell('accuracy', tail):>14}"
-            f" {cell('val', at_budget):>14} {cell('val', tail):>14} {steps:>5.0f} |"
+            f"{name:<18}{len(mine):>2} {cell(mine, 'accuracy'):>16} {cell(mine, 'accuracy', tail):>14}"
+            f" {cell(mine, 'val'):>14} {cell(mine, 'val', tail):>14} {steps:>5.0f} |"
             f" {avg['solve']:.3f} {avg['zero_var']:.3f}  {avg['all_ok']:.3f} {avg['clip']:.3f} {avg['shaping']:.3f}"
             f"   {avg['entropy']:.3f}   {avg['replayed']:.3f} {avg['pool']:>4.0f} {avg['retired']:>6.0f} {avg['switch']:>4.0f}")
     if all("final" in r["evals"][0] for mine in runs.values() for r in mine):
@@ -302,11 +306,8 @@ def report(runs: Dict[str, List[dict]], budgets: Dict[int, float], ref: str) -> 
                   f"{'variant':<18}{'n':>2} {'final@budget':>16} {'final_tail':>14} {'pooled@budget':>14}"
                   + "".join(f" {f'L{k}@budget':>14}" for k in (1, 2, 3, 4))]
         for name, mine in runs.items():
-            def fcell(field, fn=at_budget):
-                m, h, n = ci95([fn(r, budgets[r["seed"]], field) for r in mine])
-                return f"{m:.3f}" + (f"±{h:.3f}" if not math.isnan(h) else "      ")
-            lines.append(f"{name:<18}{len(mine):>2} {fcell('final'):>16} {fcell('final', tail):>14}"
-                         f" {fcell('final_pooled'):>14}" + "".join(f" {fcell(f'final_L{k}'):>14}" for k in (1, 2, 3, 4)))
+            lines.append(f"{name:<18}{len(mine):>2} {cell(mine, 'final'):>16} {cell(mine, 'final', tail):>14}"
+                         f" {cell(mine, 'final_pooled'):>14}" + "".join(f" {cell(mine, f'final_L{k}'):>14}" for k in (1, 2, 3, 4)))
     lines += ["", "per run: variant seed | test@budget val@budget | test/val at each evaluation step"]
     for name, mine in runs.items():
         for r in mine:
