@@ -482,6 +482,9 @@ def main():
     p.add_argument("--final-set", choices=["on", "off"], default=None,
                    help="also evaluate the large final set (FINAL_SET_DATASET; default: on in the final phase, "
                         "off elsewhere, where cached runs without it are reused)")
+    p.add_argument("--train-dataset", default=None,
+                   help='training set of every variant (env_config.dataset), e.g. "arithmetic:levels=1-4,n=5000" '
+                        "(default: the recipes' finite 600 questions)")
     p.add_argument("--iterations", type=int, default=80)
     p.add_argument("--eval-interval", type=int, default=10)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "testbed"))
@@ -532,6 +535,9 @@ def main():
         variants.update(json.loads(args.variants))
     if args.only:
         variants = {k: v for k, v in variants.items() if k in args.only}
+    if args.train_dataset:
+        variants = {k: [recipe, {**ov, "env_config": {**ov.get("env_config", {}), "dataset": args.train_dataset}}]
+                    for k, (recipe, ov) in variants.items()}
     ref = args.ref or next(k for k, (recipe, _) in variants.items() if recipe == G)
     order = [ref] + [k for k in variants if k != ref]
 
