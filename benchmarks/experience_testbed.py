@@ -457,6 +457,14 @@ def paired_bootstrap(runs: Dict[str, List[dict]], budgets, a: str, b: str, level
             f"questions [{lo:+.3f}, {hi:+.3f}]; {np.mean(np.array(boots) > 0):.0%} of draws above 0{note}")
 
 
+def with_train_dataset(variants: Dict[str, list], dataset: str) -> Dict[str, list]:
+    """``variants`` with every run trained on ``dataset`` (its ``env_config.dataset``; the
+    other ``env_config`` keys kept). The evaluators do not change: they read the test
+    split, which no training split shares a question with."""
+    return {name: [recipe, {**ov, "env_config": {**ov.get("env_config", {}), "dataset": dataset}}]
+            for name, (recipe, ov) in variants.items()}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=["diag", "search", "search2", "final", "weak", "ablate", "custom"],
@@ -536,8 +544,7 @@ def main():
     if args.only:
         variants = {k: v for k, v in variants.items() if k in args.only}
     if args.train_dataset:
-        variants = {k: [recipe, {**ov, "env_config": {**ov.get("env_config", {}), "dataset": args.train_dataset}}]
-                    for k, (recipe, ov) in variants.items()}
+        variants = with_train_dataset(variants, args.train_dataset)
     ref = args.ref or next(k for k, (recipe, _) in variants.items() if recipe == G)
     order = [ref] + [k for k in variants if k != ref]
 
