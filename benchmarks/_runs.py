@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from _common import RECIPES, recipe_config
+from rllib_exgrpo.core.columns import QUESTION_ID
 
 HELDOUT_QUESTIONS = 200
 #: Bumped when what a run records changes, so stale cache files are not reused.
@@ -76,13 +77,18 @@ def timed_steps(algo, warmup: int, steps: int):
             yield wall, result
 
 
+def greedy_rewards(algo, ids: List[str], max_new_tokens: int) -> Dict[str, float]:
+    """Each held-out question's greedy reward (question id -> 0/1) under the runner's
+    weights, in one runner call: every evaluator of the benchmarks goes through it."""
+    episodes = algo.env_runner.sample(question_ids=ids, num_samples=1, heldout=True, temperature=0.0,
+                                      max_new_tokens=max_new_tokens, return_logprobs=False)
+    return {e.get_infos(-1)[QUESTION_ID]: e.get_return() for e in episodes}
+
+
 def heldout_accuracy(algo, max_new_tokens: int) -> float:
     """Greedy accuracy on the first 200 held-out questions under the runner's weights."""
-    runner = algo.env_runner
-    ids = [p.id for p in runner.heldout_env.problems][:HELDOUT_QUESTIONS]
-    episodes = runner.sample(question_ids=ids, num_samples=1, heldout=True, temperature=0.0,
-                             max_new_tokens=max_new_tokens, return_logprobs=False)
-    return float(np.mean([e.get_return() for e in episodes]))
+    ids = [p.id for p in algo.env_runner.heldout_env.problems][:HELDOUT_QUESTIONS]
+    return float(np.mean(list(greedy_rewards(algo, ids, max_new_tokens).values())))
 
 
 def _scalars(d) -> dict:

@@ -51,7 +51,6 @@ import numpy as np
 import _common
 from _common import ROOT, start_ray
 import _runs
-from rllib_exgrpo.core.columns import QUESTION_ID
 
 _common.RECIPES.setdefault("grpo_finite", ("grpo_finite_tiny.yaml", {}))
 _common.RECIPES.setdefault("exgrpo_finite", ("exgrpo_finite_tiny.yaml", {}))
@@ -147,14 +146,6 @@ ABLATIONS = {
 }
 
 
-def _greedy_rewards(algo, ids: List[str], max_new_tokens: int) -> Dict[str, float]:
-    """Each held-out question's greedy reward (question id -> 0/1), one runner call: the
-    same call as ``_runs.heldout_accuracy``."""
-    episodes = algo.env_runner.sample(question_ids=ids, num_samples=1, heldout=True, temperature=0.0,
-                                      max_new_tokens=max_new_tokens, return_logprobs=False)
-    return {e.get_infos(-1)[QUESTION_ID]: e.get_return() for e in episodes}
-
-
 def validation_accuracy(algo, max_new_tokens: int) -> float:
     """Greedy accuracy on held-out (test-split) questions 200-400: the tuning set, disjoint
     from both the training set and the 200 questions of the final figures."""
@@ -162,7 +153,7 @@ def validation_accuracy(algo, max_new_tokens: int) -> float:
     ids = [p.id for p in problems][VAL_SLICE[0]:VAL_SLICE[1]]
     if len(ids) < VAL_SLICE[1] - VAL_SLICE[0]:
         raise ValueError(f"held-out set has {len(problems)} questions; need {VAL_SLICE[1]}")
-    return float(np.mean(list(_greedy_rewards(algo, ids, max_new_tokens).values())))
+    return float(np.mean(list(_runs.greedy_rewards(algo, ids, max_new_tokens).values())))
 
 
 def final_set_questions(problems) -> list:
@@ -187,7 +178,7 @@ def final_set_accuracy(algo, max_new_tokens: int) -> dict:
     """Greedy scores on the final set (see FINAL_SET_DATASET), the same runner call as the
     other evaluators."""
     problems = final_set_questions(list(algo.env_runner.heldout_env.problems))
-    return final_set_scores(problems, _greedy_rewards(algo, [p.id for p in problems], max_new_tokens))
+    return final_set_scores(problems, _runs.greedy_rewards(algo, [p.id for p in problems], max_new_tokens))
 
 
 def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[float], eval_interval: int,
