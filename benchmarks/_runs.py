@@ -95,6 +95,20 @@ def _scalars(d) -> dict:
     return {k: float(v) for k, v in (d or {}).items() if isinstance(v, (int, float, np.floating, np.integer))}
 
 
+def model_build(name: str, model: Optional[str] = None) -> str:
+    """The cache folder name of the policy model a run of recipe ``name`` uses (``model``
+    or the recipe's own), built first when missing; the spec itself for a non-tiny model."""
+    from rllib_exgrpo.models import resolve_model_path
+
+    if model is None:
+        config = recipe_config(name, seed=0)
+        model = config.model_config.get("model") if is_ppo(name) else config.model_name_or_path
+    spec = str(model)
+    if spec != "tiny" and not spec.startswith("tiny:"):
+        return spec
+    return Path(resolve_model_path(spec, progress=False)).name
+
+
 def _cache_path(out: Path, key: dict) -> Path:
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     return out / "runs" / f"{key['algo']}-seed{key['seed']}-{digest}.json"
@@ -114,6 +128,9 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
            **(key_extra or {})}
     if heldout_dataset != HELDOUT_DATASET:  # (absent by default: older cache files stay valid)
         key["heldout_dataset"] = heldout_dataset
+    # The built model behind a tiny spec (its folder name carries the build recipe's hash):
+    # a new build of "tiny" must not reuse the runs of an older one.
+    key["model_build"] = model_build(name, model)
     path = _cache_path(out, key)
     if path.exists():
         return json.loads(path.read_text())

@@ -130,6 +130,61 @@ def test_warm_start_report(tiny_path):
     assert report["mean_token_entropy"] > 0.0
 
 
+def test_pinned_environment_pins_the_kernels_and_finds_the_package():
+    import rllib_exgrpo
+    from rllib_exgrpo.models import pinned_build
+
+    env = pinned_build.pinned_environment({"PATH": "/bin", "PYTHONPATH": "/elsewhere", "MKL_CBWR": "AUTO"})
+    assert env["PATH"] == "/bin"
+    assert {k: env[k] for k in pinned_build.PINNED_ENV} == pinned_build.PINNED_ENV  # overrides MKL_CBWR
+    roots = env["PYTHONPATH"].split(os.pathsep)
+    assert str(Path(rllib_exgrpo.__file__).resolve().parents[1]) in roots and roots[-1] == "/elsewhere"
+    assert pinned_build.pinned_environment(env)["PYTHONPATH"] == env["PYTHONPATH"]  # idempotent
+
+
+def test_the_build_ran_with_the_pinned_kernels(tiny_path):
+    """build_tiny_model builds in a child process whose kernels are AVX2 on any AVX2 CPU."""
+    import torch
+
+    native = torch.backends.cpu.get_cpu_capability()  # this process: not pinned
+    if native not in ("AVX2", "AVX512"):
+        pytest.skip(f"this CPU's kernels are {native}: AVX2 is not available to pin")
+    report = read_warm_start(tiny_path)
+    assert report["cpu_capability"] == "AVX2"
+    assert report["build_threads"] == tiny_recipe()["train"]["num_threads"]
+
+
+#: sha256 of the FAST build's model.safetensors with the pinned AVX2 kernels, per (torch,
+#: transformers, tokenizers) version: the same bits on the development Xeon (AVX-512) and on an
+#: emulated Haswell (AVX2 only): `python benchmarks/warm_start_bits.py --fast --qemu-cpu Haswell`.
+FAST_BUILD_SHA256 = {
+    ("2.13.0+cpu", "5.24.0", "0.23.3"): "a3e74e487307cc99ad966b337376afb079333a37bd6992a9d64d9c11d40e0529",
+}
+
+
+def test_the_pinned_build_gives_the_recorded_bits(tiny_path):
+    """The same recipe gives the same weights on any AVX2 machine: this machine's build of
+    FAST equals the recorded hash (a code change that moves the bits must bump
+    RECIPE_VERSION and record the new hash)."""
+    import hashlib
+
+    report = read_warm_start(tiny_path)
+    versions = tuple(report["versions"][k] for k in ("torch", "transformers", "tokenizers"))
+    if versions not in FAST_BUILD_SHA256:
+        pytest.skip(f"no hash recorded for torch/transformers/tokenizers {versions}")
+    if report["cpu_capability"] != "AVX2":
+        pytest.skip(f"built with {report['cpu_capability']} kernels: the pin needs a CPU with AVX2")
+    digest = hashlib.sha256((Path(tiny_path) / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == FAST_BUILD_SHA256[versions]
+
+
+def test_a_failing_child_build_raises_with_its_exit_code(tmp_path):
+    from rllib_exgrpo.models.pinned_build import build_in_pinned_process
+
+    with pytest.raises(RuntimeError, match="exit code 1"):
+        build_in_pinned_process(tmp_path, {"not": "a recipe"}, progress=False)
+
+
 def test_cache_reuse_builds_nothing_and_is_recipe_keyed(tiny_cache, tiny_path, monkeypatch):
     import rllib_exgrpo.models.tiny as tiny_module
 
@@ -139,6 +194,7 @@ def test_cache_reuse_builds_nothing_and_is_recipe_keyed(tiny_cache, tiny_path, m
         raise AssertionError("a cached model was built again")
 
     monkeypatch.setattr(tiny_module, "_build_into", no_build)
+    monkeypatch.setattr("rllib_exgrpo.models.pinned_build.build_in_pinned_process", no_build)
     again = build_tiny_model(str(tiny_cache), **FAST)
     monkeypatch.undo()
     assert again == tiny_path
@@ -157,7 +213,7 @@ def test_cache_env_var(monkeypatch, tmp_path):
     assert tiny_mod.cache_root(str(tmp_path / "d")) == (tmp_path / "d").resolve()
 
 
-def test_concurrent_builders_build_once(tmp_path):
+def test_concurrent_threads_build_once(tmp_path):
     calls, results, errors = [], [], []
 
     def builder(tmp: Path):
@@ -373,7 +429,7 @@ def _build_in_process(root):
     return str(build_cached(Path(root), "m", _slow_builder))
 
 
-def test_concurrent_builders_build_once(tmp_path):
+def test_concurrent_processes_build_once(tmp_path):
     """Two processes asking for the same missing folder: one builds (under the file lock),
     the other waits and reuses it."""
     import multiprocessing as mp

@@ -50,8 +50,11 @@ from typing import Any, Iterable, Optional, Sequence
 
 from filelock import FileLock
 
-#: Bump when the build procedure changes in a way the recipe does not capture.
-RECIPE_VERSION = 1
+#: Bump when the build procedure changes in a way the recipe does not capture. Version 2:
+#: the build runs with AVX2-pinned kernels (``pinned_build``) and evaluates through the
+#: env's own sampling and verifier; version-1 folders were built by earlier code under the
+#: same key (a cache written before an evaluation change kept serving the older model).
+RECIPE_VERSION = 2
 CACHE_ENV_VAR = "RLLIB_EXGRPO_CACHE"
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "rllib_exgrpo")
 WARM_START_FILE = "warm_start.json"
@@ -603,10 +606,20 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
         "sample_completions": last_eval["samples"],
         "history": run["history"],
         "versions": _versions(),
+        # The kernels the weights came from: AVX2 when the pin of pinned_build took effect.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "build_threads": tr["num_threads"],
     }
-    if not run["reached"]:
-        import warnings
+    import warnings
 
+    from rllib_exgrpo.models.pinned_build import PINNED_CAPABILITY
+
+    if report["cpu_capability"] != PINNED_CAPABILITY:
+        warnings.warn(
+            f"tiny model built with {report['cpu_capability']} CPU kernels, not {PINNED_CAPABILITY}: "
+            "its weights will differ from an AVX2 machine's build of the same recipe", RuntimeWarning, stacklevel=3,
+        )
+    if not run["reached"]:
         warnings.warn(
             f"tiny model warm start stopped at max_steps={run['steps']} with held-out pass@1 "
             f"{last_eval['pass1']:.3f} < {recipe['target_pass1'] - ev['band']:.3f}", RuntimeWarning, stacklevel=3,
@@ -807,7 +820,9 @@ def build_tiny_model(
     name = f"tiny-{recipe_key(recipe)}"
 
     def builder(tmp: Path):
-        _build_into(tmp, recipe, progress)
+        from rllib_exgrpo.models.pinned_build import build_in_pinned_process
+
+        build_in_pinned_process(tmp, recipe, progress)
 
     return str(build_cached(cache_root(cache_dir), name, builder))
 
