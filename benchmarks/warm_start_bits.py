@@ -2,13 +2,14 @@
 
 Builds one recipe several ways and prints the sha256 of each ``model.safetensors``:
 
-* ``pinned``: the way ``build_tiny_model`` builds (a child process with AVX2-pinned
-  kernels, ``rllib_exgrpo.models.pinned_build``);
+* ``pinned``: the way ``build_tiny_model`` builds (a child process with pinned numerics:
+  ATen's AVX2 kernels, MKL's vendor-neutral branch; ``rllib_exgrpo.models.pinned_build``);
 * ``native``: the same recipe in this process, whose kernels are whatever this CPU
   offers (AVX-512 on the development machine): what the project did before the pin;
 * with ``--qemu-cpu MODEL`` (needs ``qemu-user``, e.g. ``apt install qemu-user``): the pinned
   child (and with ``--qemu-native`` the native build) under ``qemu-x86_64 -cpu MODEL``, i.e.
-  on an emulated CPU of another generation (``Haswell``: AVX2, no AVX-512). Emulation is
+  on an emulated CPU of another generation and vendor (``Haswell``: an Intel CPU with AVX2
+  and no AVX-512, whatever the host is; qemu 7.2 or newer emulates AVX2). Emulation is
   ~40x slower, so use a short recipe there (``--fast``: the tests' 3-step build, ~5 min).
 
 The pinned build should print one hash for this CPU and the emulated one; the native

@@ -1,21 +1,29 @@
-"""Build the tiny model in a child process whose CPU kernels are pinned to AVX2.
+"""Build the tiny model in a child process whose CPU numerics are pinned.
 
 Why: the same seeded build gives different weights on different x86 CPUs. PyTorch chooses
 its vectorised kernels (``DEFAULT`` / ``AVX2`` / ``AVX512``) once per process from the CPU,
 and the choice changes the numbers, not only the speed: even ``torch.randn(64, 64)`` after
-``torch.manual_seed(0)`` sums to -464.37 with the AVX-512 kernels and to 36.96 on an
-AVX2-only CPU (measured here on a Xeon with AVX-512 and under ``qemu-x86_64 -cpu
-Haswell``). MKL's matrix products pick their code path from the CPU in the same way. A
-model trained from scratch amplifies such differences: the default recipe stopped after 650
-supervised steps with the AVX-512 kernels and after 900 with the AVX2 ones.
+``torch.manual_seed(0)`` sums to -464.37 with the AVX-512 kernels and to 36.96 with the
+AVX2 ones. MKL, which does PyTorch's float matrix products and some of its element-wise
+maths (``exp``, ``log``, ``sqrt`` through its vector-math library), picks its code path
+from the CPU too, and from the CPU's vendor: its reproducibility switch ``MKL_CBWR=AVX2``
+holds on Intel CPUs only, and an AMD CPU silently gets MKL's own dispatch instead. A model
+trained from scratch amplifies such differences into a different model: the default
+recipe stopped after 650 supervised steps on an AMD EPYC and after 900 on an Intel Xeon
+with the earlier (Intel-only) pin.
 
-Both libraries read a setting from the environment before their first use and never again,
-so a process that has already run torch cannot switch. The build therefore runs in a fresh
-``python -m rllib_exgrpo.models.pinned_build`` with :data:`PINNED_ENV`: ATen's AVX2
-kernels, MKL's conditional numerical reproducibility at AVX2 (its promise: the same bits on
-every CPU with AVX2, Intel or not, at a fixed thread count, which the recipe fixes) and
-oneDNN capped at AVX2. Every x86-64 CPU since 2013-2015 has AVX2, so that is the common
-denominator. Cost: ~15% slower steps than AVX-512 on this machine, once per recipe.
+Both libraries read their settings from the environment before their first use and never
+again, so a process that has already run torch cannot switch. The build therefore runs in
+a fresh ``python -m rllib_exgrpo.models.pinned_build`` with :data:`PINNED_ENV`: ATen's
+AVX2 kernels (every x86-64 CPU since 2013-2015 has AVX2), MKL's COMPATIBLE branch (SSE2
+code without the approximate ``rcpps`` / ``rsqrtps`` instructions, which Intel and AMD
+round differently: the one branch MKL runs alike on every vendor's CPU), oneDNN capped at
+AVX2, and a fixed OpenMP team (the recipe fixes the thread count). The build's optimiser
+is the fused AdamW, whose square root is ATen's own: the default AdamW's goes through
+MKL's vector maths, which differed between AMD and Intel even on the COMPATIBLE branch.
+Measured (``benchmarks/warm_start_bits.py``, docs/warm_start.md): an AMD EPYC and an
+emulated Intel Haswell build the same bits. Cost: MKL's SSE2 matrix products are about
+half the speed of its AVX2 ones, once per recipe.
 
 A CPU without AVX2 (or an ARM one) cannot run those kernels: the build still works but its
 bits differ, and the report says so (``cpu_capability`` in ``warm_start.json``) with a
@@ -32,8 +40,10 @@ from pathlib import Path
 #: The environment that pins the build's numerics (see the module docstring).
 PINNED_ENV = {
     "ATEN_CPU_CAPABILITY": "avx2",  # ATen's vectorised kernels: reductions, softmax, randn, ...
-    "MKL_CBWR": "AVX2",  # MKL conditional numerical reproducibility: same bits on any AVX2 CPU
-    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    # MKL's conditional numerical reproducibility on its COMPATIBLE (SSE2) branch: the one
+    # branch MKL runs alike on Intel and non-Intel CPUs (its AVX2 branch is Intel-only: on an
+    # AMD CPU MKL silently falls back to its AUTO dispatch, measured to change the bits).
+    "MKL_CBWR": "COMPATIBLE",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "OMP_DYNAMIC": "FALSE",  # a fixed thread team, as reproducible MKL results require
 }

@@ -1,0 +1,91 @@
+"""The main job against its on-policy twin, through the real ``rllib train`` command.
+
+    python benchmarks/main_job_seeds.py [--seeds 0 1] [--storage-path /tmp/main-job]
+        [--files exgrpo_tiny.yaml grpo_tiny.yaml]
+
+For each seed, runs ``rllib train file tuned_examples/<file> --config '{"seed": s}'`` for
+the main job (``exgrpo_tiny.yaml``) and its twin (``grpo_tiny.yaml``), one after the other,
+exactly as a user would (the tiny model is built and cached by the first run), and prints
+held-out accuracy before training and after the last iteration, the gain, ExGRPO minus
+GRPO at the end, the peak, and each command's wall time. The held-out figures are the
+runs' own ``heldout`` result (greedy, the first 200 arithmetic test questions). Also
+prints the sha256 of the warm start the runs used, so a table can be tied to a build.
+
+A run whose result folder already holds a finished trial (80 iterations) is read, not run
+again: delete ``--storage-path`` to start over.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _trial_rows(folder: Path) -> list:
+    """The result rows of the one trial under ``folder`` (empty when none finished a row)."""
+    results = sorted(folder.glob("*/*/result.json"))
+    if not results:
+        return []
+    return [json.loads(line) for line in results[-1].read_text().splitlines() if line.strip()]
+
+
+def _run(file: str, seed: int, storage: Path, rllib: str) -> dict:
+    folder = storage / f"{Path(file).stem}-seed{seed}"
+    rows = _trial_rows(folder)
+    wall = None
+    if not rows or rows[-1]["training_iteration"] < 80:
+        if folder.exists():  # an interrupted run: start it over in a clean folder
+            shutil.rmtree(folder)
+        cmd = [rllib, "train", "file", str(ROOT / "tuned_examples" / file),
+               "--config", json.dumps({"seed": seed}), "--storage-path", str(folder)]
+        env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+        t0 = time.time()
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+        wall = time.time() - t0
+        rows = _trial_rows(folder)
+    curve = {int(r["heldout"]["after_iteration"]): r["heldout"]["accuracy"] for r in rows if "heldout" in r}
+    last = rows[-1]
+    return {"start": last["heldout"]["initial_accuracy"], "end": last["heldout"]["accuracy"],
+            "peak": max(curve.values()), "iterations": last["training_iteration"], "wall_s": wall,
+            "model": last["config"].get("model_name_or_path")}
+
+
+def _warm_start_sha() -> str:
+    from rllib_exgrpo.models import resolve_model_path
+
+    path = Path(resolve_model_path("tiny"))
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--files", nargs=2, default=["exgrpo_tiny.yaml", "grpo_tiny.yaml"],
+                    metavar=("MAIN", "TWIN"))
+    ap.add_argument("--storage-path", default=str(ROOT / "benchmarks" / "out" / "main_job"))
+    ap.add_argument("--rllib", default=str(Path(sys.executable).with_name("rllib")))
+    args = ap.parse_args()
+    storage = Path(args.storage_path).resolve()
+    main_file, twin_file = args.files
+    print(f"{'seed':>4}  {'main: start -> end (gain)':>28}  {'peak':>5}  {'twin: end':>9}  {'main - twin':>11}  wall main / twin")
+    for seed in args.seeds:
+        a = _run(main_file, seed, storage, args.rllib)
+        b = _run(twin_file, seed, storage, args.rllib)
+        wall = " / ".join("cached" if r["wall_s"] is None else f"{r['wall_s']:.0f} s" for r in (a, b))
+        print(f"{seed:>4}  {a['start']:.3f} -> {a['end']:.3f} ({100 * (a['end'] - a['start']):+5.1f})  "
+              f"{a['peak']:.3f}  {b['end']:>9.3f}  {100 * (a['end'] - b['end']):+11.1f}  {wall}", flush=True)
+    sys.path.insert(0, str(ROOT))
+    print(f"warm start: sha256 {_warm_start_sha()[:16]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
