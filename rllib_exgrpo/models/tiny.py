@@ -611,6 +611,8 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
         "versions": _versions(),
         # The kernels the weights came from: AVX2 when the pin of pinned_build took effect.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # MKL's reproducibility branch (COMPATIBLE in a pinned build; None: MKL's own dispatch).
+        "mkl_cbwr": os.environ.get("MKL_CBWR"),
         "build_threads": tr["num_threads"],
     }
     import warnings
