@@ -51,10 +51,10 @@ def _run(file: str, seed: int, storage: Path, rllib: str) -> dict:
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
         wall = time.time() - t0
         rows = _trial_rows(folder)
-    curve = {int(r["heldout"]["after_iteration"]): r["heldout"]["accuracy"] for r in rows if "heldout" in r}
+    curve = [r["heldout"]["accuracy"] for r in rows if "heldout" in r and r["heldout"]["accuracy"] == r["heldout"]["accuracy"]]
     last = rows[-1]
     return {"start": last["heldout"]["initial_accuracy"], "end": last["heldout"]["accuracy"],
-            "peak": max(curve.values()), "iterations": last["training_iteration"], "wall_s": wall,
+            "peak": max(curve), "iterations": last["training_iteration"], "wall_s": wall,
             "model": last["config"].get("model_name_or_path")}
 
 
