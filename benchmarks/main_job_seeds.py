@@ -51,11 +51,17 @@ def _run(file: str, seed: int, storage: Path, rllib: str) -> dict:
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
         wall = time.time() - t0
         rows = _trial_rows(folder)
-    curve = [r["heldout"]["accuracy"] for r in rows if "heldout" in r and r["heldout"]["accuracy"] == r["heldout"]["accuracy"]]
+    return {**heldout_summary(rows), "wall_s": wall, "model": rows[-1]["config"].get("model_name_or_path")}
+
+
+def heldout_summary(rows: list) -> dict:
+    """Start, end, peak and the held-out curve of one trial from its result rows: the rows
+    between evaluations carry a NaN accuracy (no new measurement), which is skipped."""
+    measured = [r for r in rows if "heldout" in r and r["heldout"]["accuracy"] == r["heldout"]["accuracy"]]
+    curve = {int(r["heldout"]["after_iteration"]): r["heldout"]["accuracy"] for r in measured}
     last = rows[-1]
     return {"start": last["heldout"]["initial_accuracy"], "end": last["heldout"]["accuracy"],
-            "peak": max(curve), "iterations": last["training_iteration"], "wall_s": wall,
-            "model": last["config"].get("model_name_or_path")}
+            "peak": max(curve.values()), "curve": curve, "iterations": last["training_iteration"]}
 
 
 def _warm_start_sha() -> str:
@@ -82,6 +88,9 @@ def main() -> int:
         wall = " / ".join("cached" if r["wall_s"] is None else f"{r['wall_s']:.0f} s" for r in (a, b))
         print(f"{seed:>4}  {a['start']:.3f} -> {a['end']:.3f} ({100 * (a['end'] - a['start']):+5.1f})  "
               f"{a['peak']:.3f}  {b['end']:>9.3f}  {100 * (a['end'] - b['end']):+11.1f}  {wall}", flush=True)
+        for label, r in (("main", a), ("twin", b)):
+            print(f"      {label} held-out by iteration: "
+                  + " ".join(f"{it}:{acc:.3f}" for it, acc in sorted(r["curve"].items())), flush=True)
     sys.path.insert(0, str(ROOT))
     print(f"warm start: sha256 {_warm_start_sha()[:16]}")
     return 0

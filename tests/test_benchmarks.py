@@ -97,3 +97,19 @@ def test_icl_rescue_counts_add_up(ray_local, quick_tiny_model):
     assert sum(v["n"] for v in r["by_level"].values()) == r["seeded_questions"]
     lo, hi = icl_rescue.wilson(3, 10)
     assert lo < 0.3 < hi and abs(lo - 0.1078) < 1e-3 and abs(hi - 0.6032) < 1e-3
+
+
+def test_main_job_heldout_summary_skips_rows_without_a_new_measurement():
+    """Rows between evaluations carry NaN accuracy (and NaN iteration); the summary reads
+    the measured ones only: start, end, peak and the curve by iteration."""
+    from main_job_seeds import heldout_summary
+
+    nan = float("nan")
+
+    def row(it, acc, after):
+        return {"training_iteration": it, "heldout": {"accuracy": acc, "after_iteration": after, "initial_accuracy": 0.30}}
+
+    rows = [row(1, 0.30, 0.0), row(2, nan, nan), row(10, 0.42, 10.0), row(11, nan, nan), row(20, 0.38, 20.0)]
+    summary = heldout_summary(rows)
+    assert summary["curve"] == {0: 0.30, 10: 0.42, 20: 0.38}
+    assert (summary["start"], summary["end"], summary["peak"], summary["iterations"]) == (0.30, 0.38, 0.42, 20)

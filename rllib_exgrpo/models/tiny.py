@@ -25,8 +25,8 @@ builds its own small causal LM and tokenizer on first use and caches the result:
 The build runs in a child process with pinned numerics (``pinned_build``), so a recipe
 gives the same weights on any x86-64 machine with AVX2, Intel or AMD (docs/warm_start.md).
 Measured on 2 AMD EPYC cores (torch 2.13 CPU, transformers 5.24), default recipe (version
-3), seed 0: stopped at step 750 after 535 s with held-out pass@1 0.39 at temperature 1
-(levels 1-4: 0.69 / 0.56 / 0.15 / 0.28), mean token entropy 0.087 nats; 0.83M parameters,
+3), seed 0: stopped at step 630 after 504 s with held-out pass@1 0.305 at temperature 1
+(levels 1-4: 0.69 / 0.48 / 0.05 / 0.16), mean token entropy 0.12 nats; 0.83M parameters,
 vocab 322, prompts 31-37 tokens, completions 15-34 tokens. The step at which the model "gets" carries
 varies with the seed: seed 1 was still at 0.25 when it hit ``max_steps=1500``
 (``reached_target: false`` in the report, with a warning).
