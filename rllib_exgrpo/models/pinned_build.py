@@ -14,7 +14,7 @@ with the earlier (Intel-only) pin.
 
 Both libraries read their settings from the environment before their first use and never
 again, so a process that has already run torch cannot switch. The build therefore runs in
-a fresh ``python -m rllib_exgrpo.models.pinned_build`` with :data:`PINNED_ENV`: ATen's
+a fresh ``python -m rllib_exgrpo.models.pinned_child`` with :data:`PINNED_ENV`: ATen's
 AVX2 kernels (every x86-64 CPU since 2013-2015 has AVX2), MKL's COMPATIBLE branch (SSE2
 code without the approximate ``rcpps`` / ``rsqrtps`` instructions, which Intel and AMD
 round differently: the one branch MKL runs alike on every vendor's CPU), oneDNN capped at
@@ -47,6 +47,9 @@ PINNED_ENV = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "OMP_DYNAMIC": "FALSE",  # a fixed thread team, as reproducible MKL results require
 }
+#: The child's entry point, a module of its own: it imports the build (``tiny``), which
+#: imports this module, and this module must not import it back.
+CHILD_MODULE = "rllib_exgrpo.models.pinned_child"
 #: What ``torch.backends.cpu.get_cpu_capability()`` reports when the pin took effect.
 PINNED_CAPABILITY = "AVX2"
 
@@ -78,7 +81,7 @@ def build_in_pinned_process(folder: Path, recipe: dict, progress: bool) -> None:
     Raises:
         RuntimeError: the child failed (its traceback is printed above) or was killed.
     """
-    cmd = [sys.executable, "-m", "rllib_exgrpo.models.pinned_build", str(folder), str(os.getpid())]
+    cmd = [sys.executable, "-m", CHILD_MODULE, str(folder), str(os.getpid())]
     if progress:
         cmd.append("--progress")
     proc = subprocess.run(cmd, input=json.dumps(recipe), text=True, env=pinned_environment())
@@ -87,31 +90,3 @@ def build_in_pinned_process(folder: Path, recipe: dict, progress: bool) -> None:
             f"the tiny model build failed in its child process (exit code {proc.returncode}; "
             "its error is printed above)"
         )
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this child when the builder that spawned it dies (a killed
-    builder must not leave an orphan build running into a folder the next one removes)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-    if os.getppid() != parent_pid:  # the parent died before the line above took effect
-        sys.exit(1)
-
-
-def main(argv: list[str]) -> int:
-    """Child entry point: ``FOLDER PARENT_PID [--progress]``, the recipe as JSON on stdin."""
-    folder, parent_pid = Path(argv[0]), int(argv[1])
-    _die_with_parent(parent_pid)
-    recipe = json.loads(sys.stdin.read())
-    from rllib_exgrpo.models.tiny import _build_into
-
-    _build_into(folder, recipe, progress="--progress" in argv[2:])
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
