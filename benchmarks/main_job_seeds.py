@@ -51,7 +51,7 @@ def _run(file: str, seed: int, storage: Path, rllib: str) -> dict:
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
         wall = time.time() - t0
         rows = _trial_rows(folder)
-    return {**heldout_summary(rows), "wall_s": wall, "model": rows[-1]["config"].get("model_name_or_path")}
+    return {**heldout_summary(rows), "wall_s": wall}
 
 
 def heldout_summary(rows: list) -> dict:

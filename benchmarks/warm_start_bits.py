@@ -72,7 +72,9 @@ def _child(folder: Path, recipe: dict, env: dict, prefix: list[str], native: boo
                 "_build_into(Path(sys.argv[1]), json.loads(sys.stdin.read()), False)")
         cmd = prefix + [sys.executable, "-c", code, str(folder)]
     else:
-        cmd = prefix + [sys.executable, "-m", "rllib_exgrpo.models.pinned_child", str(folder), str(os.getpid())]
+        from rllib_exgrpo.models.pinned_build import CHILD_MODULE
+
+        cmd = prefix + [sys.executable, "-m", CHILD_MODULE, str(folder), str(os.getpid())]
     t0 = time.time()
     subprocess.run(cmd, input=json.dumps(recipe), text=True, env=env, check=True,
                    stderr=subprocess.DEVNULL if prefix else None)
