@@ -1,7 +1,7 @@
 """The main job against its on-policy twin, through the real ``rllib train`` command.
 
     python benchmarks/main_job_seeds.py [--seeds 0 1] [--storage-path /tmp/main-job]
-        [--files exgrpo_tiny.yaml grpo_tiny.yaml]
+        [--files exgrpo_tiny.yaml grpo_tiny.yaml] [--main-config '{"retire_solved": false}']
 
 For each seed, runs ``rllib train file tuned_examples/<file> --config '{"seed": s}'`` for
 the main job (``exgrpo_tiny.yaml``) and its twin (``grpo_tiny.yaml``), one after the other,
@@ -10,6 +10,10 @@ held-out accuracy before training and after the last iteration, the gain, ExGRPO
 GRPO at the end, the peak, and each command's wall time. The held-out figures are the
 runs' own ``heldout`` result (greedy, the first 200 arithmetic test questions). Also
 prints the sha256 of the warm start the runs used, so a table can be tied to a build.
+
+``--main-config`` adds keys to the main job's ``--config`` (a variant of the main job
+against the same twin runs); its runs get their own folders (``<file>-<label>-seed<s>``,
+the label from ``--label``), and the twin's runs are shared.
 
 A run whose result folder already holds a finished trial (80 iterations) is read, not run
 again: delete ``--storage-path`` to start over.
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,15 +42,15 @@ def _trial_rows(folder: Path) -> list:
     return [json.loads(line) for line in results[-1].read_text().splitlines() if line.strip()]
 
 
-def _run(file: str, seed: int, storage: Path, rllib: str) -> dict:
-    folder = storage / f"{Path(file).stem}-seed{seed}"
+def _run(file: str, seed: int, storage: Path, rllib: str, extra: Optional[dict] = None, label: str = "") -> dict:
+    folder = storage / f"{Path(file).stem}{'-' + label if label else ''}-seed{seed}"
     rows = _trial_rows(folder)
     wall = None
     if not rows or rows[-1]["training_iteration"] < 80:
         if folder.exists():  # an interrupted run: start it over in a clean folder
             shutil.rmtree(folder)
         cmd = [rllib, "train", "file", str(ROOT / "tuned_examples" / file),
-               "--config", json.dumps({"seed": seed}), "--storage-path", str(folder)]
+               "--config", json.dumps({"seed": seed, **(extra or {})}), "--storage-path", str(folder)]
         env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
         t0 = time.time()
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -77,13 +82,18 @@ def main() -> int:
     ap.add_argument("--files", nargs=2, default=["exgrpo_tiny.yaml", "grpo_tiny.yaml"],
                     metavar=("MAIN", "TWIN"))
     ap.add_argument("--storage-path", default=str(ROOT / "benchmarks" / "out" / "main_job"))
+    ap.add_argument("--main-config", default="{}", help="JSON keys added to the main job's --config")
+    ap.add_argument("--label", default="", help="folder label of the main runs under --main-config")
     ap.add_argument("--rllib", default=str(Path(sys.executable).with_name("rllib")))
     args = ap.parse_args()
     storage = Path(args.storage_path).resolve()
     main_file, twin_file = args.files
+    extra = json.loads(args.main_config)
+    if extra and not args.label:
+        ap.error("--main-config needs a --label (its runs get their own folders)")
     print(f"{'seed':>4}  {'main: start -> end (gain)':>28}  {'peak':>5}  {'twin: end':>9}  {'main - twin':>11}  wall main / twin")
     for seed in args.seeds:
-        a = _run(main_file, seed, storage, args.rllib)
+        a = _run(main_file, seed, storage, args.rllib, extra, args.label)
         b = _run(twin_file, seed, storage, args.rllib)
         wall = " / ".join("cached" if r["wall_s"] is None else f"{r['wall_s']:.0f} s" for r in (a, b))
         print(f"{seed:>4}  {a['start']:.3f} -> {a['end']:.3f} ({100 * (a['end'] - a['start']):+5.1f})  "

@@ -113,3 +113,23 @@ def test_main_job_heldout_summary_skips_rows_without_a_new_measurement():
     summary = heldout_summary(rows)
     assert summary["curve"] == {0: 0.30, 10: 0.42, 20: 0.38}
     assert (summary["start"], summary["end"], summary["peak"], summary["iterations"]) == (0.30, 0.38, 0.42, 20)
+
+
+def test_main_job_levels_scores_the_final_set_by_level_without_validation():
+    """first200 is the first 200 questions; the level scores leave out questions 200-400
+    (validation) and the final score is the mean of the level accuracies."""
+    from types import SimpleNamespace
+
+    from main_job_levels import level_scores
+
+    def q(level, ok):
+        return SimpleNamespace(difficulty=level, correct=[ok])
+
+    # 0-199: level 1 all right; 200-399 (validation): level 2 all wrong, ignored below;
+    # 400-449: level 2 half right; 450-499: level 1 all wrong.
+    questions = ([q(1, True)] * 200 + [q(2, False)] * 200
+                 + [q(2, i % 2 == 0) for i in range(50)] + [q(1, False)] * 50)
+    s = level_scores(questions)
+    assert s["first200"] == 1.0
+    assert s["L1"] == 200 / 250 and s["L2"] == 0.5
+    assert s["final"] == (200 / 250 + 0.5) / 2
