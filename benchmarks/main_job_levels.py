@@ -27,8 +27,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FINAL_SET_DATASET = "arithmetic:n_test=2400"
-VAL_SLICE = (200, 400)
+# The final set and its score have one definition, the testbed's.
+from experience_testbed import FINAL_SET_DATASET, VAL_SLICE, final_set_scores  # noqa: E402
+
 FIRST = 200
 
 
@@ -42,13 +43,12 @@ def last_checkpoint(folder: Path) -> Path:
 
 def level_scores(questions) -> dict:
     """``first200``, ``L1``..``L4`` and ``final`` from the evaluator's questions (in set order)."""
-    correct = [float(q.correct[0]) for q in questions]
-    first = float(np.mean(correct[:FIRST]))
-    kept = [(q.difficulty, c) for i, (q, c) in enumerate(zip(questions, correct))
-            if not VAL_SLICE[0] <= i < VAL_SLICE[1]]
-    levels = sorted({d for d, _ in kept})
-    by_level = {f"L{d}": float(np.mean([c for dd, c in kept if dd == d])) for d in levels}
-    return {"first200": first, **by_level, "final": float(np.mean(list(by_level.values())))}
+    correct = {q.id: float(q.correct[0]) for q in questions}
+    first = float(np.mean([correct[q.id] for q in questions[:FIRST]]))
+    kept = [q for i, q in enumerate(questions) if not VAL_SLICE[0] <= i < VAL_SLICE[1]]
+    scores = final_set_scores(kept, correct)
+    by_level = {k[len("final_"):]: v for k, v in scores.items() if k.startswith("final_L")}
+    return {"first200": first, **by_level, "final": scores["final"]}
 
 
 def score_run(folder: Path) -> dict:

@@ -122,13 +122,14 @@ def test_main_job_levels_scores_the_final_set_by_level_without_validation():
 
     from main_job_levels import level_scores
 
-    def q(level, ok):
-        return SimpleNamespace(difficulty=level, correct=[ok])
+    def qs(levels_and_oks):
+        return [SimpleNamespace(id=f"q{i}", difficulty=level, correct=[ok])
+                for i, (level, ok) in enumerate(levels_and_oks)]
 
     # 0-199: level 1 all right; 200-399 (validation): level 2 all wrong, ignored below;
     # 400-449: level 2 half right; 450-499: level 1 all wrong.
-    questions = ([q(1, True)] * 200 + [q(2, False)] * 200
-                 + [q(2, i % 2 == 0) for i in range(50)] + [q(1, False)] * 50)
+    questions = qs([(1, True)] * 200 + [(2, False)] * 200
+                   + [(2, i % 2 == 0) for i in range(50)] + [(1, False)] * 50)
     s = level_scores(questions)
     assert s["first200"] == 1.0
     assert s["L1"] == 200 / 250 and s["L2"] == 0.5
