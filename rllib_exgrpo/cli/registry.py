@@ -31,6 +31,8 @@ import functools
 import importlib
 from typing import Any, Callable, Dict, List, Union
 
+from rllib_exgrpo.rllib.env_creator import import_object  # noqa: F401  (re-exported: callers import it from here)
+
 __all__ = [
     "ALGORITHMS",
     "CliConfigError",
@@ -85,22 +87,6 @@ def known_algorithm_names() -> List[str]:
         if n not in names:
             names.append(n)
     return names
-
-
-def import_object(path: str) -> Any:
-    """Import ``"pkg.mod:attr.sub"`` or ``"pkg.mod.attr"``; raise ImportError/AttributeError."""
-    if ":" in path:
-        module_name, _, attr_path = path.partition(":")
-        module = importlib.import_module(module_name)
-        obj: Any = module
-        for part in attr_path.split("."):
-            obj = getattr(obj, part)
-        return obj
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        raise ImportError(f"{path!r} is no dotted path (expected 'pkg.mod:Class' or 'pkg.mod.Class')")
-    module = importlib.import_module(module_name)
-    return getattr(module, attr)
 
 
 def _looks_like_path(name: str) -> bool:

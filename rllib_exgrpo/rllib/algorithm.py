@@ -117,10 +117,14 @@ class ExGRPOConfig(AlgorithmConfig):
 
     @property
     def llm_model_config(self) -> Dict[str, Any]:
-        """What the RLModule needs to build the policy network."""
+        """What the RLModule needs to build the policy network. The DDP learner keeps fp32
+        master weights of a bf16 model and computes under autocast (``master_dtype``);
+        DeepSpeed keeps its own fp32 master copy in the optimiser, so its module is bf16."""
+        mixed = self.model_dtype != "float32" and getattr(self, "learner_backend", "ddp") == "ddp"
         return {
             "model": self.model_name_or_path,
             "dtype": self.model_dtype,
+            "master_dtype": "float32" if mixed else None,
             "gradient_checkpointing": self.gradient_checkpointing,
             "temperature": self.temperature,
         }

@@ -394,6 +394,11 @@ def cross_field_errors(config: Any) -> Iterator[str]:
     cap = config.planner_max_per_question
     if _is_int(cap) and _is_int(config.group_size) and cap < config.group_size:
         yield "planner_max_per_question must be None or >= group_size (else the budget cannot be spent)"
+    if config.model_dtype == "float16" and getattr(config, "learner_backend", "ddp") == "ddp":
+        # The DDP learner's mixed precision keeps fp32 master weights but scales no loss:
+        # fp16 gradients underflow without it. bf16 needs no scaling; DeepSpeed scales fp16.
+        yield ("learner_backend: 'ddp' has no fp16 loss scaling: set model_dtype: bfloat16, or "
+               "learner_backend: deepspeed for float16")
 
 
 class _NotProvidedRepr:

@@ -33,7 +33,7 @@ instead (``_ds_local_partitions``, ``_ds_local_optimizer_state``; the actor hand
 exchanged once at build), which needs no collective:
 
 * ``rl_module``: the full weights in the module's own dtype (ZeRO-3 partitions put back
-  together), as RLlib's module state: env runners and ``RLModule.from_checkpoint`` read it
+  together; bf16 as bf16 torch tensors, ``module.shippable``), as RLlib's module state: env runners and ``RLModule.from_checkpoint`` read it
   unchanged;
 * ``optimizer``: every rank's ZeRO optimiser state (fp32 master partitions, AdamW moments,
   step), restored rank by rank (same number of learners).
@@ -67,6 +67,7 @@ from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
+from rllib_exgrpo.rllib.module import shippable
 
 logger = logging.getLogger(__name__)
 
@@ -293,13 +294,6 @@ def _cpu_copy(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cpu_copy(v) for v in obj)
     return obj
-
-
-def _to_numpy(t: torch.Tensor, dtype: torch.dtype):
-    """As RLlib's module state: numpy; dtypes numpy lacks (bfloat16) become float32."""
-    if dtype in (torch.bfloat16,):
-        dtype = torch.float32
-    return t.detach().to("cpu", dtype=dtype).numpy()
 
 
 class _TrainForward(torch.nn.Module):
@@ -543,7 +537,8 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
         return tensors
 
     def _full_module_state(self, module_id, inference_only: bool = False) -> Dict[str, Any]:
-        """The module's full weights as numpy, in the dtype it was built with."""
+        """The module's full weights in the dtype it was built with (bf16 stays bf16:
+        ``module.shippable``)."""
         if module_id not in self._engines:
             return self.module[module_id].get_state(inference_only=inference_only)
         tensors = self._module_tensors(module_id, inference_only)
@@ -556,7 +551,7 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
             if hasattr(t, "ds_id"):
                 flat = torch.cat([p[t.ds_id].reshape(-1) for p in parts])[: t.ds_numel]
                 t = flat.view(t.ds_shape)
-            out[key] = _to_numpy(t, dtypes.get(key, t.dtype))
+            out[key] = shippable(t, dtypes.get(key, t.dtype))
         return out
 
     @torch.no_grad()
@@ -695,4 +690,4 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
         rl_module = self.module[module_id]
         params = list(rl_module.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return {k: _to_numpy(v, v.dtype) for k, v in rl_module.state_dict().items()}
+            return {k: shippable(v) for k, v in rl_module.state_dict().items()}

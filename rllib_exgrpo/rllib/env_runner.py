@@ -47,6 +47,7 @@ from rllib_exgrpo.generation.base import SamplingParams
 from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
 from rllib_exgrpo.models.loading import load_tokenizer
 from rllib_exgrpo.rllib.config_fields import field_defaults
+from rllib_exgrpo.rllib.env_creator import env_creator
 from rllib_exgrpo.rllib.resources import apply_threads_for, runner_device
 
 logger = logging.getLogger(__name__)
@@ -209,12 +210,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         env_config.update(overrides or {})
         env_config["tokenizer"] = self.tokenizer
         env_config.setdefault("seed", (self.config.seed or 0) + (self.worker_index or 0))
-        env_cls = self.config.env
-        if isinstance(env_cls, str):
-            from ray.tune.registry import ENV_CREATOR, _global_registry
-
-            return _global_registry.get(ENV_CREATOR, env_cls)(env_config)
-        return env_cls(env_config)
+        return env_creator(self.config.env)(env_config)
 
     def make_module(self):
         spec = self.config.get_rl_module_spec(

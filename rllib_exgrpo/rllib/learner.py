@@ -105,7 +105,7 @@ class ExGRPOTorchLearner(TorchLearner):
     def compute_loss_for_module(self, *, module_id, config, batch: Dict[str, Any], fwd_out) -> torch.Tensor:
         ref_logp = None
         if config.kl_coeff > 0:
-            with torch.no_grad():
+            with torch.no_grad(), self.module[module_id].unwrapped().autocast():
                 ref_logp, _ = completion_logprobs_and_entropy(
                     self._reference_models[module_id],
                     batch[C.INPUT_IDS],

@@ -8,7 +8,8 @@ tokens given prompt + completion.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+import contextlib
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -18,22 +19,62 @@ from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
 from rllib_exgrpo.core.tokens import position_ids_from_mask
-from rllib_exgrpo.models.loading import load_causal_lm
+from rllib_exgrpo.models.loading import load_causal_lm, resolve_dtype
+
+
+def shippable(tensor: torch.Tensor, dtype: Optional[torch.dtype] = None):
+    """One module-state value as it leaves a process (weight sync, checkpoint): a CPU numpy
+    array where numpy has the dtype, else (bfloat16) a CPU torch tensor in that dtype.
+
+    RLlib's ``TorchRLModule.get_state`` calls ``.numpy()`` on every tensor, which raises on
+    bfloat16; converting to float32 instead would double the bytes of every sync and
+    checkpoint. ``TorchRLModule.set_state`` (``convert_to_torch_tensor``) and
+    ``load_state_dict`` take both forms. ``dtype`` casts first (a fp32 master copy shipped
+    in the compute dtype)."""
+    t = tensor.detach().to("cpu", dtype=dtype or tensor.dtype)
+    return t.contiguous() if t.dtype == torch.bfloat16 else t.numpy()
+
 
 class LLMTorchRLModule(TorchRLModule):
     """RLModule wrapping a Hugging Face causal LM.
 
     ``model_config`` keys (all from ``ExGRPOConfig.model_config`` via the module spec):
         model: model name/path (``"tiny"`` builds the embedded warm-started model).
-        dtype: ``"float32"`` | ``"bfloat16"`` | ``"float16"``.
+        dtype: ``"float32"`` | ``"bfloat16"`` | ``"float16"``: the dtype the model computes in.
+        master_dtype: where set (``"float32"``) and this is a learner's module (not
+            ``inference_only``), the weights are kept in this dtype and the forward runs under
+            ``torch.autocast`` in ``dtype``: mixed precision, as the DDP learner needs it (an
+            AdamW step at lr 1e-6 rounds away on most bf16 weights). Env runners, which only
+            sample, build the model in ``dtype``.
         gradient_checkpointing: trade compute for activation memory in the learner.
         temperature: sampling temperature; log-probs are computed at this temperature
             so that importance ratios compare like with like.
     """
 
     def setup(self):
-        self.model = load_causal_lm(self.model_config)
+        model_config = dict(self.model_config)
+        #: The autocast dtype when the weights are a higher-precision master copy, else None.
+        self.compute_dtype: Optional[torch.dtype] = None
+        master = model_config.get("master_dtype")
+        if master and not self.inference_only and master != model_config.get("dtype", "float32"):
+            self.compute_dtype = resolve_dtype(model_config.get("dtype", "float32"))
+            model_config["dtype"] = master
+        self.model = load_causal_lm(model_config)
         self.temperature = float(self.model_config.get("temperature", 1.0))
+
+    def autocast(self):
+        """Mixed precision around a forward (a no-op without a master copy)."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        device = next(self.model.parameters()).device
+        return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
+
+    def get_state(self, components=None, *, not_components=None, inference_only: bool = False, **kwargs):
+        """The weights, bf16 kept as bf16 (:func:`shippable`). For the env runners
+        (``inference_only``) a master copy is cast to the compute dtype: they sample in it,
+        and it halves the bytes of every weight sync; checkpoints keep the master copy."""
+        cast = self.compute_dtype if inference_only else None
+        return {key: shippable(value, cast) for key, value in self.state_dict().items()}
 
     def _forward(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
         """Next-token logits at the end of each (left-padded) prompt.
@@ -43,22 +84,24 @@ class LLMTorchRLModule(TorchRLModule):
         """
         input_ids = batch[C.INPUT_IDS]
         attention_mask = batch.get(C.ATTENTION_MASK, torch.ones_like(input_ids))
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            logits_to_keep=1,
-            use_cache=False,
-        )
+        with self.autocast():
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
+                logits_to_keep=1,
+                use_cache=False,
+            )
         return {Columns.ACTION_DIST_INPUTS: out.logits[:, -1, :] / self.temperature}
 
     def _forward_train(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
         response_len = batch[C.RESPONSE_MASK].shape[1]
-        logp, entropy = completion_logprobs_and_entropy(
-            self.model,
-            batch[C.INPUT_IDS],
-            batch[C.ATTENTION_MASK],
-            response_len,
-            temperature=self.temperature,
-        )
+        with self.autocast():
+            logp, entropy = completion_logprobs_and_entropy(
+                self.model,
+                batch[C.INPUT_IDS],
+                batch[C.ATTENTION_MASK],
+                response_len,
+                temperature=self.temperature,
+            )
         return {C.LOGP: logp, C.ENTROPY: entropy}
