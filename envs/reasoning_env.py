@@ -17,6 +17,7 @@ charset and nothing here depends on it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import string
@@ -29,7 +30,7 @@ from gymnasium import spaces
 from envs.datasets import load_problems
 from envs.problem import Problem
 from envs.prompting import DEFAULT_INSTRUCTION, render_prompt
-from envs.rewards import RewardResult, math_reward, score_batch
+from envs.rewards import RewardResult, math_reward, rehearsal_score, score_batch
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "max_prompt_chars": 4096,
     "max_completion_chars": 16384,
     "problems": None,
+    # Rehearsal only (``rllib train --rehearse``): the verifier still runs, but the reward is
+    # envs.rewards.rehearsal_score (random models never answer correctly).
+    "rehearsal_reward": False,
 }
 
 
@@ -72,7 +76,7 @@ def validate_config(config: Optional[dict]) -> dict:
     _check(isinstance(cfg["dataset"], (str, os.PathLike)), "dataset", "a path or 'arithmetic[:opts]'", cfg["dataset"])
     _check(isinstance(cfg["split"], str), "split", "a string", cfg["split"])
     _check(cfg["field_map"] is None or isinstance(cfg["field_map"], dict), "field_map", "a dict or None", cfg["field_map"])
-    for key in ("strict", "think_format"):
+    for key in ("strict", "think_format", "rehearsal_reward"):
         _check(isinstance(cfg[key], bool), key, "a bool", cfg[key])
     _check(_is_int(cfg["skip"]) and cfg["skip"] >= 0, "skip", "a non-negative int", cfg["skip"])
     _check(cfg["limit"] is None or (_is_int(cfg["limit"]) and cfg["limit"] > 0), "limit", "a positive int or None", cfg["limit"])
@@ -209,7 +213,15 @@ class ReasoningEnv(gym.Env):
             raise ValueError(f"{len(question_ids)} question ids but {len(completions)} completions")
         truths = [self.get_problem(q).ground_truth for q in question_ids]
         clipped = [self._clip(c)[0] for c in completions]
-        return score_batch(clipped, truths, timeout_s=self.reward_timeout_s, think_format=self.think_format)
+        results = score_batch(clipped, truths, timeout_s=self.reward_timeout_s, think_format=self.think_format)
+        return [self._rehearsed(q, c, r) for q, c, r in zip(question_ids, completions, results)]
+
+    def _rehearsed(self, question_id: str, completion: str, result: RewardResult) -> RewardResult:
+        """The verifier's result, with the rehearsal reward as its score when that is on
+        (a verifier error stays an error: unscored, as in a real run)."""
+        if not self.config["rehearsal_reward"] or result.error is not None:
+            return result
+        return dataclasses.replace(result, score=rehearsal_score(question_id, completion))
 
     def _next_problem(self) -> Problem:
         if self._order is None or self._cursor >= len(self._order):
@@ -247,6 +259,7 @@ class ReasoningEnv(gym.Env):
         completion, truncated_text = self._clip(action)
         result = math_reward(completion, problem.ground_truth, timeout_s=self.reward_timeout_s,
                              think_format=self.think_format)
+        result = self._rehearsed(problem.id, completion, result)
         info = self._info(problem)
         info.update(parsed=result.parsed, timed_out=result.timed_out, format_ok=result.format_ok,
                     error=result.error, correct=result.correct, completion_truncated=truncated_text)

@@ -43,6 +43,7 @@ nothing from the ``envs`` package at module level.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import concurrent.futures
 import logging
 import os
@@ -803,3 +804,22 @@ def math_reward(
     """
     return score_batch([completion], [ground_truth], timeout_s=timeout_s, think_format=think_format,
                        num_workers=1, fast_path=fast_path)[0]
+
+
+def rehearsal_score(question_id: str, completion: str) -> float:
+    """The stated stand-in reward of a rehearsal (``env_config.rehearsal_reward``).
+
+    A rehearsal runs a recipe with a randomly initialised model, which never answers
+    correctly: every group would be all-wrong, and no path that depends on success
+    (advantages with variance, correctness buckets, the delayed start, replay) would run.
+    This reward stands in for the verdict: each question gets a success rate ``p`` in
+    [0.1, 0.9] from a hash of its id, and a completion scores 1.0 when a hash of (question
+    id, completion text) falls below ``p`` -- deterministic like a verifier (the same text
+    always gets the same reward), about 0.5 on average, varied within and across groups.
+    """
+    def unit(text: str) -> float:
+        digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        return int.from_bytes(digest, "big") / 2.0**64
+
+    rate = 0.1 + 0.8 * unit(f"rate\x00{question_id}")
+    return 1.0 if unit(f"draw\x00{question_id}\x00{completion}") < rate else 0.0

@@ -257,6 +257,7 @@ def build_experiments(
     validate: bool = True,
     ray_address: Optional[str] = None,
     ray_num_gpus: Optional[int] = None,
+    source_name: Optional[str] = None,
 ) -> List[Experiment]:
     """Parse and check an experiment file (path) or an already-loaded mapping.
 
@@ -269,10 +270,10 @@ def build_experiments(
     once); ``validate`` adds ``AlgorithmConfig.validate()`` to them. GPUs are checked
     against the running Ray cluster, else ``ray_num_gpus``, else this machine; not at all
     when ``ray_address`` (or ``RAY_ADDRESS``) names a cluster to join (``tune_runner``
-    checks it after joining). Raises :class:`CliConfigError` with one line per problem of
+    checks it after joining). ``source_name`` names a mapping's origin in messages. Raises :class:`CliConfigError` with one line per problem of
     every experiment, each ``<file>: experiment '<name>': <key>: <problem>``.
     """
-    src_name: Optional[str] = None
+    src_name: Optional[str] = source_name
     if isinstance(source, Mapping):
         data = dict(source)
     else:

@@ -107,6 +107,7 @@ _TRAIN_DEFAULTS = {
     "mlflow_uri": None,
     "verbose": 0,
     "dry_run": False,
+    "rehearse": False,
     "resume": False,
     "no_validate": False,
     "ray_address": None,
@@ -141,10 +142,19 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
                    help="more output: -v Tune verbosity 2 and RLlib log_level INFO; -vv verbosity 3 and DEBUG")
     r.add_argument("--dry-run", action="store_true", default=S,
                    help="parse and validate the file, print the experiments, start nothing")
+    r.add_argument("--rehearse", action="store_true", default=S,
+                   help="run the file as written on this (CPU) machine, swapping only what it cannot hold "
+                   "(the model for a random one of its architecture family at tiny width, GPUs for CPU "
+                   "shares, token limits and batch scaled down, data files it lacks, a stand-in reward), "
+                   "one line per swap; results go to <name>-rehearsal (docs/rehearsal.md)")
     r.add_argument("--resume", action="store_true", default=S,
-                   help="continue each experiment of the file from its trials' latest checkpoints "
-                   "(a run killed mid-way, even with SIGKILL); finished trials stay finished, "
-                   "an experiment with nothing saved yet starts fresh")
+                   help="continue each experiment of the file from its trials' latest checkpoints, "
+                   "up to this command's stop (the file's `stop`, --stop over it): a run killed mid-way "
+                   "(even with SIGKILL) goes on, and so does a finished trial below that stop (run it "
+                   "again with --resume and a higher training_iteration), in its own folder, its "
+                   "iterations numbered on; one that meets the stop, was ended early by a scheduler, or "
+                   "has no checkpoint stays finished (one line per trial says which); an experiment "
+                   "with nothing saved yet starts fresh")
     r.add_argument("--no-validate", action="store_true", default=S,
                    help="skip AlgorithmConfig.validate() of the search-space variants before starting")
     r.add_argument("--ray-address", default=S, metavar="ADDR",
@@ -198,9 +208,13 @@ def run_train(args: argparse.Namespace) -> int:
     overrides = dict(args.config or {})
     if args.verbose >= 1:
         overrides.setdefault("log_level", "DEBUG" if args.verbose >= 2 else "INFO")
+    source = args.config_file
     try:
+        if args.rehearse:
+            source, overrides = _rehearsal_source(args.config_file, overrides, stop_given=args.stop is not None)
         experiments = build_experiments(
-            args.config_file,
+            source,
+            source_name=args.config_file,
             stop=args.stop,
             config_overrides=overrides or None,
             storage_path=args.storage_path,
@@ -269,6 +283,19 @@ def run_train(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     return 1 if failed else 0
+
+
+def _rehearsal_source(path: str, overrides: dict, *, stop_given: bool):
+    """The experiment file as ``--rehearse`` runs it (``cli/rehearsal.py``), each swap
+    printed; the ``--config`` overrides are merged in there, so none are left."""
+    from rllib_exgrpo.cli.experiment_file import load_experiment_file
+    from rllib_exgrpo.cli.rehearsal import rehearse_experiments
+
+    data, swaps = rehearse_experiments(load_experiment_file(path), config_overrides=overrides, stop_given=stop_given)
+    for name, found in swaps.items():
+        for swap in found:
+            print(f"{PROG} train: rehearsal: experiment {name!r}: {swap.line()}", file=sys.stderr, flush=True)
+    return data, {}
 
 
 def _last_error_line(err_file: Optional[str]) -> Optional[str]:

@@ -608,6 +608,9 @@ def model_problems(value: Any, key: str) -> Tuple[List[str], List[str]]:
     name = value.strip()
     if name == "tiny" or name.startswith("tiny:"):
         return _tiny_problems(name, key)
+    if name.startswith("rehearsal:"):  # built in about a second from transformers' own classes
+        return ([f"{key}: {name!r} names no architecture family (e.g. rehearsal:qwen2)."]
+                if not name.partition(":")[2].strip() else []), []
     if name.lower() in _SMOLLM2_NAMES:
         from rllib_exgrpo.models.smollm2 import INSTALL_HINT, smollm2_available
 

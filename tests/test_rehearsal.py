@@ -1,0 +1,173 @@
+"""``rllib train file X.yaml --rehearse``: every recipe runs in shape on a CPU.
+
+The rules (``rllib_exgrpo/cli/rehearsal.py``) on hand-made experiment files, the stand-in
+reward, and then every file in ``tuned_examples/`` through the real command: 2 iterations
+with a checkpoint, then ``--resume`` to a third. The recipes that sample with vLLM rehearse
+with vLLM's CPU build, in its own virtualenv (marked ``vllm``; see ``tests/run.sh``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from envs.rewards import rehearsal_score
+from rllib_exgrpo.cli.rehearsal import (
+    DEFAULT_ITERATIONS,
+    ROWS_PER_ITERATION,
+    SUFFIX,
+    TOKEN_CAPS,
+    VLLM_CPU_KWARGS,
+    rehearse_experiments,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "tuned_examples").glob("*.yaml"))
+
+
+def _one(spec, **kw):
+    data, swaps = rehearse_experiments({"x": spec}, **kw)
+    assert list(data) == [f"x{SUFFIX}"]
+    return data[f"x{SUFFIX}"], {s.key: s for s in swaps[f"x{SUFFIX}"]}
+
+
+GPU_SPEC = {
+    "run": "ExGRPO",
+    "env": "envs.reasoning_env:ReasoningEnv",
+    "stop": {"training_iteration": 701},
+    "config": {
+        "env_config": {"dataset": "/no/such/train.parquet"},
+        "model_name_or_path": "Qwen/Qwen2.5-Math-7B", "model_dtype": "bfloat16",
+        "learner_backend": "deepspeed", "deepspeed_zero_stage": 3,
+        "generation_backend": "vllm", "vllm_kwargs": {"gpu_memory_utilization": 0.5, "max_num_seqs": 256},
+        "questions_per_step": 128, "group_size": 8, "minibatch_size": 128, "learner_micro_batch_rows": 4,
+        "max_prompt_tokens": 1024, "max_response_tokens": 8192, "behaviour_logprobs": "recompute",
+        "heldout_dataset": "/no/such/valid.parquet", "heldout_num_questions": 500, "heldout_interval": 50,
+        "num_env_runners": 4, "num_gpus_per_env_runner": 1, "num_learners": 4, "num_gpus_per_learner": 1,
+    },
+}
+
+
+def test_a_gpu_recipe_keeps_its_structure_and_swaps_what_a_cpu_cannot_hold():
+    spec, swaps = _one(GPU_SPEC, vllm=False)
+    c = spec["config"]
+    # Kept as written: dtype, learner backend and stage, counts, micro-batches, log-prob mode.
+    for key in ("model_dtype", "learner_backend", "deepspeed_zero_stage", "num_env_runners", "num_learners",
+                "learner_micro_batch_rows", "behaviour_logprobs", "group_size"):
+        assert c[key] == GPU_SPEC["config"][key], key
+        assert key not in swaps
+    assert c["model_name_or_path"] == "rehearsal:qwen2"
+    assert c["num_gpus_per_env_runner"] == c["num_gpus_per_learner"] == 0
+    assert c["max_prompt_tokens"] == TOKEN_CAPS["max_prompt_tokens"]
+    assert c["max_response_tokens"] == TOKEN_CAPS["max_response_tokens"]
+    assert c["generation_backend"] == "hf" and "vllm_kwargs" not in c
+    assert "not installed" in swaps["generation_backend"].why
+    assert c["env_config"]["dataset"] == c["heldout_dataset"] == "arithmetic"
+    assert c["env_config"]["rehearsal_reward"] is True
+    assert spec["stop"] == {"training_iteration": DEFAULT_ITERATIONS}
+    assert spec["checkpoint_config"]["checkpoint_at_end"] is True
+    # Fewer completions, the same optimiser steps per iteration and >= 2 passes per step.
+    rows = c["questions_per_step"] * c["group_size"]
+    assert rows <= ROWS_PER_ITERATION
+    steps = lambda q, m: q * 8 / (m * 4)  # noqa: E731
+    assert steps(c["questions_per_step"], c["minibatch_size"]) == steps(128, 128) == 2
+    assert c["minibatch_size"] >= 2 * c["learner_micro_batch_rows"]
+    assert c["heldout_num_questions"] <= 8 and c["heldout_interval"] == 2
+    # One line per swap, naming the key, the values and why.
+    line = swaps["model_name_or_path"].line()
+    assert "Qwen/Qwen2.5-Math-7B" in line and "rehearsal:qwen2" in line and "no download" in line
+
+
+def test_with_vllm_installed_the_engine_stays_and_its_cache_is_sized_in_bytes():
+    spec, swaps = _one(GPU_SPEC, vllm=True)
+    c = spec["config"]
+    assert c["generation_backend"] == "vllm" and "generation_backend" not in swaps
+    assert c["vllm_kwargs"] == {"max_num_seqs": 256, **VLLM_CPU_KWARGS}
+
+
+def test_overrides_stop_and_search_spaces():
+    spec, swaps = _one(GPU_SPEC, vllm=False, config_overrides={"max_response_tokens": 12, "num_learners": 2},
+                       stop_given=True)
+    c = spec["config"]
+    assert c["max_response_tokens"] == 12 and "max_response_tokens" not in swaps
+    assert c["num_learners"] == 2
+    assert spec["stop"] == GPU_SPEC["stop"] and "stop" not in swaps  # the command line's --stop is merged later
+    searched = {**GPU_SPEC, "config": {**GPU_SPEC["config"], "questions_per_step": {"grid_search": [64, 128]}}}
+    spec, swaps = _one(searched, vllm=False)
+    assert spec["config"]["questions_per_step"] == {"grid_search": [64, 128]}
+
+
+def test_rllib_ppo_on_the_llm_runner_and_a_non_llm_recipe():
+    ppo = yaml.safe_load((REPO / "tuned_examples" / "ppo_tiny.yaml").read_text())["ppo-tiny"]
+    spec, swaps = _one(ppo, vllm=False)
+    c = spec["config"]
+    assert c["model_config"]["model"] == "rehearsal:qwen2"
+    assert c["model_config"]["max_response_tokens"] == TOKEN_CAPS["max_response_tokens"]
+    assert c["train_batch_size_per_learner"] == ROWS_PER_ITERATION
+    assert c["minibatch_size"] == 128  # 256 -> 128 with the batch: the same 1 step per iteration
+    cartpole = {"run": "PPO", "env": "CartPole-v1", "config": {"num_gpus_per_learner": 1, "lr": 0.001}}
+    spec, swaps = _one(cartpole, vllm=False)
+    assert spec["config"] == {"num_gpus_per_learner": 0, "lr": 0.001}
+    assert set(swaps) == {"num_gpus_per_learner", "checkpoint_config.checkpoint_at_end", "stop"}
+
+
+def test_rehearsal_reward_is_deterministic_and_varied():
+    questions = [f"q{i}" for i in range(200)]
+    rewards = np.array([[rehearsal_score(q, f"completion {j}") for j in range(8)] for q in questions])
+    assert set(np.unique(rewards)) == {0.0, 1.0}
+    assert 0.4 < rewards.mean() < 0.6
+    per_question = rewards.mean(axis=1)
+    assert per_question.std() > 0.15  # questions differ: buckets of every correctness fill
+    assert ((per_question > 0) & (per_question < 1)).mean() > 0.6  # most groups have variance
+    assert rehearsal_score("q1", "same text") == rehearsal_score("q1", "same text")
+
+
+# --------------------------------------------------------------- every recipe, end to end
+def _recipe_params():
+    params = []
+    for path in RECIPES:
+        text = path.read_text()
+        marks = [pytest.mark.slow]
+        if "generation_backend: vllm" in text:
+            marks.append(pytest.mark.vllm)  # rehearsed with vLLM's CPU build (tests/run.sh)
+        params.append(pytest.param(path, marks=marks, id=path.stem))
+    return params
+
+
+def _results(storage: Path, name: str):
+    rows = []
+    for f in sorted((storage / name).glob("*/result.json")):
+        rows.append([json.loads(line) for line in f.read_text().splitlines() if line.strip()])
+    return rows
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("recipe", _recipe_params())
+def test_every_recipe_rehearses_checkpoints_and_resumes(recipe, tmp_path, capsys):
+    from rllib_exgrpo.cli.main import main
+
+    storage = tmp_path / "results"
+    common = ["train", "file", str(recipe), "--rehearse", "--storage-path", str(storage)]
+    assert main(common + ["--stop", '{"training_iteration": 2}']) == 0
+    err = capsys.readouterr().err
+    assert "rehearsal:" in err and "model" in err  # the swaps were said
+    name = next(iter(yaml.safe_load(recipe.read_text()))) + SUFFIX
+    trials = _results(storage, name)
+    assert trials and all(rows[-1]["training_iteration"] == 2 for rows in trials)
+    assert all(list((storage / name).glob("*/checkpoint_*")) for _ in trials)
+
+    assert main(common + ["--resume", "--stop", '{"training_iteration": 3}']) == 0
+    trials = _results(storage, name)
+    for rows in trials:
+        iterations = [r["training_iteration"] for r in rows]
+        assert iterations == [1, 2, 3], iterations
+    spec = next(iter(yaml.safe_load(recipe.read_text()).values()))
+    cfg = spec.get("config", {})
+    if spec["run"] == "ExGRPO" and cfg.get("experience_replay", True):
+        # The delayed start fired and replayed rows reached the learners by iteration 3.
+        third = [rows[2] for rows in trials]
+        assert any(r["experience"]["replayed_questions"] > 0 for r in third), [r["experience"] for r in third]
+        assert any(r["learners"]["default_policy"]["replayed_token_fraction"] > 0 for r in third)
