@@ -1,17 +1,22 @@
-"""One GPU check: the learner step and HF generation of a Qwen2.5-1.5B-shaped model, in bf16.
+"""One GPU check: the learner step and HF generation of a Qwen2.5-1.5B-shaped model, and
+what one GPU can settle for the 7B recipe, in bf16.
 
     python benchmarks/gpu_check.py [--shape qwen2.5-1.5b|tiny] [--device auto|cuda|cpu]
-                                   [--steps 5] [--out benchmarks/out/gpu_check.json]
+                                   [--stages learner,drift,slice,transfer,generation]
+                                   [--steps 5] [--slice-layers 2,4] [--transfer-gb 15.2]
+                                   [--transfer-chunk-mb 512] [--budget-s 420]
+                                   [--out benchmarks/out/gpu_check.json]
 
-Needs only torch and transformers (no Ray, vLLM, DeepSpeed, nothing downloaded): the model
-is built from a ``Qwen2Config`` with Qwen2.5(-Math)-1.5B's shape and random weights, and
-the project's own functions are imported from the repository this file lives in (no
-install needed). It measures, on one device:
+Needs only torch and transformers (no Ray, vLLM, DeepSpeed, nothing downloaded): the models
+are built from a ``Qwen2Config`` with Qwen2.5(-Math)-1.5B's / -7B's shape and random
+weights, and the project's own functions are imported from the repository this file lives
+in (no install needed). The stages, run in this order on one device (``--stages`` picks a
+subset):
 
-1. **Learner step** (``learner``): one optimiser step of this project's learner on one
-   GPU's share of the official recipe: 8 rows x (1024 prompt + 1024 or 3072 response)
-   tokens, i.e. 16k / 32k tokens, the official run's ``ppo_max_token_len_per_gpu`` of
-   32768 (ExGRPO/exp_scripts/run_exgrpo.sh). A step is what ``ExGRPOTorchLearner`` does:
+1. ``learner``: one optimiser step of this project's learner on one GPU's share of the
+   official 1.5B recipe: 8 rows x (1024 prompt + 1024 or 3072 response) tokens, i.e.
+   16k / 32k tokens, the official run's ``ppo_max_token_len_per_gpu`` of 32768
+   (ExGRPO/exp_scripts/run_exgrpo.sh). A step is what ``ExGRPOTorchLearner`` does:
    ``core.scoring.completion_logprobs_and_entropy`` (log-probs + streamed entropy of the
    completion tokens), ``core.losses.mixed_policy_loss`` as in mixed mode (half the rows
    replayed and shaped, fresh rows unclipped, the official aggregation, entropy 0.001),
@@ -21,17 +26,52 @@ install needed). It measures, on one device:
    computed, and real tokens only) and peak memory (``torch.cuda.max_memory_allocated``).
    ``param_update_fraction``: the share of weight elements one lr-1e-6 AdamW step changes
    at this dtype (bf16 weights round most such updates away: the learner needs fp32
-   master weights). The no-grad scoring pass (what an env runner does to recompute behaviour log-probs or
-   to pick the lowest-entropy replay trajectory) is timed on the same batch.
-2. **Generation** (``generation``): ``model.generate`` under the HF backend's neutral
-   sampling config (temperature 1, top-p 1, no top-k) and the backend's own
-   ``pruned_decode`` loop, batch 64 and 256 x (256 prompt + 512 new tokens), no stop token
-   (every row runs to 512). New tokens/s and peak memory.
+   master weights). The no-grad scoring pass (what an env runner does to recompute
+   behaviour log-probs or to pick the lowest-entropy replay trajectory) is timed on the
+   same batch.
+2. ``drift``: bf16 log-prob drift. The same rows (4 x (1024 + 8192), the 7B recipe's
+   micro-batch) scored in other batch compositions than the learner's padded batch: the
+   same batch again, each row alone without padding, rows reversed with wider padding.
+   Max and mean |delta log p| over the real completion tokens, and max |exp(delta) - 1|:
+   the error it puts into ExGRPO's unclipped importance ratio of fresh rows in mixed mode.
+   Run on the full-depth 1.5B model and on the deepest 7B slice below.
+3. ``slice``: a bf16 learner step of a Qwen2.5-Math-7B-shaped slice (hidden 3584, 28
+   heads, 4 kv heads, intermediate 18944, vocab 152064, untied embeddings) with only 2 and
+   4 of its 28 decoder layers, at the 7B recipe's micro-batch (``learner_micro_batch_rows``
+   4 x (1024 + 8192) tokens, tuned_examples/exgrpo_qwen.yaml), gradient checkpointing on.
+   Weights as DeepSpeed's bf16 mode keeps them: a bf16 module (bf16 forward, backward and
+   gradients) and an fp32 master copy with AdamW's moments in the optimiser, here for the
+   slice's own parameters, on one device, unsharded: ``state_bytes`` is 14 B/param (2
+   weights + 4 master + 8 moments); bf16 gradients (2 B/param) live during backward, fp32
+   master gradients (4 B/param) during the optimiser step. Forward + backward and the
+   optimiser step are timed and their peaks (minus what was allocated before the slice)
+   taken separately. Every per-depth figure is fitted as fixed part (embeddings, LM head,
+   logits, loss) + per-layer part and evaluated at 28 layers: peak memory, state, step
+   time, tokens/s, no-grad scoring time; the parameter count, exactly linear in depth,
+   checks the fit against the full model's (7,615,616,512). The memory plan
+   (``rllib_exgrpo.planning``: ``model_state_bytes``, ``learner_activation_bytes``) is
+   set next to the measurement at each depth, at 28 layers, and per GPU as the recipe
+   runs (its learner backend, ZeRO stage and learner count); ``plan: unavailable (...)``
+   where that module cannot be imported.
+4. ``transfer``: host <-> GPU copies of 7B-sized bf16 state (15.2 GB: 7.6 G parameters
+   x 2 bytes) in 512 MB chunks, from pinned and from pageable host memory, both
+   directions: seconds, GB/s, bytes moved, a round-trip check of the data, and seconds
+   per 15.2 GB. Sized down to 40% of the free host RAM and 80% of the free GPU memory,
+   to what the budget allows (predicted from one probed chunk), and on a CPU run (host to
+   host, pageable only) to 0.25 GB.
+5. ``generation``: ``model.generate`` under the HF backend's neutral sampling config
+   (temperature 1, top-p 1, no top-k) and the backend's own ``pruned_decode`` loop,
+   batch 64 and 256 x (256 prompt + 512 new tokens), no stop token (every row runs to
+   512). New tokens/s and peak memory.
 
-Every stage is timed and printed; a stage whose predicted time would exceed the budget
-(``--budget-s``, 420 s: the whole check stays under 8 minutes on one H200) is skipped and
-marked so. The JSON (``--out``) is rewritten after every stage, so a killed run still
-leaves what it measured. ``--shape tiny`` is a 2-layer model for CPU (tests).
+Every stage is timed and printed; a stage whose predicted time (from what the earlier
+stages measured: the learner's FLOP rate and scoring rate, a probe chunk, a short
+generation) would exceed the budget (``--budget-s``, 420 s: the whole check stays under 8
+minutes on one H200) is skipped with the reason, or cut to fewer steps / fewer bytes.
+The JSON (``--out``) is rewritten after every stage, so a killed run still leaves what it
+measured. ``--shape tiny`` runs every stage at a tiny shape on CPU (tests): a 2-layer
+model, a 1- and 2-layer slice of a 28-layer untied toy, 16 MB transferred; its numbers
+are CPU numbers (memory there is the process's peak RSS, not per stage), not GPU figures.
 """
 from __future__ import annotations
 
@@ -49,6 +89,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # rllib_exgrpo importable without installing
 
 DEFAULT_OUT = ROOT / "benchmarks" / "out" / "gpu_check.json"
+RECIPE_7B = ROOT / "tuned_examples" / "exgrpo_qwen.yaml"
 HEAVY = ("ray", "vllm", "deepspeed")
 
 #: Model shapes (Qwen2Config fields) and workloads.
@@ -70,6 +111,31 @@ SHAPES = {
         "gen_batches": (4,), "gen_prompt": 8, "gen_new_tokens": 16,
     },
 }
+# Qwen/Qwen2.5-Math-7B's config.json (7,615,616,512 parameters; max_position_embeddings
+# raised as above). The slice stage builds only ``layers`` of its 28 decoder layers.
+QWEN25_MATH_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                      intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
+                      max_position_embeddings=16384, rope_theta=10000.0, rms_norm_eps=1e-6)
+# The 7B recipe (tuned_examples/exgrpo_qwen.yaml): one learner micro-batch is
+# learner_micro_batch_rows 4 x (max_prompt_tokens 1024 + max_response_tokens 8192).
+SHAPES["qwen2.5-1.5b"].update(
+    drift={"rows": 4, "prompt": 1024, "response": 8192},
+    slice={"name": "qwen2.5-math-7b", "config": QWEN25_MATH_7B, "layers": (2, 4), "rows": 4, "prompt": 1024,
+           "response": 8192, "steps": 3},
+    transfer_gb=15.2,  # Qwen2.5-Math-7B's bf16 weights: 7.6 G parameters x 2 bytes
+    transfer_chunk_mb=512,
+)
+SHAPES["tiny"].update(
+    drift={"rows": 4, "prompt": 16, "response": 48},
+    slice={"name": "tiny-untied", "layers": (1, 2), "rows": 2, "prompt": 8, "response": 24, "steps": 1,
+           "config": dict(hidden_size=64, num_hidden_layers=28, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=160, vocab_size=512, tie_word_embeddings=False,
+                          max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6)},
+    transfer_gb=0.016,
+    transfer_chunk_mb=4,
+)
+STAGES = ("learner", "drift", "slice", "transfer", "generation")  # run in this order
+CPU_TRANSFER_CAP_GB = 0.25  # host-to-host "transfers" on a CPU run are sized down to this
 GIB = float(1 << 30)
 
 
@@ -229,10 +295,9 @@ def learner_batch(rows: int, prompt: int, response: int, vocab: int, device, see
     }
 
 
-def learner_step(model, optimizer, batch, response: int, max_len: int) -> float:
-    """One ExGRPOTorchLearner optimiser step, mixed mode (official settings)."""
-    import torch
-
+def learner_forward_backward(model, batch, response: int, max_len: int) -> float:
+    """The learner's pass over one micro-batch, mixed mode (official settings): scoring,
+    ``mixed_policy_loss``, backward (gradients accumulate in the parameters' ``.grad``)."""
     from rllib_exgrpo.core.losses import mixed_policy_loss
     from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
 
@@ -246,10 +311,63 @@ def learner_step(model, optimizer, batch, response: int, max_len: int) -> float:
         entropy=entropy, entropy_coeff=0.001,
     )
     loss.backward()
+    return float(loss.detach())
+
+
+def learner_step(model, optimizer, batch, response: int, max_len: int) -> float:
+    """One ExGRPOTorchLearner optimiser step, mixed mode (official settings)."""
+    import torch
+
+    loss = learner_forward_backward(model, batch, response, max_len)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach())
+    return loss
+
+
+class MasterWeightAdamW:
+    """bf16 module weights, an fp32 master copy kept by the optimiser: what DeepSpeed's bf16
+    mode does on one rank with nothing to shard (ZeRO over N learners keeps 1/N of the fp32
+    parts per GPU). ``step``: the bf16 gradients become fp32 gradients of the master copy
+    (one parameter at a time, the bf16 one freed), global-norm clip on the fp32 gradients,
+    ``torch.optim.AdamW`` (its default implementation) on the master copy, the master copy
+    rounded back into the bf16 weights."""
+
+    def __init__(self, params, lr: float, weight_decay: float, max_norm: float):
+        import torch
+
+        self.params = [p for p in params if p.requires_grad]
+        with torch.no_grad():
+            self.masters = [torch.empty_like(p, dtype=torch.float32).copy_(p) for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+        self.max_norm = max_norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> float:
+        import torch
+
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.to(torch.float32)
+            p.grad = None
+        norm = torch.nn.utils.clip_grad_norm_(self.masters, self.max_norm)
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+                m.grad = None
+        return float(norm)
+
+    def state_bytes(self) -> dict:
+        """Bytes of what persists between steps, counted from the tensors themselves."""
+        weights = sum(p.numel() * p.element_size() for p in self.params)
+        master = sum(m.numel() * m.element_size() for m in self.masters)
+        moments = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
+                      for k, t in st.items() if k != "step" and hasattr(t, "numel"))
+        return {"weights": weights, "fp32_master": master, "adamw_moments": moments,
+                "total": weights + master + moments}
 
 
 def score_nograd(model, batch, response: int):
@@ -261,6 +379,88 @@ def score_nograd(model, batch, response: int):
         return completion_logprobs_and_entropy(
             model, batch["input_ids"], batch["attention_mask"], response, temperature=1.0
         )
+
+
+def peak_bytes(device) -> int:
+    """:func:`peak_gib` in bytes."""
+    return int(peak_gib(device) * GIB)
+
+
+def allocated_bytes(device) -> int:
+    import torch
+
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def count_params(config: dict) -> int:
+    """Parameters of a Qwen2 with this config, built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**config))
+    return sum(p.numel() for p in model.parameters())
+
+
+def linear_fit(xs, ys) -> tuple:
+    """Least-squares line ``y = fixed + per_layer * x`` (two points: the line through them)."""
+    n = len(xs)
+    if n != len(ys) or len(set(xs)) < 2:
+        raise ValueError(f"need values at two or more distinct depths, got x={list(xs)}")
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def depth_fit(xs, ys, at: int) -> dict:
+    """A quantity measured at slice depths ``xs`` split into a fixed part (embeddings, final
+    norm, LM head, logits, loss) and a per-layer part, then evaluated at depth ``at``."""
+    fixed, per_layer = linear_fit(xs, ys)
+    return {"fixed": fixed, "per_layer": per_layer, "at_layers": at, "value": fixed + per_layer * at}
+
+
+def step_flops(cfg: dict, layers: int, rows: int, seq: int, response: int, checkpointing: bool) -> float:
+    """Rough FLOPs of one learner step (matmuls, causal attention, LM head on the completion
+    positions); x3 for forward + backward, x4 with checkpointing. Used only to predict a
+    stage's time from a throughput measured earlier in the run."""
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    per_layer = 2 * h * heads * hd + 2 * h * kv * hd + 3 * h * cfg["intermediate_size"]
+    fwd = layers * (2 * per_layer * rows * seq + 2 * rows * seq * seq * heads * hd)
+    fwd += 2 * h * cfg["vocab_size"] * rows * (response + 1)
+    return fwd * (4 if checkpointing else 3)
+
+
+def learner_flops_rate(results: dict, cfg: dict):
+    """Achieved FLOP/s of the learner stage's checkpointed steps (the slowest), or None."""
+    rates = [step_flops(cfg, cfg["num_hidden_layers"], e["rows"], e["prompt"] + e["response"], e["response"], True)
+             / e["step_s_mean"] for e in results.get("learner", [])
+             if e.get("status") == "ok" and e.get("gradient_checkpointing")]
+    return min(rates) if rates else None
+
+
+def nograd_token_rate(results: dict):
+    """Slowest no-grad scoring tokens/s of the learner stage, or None."""
+    rates = [e["score_nograd_tokens_per_s"] for e in results.get("learner", []) if e.get("status") == "ok"]
+    return min(rates) if rates else None
+
+
+def read_recipe(path: Path) -> dict:
+    """The 7B recipe's learner settings (tuned_examples/exgrpo_qwen.yaml) for the plan's
+    per-GPU estimate; the defaults of ``config_fields`` where the file says nothing."""
+    recipe = {"file": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
+              "learner_backend": "ddp", "deepspeed_zero_stage": 2, "num_learners": 4, "model_dtype": "bfloat16",
+              "learner_micro_batch_rows": 4, "max_prompt_tokens": 1024, "max_response_tokens": 8192,
+              "gradient_checkpointing": True}
+    try:
+        import yaml
+
+        doc = yaml.safe_load(path.read_text())
+        cfg = next(iter(doc.values()))["config"]
+        recipe.update({k: cfg[k] for k in list(recipe) if k in cfg})
+    except Exception as e:  # the defaults above are the file's values when this was written
+        recipe["read_error"] = f"{type(e).__name__}: {e}"
+    return recipe
 
 
 # --------------------------------------------------------------------------------------
@@ -438,32 +638,543 @@ def run_generation(model, shape, device, clock: Clock) -> list:
     return out
 
 
+def logp_drift(model, rows: int, prompt: int, response: int, vocab: int, device, seed: int) -> dict:
+    """Score the same rows in several batch compositions with the model as it is (bf16 on the
+    GPU run); |delta log p| over the real completion tokens against the learner's layout
+    (all rows in one batch, prompts left-padded, responses right-padded)."""
+    import torch
+
+    model.eval()
+    b = learner_batch(rows, prompt, response, vocab, device, seed)
+    ids, attn, real = b["input_ids"], b["attention_mask"], b["response_mask"].bool()
+
+    def score(i, a, r):
+        return score_nograd(model, {"input_ids": i, "attention_mask": a}, r)[0].float()
+
+    ref = score(ids, attn, response)
+    variants = {"repeat": score(ids, attn, response)}  # same batch again: 0 unless kernels are nondeterministic
+    alone = torch.zeros_like(ref)
+    for i in range(rows):  # each row by itself, no padding at all (an env runner scoring one row)
+        x = ids[i][attn[i].bool()][None]
+        r_i = int(real[i].sum())
+        alone[i, :r_i] = score(x, torch.ones_like(x), r_i)[0]
+    variants["row_alone_unpadded"] = alone
+    # rows in reverse order, padded wider on both sides (another micro-batch's padding)
+    pad = max(4, (prompt + response) // 64)
+    order = torch.arange(rows - 1, -1, -1, device=ids.device)
+    ids2 = torch.zeros(rows, pad + prompt + response + pad, dtype=ids.dtype, device=ids.device)
+    attn2 = torch.zeros_like(ids2)
+    ids2[:, pad:pad + prompt + response] = ids[order]
+    attn2[:, pad:pad + prompt + response] = attn[order]
+    wide = score(ids2, attn2, response + pad)[:, :response]
+    back = torch.empty_like(wide)
+    back[order] = wide
+    variants["reversed_wider_padding"] = back
+
+    out = {"rows": rows, "prompt": prompt, "response": response,
+           "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+           "reference": "all rows in one padded batch (learner layout)",
+           "tokens_compared": int(real.sum()), "comparisons": {}}
+    for name, x in variants.items():
+        d = (x - ref)[real]
+        out["comparisons"][name] = {
+            "max_abs_delta_logp": float(d.abs().max()), "mean_abs_delta_logp": float(d.abs().mean()),
+            # what it does to an unclipped importance ratio exp(logp - old_logp) = 1 + ...
+            "max_abs_ratio_minus_1": float(d.exp().sub(1).abs().max()),
+        }
+    return out
+
+
+def run_drift(model, label: str, spec: dict, vocab: int, device, clock: Clock, tokens_per_s=None) -> dict:
+    rows, prompt, response = spec["rows"], spec["prompt"], spec["response"]
+    name = f"drift {label} {rows}x({prompt}+{response})"
+    entry = {"name": name, "model": label}
+    clock.results.setdefault("drift", []).append(entry)
+    t = time.perf_counter()
+    # 3 padded passes of the batch + the rows one by one
+    predicted = 4 * rows * (prompt + response) / tokens_per_s * 1.5 if tokens_per_s else None
+    if predicted is not None and predicted > clock.left():
+        entry.update(status="skipped", why=f"predicted {predicted:.0f} s > {clock.left():.0f} s left")
+    else:
+        try:
+            entry.update(logp_drift(model, rows, prompt, response, vocab, device, seed=7))
+            entry["status"] = "ok"
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            entry.update(status="oom", error=str(e).splitlines()[0][:300])
+    free_memory(device)
+    c = entry.get("comparisons", {})
+    note = (", ".join(f"{k} max {v['max_abs_delta_logp']:.3g} mean {v['mean_abs_delta_logp']:.3g}" for k, v in c.items())
+            if entry["status"] == "ok" else entry["status"] + (f" ({entry['why']})" if "why" in entry else ""))
+    clock.stage(name, time.perf_counter() - t, note)
+    return entry
+
+
+def run_slice(spec: dict, device, attn: str, steps: int, clock: Clock, flops_rate=None, after_last=None) -> dict:
+    """A bf16 learner step of the first few decoder layers of a full-size model, at the
+    recipe's micro-batch, with gradient checkpointing; fitted over depth and extrapolated."""
+    import torch
+
+    cfg = dict(spec["config"])
+    full = cfg["num_hidden_layers"]
+    rows, prompt, response = spec["rows"], spec["prompt"], spec["response"]
+    tokens = rows * (prompt + response)
+    cuda = device.type == "cuda"
+    res = {
+        "model": spec["name"], "full_layers": full, "slice_layers": list(spec["layers"]),
+        "rows": rows, "prompt": prompt, "response": response, "tokens_per_step": tokens,
+        "gradient_checkpointing": True, "attn_implementation": attn,
+        "weights": "bfloat16 module (forward and backward in bf16, bf16 gradients)",
+        "optimizer": "torch.optim.AdamW (lr 1e-6, wd 0.01, default implementation) on an fp32 master copy; "
+                     "global-norm clip 1.0 on the fp32 gradients; master copy rounded into the bf16 weights",
+        "counted": "everything on this one device, unsharded: bf16 weights 2 B/param, fp32 master 4, AdamW moments "
+                   "8 (state_bytes: 14 B/param); bf16 gradients 2 B/param during backward; fp32 master gradients "
+                   "4 B/param made during the optimiser step; activations of one micro-batch with checkpointing. "
+                   "ZeRO over N learners keeps 1/N of the fp32 parts (and, stage 2, of the gradients) per GPU",
+        "memory_source": ("torch.cuda.max_memory_allocated minus what was allocated before the slice was built"
+                          if cuda else "process peak RSS (CPU): monotone over the run, not per depth; "
+                                       "state_bytes is counted from the tensors"),
+        "model_config": cfg,
+        "params_full_depth": count_params(cfg),
+        "depths": [],
+    }
+    clock.results["slice"] = res
+    vocab = cfg["vocab_size"]
+    for layers in spec["layers"]:
+        name = f"slice {spec['name']} {layers}/{full} layers {rows}x({prompt}+{response}) ckpt"
+        entry = {"name": name, "layers": layers}
+        res["depths"].append(entry)
+        t = time.perf_counter()
+        # build + warm-up + scoring + steps, from the learner stage's FLOP rate
+        predicted = ((steps + 2) * step_flops(cfg, layers, rows, prompt + response, response, True) / flops_rate * 1.5
+                     if flops_rate else None)
+        if predicted is not None and predicted > clock.left():
+            entry.update(status="skipped", why=f"predicted {predicted:.0f} s > {clock.left():.0f} s left")
+            clock.stage(name, time.perf_counter() - t, f"skipped ({entry['why']})")
+            continue
+        model = opt = batch = None
+        free_memory(device)
+        sync(device)
+        base = allocated_bytes(device)
+        try:
+            torch.manual_seed(layers)
+            model = build_model({"config": {**cfg, "num_hidden_layers": layers}}, device, torch.bfloat16, attn)
+            entry["params"] = sum(p.numel() for p in model.parameters())
+            set_checkpointing(model, True)
+            model.config.use_cache = False
+            model.train()
+            opt = MasterWeightAdamW(model.parameters(), lr=1e-6, weight_decay=0.01, max_norm=1.0)
+            # warm-up step on a small batch: AdamW's moments exist from here on. Does the
+            # master copy move at lr 1e-6, and how much of it reaches the bf16 weights?
+            warm = learner_batch(2, 8, 8, vocab, device, seed=0)
+            warm["old_logp"] = score_nograd(model, warm, 8)[0]
+            model.train()
+            # (every 97th element of every tensor but the input embedding, whose unused rows
+            # get no gradient)
+            emb = model.get_input_embeddings().weight
+            pairs = [(p, m) for p, m in zip(opt.params, opt.masters) if p is not emb]
+            m_before = [m.detach().reshape(-1)[::97].clone() for _, m in pairs]
+            w_before = [p.detach().reshape(-1)[::97].clone() for p, _ in pairs]
+            learner_forward_backward(model, warm, 8, 8)
+            opt.step()
+            opt.zero_grad()
+            n = sum(x.numel() for x in m_before)
+            entry["master_update_fraction"] = sum(
+                int((m.detach().reshape(-1)[::97] != b).sum()) for (_, m), b in zip(pairs, m_before)) / n
+            entry["weight_update_fraction"] = sum(
+                int((p.detach().reshape(-1)[::97] != b).sum()) for (p, _), b in zip(pairs, w_before)) / n
+            warm = m_before = w_before = pairs = emb = None
+            free_memory(device)
+            sync(device)
+            entry["state_bytes_counted"] = opt.state_bytes()
+            entry["state_bytes"] = allocated_bytes(device) - base if cuda else entry["state_bytes_counted"]["total"]
+            entry["build_s"] = time.perf_counter() - t
+
+            batch = learner_batch(rows, prompt, response, vocab, device, seed=layers)
+            entry["valid_tokens_per_step"] = int(batch["attention_mask"].sum())
+            reset_peak(device)
+            sync(device)
+            t1 = time.perf_counter()
+            batch["old_logp"] = score_nograd(model, batch, response)[0]
+            sync(device)
+            entry["score_nograd_s"] = time.perf_counter() - t1
+            entry["score_nograd_peak_bytes"] = peak_bytes(device) - base
+            model.train()
+
+            def one_step():
+                reset_peak(device)
+                sync(device)
+                t1 = time.perf_counter()
+                learner_forward_backward(model, batch, response, max_len=8192)
+                sync(device)
+                fb_s, fb_peak = time.perf_counter() - t1, peak_bytes(device) - base
+                reset_peak(device)
+                t1 = time.perf_counter()
+                opt.step()
+                opt.zero_grad()
+                sync(device)
+                return fb_s, time.perf_counter() - t1, fb_peak, peak_bytes(device) - base
+
+            first = one_step()
+            n = steps
+            if (first[0] + first[1]) * n > clock.left():
+                n = max(1, int(clock.left() // max(first[0] + first[1], 1e-9)))
+                entry["steps_cut_by_budget"] = True
+            runs = [one_step() for _ in range(n)]
+            fb_s = sum(r[0] for r in runs) / n
+            opt_s = sum(r[1] for r in runs) / n
+            entry.update(status="ok", steps=n, warmup_step_s=first[0] + first[1], fb_s=fb_s, opt_s=opt_s,
+                         step_s=fb_s + opt_s, step_s_min=min(r[0] + r[1] for r in runs),
+                         tokens_per_s=tokens / (fb_s + opt_s),
+                         # what a micro-batch costs under gradient accumulation (one optimiser
+                         # step per minibatch of many micro-batches)
+                         fb_tokens_per_s=tokens / fb_s,
+                         valid_tokens_per_s=entry["valid_tokens_per_step"] / (fb_s + opt_s),
+                         fb_peak_bytes=max(r[2] for r in runs), opt_peak_bytes=max(r[3] for r in runs))
+            entry["peak_bytes"] = max(entry["fb_peak_bytes"], entry["opt_peak_bytes"])
+            entry["peak_above_state_bytes"] = entry["peak_bytes"] - entry["state_bytes"]
+            entry["peak_gib"] = entry["peak_bytes"] / GIB
+        except Exception as e:  # OOM is a result here, not a crash
+            if not is_oom(e):
+                raise
+            entry.update(status="oom", error=str(e).splitlines()[0][:300], peak_bytes=peak_bytes(device) - base)
+        batch = opt = None
+        free_memory(device)
+        note = (f"{entry['step_s']:.2f} s/step ({entry['fb_s']:.2f} fwd+bwd, {entry['opt_s']:.2f} optimiser), "
+                f"{entry['tokens_per_s']:,.0f} tok/s, state {entry['state_bytes'] / GIB:.2f} GiB, "
+                f"peak {entry['peak_gib']:.2f} GiB" if entry["status"] == "ok" else entry["status"])
+        clock.stage(name, time.perf_counter() - t, note)
+        if after_last is not None and layers == spec["layers"][-1] and entry["status"] == "ok":
+            after_last(model, entry)  # e.g. the drift stage on this slice's weights
+        model = None
+        free_memory(device)
+    res["full_depth"] = extrapolate_slice(res)
+    clock.save()
+    return res
+
+
+#: Per-depth quantities fitted as fixed + per-layer.
+SLICE_FIT_KEYS = ("params", "state_bytes", "fb_peak_bytes", "opt_peak_bytes", "peak_bytes", "peak_above_state_bytes",
+                  "score_nograd_s", "fb_s", "opt_s", "step_s")
+
+
+def extrapolate_slice(res: dict) -> dict:
+    """Fit every per-depth quantity over the depths that ran and evaluate it at full depth."""
+    ok = [e for e in res["depths"] if e.get("status") == "ok"]
+    full = res["full_layers"]
+    if len({e["layers"] for e in ok}) < 2:
+        return {"status": "not extrapolated: needs two slice depths that ran",
+                "depths_ok": [e["layers"] for e in ok]}
+    xs = [e["layers"] for e in ok]
+    fits = {k: depth_fit(xs, [e[k] for e in ok], full) for k in SLICE_FIT_KEYS}
+    out = {"status": "ok", "layers": full, "fits": fits, "depths_used": xs}
+    out.update({k: f["value"] for k, f in fits.items()})
+    out["params"] = round(out["params"])
+    # A check of the fit itself: the parameter count is exactly linear in depth.
+    out["params_actual"] = res["params_full_depth"]
+    out["tokens_per_s"] = res["tokens_per_step"] / out["step_s"]
+    out["fb_tokens_per_s"] = res["tokens_per_step"] / out["fb_s"]
+    out["score_nograd_tokens_per_s"] = res["tokens_per_step"] / out["score_nograd_s"]
+    out["peak_gib"] = out["peak_bytes"] / GIB
+    out["state_gib"] = out["state_bytes"] / GIB
+    return out
+
+
+def plan_comparison(res: dict, recipe: dict) -> dict:
+    """The memory plan's estimate (``rllib_exgrpo.planning``) next to what the slice measured:
+    at each slice depth and at full depth on one unsharded device (what was measured), and
+    per GPU as the recipe runs (its backend, ZeRO stage, learners)."""
+    try:
+        from rllib_exgrpo.planning.memory import learner_activation_bytes, model_state_bytes
+        from rllib_exgrpo.planning.shapes import ModelShape
+    except ImportError as e:
+        return {"status": f"unavailable ({type(e).__name__}: {e})"}
+    try:
+        from transformers import Qwen2Config
+
+        cfg = res["model_config"]
+        rows, seq = res["rows"], res["prompt"] + res["response"]
+
+        def shape_at(layers):
+            return ModelShape.from_hf_config(Qwen2Config(**{**cfg, "num_hidden_layers": layers}))
+
+        def total(state):
+            if isinstance(state, dict):
+                return int(state["total"]) if "total" in state else int(sum(
+                    v for v in state.values() if isinstance(v, (int, float)) and not isinstance(v, bool)))
+            return int(state)
+
+        def plan_at(layers, backend="deepspeed", zero_stage=2, num_learners=1, model_dtype="bfloat16"):
+            shape = shape_at(layers)
+            state = model_state_bytes(shape, backend=backend, zero_stage=zero_stage, num_learners=num_learners,
+                                      model_dtype=model_dtype)
+            act = int(learner_activation_bytes(shape, rows, seq, gradient_checkpointing=True, dtype_bytes=2))
+            return {"plan_state": state, "plan_state_bytes": total(state), "plan_activation_bytes": act,
+                    "plan_total_bytes": total(state) + act}
+
+        rows_out = []
+        points = [(e["layers"], e) for e in res["depths"] if e.get("status") == "ok"]
+        fd = res.get("full_depth", {})
+        if fd.get("status") == "ok":
+            points.append((res["full_layers"], fd))
+        for layers, m in points:
+            row = {"layers": layers, "extrapolated": layers == res["full_layers"] and m is fd}
+            row.update(plan_at(layers))
+            row.update(measured_state_bytes=m["state_bytes"], measured_peak_bytes=m["peak_bytes"],
+                       measured_peak_above_state_bytes=m["peak_above_state_bytes"])
+            row["measured_over_plan_state"] = m["state_bytes"] / max(row["plan_state_bytes"], 1)
+            row["measured_over_plan_total"] = m["peak_bytes"] / max(row["plan_total_bytes"], 1)
+            rows_out.append(row)
+        out = {"status": "ok", "source": "rllib_exgrpo.planning.memory",
+               "plan_state_args": "backend deepspeed, zero_stage 2, num_learners 1, model_dtype bfloat16 "
+                                  "(one unsharded device, as measured)",
+               "plan_activation_args": f"rows {rows}, tokens {seq}, gradient_checkpointing, dtype_bytes 2",
+               "measured_peak_above_state": "peak minus weights + fp32 master + moments: activations and the "
+                                            "gradients live at the peak",
+               "per_depth": rows_out}
+        if res.get("memory_source", "").startswith("process peak RSS"):
+            out["note"] = "measured memory is process RSS on CPU: the ratios mean nothing here"
+        backend = recipe.get("learner_backend", "ddp")
+        zero = int(recipe.get("deepspeed_zero_stage", 2)) if backend == "deepspeed" else 0
+        settings = {"learner_backend": backend, "zero_stage": zero, "num_learners": int(recipe.get("num_learners", 1)),
+                    "model_dtype": recipe.get("model_dtype", "bfloat16"), "file": recipe.get("file")}
+        try:
+            per_gpu = plan_at(res["full_layers"], backend=backend, zero_stage=zero,
+                              num_learners=settings["num_learners"], model_dtype=settings["model_dtype"])
+        except Exception as e:
+            per_gpu = {"status": f"error ({type(e).__name__}: {e})"}
+        else:
+            per_gpu["status"] = "ok"
+            if fd.get("status") == "ok":
+                # the plan's per-GPU state with the activations this run measured (extrapolated)
+                per_gpu["plan_state_plus_measured_above_state_bytes"] = (per_gpu["plan_state_bytes"]
+                                                                         + fd["peak_above_state_bytes"])
+        per_gpu["recipe"] = settings
+        out["recipe_per_gpu"] = per_gpu
+        return out
+    except Exception as e:  # the plan's API moved: say so, keep the run
+        return {"status": f"error ({type(e).__name__}: {e})"}
+
+
+def host_available_bytes():
+    """MemAvailable of /proc/meminfo (free + reclaimable), else free pages; None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def run_transfer(device, nbytes: int, chunk_bytes: int, clock: Clock) -> dict:
+    """Move ``nbytes`` of bf16 between host and device memory in ``chunk_bytes`` chunks, from
+    pinned and from pageable host buffers, both directions (host-to-host on a CPU run)."""
+    import torch
+
+    cuda = device.type == "cuda"
+    esize = 2  # bfloat16
+    entry = {"name": "transfer", "dtype": "bfloat16", "device": str(device), "bytes_requested": int(nbytes),
+             "chunk_bytes": int(chunk_bytes)}
+    clock.results["transfer"] = entry
+    t = time.perf_counter()
+    caps = []
+    avail = host_available_bytes()
+    if avail:  # one full-size host buffer at a time; leave most of the RAM alone
+        caps.append(("host RAM", int(avail * 0.4)))
+    if cuda:
+        caps.append(("free GPU memory", int(torch.cuda.mem_get_info(device)[0] * 0.8)))
+    else:
+        caps.append(("CPU run", int(CPU_TRANSFER_CAP_GB * 1e9)))
+    size = int(nbytes)
+    for why, cap in caps:
+        if size > cap:
+            size, entry["sized_down"] = cap, f"to {cap / 1e9:.3f} GB ({why})"
+    chunk_elems = max(1, min(int(chunk_bytes), size) // esize)
+    kinds = ["pinned", "pageable"] if cuda else ["pageable"]
+    if not cuda:
+        entry["pinned"] = {"status": "skipped", "why": "pinned host memory needs CUDA"}
+
+    # probe one chunk per kind and direction; predict the stage; shrink it to fit the budget
+    probe_dev = torch.empty(chunk_elems, dtype=torch.bfloat16, device=device).zero_()
+    per_byte = 0.0
+    for kind in kinds:
+        t1 = time.perf_counter()
+        host = torch.empty(chunk_elems, dtype=torch.bfloat16, pin_memory=kind == "pinned").zero_()
+        alloc = time.perf_counter() - t1
+        sync(device)
+        t1 = time.perf_counter()
+        probe_dev.copy_(host, non_blocking=kind == "pinned")
+        sync(device)
+        host.copy_(probe_dev, non_blocking=kind == "pinned")
+        sync(device)
+        per_byte += (alloc + time.perf_counter() - t1) / (chunk_elems * esize)
+    probe_dev = host = None
+    predicted = per_byte * size * 1.5 + 1.0
+    if predicted > clock.left():
+        fit = int(max(0.0, clock.left() - 1.0) / (per_byte * 1.5))
+        if fit < chunk_elems * esize:
+            entry.update(status="skipped", why=f"predicted {predicted:.0f} s > {clock.left():.0f} s left")
+            clock.stage("transfer", time.perf_counter() - t, f"skipped ({entry['why']})")
+            return entry
+        size, entry["sized_down"] = fit, f"to {fit / 1e9:.3f} GB (budget: {predicted:.0f} s predicted for the full size)"
+    n_elems = size // esize
+    entry["bytes"] = n_elems * esize
+    entry["predicted_s"] = per_byte * entry["bytes"]
+
+    dev = torch.empty(n_elems, dtype=torch.bfloat16, device=device).zero_()
+    k = max(1, min(n_elems // 2, 1 << 20))  # head and tail marked, checked after the round trip
+    head = torch.randn(k).to(torch.bfloat16)
+    tail = torch.randn(k).to(torch.bfloat16)
+    for kind in kinds:
+        pinned = kind == "pinned"
+        r = {}
+        t1 = time.perf_counter()
+        host = torch.empty(n_elems, dtype=torch.bfloat16, pin_memory=pinned).zero_()  # pages touched
+        r["alloc_s"] = time.perf_counter() - t1
+        host[:k] = head
+        host[n_elems - k:] = tail
+        moved = 0
+        sync(device)
+        t1 = time.perf_counter()
+        for s in range(0, n_elems, chunk_elems):
+            part = dev[s:s + chunk_elems]
+            part.copy_(host[s:s + chunk_elems], non_blocking=pinned)
+            moved += part.numel() * esize
+        sync(device)
+        r["h2d_s"], r["bytes_h2d"] = time.perf_counter() - t1, moved
+        host[:k].zero_()
+        host[n_elems - k:].zero_()
+        moved = 0
+        t1 = time.perf_counter()
+        for s in range(0, n_elems, chunk_elems):
+            part = host[s:s + chunk_elems]
+            part.copy_(dev[s:s + chunk_elems], non_blocking=pinned)
+            moved += part.numel() * esize
+        sync(device)
+        r["d2h_s"], r["bytes_d2h"] = time.perf_counter() - t1, moved
+        r["round_trip_ok"] = bool(torch.equal(host[:k], head) and torch.equal(host[n_elems - k:], tail))
+        for d in ("h2d", "d2h"):
+            r[f"{d}_gb_per_s"] = r[f"bytes_{d}"] / 1e9 / max(r[f"{d}_s"], 1e-12)
+            # the full 7B bf16 state (15.2 GB) at this rate
+            r[f"{d}_s_per_15_2_gb"] = 15.2 / r[f"{d}_gb_per_s"]
+        r["status"] = "ok"
+        entry[kind] = r
+        host = None
+        gc.collect()
+        if pinned:  # torch caches freed pinned blocks: give them back before the pageable buffer
+            empty = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+                     or getattr(torch._C, "_host_emptyCache", None))
+            try:
+                if empty is not None:
+                    empty()
+            except Exception:  # only host memory headroom depends on it
+                pass
+    dev = None
+    free_memory(device)
+    entry["status"] = "ok"
+    note = ", ".join(f"{kind} h2d {entry[kind]['h2d_gb_per_s']:.1f} GB/s d2h {entry[kind]['d2h_gb_per_s']:.1f} GB/s"
+                     for kind in kinds) + f" ({entry['bytes'] / 1e9:.3f} GB each way)"
+    clock.stage("transfer", time.perf_counter() - t, note)
+    return entry
+
+
 def print_table(results: dict) -> None:
     print()
-    print(f"{results['shape']} ({results['params'] / 1e6:,.1f} M params) on {results['device_name']}, "
+    params = f"{results['params'] / 1e6:,.1f} M params" if "params" in results else "no main model"
+    print(f"{results['shape']} ({params}) on {results['device_name']}, "
           f"{results['dtype']}, attention {results['attn_implementation']}; "
           f"torch {results['torch']}, transformers {results['transformers']}")
-    print(f"weights + AdamW state: {results.get('learner_static_gib', 0):.2f} GiB; one AdamW step at lr 1e-6 changes "
-          f"{results.get('param_update_fraction', float('nan')):.1%} of the {results['param_dtype']} weights")
-    head = f"{'learner step (fwd+loss+bwd+clip+AdamW)':<40}{'s/step':>8}{'tok/s':>11}{'real tok/s':>12}{'peak GiB':>10}" \
-           f"{'no-grad score s':>17}"
-    print(head)
-    print("-" * len(head))
-    for e in results.get("learner", []):
+    if "learner" in results:
+        print(f"weights + AdamW state: {results.get('learner_static_gib', 0):.2f} GiB; one AdamW step at lr 1e-6 "
+              f"changes {results.get('param_update_fraction', float('nan')):.1%} of the {results['param_dtype']} weights")
+        head = f"{'learner step (fwd+loss+bwd+clip+AdamW)':<40}{'s/step':>8}{'tok/s':>11}{'real tok/s':>12}" \
+               f"{'peak GiB':>10}{'no-grad score s':>17}"
+        print(head)
+        print("-" * len(head))
+        for e in results["learner"]:
+            if e.get("status") == "ok":
+                print(f"{e['name']:<40}{e['step_s_mean']:>8.2f}{e['tokens_per_s']:>11,.0f}"
+                      f"{e['valid_tokens_per_s']:>12,.0f}{e['peak_gib']:>10.2f}{e['score_nograd_s']:>17.2f}")
+            else:
+                print(f"{e['name']:<40}{e.get('status', 'not run'):>8}  {e.get('error', '')[:80]}")
+    sl = results.get("slice")
+    if isinstance(sl, dict) and "depths" in sl:
+        print()
+        print(f"slice of {sl['model']} (bf16 weights, fp32 master + AdamW in the optimiser, checkpointing), "
+              f"{sl['rows']}x({sl['prompt']}+{sl['response']}) tokens")
+        head = f"{'layers':<10}{'params M':>10}{'fwd+bwd s':>11}{'optim s':>9}{'tok/s':>11}{'fb tok/s':>11}" \
+               f"{'state GiB':>11}{'peak GiB':>10}{'score s':>9}"
+        print(head)
+        print("-" * len(head))
+        rows = [(str(e["layers"]), e) for e in sl["depths"]]
+        fd = sl.get("full_depth", {})
+        if fd.get("status") == "ok":
+            rows.append((f"{fd['layers']} (fit)", fd))
+        for label, e in rows:
+            if e.get("status") == "ok":
+                print(f"{label:<10}{e['params'] / 1e6:>10,.1f}{e['fb_s']:>11.2f}{e['opt_s']:>9.2f}"
+                      f"{e['tokens_per_s']:>11,.0f}{e['fb_tokens_per_s']:>11,.0f}{e['state_bytes'] / GIB:>11.2f}"
+                      f"{e['peak_bytes'] / GIB:>10.2f}"
+                      f"{e['score_nograd_s']:>9.2f}")
+            else:
+                print(f"{label:<10}{e.get('status', 'not run')}  {e.get('why', e.get('error', ''))[:80]}")
+        if fd.get("status") == "ok":
+            print(f"fit check: {fd['params']:,} parameters extrapolated, {fd['params_actual']:,} in the full model")
+        print(f"memory: {sl['memory_source']}")
+        plan = sl.get("plan", {})
+        if plan.get("status") == "ok":
+            for r in plan["per_depth"]:
+                print(f"plan at {r['layers']} layers: state {r['plan_state_bytes'] / GIB:.2f} GiB (measured "
+                      f"{r['measured_state_bytes'] / GIB:.2f}), state + activations {r['plan_total_bytes'] / GIB:.2f} "
+                      f"GiB (measured peak {r['measured_peak_bytes'] / GIB:.2f})")
+            g = plan["recipe_per_gpu"]
+            r = g["recipe"]
+            where = f"{r['learner_backend']}, ZeRO {r['zero_stage']}, {r['num_learners']} learners"
+            print(f"plan per GPU as the recipe runs ({where}): " + (
+                f"{g['plan_total_bytes'] / GIB:.2f} GiB" if g["status"] == "ok" else g["status"]))
+        elif plan:
+            print(f"plan: {plan.get('status')}")
+    for e in results.get("drift", []):
         if e.get("status") == "ok":
-            print(f"{e['name']:<40}{e['step_s_mean']:>8.2f}{e['tokens_per_s']:>11,.0f}{e['valid_tokens_per_s']:>12,.0f}"
-                  f"{e['peak_gib']:>10.2f}{e['score_nograd_s']:>17.2f}")
+            print(f"\nlog-prob drift, {e['model']} {e['rows']}x({e['prompt']}+{e['response']}), {e['dtype']}, "
+                  f"{e['tokens_compared']} completion tokens vs {e['reference']}:")
+            for k, v in e["comparisons"].items():
+                print(f"  {k:<26} max |d logp| {v['max_abs_delta_logp']:.3g}, mean {v['mean_abs_delta_logp']:.3g}, "
+                      f"max |ratio - 1| {v['max_abs_ratio_minus_1']:.3g}")
         else:
-            print(f"{e['name']:<40}{e.get('status', 'not run'):>8}  {e.get('error', '')[:80]}")
-    head = f"{'generation (sampling, T=1)':<40}{'s':>8}{'new tok/s':>11}{'':>12}{'peak GiB':>10}"
-    print()
-    print(head)
-    print("-" * len(head))
-    for e in results.get("generation", []):
-        if e.get("status") == "ok":
-            print(f"{e['name']:<40}{e['seconds']:>8.2f}{e['tokens_per_s']:>11,.0f}{'':>12}{e['peak_gib']:>10.2f}")
+            print(f"\n{e['name']}: {e.get('status')} {e.get('why', e.get('error', ''))}")
+    tr = results.get("transfer")
+    if isinstance(tr, dict):
+        print()
+        if tr.get("status") == "ok":
+            print(f"host<->device transfer, {tr['bytes'] / 1e9:.3f} GB of bf16 each way in "
+                  f"{tr['chunk_bytes'] / 1e6:.0f} MB chunks" + (f" (sized down {tr['sized_down']})"
+                                                                 if "sized_down" in tr else ""))
+            for kind in ("pinned", "pageable"):
+                r = tr.get(kind, {})
+                if r.get("status") == "ok":
+                    print(f"  {kind:<9} h2d {r['h2d_gb_per_s']:7.2f} GB/s ({r['h2d_s_per_15_2_gb']:.2f} s per 15.2 GB), "
+                          f"d2h {r['d2h_gb_per_s']:7.2f} GB/s ({r['d2h_s_per_15_2_gb']:.2f} s per 15.2 GB)")
+                elif r:
+                    print(f"  {kind:<9} {r.get('status')} ({r.get('why', '')})")
         else:
-            print(f"{e['name']:<40}{e.get('status', 'not run'):>8}  {e.get('why', e.get('error', ''))[:80]}")
+            print(f"transfer: {tr.get('status')} ({tr.get('why', '')})")
+    if "generation" in results:
+        head = f"{'generation (sampling, T=1)':<40}{'s':>8}{'new tok/s':>11}{'':>12}{'peak GiB':>10}"
+        print()
+        print(head)
+        print("-" * len(head))
+        for e in results["generation"]:
+            if e.get("status") == "ok":
+                print(f"{e['name']:<40}{e['seconds']:>8.2f}{e['tokens_per_s']:>11,.0f}{'':>12}{e['peak_gib']:>10.2f}")
+            else:
+                print(f"{e['name']:<40}{e.get('status', 'not run'):>8}  {e.get('why', e.get('error', ''))[:80]}")
     print()
     print("stage times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in results["stage_times_s"].items()))
     print(f"total {results['total_s']:.1f} s")
@@ -471,17 +1182,50 @@ def print_table(results: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b",
+                        help="qwen2.5-1.5b (GPU; its slice stage is Qwen2.5-Math-7B-shaped) or tiny (CPU, tests)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu")
-    parser.add_argument("--steps", type=int, default=5, help="timed learner steps per configuration (after 1 warm-up)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help=f"comma-separated subset of {','.join(STAGES)} (always run in that order; default all)")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="timed learner steps per configuration (after 1 warm-up); the slice stage times "
+                             "at most its shape's count (3)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="weights of the learner / drift / generation model (the slice is always bf16 + fp32 master)")
     parser.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa: what load_causal_lm gets by default)")
+    parser.add_argument("--slice-layers", default=None,
+                        help="decoder-layer counts of the slice stage, comma-separated, >= 2 distinct "
+                             "(default: 2,4 for the 7B shape)")
+    parser.add_argument("--transfer-gb", type=float, default=None,
+                        help="bytes (1e9) moved each way by the transfer stage (default: 15.2, the 7B bf16 weights; "
+                             f"tiny: 0.016; a CPU run is capped at {CPU_TRANSFER_CAP_GB})")
+    parser.add_argument("--transfer-chunk-mb", type=float, default=None,
+                        help="chunk size (1e6 bytes) of the transfer stage (default 512; tiny 4)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stages predicted to end past this are skipped")
-    parser.add_argument("--skip-generation", action="store_true")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--skip-generation", action="store_true", help="same as leaving generation out of --stages")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results, rewritten after every stage")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be >= 1")
+    stages = [x.strip() for x in args.stages.split(",") if x.strip()]
+    unknown = [x for x in stages if x not in STAGES]
+    if unknown:
+        parser.error(f"--stages: unknown {', '.join(unknown)} (choose from {', '.join(STAGES)})")
+    if args.skip_generation and "generation" in stages:
+        stages.remove("generation")
+    slice_spec = dict(SHAPES[args.shape]["slice"])
+    if args.slice_layers:
+        try:
+            slice_spec["layers"] = tuple(int(x) for x in args.slice_layers.split(","))
+        except ValueError:
+            parser.error("--slice-layers: comma-separated integers")
+    full_layers = slice_spec["config"]["num_hidden_layers"]
+    if len(set(slice_spec["layers"])) < 2 or not all(1 <= n <= full_layers for n in slice_spec["layers"]):
+        parser.error(f"--slice-layers: two or more distinct depths in 1..{full_layers}")
+    transfer_gb = SHAPES[args.shape]["transfer_gb"] if args.transfer_gb is None else args.transfer_gb
+    chunk_mb = SHAPES[args.shape]["transfer_chunk_mb"] if args.transfer_chunk_mb is None else args.transfer_chunk_mb
+    if transfer_gb <= 0 or chunk_mb <= 0:
+        parser.error("--transfer-gb and --transfer-chunk-mb must be > 0")
 
     t_start = time.perf_counter()
     import torch
@@ -521,27 +1265,58 @@ def main(argv=None) -> int:
         "imports_pull_in_ray": any(isinstance(v, list) and "ray" in v for v in imports.values()),
         "peak_memory": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "process peak RSS (ru_maxrss)",
         "model_config": shape["config"],
+        "stages": stages,
+        "budget_s": args.budget_s,
         "stage_times_s": {},
     }
     clock = Clock(args.budget_s, args.out, results)
     clock.t0 = t_start
-    print(f"gpu_check: {args.shape} on {results['device_name']} ({device}), {args.dtype}; out {args.out}", flush=True)
+    print(f"gpu_check: {args.shape} on {results['device_name']} ({device}), {args.dtype}; stages {','.join(stages)}; "
+          f"budget {args.budget_s:.0f} s; out {args.out}", flush=True)
     for module, pulled in imports.items():
         print(f"  import {module}: " + (("pulls in " + ", ".join(pulled)) if isinstance(pulled, list) and pulled
                                         else pulled if isinstance(pulled, str) else "no ray/vllm/deepspeed"))
     clock.stage("startup (torch, CUDA, imports)", time.perf_counter() - t_start)
 
-    t = time.perf_counter()
-    torch.manual_seed(0)
-    model = build_model(shape, device, dtype, args.attn)
-    sync(device)
-    results["params"] = sum(p.numel() for p in model.parameters())
-    results["param_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
-    results["attn_implementation"] = getattr(model.config, "_attn_implementation", args.attn)
-    clock.stage("model build (random weights)", time.perf_counter() - t, f"{results['params'] / 1e6:,.1f} M parameters")
+    model = None
+    if any(x in stages for x in ("learner", "drift", "generation")):  # the slice builds its own
+        t = time.perf_counter()
+        torch.manual_seed(0)
+        model = build_model(shape, device, dtype, args.attn)
+        sync(device)
+        results["params"] = sum(p.numel() for p in model.parameters())
+        results["param_dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+        results["attn_implementation"] = getattr(model.config, "_attn_implementation", args.attn)
+        clock.stage("model build (random weights)", time.perf_counter() - t,
+                    f"{results['params'] / 1e6:,.1f} M parameters")
 
-    run_learner(model, shape, device, args.steps, clock)
-    if not args.skip_generation and clock.left() > 0:
+    if "learner" in stages:
+        run_learner(model, shape, device, args.steps, clock)
+    vocab = shape["config"]["vocab_size"]
+    if "drift" in stages:
+        run_drift(model, args.shape, shape["drift"], vocab, device, clock, tokens_per_s=nograd_token_rate(results))
+    if "slice" in stages:
+        def slice_drift(slice_model, entry):
+            if "drift" in stages:
+                label = f"{slice_spec['name']}-{entry['layers']}-layers"
+                run_drift(slice_model, label, slice_spec, slice_spec["config"]["vocab_size"], device, clock,
+                          tokens_per_s=slice_spec["rows"] * (slice_spec["prompt"] + slice_spec["response"])
+                          / entry["score_nograd_s"])
+
+        if clock.left() > 0:
+            res = run_slice(slice_spec, device, args.attn, min(args.steps, slice_spec["steps"]), clock,
+                            flops_rate=learner_flops_rate(results, shape["config"]), after_last=slice_drift)
+            res["plan"] = plan_comparison(res, read_recipe(RECIPE_7B))
+            clock.save()
+        else:
+            results["slice"] = {"status": "skipped", "why": "no budget left"}
+    if "transfer" in stages:
+        nbytes = int(transfer_gb * 1e9)
+        if clock.left() > 0:
+            run_transfer(device, nbytes, int(chunk_mb * 1e6), clock)
+        else:
+            results["transfer"] = {"status": "skipped", "why": "no budget left", "bytes_requested": nbytes}
+    if "generation" in stages and clock.left() > 0:
         run_generation(model, shape, device, clock)
     results["total_s"] = round(time.perf_counter() - t_start, 3)
     clock.save()

@@ -1,15 +1,27 @@
 """benchmarks/gpu_check.py on CPU with the tiny shape: it runs from the repository root as a
-plain script, imports no Ray for the learner's functions, and writes every figure."""
+plain script, imports no Ray for the learner's functions, and writes every figure; its
+depth fit, master-weight optimiser, transfer accounting, budget skips and plan comparison
+on hand-made inputs."""
+import importlib.util
 import json
 import math
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _positive(x) -> bool:
@@ -49,6 +61,58 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         assert e["steps"] == 1
         assert e["valid_tokens_per_step"] < e["tokens_per_step"]  # padded like a learner batch
 
+    assert res["stages"] == ["learner", "drift", "slice", "transfer", "generation"]
+
+    # drift: the tiny model and the last slice depth, three compositions each
+    assert [e["model"] for e in res["drift"]] == ["tiny", "tiny-untied-2-layers"]
+    for e in res["drift"]:
+        assert e["status"] == "ok", e
+        assert e["dtype"] == "bfloat16" and e["tokens_compared"] > 0
+        assert set(e["comparisons"]) == {"repeat", "row_alone_unpadded", "reversed_wider_padding"}
+        for c in e["comparisons"].values():
+            mx, mean = c["max_abs_delta_logp"], c["mean_abs_delta_logp"]
+            assert math.isfinite(mx) and math.isfinite(mean) and 0.0 <= mean <= mx < 1.0, c
+            assert 0.0 <= c["max_abs_ratio_minus_1"] < 2.0
+
+    # the slice: two depths of a 28-layer untied model, bf16 weights + fp32 master + AdamW moments
+    sl = res["slice"]
+    assert sl["full_layers"] == 28 and sl["slice_layers"] == [1, 2] and sl["gradient_checkpointing"] is True
+    assert [e["layers"] for e in sl["depths"]] == [1, 2]
+    for e in sl["depths"]:
+        assert e["status"] == "ok", e
+        n = e["params"]
+        assert e["state_bytes_counted"] == {"weights": 2 * n, "fp32_master": 4 * n, "adamw_moments": 8 * n,
+                                            "total": 14 * n}
+        for key in ("fb_s", "opt_s", "step_s", "tokens_per_s", "fb_tokens_per_s", "score_nograd_s", "peak_bytes"):
+            assert _positive(e[key]), (e["name"], key, e.get(key))
+        # an lr 1e-6 step moves the fp32 master copy; few of those moves reach the bf16 weights
+        assert e["master_update_fraction"] > 0.9 and e["weight_update_fraction"] < 0.5, e
+    assert sl["depths"][1]["params"] > sl["depths"][0]["params"]
+    fd = sl["full_depth"]
+    assert fd["status"] == "ok" and fd["layers"] == 28
+    assert fd["params"] == fd["params_actual"] == sl["params_full_depth"]  # parameters are linear in depth
+    f = fd["fits"]["step_s"]
+    assert math.isclose(fd["step_s"], f["fixed"] + 28 * f["per_layer"])
+    assert math.isclose(fd["tokens_per_s"], sl["tokens_per_step"] / fd["step_s"])
+    assert math.isclose(fd["state_bytes"], 14 * fd["params"], rel_tol=1e-9)
+    plan = sl["plan"]
+    if _planning_importable():
+        assert plan["status"] == "ok", plan
+        assert [r["layers"] for r in plan["per_depth"]] == [1, 2, 28]
+        assert all(_positive(r["plan_total_bytes"]) for r in plan["per_depth"])
+    else:
+        assert plan["status"].startswith("unavailable ("), plan
+
+    # transfer: pageable only on CPU, exactly the bytes asked for, both ways, data intact
+    tr = res["transfer"]
+    assert tr["status"] == "ok" and tr["bytes_requested"] == tr["bytes"] == 16_000_000
+    assert tr["pinned"]["status"] == "skipped"
+    pg = tr["pageable"]
+    assert pg["bytes_h2d"] == pg["bytes_d2h"] == 16_000_000 and pg["round_trip_ok"] is True
+    for key in ("h2d_s", "d2h_s", "h2d_gb_per_s", "d2h_gb_per_s"):
+        assert _positive(pg[key]), key
+    assert "slice" in proc.stdout and "log-prob drift" in proc.stdout and "transfer" in proc.stdout
+
     assert {e["decoder"] for e in res["generation"]} == {"generate", "pruned"}
     for e in res["generation"]:
         assert e["status"] == "ok", e
@@ -70,3 +134,160 @@ def test_gpu_check_full_shape_without_cuda_says_so_in_one_line(tmp_path):
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and "CUDA" in lines[0], lines
     assert not out.exists()
+
+
+def _planning_importable() -> bool:
+    try:
+        from rllib_exgrpo.planning.memory import learner_activation_bytes, model_state_bytes  # noqa: F401
+        from rllib_exgrpo.planning.shapes import ModelShape  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_gpu_check_help_lists_stages_and_flags():
+    proc = subprocess.run([sys.executable, str(SCRIPT.relative_to(REPO)), "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for word in ("learner", "drift", "slice", "transfer", "generation", "--stages", "--slice-layers",
+                 "--transfer-gb", "--transfer-chunk-mb", "--budget-s", "--shape"):
+        assert word in proc.stdout, word
+
+
+def test_depth_fit_on_hand_made_numbers(gpu_check):
+    # two depths: the line through them; fixed part 6, 2 per layer -> 62 at 28 layers
+    assert gpu_check.linear_fit([2, 4], [10.0, 14.0]) == pytest.approx((6.0, 2.0))
+    fit = gpu_check.depth_fit([2, 4], [10.0, 14.0], 28)
+    assert fit == pytest.approx({"fixed": 6.0, "per_layer": 2.0, "at_layers": 28, "value": 62.0})
+    # three depths: least squares (y = 1 + 0.5 x through (1,1), (2,3), (3,2))
+    assert gpu_check.linear_fit([1, 2, 3], [1.0, 3.0, 2.0]) == pytest.approx((1.0, 0.5))
+    with pytest.raises(ValueError):
+        gpu_check.linear_fit([4, 4], [1.0, 2.0])
+    # the slice's own extrapolation: params 100 + 10/layer, step 0.5 + 0.25 s/layer
+    depths = [{"layers": L, "status": "ok", "params": 100 + 10 * L, "state_bytes": 14 * (100 + 10 * L),
+               "fb_peak_bytes": 1000 + 50 * L, "opt_peak_bytes": 800 + 60 * L, "peak_bytes": 1000 + 60 * L,
+               "peak_above_state_bytes": 1000 + 60 * L - 14 * (100 + 10 * L), "score_nograd_s": 0.1 * L,
+               "fb_s": 0.4 + 0.2 * L, "opt_s": 0.1 + 0.05 * L, "step_s": 0.5 + 0.25 * L} for L in (2, 4)]
+    depths.append({"layers": 3, "status": "oom"})  # ignored by the fit
+    res = {"depths": depths, "full_layers": 28, "tokens_per_step": 900, "params_full_depth": 380}
+    out = gpu_check.extrapolate_slice(res)
+    assert out["status"] == "ok" and out["depths_used"] == [2, 4]
+    assert out["params"] == 380 == out["params_actual"]
+    assert out["step_s"] == pytest.approx(7.5) and out["tokens_per_s"] == pytest.approx(120.0)
+    assert out["fb_s"] == pytest.approx(6.0) and out["fb_tokens_per_s"] == pytest.approx(150.0)
+    assert out["peak_bytes"] == pytest.approx(2680.0) and out["state_bytes"] == pytest.approx(14 * 380)
+    one = gpu_check.extrapolate_slice({**res, "depths": depths[:1]})
+    assert one["status"].startswith("not extrapolated")
+
+
+def test_master_weight_adamw_keeps_fp32_master(gpu_check):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    opt = gpu_check.MasterWeightAdamW(lin.parameters(), lr=1e-6, weight_decay=0.01, max_norm=1.0)
+    w0 = lin.weight.detach().clone()
+    m0 = opt.masters[0].clone()
+    assert opt.masters[0].dtype == torch.float32 and torch.equal(m0.to(torch.bfloat16), w0)
+    lin(torch.randn(8, 64, dtype=torch.bfloat16)).float().pow(2).sum().backward()
+    opt.step()
+    assert all(p.grad is None for p in lin.parameters()) and all(m.grad is None for m in opt.masters)
+    moved = (opt.masters[0] != m0).float().mean().item()
+    assert moved > 0.99  # AdamW's first step moves every element with a gradient by ~lr
+    assert torch.equal(lin.weight.detach(), opt.masters[0].to(torch.bfloat16))  # weights = rounded master
+    assert (lin.weight.detach() != w0).float().mean().item() < 0.5  # most lr-1e-6 moves round away in bf16
+    n = sum(p.numel() for p in lin.parameters())
+    assert opt.state_bytes() == {"weights": 2 * n, "fp32_master": 4 * n, "adamw_moments": 8 * n, "total": 14 * n}
+
+
+def test_transfer_moves_exactly_the_bytes_asked_and_sizes_down(gpu_check, tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    cpu = torch.device("cpu")
+    clock = gpu_check.Clock(60.0, tmp_path / "t.json", {"stage_times_s": {}})
+    e = gpu_check.run_transfer(cpu, 1_000_002, 300_000, clock)  # 4 chunks, the last one short
+    assert e["status"] == "ok" and "sized_down" not in e
+    assert e["bytes"] == e["pageable"]["bytes_h2d"] == e["pageable"]["bytes_d2h"] == 1_000_002
+    assert e["pageable"]["round_trip_ok"] is True
+    assert json.loads((tmp_path / "t.json").read_text())["transfer"]["bytes"] == 1_000_002
+    monkeypatch.setattr(gpu_check, "CPU_TRANSFER_CAP_GB", 0.0005)
+    e = gpu_check.run_transfer(cpu, 2_000_000, 100_000, clock)
+    assert e["bytes"] == e["pageable"]["bytes_h2d"] == 500_000 and "CPU run" in e["sized_down"]
+
+
+def test_stages_over_budget_are_skipped_with_a_reason(gpu_check, tmp_path):
+    torch = pytest.importorskip("torch")
+    clock = gpu_check.Clock(0.0, tmp_path / "b.json", {"stage_times_s": {}})
+    e = gpu_check.run_drift(None, "m", {"rows": 4, "prompt": 8, "response": 8}, 32, torch.device("cpu"), clock,
+                            tokens_per_s=1.0)
+    assert e["status"] == "skipped" and "predicted" in e["why"]
+    e = gpu_check.run_transfer(torch.device("cpu"), 10_000_000, 1_000_000, clock)
+    assert e["status"] == "skipped" and "predicted" in e["why"]
+    spec = {"name": "t", "layers": (1, 2), "rows": 1, "prompt": 4, "response": 4, "steps": 1,
+            "config": dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                           intermediate_size=64, vocab_size=64, tie_word_embeddings=False,
+                           max_position_embeddings=64)}
+    res = gpu_check.run_slice(spec, torch.device("cpu"), "sdpa", 1, clock, flops_rate=1.0)
+    assert [d["status"] for d in res["depths"]] == ["skipped", "skipped"]
+    assert res["full_depth"]["status"].startswith("not extrapolated")
+
+
+def test_plan_comparison_wiring(gpu_check, monkeypatch):
+    """With a stand-in plan module: the plan's figures sit next to the measured ones, per
+    depth, at full depth, and per GPU as the recipe runs; without one: 'unavailable'."""
+    calls = []
+
+    class Shape:
+        def __init__(self, layers):
+            self.num_hidden_layers = layers
+
+        @classmethod
+        def from_hf_config(cls, cfg):
+            return cls(cfg.num_hidden_layers)
+
+    def model_state_bytes(shape, *, backend, zero_stage, num_learners, model_dtype):
+        calls.append((shape.num_hidden_layers, backend, zero_stage, num_learners, model_dtype))
+        return {"weights": 10 * shape.num_hidden_layers, "optimizer": 4 * shape.num_hidden_layers // num_learners,
+                "total": 10 * shape.num_hidden_layers + 4 * shape.num_hidden_layers // num_learners}
+
+    def learner_activation_bytes(shape, rows, tokens, *, gradient_checkpointing, dtype_bytes=2):
+        assert gradient_checkpointing and dtype_bytes == 2
+        return rows * tokens * shape.num_hidden_layers
+
+    memory = types.ModuleType("rllib_exgrpo.planning.memory")
+    memory.model_state_bytes, memory.learner_activation_bytes = model_state_bytes, learner_activation_bytes
+    shapes = types.ModuleType("rllib_exgrpo.planning.shapes")
+    shapes.ModelShape = Shape
+    monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning", types.ModuleType("rllib_exgrpo.planning"))
+    monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning.memory", memory)
+    monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning.shapes", shapes)
+
+    cfg = dict(hidden_size=32, num_hidden_layers=28, num_attention_heads=2, num_key_value_heads=1,
+               intermediate_size=64, vocab_size=64, tie_word_embeddings=False, max_position_embeddings=64)
+    depth = {"status": "ok", "state_bytes": 20, "peak_bytes": 100, "peak_above_state_bytes": 80}
+    res = {"model_config": cfg, "rows": 2, "prompt": 3, "response": 2, "full_layers": 28,
+           "memory_source": "torch.cuda.max_memory_allocated",
+           "depths": [{**depth, "layers": 2}, {**depth, "layers": 4}],
+           "full_depth": {"status": "ok", "state_bytes": 280, "peak_bytes": 1400, "peak_above_state_bytes": 1120}}
+    recipe = {"learner_backend": "deepspeed", "deepspeed_zero_stage": 2, "num_learners": 4, "model_dtype": "bfloat16"}
+    out = gpu_check.plan_comparison(res, recipe)
+    assert out["status"] == "ok", out
+    assert [r["layers"] for r in out["per_depth"]] == [2, 4, 28]
+    r2, r28 = out["per_depth"][0], out["per_depth"][2]
+    assert r2["plan_state_bytes"] == 28 and r2["plan_activation_bytes"] == 2 * 5 * 2 and r2["plan_total_bytes"] == 48
+    assert r2["measured_over_plan_total"] == pytest.approx(100 / 48)
+    assert r28["extrapolated"] is True and r28["plan_total_bytes"] == 280 + 112 + 280
+    assert (28, "deepspeed", 2, 1, "bfloat16") in calls and calls[-1] == (28, "deepspeed", 2, 4, "bfloat16")
+    assert out["recipe_per_gpu"]["status"] == "ok" and out["recipe_per_gpu"]["recipe"]["num_learners"] == 4
+    g = out["recipe_per_gpu"]
+    assert g["plan_state_bytes"] == 280 + 28 and g["plan_state_plus_measured_above_state_bytes"] == 308 + 1120
+
+    monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning.memory", None)  # import fails
+    assert gpu_check.plan_comparison(res, recipe)["status"].startswith("unavailable (")
+
+
+def test_recipe_settings_read_from_the_yaml(gpu_check):
+    recipe = gpu_check.read_recipe(gpu_check.RECIPE_7B)
+    assert "read_error" not in recipe, recipe
+    assert recipe["learner_micro_batch_rows"] == 4
+    assert recipe["max_prompt_tokens"] + recipe["max_response_tokens"] == 9216
+    spec = gpu_check.SHAPES["qwen2.5-1.5b"]["slice"]
+    assert (spec["rows"], spec["prompt"], spec["response"]) == (4, 1024, 8192)
