@@ -171,3 +171,54 @@ def test_every_recipe_rehearses_checkpoints_and_resumes(recipe, tmp_path, capsys
         third = [rows[2] for rows in trials]
         assert any(r["experience"]["replayed_questions"] > 0 for r in third), [r["experience"] for r in third]
         assert any(r["learners"]["default_policy"]["replayed_token_fraction"] > 0 for r in third)
+
+
+#: A recipe nobody wrote for this test suite's sake: another architecture family, learner
+#: backend and ZeRO stage, other runner / learner counts and micro-batches.
+UNWRITTEN = {
+    "llama-zero1": {
+        "run": "ExGRPO",
+        "env": "envs.reasoning_env:ReasoningEnv",
+        "stop": {"training_iteration": 500},
+        "checkpoint_config": {"checkpoint_frequency": 1},
+        "config": {
+            "seed": 3,
+            "env_config": {"dataset": "/data/missing/train.parquet"},
+            "model_name_or_path": "meta-llama/Llama-3.2-3B",
+            "model_dtype": "bfloat16",
+            "learner_backend": "deepspeed",
+            "deepspeed_zero_stage": 1,
+            "gradient_checkpointing": True,
+            "questions_per_step": 96, "group_size": 4, "minibatch_size": 64, "learner_micro_batch_rows": 2,
+            "max_prompt_tokens": 2048, "max_response_tokens": 4096,
+            "delayed_start_solve_rate": 0.2, "trajectory_selection": "random",
+            "num_env_runners": 1, "num_gpus_per_env_runner": 1, "num_learners": 3, "num_gpus_per_learner": 1,
+        },
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("overrides", [
+    pytest.param(None, id="llama-deepspeed-zero1-3-learners"),
+    # The 7B recipe's structure on the DDP learner (bf16 with fp32 master weights), 2 learners.
+    pytest.param({"learner_backend": "ddp", "num_learners": 2, "num_env_runners": 1}, id="ddp-bf16-2-learners"),
+])
+def test_a_recipe_nobody_wrote_rehearses(overrides, tmp_path, capsys):
+    from rllib_exgrpo.cli.main import main
+
+    path = tmp_path / "unwritten.yaml"
+    path.write_text(yaml.safe_dump(UNWRITTEN))
+    storage = tmp_path / "results"
+    args = ["train", "file", str(path), "--rehearse", "--storage-path", str(storage),
+            "--stop", '{"training_iteration": 3}']
+    if overrides:
+        args += ["--config", json.dumps(overrides)]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "'meta-llama/Llama-3.2-3B' -> 'rehearsal:llama'" in err
+    (rows,) = _results(storage, f"llama-zero1{SUFFIX}")
+    assert [r["training_iteration"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["optimizer_steps"] == 96 * 4 / (64 * (overrides or {}).get("num_learners", 3))
+    assert rows[-1]["experience"]["replayed_questions"] > 0
