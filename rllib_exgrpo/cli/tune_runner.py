@@ -142,7 +142,9 @@ def _restored_tuner(exp: Experiment) -> Any:
     written when the run died is not registered there, so the restore starts from the
     last whole one. Unfinished and errored trials continue from their checkpoint (the
     algorithm's state restores model, optimiser, experience pool, sampler position,
-    delayed-start state, counters and RNG streams); finished ones stay finished.
+    delayed-start state, counters and RNG streams). A finished trial continues the same
+    way when this invocation's ``stop`` lies beyond its last result
+    (:func:`_extend_finished_trials`); one that meets it stays finished.
     """
     from ray import tune
 
@@ -152,8 +154,165 @@ def _restored_tuner(exp: Experiment) -> Any:
               file=sys.stderr)
         return None
     print(f"rllib train: --resume: experiment {exp.name!r} continues from {path}", file=sys.stderr)
+    _extend_finished_trials(exp, path)
     return tune.Tuner.restore(path, trainable=exp.algo_cls, param_space=exp.param_space,
                               resume_unfinished=True, resume_errored=True)
+
+
+# Why the trial records in Tune's experiment state are edited before the restore:
+#
+# * Tune 2.60's restore brings every trial back with the status and the stop criteria it
+#   was saved with. A TERMINATED trial is never scheduled again, and the `stop` given to
+#   the restored run reaches only trials created after the restore, not the saved ones.
+# * `ResumeConfig(finished=RESUME)` (through `Tuner.restore(_resume_config=...)`) decides
+#   by status, for all finished trials alike: those that already meet the new stop would
+#   be started too and run one more iteration (Tune checks the stop on a new result only),
+#   and the continued ones would still carry their old stop, met at once.
+# * A new Tuner whose trainable loads the trial's checkpoint in `setup` makes new trials:
+#   new ids and folders, the history split over two folders (result.json, progress.csv),
+#   the trial's Tune counters (training_iteration, time_total_s) to carry over by hand.
+#
+# So each saved trial is decided here, and the decision written into the two fields of
+# its record that Tune's restore reads for it: `status` (a finished trial that must go on
+# becomes PENDING, which Tune treats as unfinished and resumes from its latest
+# checkpoint) and `stopping_criterion` (this invocation's merged `stop`, for every trial
+# that runs). Everything else is then Tune's own machinery, as for a killed run: the
+# same trial id and folder, result rows appended, and `Trainable.restore` bringing back
+# the algorithm's state (`Algorithm.load_checkpoint`) and Tune's counters (iteration,
+# time). MLflow logs the continuation as a new run of the trial, as after a kill.
+# The rest of each record is left as Tune wrote it (plain JSON in, plain
+# JSON out: nothing pickled is re-encoded); the run metadata (last result, latest
+# checkpoint) is only read, through Tune's own decoder. The file is replaced atomically.
+_STATE_FILE_PATTERN = "experiment_state-*.json"
+
+
+def _extend_finished_trials(exp: Experiment, path: str) -> List[str]:
+    """Prepare the saved trials of ``path`` for ``--resume`` under ``exp.stop`` and print
+    one line per trial saying what happens to it; return those lines.
+
+    * unfinished (killed, interrupted) or errored: continues from its latest checkpoint,
+      as before; it now stops at this invocation's ``stop``.
+    * finished at its stop, the new ``stop`` not met by its last result: continues from
+      its latest checkpoint to the new ``stop`` (config, folder, history, counters kept).
+    * finished and meeting the new ``stop``, or ended before its own stop was reached
+      (a scheduler's early stop, ``done`` from the algorithm): stays finished.
+    * finished, the new ``stop`` not met, but no checkpoint: stays finished (restarting it
+      from scratch would silently throw away its results); the line says how to rerun it.
+    """
+    import fnmatch
+    import json
+
+    from ray.train._internal.storage import get_fs_and_path
+    from ray.tune.trainable.metadata import _TrainingRunMetadata
+
+    fs, fs_path = get_fs_and_path(path)
+    names = [info.base_name for info in fs.get_file_info(_file_selector(fs_path))]
+    state_files = sorted(fnmatch.filter(names, _STATE_FILE_PATTERN))
+    if not state_files:
+        return []
+    state_path = f"{fs_path.rstrip('/')}/{state_files[-1]}"  # the one Tune's restore reads
+    with fs.open_input_stream(state_path) as f:
+        state = json.loads(f.readall().decode("utf-8"))
+
+    new_stop = dict(exp.stop or {})
+    prefix = f"rllib train: --resume: experiment {exp.name!r}: trial"
+    lines, changed = [], False
+    for entry in state.get("trial_data", []):
+        record = json.loads(entry[0])
+        meta = _TrainingRunMetadata.from_json_state(entry[1])
+        # its folder under the experiment's (what the user finds on disk; holds the trial id)
+        name = record.get("relative_logdir") or f"{record.get('trainable_name')}_{record.get('trial_id')}"
+        last = dict(meta.last_result or {})
+        at = f"iteration {last.get('training_iteration', 0)}"
+        ckpt = _latest_checkpoint(meta)
+        status = record.get("status")
+        go_on = status != "TERMINATED"
+        if status == "TERMINATED":
+            old_stop = dict(record.get("stopping_criterion") or {})
+            if not new_stop:
+                line = f"finished at {at}; stays finished (no stop criteria given to continue to)"
+            elif _stop_met(new_stop, last):
+                line = f"finished at {at} and meets the stop ({_stop_text(new_stop)}); stays finished"
+            elif not _stop_met(old_stop, last):
+                line = (f"ended at {at} before its stop ({_stop_text(old_stop) or 'none'}) was reached "
+                        "(a scheduler's early stop, or the algorithm said done); stays finished")
+            elif ckpt is None:
+                line = (f"finished at {at} with no checkpoint to continue from (checkpoint_config."
+                        "checkpoint_at_end was off); stays finished; to train it further run the "
+                        "experiment again without --resume (or under another --experiment-name)")
+            else:
+                go_on = True
+                line = f"finished at {at}; continuing to {_stop_text(new_stop)} from {_checkpoint_text(ckpt, last)}"
+                record["status"] = "PENDING"
+        else:
+            to = f"to {_stop_text(new_stop) or 'no stop'}"
+            if status != "ERROR" and not last and ckpt is None:
+                line = f"had not started; starts {to}"
+            else:
+                what = "errored" if status == "ERROR" else "was interrupted"
+                start = (f"from {_checkpoint_text(ckpt, last)}" if ckpt is not None
+                         else "from scratch (no checkpoint was saved)")
+                line = f"{what} at {at}; continues {start} {to}"
+        if go_on and new_stop and record.get("stopping_criterion") != new_stop:
+            record["stopping_criterion"] = new_stop
+        if go_on and record != json.loads(entry[0]):
+            entry[0] = json.dumps(record, indent=2)
+            changed = True
+        lines.append(f"{prefix} {name} {line}")
+        print(lines[-1], file=sys.stderr, flush=True)
+
+    if changed:
+        tmp_path = f"{fs_path.rstrip('/')}/.{state_files[-1]}.tmp"  # not matched by Tune's pattern
+        with fs.open_output_stream(tmp_path) as f:
+            f.write(json.dumps(state).encode("utf-8"))
+        fs.move(tmp_path, state_path)
+    return lines
+
+
+def _file_selector(fs_path: str) -> Any:
+    import pyarrow.fs
+
+    return pyarrow.fs.FileSelector(fs_path, allow_not_found=True, recursive=False)
+
+
+def _latest_checkpoint(meta: Any) -> Any:
+    """The trial's latest registered checkpoint result (checkpoint + its metrics), or None."""
+    manager = getattr(meta, "checkpoint_manager", None)
+    result = getattr(manager, "latest_checkpoint_result", None) if manager is not None else None
+    return result if result is not None and getattr(result, "checkpoint", None) is not None else None
+
+
+def _stop_met(stop: Dict[str, Any], last_result: Dict[str, Any]) -> bool:
+    """Tune's rule for a dict ``stop`` (``Trial.should_stop``) on a saved last result: any
+    criterion reached; a key the result lacks is not reached. The result's own ``done``
+    flag is left out: it only says that the trial ended, not why."""
+    from ray.tune.utils import flatten_dict
+
+    flat = flatten_dict({k: v for k, v in last_result.items() if k != "done"})
+    reached = [(_number(flat.get(k)), _number(v)) for k, v in stop.items()]
+    return any(got is not None and limit is not None and got >= limit for got, limit in reached)
+
+
+def _number(x: Any) -> Optional[float]:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _stop_text(stop: Dict[str, Any]) -> str:
+    return " or ".join(f"{k} {v}" for k, v in stop.items())
+
+
+def _checkpoint_text(ckpt: Any, last: Dict[str, Any]) -> str:
+    """``checkpoint_000001`` (plus its iteration when older than the last result: the
+    iterations after it are run again)."""
+    name = os.path.basename(str(ckpt.checkpoint.path).rstrip("/"))
+    it, last_it = (ckpt.metrics or {}).get("training_iteration"), last.get("training_iteration")
+    if it is not None and last_it is not None and it < last_it:
+        again = f"iteration {last_it} is" if it + 1 == last_it else f"iterations {it + 1}-{last_it} are"
+        return f"{name} (iteration {it}; {again} run again)"
+    return name
 
 
 def _scheduling(exp: Experiment) -> Dict[str, Any]:
