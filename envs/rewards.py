@@ -813,13 +813,15 @@ def rehearsal_score(question_id: str, completion: str) -> float:
     correctly: every group would be all-wrong, and no path that depends on success
     (advantages with variance, correctness buckets, the delayed start, replay) would run.
     This reward stands in for the verdict: each question gets a success rate ``p`` in
-    [0.1, 0.9] from a hash of its id, and a completion scores 1.0 when a hash of (question
+    [0.3, 0.95] from a hash of its id, and a completion scores 1.0 when a hash of (question
     id, completion text) falls below ``p`` -- deterministic like a verifier (the same text
-    always gets the same reward), about 0.5 on average, varied within and across groups.
+    always gets the same reward), about 0.6 on average (a first step of 16 questions clears
+    the official delayed start, a solve rate of 0.35, by several standard deviations),
+    varied within and across groups.
     """
     def unit(text: str) -> float:
         digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
         return int.from_bytes(digest, "big") / 2.0**64
 
-    rate = 0.1 + 0.8 * unit(f"rate\x00{question_id}")
+    rate = 0.3 + 0.65 * unit(f"rate\x00{question_id}")
     return 1.0 if unit(f"draw\x00{question_id}\x00{completion}") < rate else 0.0

@@ -50,7 +50,9 @@ HELDOUT_INTERVAL = 2
 DEFAULT_ITERATIONS = 2
 SUFFIX = "-rehearsal"
 #: vLLM's CPU build: a KV cache of a fixed size instead of a share of GPU memory.
-VLLM_CPU_KWARGS = {"kv_cache_memory_bytes": 64 << 20, "block_size": 32}
+#: No graph compilation: the CPU build's compile says nothing about a GPU's, and it is most
+#: of an engine's start-up on a CPU.
+VLLM_CPU_KWARGS = {"kv_cache_memory_bytes": 64 << 20, "block_size": 32, "enforce_eager": True}
 #: Data sets that come with the project (anything else is a file).
 BUILTIN_DATASETS = ("arithmetic",)
 REHEARSAL_DATASET = "arithmetic"
@@ -198,7 +200,7 @@ def _swap_backend(settings, where, vllm: bool, found) -> None:
     now = {k: v for k, v in kwargs.items() if k not in ("gpu_memory_utilization", "max_model_len")}
     now.update(VLLM_CPU_KWARGS)
     _set(settings, where, "vllm_kwargs", now, "vLLM's CPU build: a KV cache of fixed bytes, not a share of "
-         "GPU memory; max_model_len follows the scaled token limits", found)
+         "GPU memory; max_model_len follows the scaled token limits; no graph compilation", found)
 
 
 def _to_cpu(config, found) -> None:
