@@ -204,6 +204,7 @@ def run_train(args: argparse.Namespace) -> int:
     from rllib_exgrpo.rllib.resources import ResourceError
     from rllib_exgrpo.cli.experiment import CliConfigError, build_experiments
     from rllib_exgrpo.cli.tune_runner import fit_experiment_resources, run_experiments
+    from rllib_exgrpo.cli import preflight
 
     overrides = dict(args.config or {})
     if args.verbose >= 1:
@@ -235,13 +236,19 @@ def run_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         from rllib_exgrpo.rllib.resources import ClusterResources
 
+        here = ClusterResources.detect()
+        if args.ray_num_gpus is not None:  # the local instance the run would start
+            here = ClusterResources(here.cpus, float(args.ray_num_gpus), here.max_node_cpus)
         for exp in experiments:
             try:  # against this machine (a cluster given by --ray-address is not contacted)
-                fit_experiment_resources(exp, ClusterResources.detect())
+                fit_experiment_resources(exp, here)
             except ResourceError as e:
                 print(f"{PROG} train: error: {e}", file=sys.stderr)
                 return 2
             print(exp.summary())
+            plan = preflight.memory_plan_text(exp)  # GPU recipes only
+            if plan:
+                print(plan)
         print(f"{PROG} train: dry run: {len(experiments)} experiment(s) valid; nothing started.")
         return 0
 
@@ -257,6 +264,10 @@ def run_train(args: argparse.Namespace) -> int:
     if args.ray_ui:
         ray_init_kwargs["include_dashboard"] = True
 
+    for exp in experiments:  # the GPU memory plan of each GPU experiment, before anything starts
+        plan = preflight.memory_plan_text(exp)
+        if plan:
+            print(f"{PROG} train: experiment {exp.name!r}:\n{plan}", flush=True)
     try:
         results = run_experiments(
             experiments,

@@ -33,6 +33,10 @@ beyond that each value once with the others at their first value):
   cluster, else this machine (``torch.cuda.device_count()``), else ``num_gpus`` given.
   Skipped when a Ray address is given (``--ray-address`` / ``RAY_ADDRESS``): that cluster
   is checked after joining it (``tune_runner.fit_experiment_resources``).
+* **GPU memory** (this project's configs that request GPUs; not with ``--no-validate``): the
+  memory plan of :mod:`rllib_exgrpo.planning` against ``gpu_memory_gb``, else the GPU
+  ``torch.cuda`` sees here; one line per actor kind that does not fit, naming the key to
+  change. :func:`memory_plan_text` is the plan ``rllib train`` prints (``docs/memory_plan.md``).
 * **stop criteria** and ``checkpoint_score_attribute``: against the metrics the algorithm
   reports. This project's algorithms: the fixed list below (:data:`PROJECT_RESULT_KEYS`,
   read off ``algorithm.py``, ``env_runner.py``, ``learner.py``, ``core/losses.py``,
@@ -738,6 +742,70 @@ def _positive(v: Any) -> bool:
         return False
 
 
+# ------------------------------------------------------------------ GPU memory
+
+
+def memory_problems(cfg: Any) -> Tuple[List[str], List[str]]:
+    """The memory plan's verdict (``rllib_exgrpo.planning``): one line per actor kind that
+    does not fit its GPU, naming the key to change. Only for this project's configs that
+    request GPUs, against ``gpu_memory_gb`` or the GPU seen here (none: not checked)."""
+    from rllib_exgrpo.planning.memory import plan_memory, uses_gpus
+
+    if not _project_config(cfg) or not uses_gpus(cfg) or field_problems(cfg):
+        return [], []
+    try:
+        plan = plan_memory(cfg)
+    except Exception as e:  # noqa: BLE001 - a plan that cannot be made is a note, not a verdict
+        return [], [f"memory plan: could not be made ({type(e).__name__}: {one_line(str(e))})"]
+    return plan.problems(), []
+
+
+def _first_variant_config(exp: Any) -> Any:
+    """The experiment's config with every search-space dimension at its first value."""
+    cfg = exp.config.copy(copy_frozen=False)
+    for path, dom in (exp.search_space or {}).items():
+        parts = path.split("/")[1:]
+        values = _domain_values(dom)
+        if not parts or parts == ["env"] or not values:
+            continue
+        if len(parts) == 1:
+            setattr(cfg, parts[0], values[0])
+            continue
+        top = copy.deepcopy(getattr(cfg, parts[0], None))
+        if isinstance(top, dict):
+            _set_path(top, parts[1:], values[0])
+            setattr(cfg, parts[0], top)
+    return cfg
+
+
+def memory_plan_text(exp: Any, indent: str = "  ") -> Optional[str]:
+    """The memory plan of an experiment (its first search-space variant), indented, for
+    ``rllib train`` to print before anything starts; None for configs that request no GPU
+    or are not this project's."""
+    from rllib_exgrpo.planning.memory import plan_memory, uses_gpus
+
+    try:
+        cfg = _first_variant_config(exp)
+        if not _project_config(cfg) or not uses_gpus(cfg):
+            return None
+        text = plan_memory(cfg).render(indent=indent)
+    except Exception as e:  # noqa: BLE001 - printing a plan must never stop a run
+        return f"{indent}memory plan: could not be made ({type(e).__name__}: {one_line(str(e))})"
+    memory_keys = {p.split("/")[1] for p in (exp.search_space or {})} & _MEMORY_KEYS
+    if memory_keys:
+        text += f"\n{indent}{indent}(first value of the search over {', '.join(sorted(memory_keys))})"
+    return "\n".join(indent + line for line in text.splitlines())
+
+
+#: Config keys the memory plan reads.
+_MEMORY_KEYS = {
+    "model_name_or_path", "model_dtype", "learner_backend", "deepspeed_zero_stage", "num_learners",
+    "num_gpus_per_learner", "num_env_runners", "num_gpus_per_env_runner", "learner_micro_batch_rows",
+    "minibatch_size", "max_prompt_tokens", "max_response_tokens", "gradient_checkpointing", "generation_backend",
+    "vllm_kwargs", "generation_batch_size", "kl_coeff", "gpu_memory_gb", "torch_ddp_kwargs",
+}
+
+
 def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cluster],
                      stop: Mapping[str, Any], algo_cls: type,
                      score_attribute: Optional[str] = None) -> Tuple[List[str], List[str]]:
@@ -782,6 +850,8 @@ def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cl
             errors.append(f"{prefix}generation_backend: 'vllm' needs the vllm package, which is not installed "
                           "(pip install -e .[vllm], on a GPU machine).")
     run(resource_problems, cfg, cluster)
+    if validate:
+        run(memory_problems, cfg)
     for key in stop:
         if isinstance(key, str):
             msg = metric_problem(key, algo_cls, cfg, "stop")

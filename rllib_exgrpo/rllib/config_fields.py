@@ -344,8 +344,18 @@ _LEARNERS = [
        "minibatch_size."),
 ]
 
+_SECTION = "GPU memory plan (docs/memory_plan.md)"
+_MEMORY = [
+    _f("gpu_memory_gb", None, optional(number(0, low_open=True)),
+       "Memory of one GPU in GiB (2**30 bytes; an '80 GB' A100 / H100 has about 80) that the memory "
+       "plan printed before a run checks each learner and env runner against; a run that does not "
+       "fit stops before it starts, naming the key to change (rllib train --no-validate skips the "
+       "check). None: the GPU torch.cuda sees here (none visible: the plan is printed unchecked)."),
+]
+
 #: Every field this project adds, in documentation order.
-FIELDS: Tuple[Field, ...] = tuple(_MODEL + _SAMPLING + _OBJECTIVE + _EXPERIENCE + _XRPO + _HELDOUT + _LEARNERS)
+FIELDS: Tuple[Field, ...] = tuple(_MODEL + _SAMPLING + _OBJECTIVE + _EXPERIENCE + _XRPO + _HELDOUT + _LEARNERS
+                                  + _MEMORY)
 FIELDS_BY_NAME: Dict[str, Field] = {f.name: f for f in FIELDS}
 assert len(FIELDS_BY_NAME) == len(FIELDS), "a field is defined twice"
 

@@ -1,0 +1,719 @@
+"""What each actor holds on its GPU: the memory plan printed before a run starts.
+
+Three layers, each usable alone (``docs/memory_plan.md`` has the formulas, where each number
+comes from and the measured check, ``benchmarks/memory_plan.py``):
+
+* :func:`model_state_bytes`: weights, gradients, optimiser state (fp32 master weights and
+  AdamW moments), communication buckets and what the optimiser step adds, by learner backend
+  and ZeRO stage;
+* :func:`learner_activation_bytes` / :func:`learner_activation_breakdown`: the peak of one
+  forward + backward pass of the learner (``core/scoring.py`` + ``core/losses.py``) on
+  ``rows x tokens``: the activations autograd saves per layer (or the layer inputs with
+  gradient checkpointing), the logits and log-prob buffers at the vocabulary size, and the
+  backward's temporaries; :func:`scoring_activation_bytes`: the same pass without gradients
+  (an env runner's behaviour log-probs and lowest-entropy scoring, the KL reference);
+* :func:`plan_memory`: both for an ``ExGRPOConfig``, per actor kind, against the GPU's
+  memory (``gpu_memory_gb``, else detected with ``torch.cuda``), with one line per actor
+  that does not fit, naming the config key to change.
+
+Activations are counted for Hugging Face's Qwen2 / Llama modelling code with
+``attn_implementation="sdpa"`` and a padding mask (the learner batch is left/right padded):
+torch's SDPA then gets a boolean mask, which it turns into a float mask of the query's
+dtype in every layer and keeps for the backward. Exact per-tensor counts were read off
+autograd's saved tensors (``torch.autograd.graph.saved_tensors_hooks``) and the peaks off
+the allocator's own records (``torch.profiler`` memory events); see the doc.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from rllib_exgrpo.planning.shapes import ModelShape, model_shape
+
+GIB = float(1 << 30)
+
+#: DeepSpeed's defaults this project does not change (``deepspeed.runtime.zero.config``).
+DS_DEFAULT_BUCKET = 500_000_000      # reduce_bucket_size / allgather_bucket_size, elements
+DS_SUB_GROUP_SIZE = 1_000_000_000    # ZeRO-3 sub_group_size, elements
+#: vLLM's own default when ``vllm_kwargs`` has no ``gpu_memory_utilization``.
+VLLM_DEFAULT_UTILIZATION = 0.9
+#: Per GPU process, not counted by torch's allocator: CUDA context, cuBLAS / NCCL workspaces.
+#: An assumption (typically 0.5-1 GiB), printed as such.
+PROCESS_OVERHEAD_BYTES = 1 << 30
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(name: str) -> int:
+    return _DTYPE_BYTES.get(str(name), 4)
+
+
+def _entropy_chunk_rows() -> int:
+    try:
+        from rllib_exgrpo.core.losses import ENTROPY_CHUNK_ROWS
+    except Exception:  # noqa: BLE001 - core needs torch
+        return 256
+    return int(ENTROPY_CHUNK_ROWS)
+
+
+# ------------------------------------------------------------------ model states
+
+
+def model_state_bytes(shape: ModelShape, *, backend: str, zero_stage: int = 2, num_learners: int = 1,
+                      model_dtype: str = "bfloat16", ddp_bucket_view: bool = False,
+                      reduce_bucket_elements: Optional[int] = None) -> Dict[str, int]:
+    """Model states of one learner GPU, in bytes.
+
+    ``backend="ddp"`` (this project's DDP learner): fp32 weights (a ``bfloat16`` /
+    ``float16`` model keeps fp32 master weights and computes under autocast), fp32
+    gradients, AdamW's two fp32 moments, and with ``num_learners >= 2`` DDP's gradient
+    buckets (a second fp32 copy of the gradients unless ``gradient_as_bucket_view``), plus
+    the bf16 weight copies autocast makes during a pass. ``backend="deepspeed"``: bf16
+    weights and gradients, fp32 master weights and moments partitioned over the learners
+    (ZeRO-1: optimiser state; ZeRO-2: and gradients; ZeRO-3: and weights), the reduce
+    bucket, and with ZeRO-3 the gathered largest module (weights and gradient).
+
+    Keys: ``weights``, ``gradients``, ``optimizer`` (fp32 master weights + AdamW moments),
+    ``buckets``, ``gathered`` (ZeRO-3), ``autocast_copies`` (DDP mixed precision),
+    ``total`` (resident during a forward/backward pass), ``step_extra`` (only during the
+    optimiser step: DeepSpeed's fp32 gradient partition and AdamW's fp32 temporary),
+    ``step_total``, and ``deepspeed_comparable`` (what DeepSpeed's own estimators count:
+    weights, gradients, optimiser state, fp32 gradients, gathered module).
+    """
+    p = int(shape.num_parameters)
+    n = max(1, int(num_learners or 1))
+    out = dict(weights=0, gradients=0, optimizer=0, buckets=0, gathered=0, autocast_copies=0, step_extra=0)
+    if backend == "ddp":
+        out["weights"] = 4 * p
+        out["gradients"] = 4 * p
+        out["optimizer"] = 8 * p
+        out["buckets"] = 4 * p if (n >= 2 and not ddp_bucket_view) else 0
+        if dtype_bytes(model_dtype) == 2:
+            out["autocast_copies"] = 2 * (shape.num_hidden_layers * shape.layer_linear_parameters
+                                          + shape.embedding_parameters)
+        out["step_extra"] = 4 * p  # foreach AdamW: one fp32 temporary of every moment
+        comparable_fp32_grads = 0
+    elif backend == "deepspeed":
+        stage = int(zero_stage)
+        if stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage!r}")
+        bucket = int(reduce_bucket_elements if reduce_bucket_elements is not None
+                     else min(DS_DEFAULT_BUCKET, max(p, 1_000_000)))
+        local = p / n
+        out["weights"] = int(2 * local) if stage == 3 else 2 * p
+        out["gradients"] = 2 * p if stage == 1 else int(2 * local)
+        out["optimizer"] = int(12 * local)  # fp32 master 4 + AdamW moments 8, partitioned
+        out["buckets"] = 2 * bucket
+        if stage == 3:
+            out["gathered"] = 4 * shape.largest_module_parameters  # bf16 weight + gradient
+        step_elems = min(local, DS_SUB_GROUP_SIZE) if stage == 3 else local
+        comparable_fp32_grads = int(4 * step_elems)
+        out["step_extra"] = int(8 * step_elems)  # fp32 gradient partition + AdamW temporary
+    else:
+        raise ValueError(f"backend must be 'ddp' or 'deepspeed', got {backend!r}")
+    resident = ("weights", "gradients", "optimizer", "buckets", "gathered", "autocast_copies")
+    out["total"] = sum(out[k] for k in resident)
+    out["step_total"] = out["total"] - out["autocast_copies"] + out["step_extra"]
+    out["deepspeed_comparable"] = (out["weights"] + out["gradients"] + out["optimizer"] + comparable_fp32_grads
+                                   + out["gathered"])
+    return {k: int(v) for k, v in out.items()}
+
+
+def deepspeed_estimate_bytes(shape: ModelShape, *, zero_stage: int, num_learners: int) -> Optional[int]:
+    """DeepSpeed's own estimate of the model states per GPU (no offload), or None (stage 1
+    has no estimator; DeepSpeed not installed). Calls the functions that DeepSpeed's
+    ``estimate_zero2_model_states_mem_needs_all_cold`` /
+    ``estimate_zero3_model_states_mem_needs_all_cold`` print."""
+    import importlib.util
+
+    if int(zero_stage) not in (2, 3) or importlib.util.find_spec("deepspeed") is None:
+        return None
+    import logging
+
+    quiet = [logging.getLogger(n) for n in ("DeepSpeed", "deepspeed")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.ERROR)
+    try:
+        if int(zero_stage) == 2:
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+            _, gpu = estimate_zero2_model_states_mem_needs(shape.num_parameters, num_gpus_per_node=int(num_learners),
+                                                           num_nodes=1, cpu_offload=False)
+        else:
+            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+            _, gpu, _ = estimate_zero3_model_states_mem_needs(
+                shape.num_parameters, shape.largest_module_parameters, num_gpus_per_node=int(num_learners),
+                num_nodes=1, cpu_offload=False, cpu_offload_params=False, zero_init=True)
+    finally:
+        for lg, level in zip(quiet, levels):
+            lg.setLevel(level)
+    return int(gpu)
+
+
+# ------------------------------------------------------------------ activations
+
+
+def _mode(dtype_bytes: int, autocast: bool) -> str:
+    if autocast:
+        return "autocast"
+    return "fp32" if int(dtype_bytes) >= 4 else "half"
+
+
+def layer_saved_bytes(shape: ModelShape, rows: int, tokens: int, mode: str) -> int:
+    """What autograd keeps of one decoder layer for the backward (no checkpointing).
+
+    Per token: the RMSNorms' fp32 inputs and outputs, the projections' inputs, q and k, v
+    repeated to every head plus the attention output, its log-sum-exp, the MLP's gate, up,
+    activation and product; per row, SDPA's float mask ``[S, S]``. Counted tensor by tensor
+    with ``saved_tensors_hooks`` (bytes per token, h hidden, ad = heads x head dim, i
+    intermediate, a heads)::
+
+        bf16 (DeepSpeed)        16h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row
+        fp32                    24h + 16ad + 16i + 4a + 8,   mask 4 S^2 per row
+        autocast (DDP, bf16)    26h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row
+    """
+    h, ad, i, a = shape.hidden_size, shape.attention_width, shape.intermediate_size, shape.num_attention_heads
+    t = rows * tokens
+    coef = {"half": (16, 8, 8, 2), "fp32": (24, 16, 16, 4), "autocast": (26, 8, 8, 2)}[mode]
+    return t * (coef[0] * h + coef[1] * ad + coef[2] * i + 4 * a + 8) + coef[3] * rows * tokens * tokens
+
+
+def _entropy_chunk_peak(rows: int, r: int, fresh: int) -> int:
+    """Positions' worth of fp32 ``[positions, V]`` temporaries at the peak of the streamed
+    entropy's backward (``core/losses._StreamedEntropy``): each chunk of at most
+    ``ENTROPY_CHUNK_ROWS`` positions of one row makes ``fresh`` of them (its fp32 copy when
+    the logits are bf16, log p, p, p log p, the masked product) while the previous chunk's
+    p, log p and gradient are still referenced: max over consecutive chunks of
+    ``3 x previous + fresh x current``."""
+    step = _entropy_chunk_rows()
+    sizes = [step] * (r // step) + ([r % step] if r % step else [])
+    if not sizes:
+        return 0
+    pairs = [(0, sizes[0])] + list(zip(sizes, sizes[1:]))
+    if rows > 1:
+        pairs.append((sizes[-1], sizes[0]))
+    return max(3 * prev + fresh * cur for prev, cur in pairs)
+
+
+def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, gradient_checkpointing: bool,
+                                 dtype_bytes: int = 2, response_tokens: Optional[int] = None,
+                                 autocast: bool = False) -> Dict[str, int]:
+    """The parts of :func:`learner_activation_bytes` (bytes): ``layers`` (saved by the
+    decoder layers, or their inputs with checkpointing), ``outside`` (embedding ids, rotary
+    tables, final norm, the lm_head's input), ``logits`` (the kept logits and the log-prob
+    path's copies), the backward phases ``entropy_backward`` / ``logprob_backward`` (the
+    logits' gradient, the entropy's chunk temporaries, log-sum-exp's temporaries),
+    ``layer_backward`` (recomputing / differentiating one layer), and ``peak``."""
+    rows, tokens = int(rows), int(tokens)
+    r = int(tokens if response_tokens is None else min(int(response_tokens), tokens))
+    mode = _mode(dtype_bytes, autocast)
+    h, d, v, n_layers = shape.hidden_size, shape.head_dim, shape.vocab_size, shape.num_hidden_layers
+    t = rows * tokens
+    half = mode in ("half", "autocast")
+    compute = 2 if half else 4            # logits, lm_head input
+    residual = 2 if mode == "half" else 4  # the residual stream (a layer's checkpointed input)
+    per_layer = layer_saved_bytes(shape, rows, tokens, mode)
+    # Outside the layers: ids, the rotary tables, the final RMSNorm (fp32 input + output),
+    # the lm_head's input copy. With checkpointing the layers keep only their inputs, and
+    # the boolean mask and rotary tables live on in the checkpoints' closures.
+    final_norm = 6 * t * h if mode == "half" else 8 * t * h
+    rope = 2 * t * d * (2 if mode == "half" else 4)
+    outside = 8 * t + final_norm + 4 * t + rows * (r + 1) * h * compute + rope
+    if gradient_checkpointing:
+        layers = n_layers * t * h * residual
+        outside += rows * tokens * tokens
+    else:
+        layers = n_layers * per_layer
+    kept = rows * (r + 1) * v  # logits_to_keep = response + 1 positions
+    scored = rows * r * v
+    if half:
+        # bf16 logits kept by the entropy; one fp32 copy per row kept by log-sum-exp
+        logits = 2 * kept + 4 * scored
+        entropy_bwd = 2 * scored + 4 * v * _entropy_chunk_peak(rows, r, 5)  # bf16 gradient + chunks
+        # after the entropy's backward the bf16 logits are gone; log-sum-exp's backward of
+        # one row holds three fp32 [R, V] temporaries
+        logprob_bwd = 2 * scored + 3 * 4 * r * v - 2 * kept
+    else:
+        logits = 4 * kept
+        entropy_bwd = 4 * scored + 4 * v * _entropy_chunk_peak(rows, r, 4)
+        logprob_bwd = 4 * scored + 3 * 4 * scored        # log-sum-exp's backward over [N, R, V]
+    saved = layers + outside + logits
+    # Backward through the layers, logits gone: the MLP's two [T, i] input gradients and the
+    # hidden state's gradient on top of what is saved, and with checkpointing the
+    # recomputed layer's saved activations.
+    layer_bwd = 2 * t * shape.intermediate_size * compute + 4 * t * h
+    if gradient_checkpointing:
+        layer_bwd += per_layer
+    peaks = {
+        "forward_end": saved,
+        "entropy_backward": saved + entropy_bwd,
+        "logprob_backward": saved + logprob_bwd,
+        "layer_backward": layers + outside + layer_bwd,
+    }
+    peak = max(peaks.values())
+    return dict(layers=int(layers), outside=int(outside), logits=int(logits), entropy_backward=int(entropy_bwd),
+                logprob_backward=int(logprob_bwd), layer_backward=int(layer_bwd), forward_end=int(saved),
+                peak=int(peak), peak_phase=max(peaks, key=peaks.get))
+
+
+def learner_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, gradient_checkpointing: bool,
+                             dtype_bytes: int = 2, response_tokens: Optional[int] = None,
+                             autocast: bool = False) -> int:
+    """Peak activation + logits / log-prob buffers of one forward + backward pass of
+    ``rows x tokens`` in this project's learner (``completion_logprobs_and_entropy`` with
+    the entropy, then ``mixed_policy_loss``), beyond the model states.
+
+    ``tokens``: prompt + response per row; ``response_tokens``: the scored completion
+    positions (the logits are made for those only; None: all ``tokens``, an upper bound).
+    ``dtype_bytes`` 2: bf16 weights and compute (DeepSpeed, gpu_check); 4: fp32;
+    ``autocast=True``: fp32 weights computing in bf16 (the DDP learner with
+    ``model_dtype: bfloat16``; autocast's bf16 weight copies are a model state, see
+    :func:`model_state_bytes`).
+    """
+    return learner_activation_breakdown(shape, rows, tokens, gradient_checkpointing=gradient_checkpointing,
+                                        dtype_bytes=dtype_bytes, response_tokens=response_tokens,
+                                        autocast=autocast)["peak"]
+
+
+def scoring_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, response_tokens: Optional[int] = None,
+                             dtype_bytes: int = 2, with_entropy: bool = True) -> int:
+    """Peak of one scoring pass without gradients (``torch.no_grad``) over ``rows x
+    tokens``: an env runner's behaviour log-probs / lowest-entropy scoring of one
+    ``generation_batch_size`` chunk, or the learner's frozen KL reference.
+
+    The larger of the layer phase (the boolean mask and the input embeddings for the whole
+    forward; in the attention q, k and v, both repeated to every head, the float mask and
+    the output; in the MLP the activation, up and their product) and the logits phase (the
+    kept logits; with bf16 logits one fp32 row copy and log-sum-exp's temporary, with fp32
+    logits log-sum-exp's temporary over all of them; the entropy's chunk temporaries).
+    """
+    rows, tokens = int(rows), int(tokens)
+    r = int(tokens if response_tokens is None else min(int(response_tokens), tokens))
+    b = 2 if int(dtype_bytes) < 4 else 4
+    h, ad, kd, i, v, d = (shape.hidden_size, shape.attention_width, shape.kv_width, shape.intermediate_size,
+                          shape.vocab_size, shape.head_dim)
+    t = rows * tokens
+    base = 8 * t + 2 * t * d * b + rows * tokens * tokens + t * h * b
+    attention = base + 2 * t * h * b + t * b * (4 * ad + 2 * kd) + b * rows * tokens * tokens
+    mlp = base + 3 * t * h * b + 3 * t * i * b
+    norm = base + 2 * t * h * b + (2 * 4 * t * h if b == 2 else 0)
+    kept = rows * (r + 1) * v
+    chunk = min(_entropy_chunk_rows(), r) * v
+    if b == 2:
+        logits = 2 * kept + 2 * 4 * r * v
+        entropy = 2 * kept + 5 * 4 * chunk
+    else:
+        logits = 4 * kept + 4 * rows * r * v
+        entropy = 4 * kept + 4 * 4 * chunk
+    phases = [attention, mlp, norm, logits] + ([entropy] if with_entropy else [])
+    return int(max(phases))
+
+
+# ------------------------------------------------------------------ the plan
+
+
+@dataclass
+class Item:
+    """One line of an actor's plan."""
+
+    what: str
+    bytes: int
+    source: str = ""
+
+
+@dataclass
+class ActorPlan:
+    kind: str                      # "learner" | "env runner"
+    count: int
+    gpus_per_actor: float
+    items: List[Item] = field(default_factory=list)
+    budget: Optional[int] = None   # bytes this actor may use on its GPU
+    notes: List[str] = field(default_factory=list)
+    #: The config key to change when it does not fit, and the line that says so.
+    key: Optional[str] = None
+    advice: str = ""
+    #: A failure the total does not show (vLLM's share cannot hold one sequence).
+    failed: bool = False
+
+    @property
+    def total(self) -> int:
+        return sum(it.bytes for it in self.items)
+
+    @property
+    def fits(self) -> Optional[bool]:
+        if self.failed:
+            return False
+        return None if self.budget is None else self.total <= self.budget
+
+
+@dataclass
+class MemoryPlan:
+    """The plan of one config: a shape, the GPU memory, one :class:`ActorPlan` per kind."""
+
+    model: str
+    shape: Optional[ModelShape]
+    gpu_memory: Optional[int]
+    gpu_memory_source: str
+    actors: List[ActorPlan] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> Optional[bool]:
+        verdicts = [a.fits for a in self.actors]
+        if any(v is False for v in verdicts):
+            return False
+        return None if any(v is None for v in verdicts) or not verdicts else True
+
+    def problems(self) -> List[str]:
+        """One line per actor that does not fit: ``config.<key>: <what and how much>``."""
+        out = []
+        for a in self.actors:
+            if a.fits is False:
+                out.append(f"config.{a.key}: the {a.kind} needs {_gib(a.total)} per GPU, "
+                           f"the GPU has {_gib(a.budget)} ({_biggest(a)}); {a.advice}")
+        return out
+
+    def render(self, indent: str = "  ") -> str:
+        lines = [f"memory plan: {self.model}"]
+        if self.shape is None:
+            lines.append(f"{indent}shape: unknown ({self.notes[0] if self.notes else 'no config.json found'})")
+            return "\n".join(lines)
+        lines.append(f"{indent}shape: {self.shape.describe()}")
+        lines.append(f"{indent}       from {self.shape.source}")
+        gpu = _gib(self.gpu_memory) if self.gpu_memory is not None else "unknown"
+        lines.append(f"{indent}GPU memory: {gpu} ({self.gpu_memory_source})")
+        for note in self.notes:
+            lines.append(f"{indent}note: {note}")
+        for a in self.actors:
+            per = f"{a.gpus_per_actor:g} GPU each" if a.gpus_per_actor != 1 else "1 GPU each"
+            verdict = {True: "fits", False: "DOES NOT FIT", None: "fit not checked"}[a.fits]
+            budget = f" of {_gib(a.budget)}" if a.budget is not None else ""
+            lines.append(f"{indent}{a.kind} x{a.count} ({per}): {_gib(a.total)}{budget}: {verdict}")
+            width = max(len(it.what) for it in a.items) if a.items else 0
+            for it in a.items:
+                lines.append(f"{indent}  {it.what:<{width}}  {_gib(it.bytes):>10}  {it.source}")
+            for note in a.notes:
+                lines.append(f"{indent}  note: {note}")
+            if a.fits is False:
+                lines.append(f"{indent}  -> config.{a.key}: {a.advice}")
+        return "\n".join(lines)
+
+
+def _gib(n: Optional[float]) -> str:
+    if n is None:
+        return "?"
+    return f"{n / GIB:.2f} GiB" if abs(n) < GIB else f"{n / GIB:.1f} GiB"
+
+
+def _biggest(a: ActorPlan) -> str:
+    top = sorted(a.items, key=lambda it: -it.bytes)[:3]
+    return ", ".join(f"{it.what} {_gib(it.bytes)}" for it in top)
+
+
+@functools.lru_cache(maxsize=1)
+def detect_gpu_memory() -> Tuple[Optional[int], str]:
+    """The smallest visible GPU's memory (torch.cuda), or None."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None, "no GPU visible here (torch.cuda); set gpu_memory_gb to check the fit"
+        sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+    except Exception as e:  # noqa: BLE001 - detection must never stop a run
+        return None, f"GPU detection failed ({type(e).__name__}); set gpu_memory_gb"
+    name = torch.cuda.get_device_name(0)
+    return int(min(sizes)), f"detected: {name}, torch.cuda.get_device_properties"
+
+
+def gpu_memory_for(config: Any) -> Tuple[Optional[int], str]:
+    """``gpu_memory_gb`` (GiB) when set, else :func:`detect_gpu_memory`."""
+    given = getattr(config, "gpu_memory_gb", None)
+    if given is not None:
+        return int(float(given) * GIB), "gpu_memory_gb"
+    return detect_gpu_memory()
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    value = getattr(config, name, default)
+    return default if value is None else value
+
+
+def sequence_lengths(config: Any, shape: ModelShape) -> Tuple[int, int, int, str]:
+    """(prompt, response, max_model_len, why): the longest padded row the learner can get.
+    With vLLM a completion ends at ``max_model_len`` (``vllm_kwargs.max_model_len``, else
+    prompt + response capped at the model's ``max_position_embeddings``)."""
+    p = int(_get(config, "max_prompt_tokens", 1024))
+    r = int(_get(config, "max_response_tokens", 8192))
+    why = ""
+    max_len = p + r
+    if _get(config, "generation_backend", "hf") == "vllm":
+        vk = dict(_get(config, "vllm_kwargs", {}) or {})
+        if vk.get("max_model_len"):
+            max_len = int(vk["max_model_len"])
+            why = f"vllm_kwargs.max_model_len {max_len}"
+        elif shape.max_position_embeddings and max_len > shape.max_position_embeddings:
+            max_len = int(shape.max_position_embeddings)
+            why = f"vLLM's max_model_len = the model's max_position_embeddings {max_len}"
+        if r > max_len:
+            r = max_len
+            why = f"completions end at {why}" if why else ""
+    return p, r, max_len, why
+
+
+def _learner_rows(config: Any) -> int:
+    minibatch = int(_get(config, "minibatch_size", 512) or 512)
+    micro = getattr(config, "learner_micro_batch_rows", None)
+    return max(1, min(int(micro), minibatch) if micro else minibatch)
+
+
+def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int) -> ActorPlan:
+    backend = _get(config, "learner_backend", "ddp")
+    stage = int(_get(config, "deepspeed_zero_stage", 2))
+    n_learners = int(_get(config, "num_learners", 0))
+    per = float(_get(config, "num_gpus_per_learner", 0))
+    model_dtype = _get(config, "model_dtype", "float32")
+    ckpt = bool(_get(config, "gradient_checkpointing", False))
+    ddp_kwargs = dict(_get(config, "torch_ddp_kwargs", {}) or {})
+    states = model_state_bytes(shape, backend=backend, zero_stage=stage, num_learners=max(1, n_learners),
+                               model_dtype=model_dtype,
+                               ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)))
+    p = shape.num_parameters
+    nl = max(1, n_learners)
+    plan = ActorPlan("learner", max(1, n_learners), per)
+    it = plan.items.append
+    if backend == "ddp":
+        dt = "fp32 master weights (autocast computes in " + model_dtype + ")" if dtype_bytes(model_dtype) == 2 \
+            else "fp32 weights"
+        it(Item("weights", states["weights"], f"{p / 1e9:.2f} B x 4 B, {dt}; DDP: a full copy per learner"))
+        it(Item("gradients", states["gradients"], "fp32, full"))
+        it(Item("optimizer state", states["optimizer"], "AdamW moments, 2 x fp32, full"))
+        if states["buckets"]:
+            it(Item("DDP gradient buckets", states["buckets"], "fp32 copy of the gradients (gradient_as_bucket_view "
+                                                               "off)"))
+        if states["autocast_copies"]:
+            it(Item("autocast weight copies", states["autocast_copies"],
+                    "bf16 copies of the linear layers' weights, held through a pass"))
+        mode_bytes, autocast = (2, True) if dtype_bytes(model_dtype) == 2 else (4, False)
+    else:
+        shard = f"/ {nl} learners"
+        it(Item("weights", states["weights"], f"{p / 1e9:.2f} B x 2 B bf16" + (f" {shard} (ZeRO-3)" if stage == 3 else "")))
+        it(Item("gradients", states["gradients"], "bf16" + ("" if stage == 1 else f" {shard} (ZeRO-{stage})")))
+        it(Item("optimizer state", states["optimizer"], f"fp32 master + AdamW moments, 12 B {shard} (ZeRO-{stage})"))
+        it(Item("reduce bucket", states["buckets"], "bf16 reduce_bucket_size = min(5e8, parameters)"))
+        if states["gathered"]:
+            it(Item("ZeRO-3 gathered module", states["gathered"],
+                    "largest module's bf16 weight + gradient (DeepSpeed's ZeRO-3 estimator term)"))
+        mode_bytes, autocast = 2, False
+        ds = deepspeed_estimate_bytes(shape, zero_stage=stage, num_learners=nl)
+        if ds is not None:
+            ours = states["deepspeed_comparable"]
+            fn = "estimate_zero2_model_states_mem_needs" if stage == 2 else "estimate_zero3_model_states_mem_needs"
+            plan.notes.append(f"cross-check: DeepSpeed's {fn} (no offload) gives {_gib(ds)} for weights, gradients, "
+                              f"optimizer state and the step's fp32 gradients; this plan {_gib(ours)} "
+                              f"({(ours - ds) / ds:+.0%})")
+    rows = _learner_rows(config)
+    tokens = prompt + response
+    act = learner_activation_breakdown(shape, rows, tokens, gradient_checkpointing=ckpt, dtype_bytes=mode_bytes,
+                                       response_tokens=response, autocast=autocast)
+    how = "checkpointed layer inputs" if ckpt else "saved per layer"
+    it(Item("activations", act["layers"] + act["outside"], f"{rows} rows x {tokens} tokens, {how}"))
+    it(Item("logits / log-prob buffers", act["peak"] - act["layers"] - act["outside"],
+            f"at the {act['peak_phase'].replace('_', ' ')} peak: {rows} x {response + 1} x vocab {shape.vocab_size}"))
+    kl = float(_get(config, "kl_coeff", 0.0) or 0.0) > 0
+    if kl:
+        ref_bytes = p * (4 if backend == "ddp" else 2)
+        it(Item("KL reference model", ref_bytes, "frozen copy of the policy (kl_coeff > 0)"))
+        ref_pass = scoring_activation_bytes(shape, rows, tokens, response_tokens=response, dtype_bytes=mode_bytes,
+                                            with_entropy=False)
+        extra = max(0, act["forward_end"] + ref_pass - act["peak"])
+        if extra:
+            it(Item("KL reference pass", extra, "no-grad scoring of the pass on top of the saved activations"))
+    # The optimiser step runs after the pass: its temporaries need room only beyond the
+    # activations (freed by then) and autocast's weight copies.
+    step_extra = states["step_extra"] - states["autocast_copies"] - act["peak"]
+    if step_extra > 0:
+        it(Item("optimizer step extra", step_extra, "fp32 temporaries of the step beyond the pass's activations"))
+    it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
+    if gpu is not None and per > 0:
+        plan.budget = int(min(1.0, per) * gpu)
+        if plan.fits is False:
+            _learner_advice(plan, config, shape, states, act, prompt, response, mode_bytes, autocast)
+    return plan
+
+
+def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dict[str, int], act: Dict[str, int],
+                    prompt: int, response: int, mode_bytes: int, autocast: bool) -> None:
+    """The one key to change, and to what."""
+    backend = _get(config, "learner_backend", "ddp")
+    stage = int(_get(config, "deepspeed_zero_stage", 2))
+    nl = max(1, int(_get(config, "num_learners", 0)))
+    ckpt = bool(_get(config, "gradient_checkpointing", False))
+    fixed = plan.total - act["peak"] - max(0, states["step_extra"] - states["autocast_copies"] - act["peak"])
+    room = plan.budget - fixed
+
+    def stage_fits(s: int) -> bool:
+        st = model_state_bytes(shape, backend="deepspeed", zero_stage=s, num_learners=nl, model_dtype="bfloat16")
+        a = learner_activation_bytes(shape, _learner_rows(config), prompt + response, gradient_checkpointing=ckpt,
+                                     dtype_bytes=2, response_tokens=response)
+        return st["total"] + a + PROCESS_OVERHEAD_BYTES <= plan.budget
+
+    if room <= 0 or states["total"] > plan.budget // 2:
+        if backend == "ddp":
+            ok = [s for s in (2, 3) if stage_fits(s)]
+            plan.key = "learner_backend"
+            plan.advice = (f"the DDP learner keeps {_gib(states['total'])} of fp32 weights, gradients and AdamW "
+                           "state on every learner; learner_backend: deepspeed shards it (" +
+                           (f"deepspeed_zero_stage: {ok[0]} fits" if ok else "and fewer rows per pass") + ")")
+            return
+        if stage < 3:
+            plan.key = "deepspeed_zero_stage"
+            plan.advice = (f"ZeRO-{stage} keeps {_gib(states['total'])} of model states per learner; "
+                           f"deepspeed_zero_stage: 3 shards the weights too")
+            return
+    rows = _learner_rows(config)
+    tokens = prompt + response
+
+    def act_of(r: int, c: bool) -> int:
+        return learner_activation_bytes(shape, r, tokens, gradient_checkpointing=c, dtype_bytes=mode_bytes,
+                                        response_tokens=response, autocast=autocast)
+
+    if not ckpt and act_of(rows, True) <= room:
+        plan.key = "gradient_checkpointing"
+        plan.advice = (f"activations of {rows} rows x {tokens} tokens take {_gib(act['peak'])}; with "
+                       f"gradient_checkpointing: true {_gib(act_of(rows, True))}")
+        return
+    fit = [r for r in range(rows - 1, 0, -1) if act_of(r, ckpt) <= room]
+    if fit:
+        plan.key = "learner_micro_batch_rows"
+        plan.advice = (f"passes of {rows} rows x {tokens} tokens need {_gib(act['peak'])} of activations, "
+                       f"{_gib(max(room, 0))} are left: learner_micro_batch_rows: {fit[0]} fits"
+                       + ("" if ckpt else " (gradient_checkpointing: true allows more)"))
+        return
+    if not ckpt and act_of(1, True) <= room:
+        plan.key = "gradient_checkpointing"
+        plan.advice = "even one row does not fit without it: gradient_checkpointing: true and fewer rows per pass"
+        return
+    plan.key = "max_response_tokens"
+    plan.advice = (f"one row of {tokens} tokens needs {_gib(act_of(1, ckpt))} of activations, {_gib(max(room, 0))} "
+                   "are left: shorter completions, or more learners to shard the model states")
+
+
+def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int,
+                 max_len: int) -> ActorPlan:
+    n = int(_get(config, "num_env_runners", 0))
+    per = float(_get(config, "num_gpus_per_env_runner", 0))
+    model_dtype = _get(config, "model_dtype", "float32")
+    b = dtype_bytes(model_dtype)
+    plan = ActorPlan("env runner", max(1, n), per)
+    it = plan.items.append
+    backend = _get(config, "generation_backend", "hf")
+    chunk = int(_get(config, "generation_batch_size", 256))
+    p = shape.num_parameters
+    tokens = prompt + response
+    kv_token = shape.kv_cache_bytes_per_token(b)
+    vllm_share = None
+    if backend == "vllm":
+        vk = dict(_get(config, "vllm_kwargs", {}) or {})
+        util = float(vk.get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
+        weights = p * b
+        if gpu is not None:
+            vllm_share = int(util * gpu)
+            kv = vllm_share - weights
+            it(Item("vLLM engine", vllm_share, f"gpu_memory_utilization {util:g} x GPU: weights {_gib(weights)} + "
+                                               f"KV cache and vLLM's activations {_gib(kv)}"))
+            seqs = int(vk.get("max_num_seqs", chunk))
+            tokens_kv = max(0, kv) // kv_token
+            plan.notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token (2 x {shape.num_hidden_layers} layers "
+                              f"x {shape.num_key_value_heads} kv heads x {shape.head_dim} x {b} B): at most "
+                              f"{tokens_kv:,} tokens, {tokens_kv // max(1, max_len)} sequences of max_model_len "
+                              f"{max_len} (max_num_seqs {seqs}); less vLLM's own activation reserve")
+            if tokens_kv < max_len:
+                plan.failed = True
+                plan.key = "vllm_kwargs.gpu_memory_utilization"
+                plan.advice = (f"vLLM's share {_gib(vllm_share)} leaves {_gib(max(kv, 0))} after the weights, less "
+                               f"than one sequence of max_model_len {max_len} ({_gib(max_len * kv_token)}): raise it")
+        else:
+            it(Item("vLLM engine weights", weights, f"{p / 1e9:.2f} B x {b} B; plus its KV cache: "
+                                                    f"gpu_memory_utilization {util:g} x the GPU"))
+            plan.notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token")
+    it(Item("policy module (HF copy)", p * b, f"{p / 1e9:.2f} B x {b} B {model_dtype}: the runner's torch module"))
+    if backend != "vllm":
+        gen_kv = chunk * tokens * kv_token
+        it(Item("HF generation KV cache", gen_kv, f"generation_batch_size {chunk} x {tokens} tokens x "
+                                                  f"{kv_token / 1024:.0f} KiB"))
+    score = scoring_activation_bytes(shape, chunk, tokens, response_tokens=response, dtype_bytes=b)
+    what = "behaviour log-probs and lowest-entropy scoring" if backend == "vllm" else "scoring"
+    it(Item("scoring pass", score, f"{what}: generation_batch_size {chunk} rows x {tokens} tokens, no grad"))
+    it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
+    if gpu is not None and per > 0:
+        plan.budget = int(min(1.0, per) * gpu)
+        if not plan.failed and plan.fits is False:
+            others = plan.total - (vllm_share or 0)
+            if vllm_share is not None and score < plan.budget // 4:
+                most = (plan.budget - others) / gpu
+                plan.key = "vllm_kwargs.gpu_memory_utilization"
+                plan.advice = (f"vLLM takes {_gib(vllm_share)} and the runner's own module and scoring "
+                               f"{_gib(others)}: at most {math.floor(most * 100) / 100:.2f} leaves them room")
+            else:
+                fit = [c for c in range(chunk - 1, 0, -1)
+                       if plan.total - score + scoring_activation_bytes(shape, c, tokens, response_tokens=response,
+                                                                        dtype_bytes=b) <= plan.budget]
+                plan.key = "generation_batch_size"
+                plan.advice = (f"its scoring pass of {chunk} rows x {tokens} tokens takes {_gib(score)}"
+                               + (f": generation_batch_size: {fit[0]} fits" if fit else
+                                  (": lower vllm_kwargs.gpu_memory_utilization too" if vllm_share else "")))
+    return plan
+
+
+def uses_gpus(config: Any) -> bool:
+    def pos(name):
+        try:
+            return float(getattr(config, name, 0) or 0) > 0
+        except (TypeError, ValueError):
+            return False
+
+    return pos("num_gpus_per_learner") or pos("num_gpus_per_env_runner")
+
+
+def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_source: str = "",
+                shape: Optional[ModelShape] = None) -> MemoryPlan:
+    """The memory plan of an ``ExGRPOConfig`` (or any object with its fields): per actor
+    kind that gets a GPU, what it holds, against ``gpu_memory`` (bytes; default
+    :func:`gpu_memory_for`)."""
+    name = str(_get(config, "model_name_or_path", "tiny"))
+    if gpu_memory is None:
+        gpu_memory, gpu_memory_source = gpu_memory_for(config)
+    shape = shape or model_shape(name)
+    plan = MemoryPlan(name, shape, gpu_memory, gpu_memory_source)
+    if shape is None:
+        plan.notes.append("not a local folder, not in the local Hugging Face cache, not a built embedded model, "
+                          "not in the table of published shapes")
+        return plan
+    prompt, response, max_len, why = sequence_lengths(config, shape)
+    if why:
+        plan.notes.append(f"completion tokens per row: {response} ({why}); max_response_tokens "
+                          f"{int(_get(config, 'max_response_tokens', 8192))} still sets the loss normalisation")
+    if float(_get(config, "num_gpus_per_learner", 0)) > 0:
+        plan.actors.append(_learner_plan(config, shape, gpu_memory, prompt, response))
+    if float(_get(config, "num_gpus_per_env_runner", 0)) > 0:
+        plan.actors.append(_runner_plan(config, shape, gpu_memory, prompt, response, max_len))
+    return plan
+
+
+def plan_problems(config: Any) -> List[str]:
+    """One line per actor that does not fit (empty when it fits or cannot be checked)."""
+    if not uses_gpus(config):
+        return []
+    return plan_memory(config).problems()
+
+
+__all__ = [
+    "ActorPlan", "GIB", "Item", "MemoryPlan", "deepspeed_estimate_bytes", "detect_gpu_memory", "dtype_bytes",
+    "gpu_memory_for", "layer_saved_bytes", "learner_activation_breakdown", "learner_activation_bytes",
+    "model_state_bytes", "plan_memory", "plan_problems", "scoring_activation_bytes", "sequence_lengths",
+    "uses_gpus",
+]
