@@ -38,6 +38,13 @@ def test_shippable_keeps_bf16_and_numpy_elsewhere():
     b = shippable(t, torch.bfloat16)
     assert torch.is_tensor(b) and b.dtype == torch.bfloat16 and torch.equal(b, t.to(torch.bfloat16))
     assert torch.is_tensor(shippable(t.to(torch.bfloat16)))
+    # A snapshot, not a view: the live tensor moves on, the shipped state does not.
+    shipped, shipped_bf16, live_bf16 = shippable(t), shippable(t, torch.bfloat16), t.to(torch.bfloat16)
+    kept = shippable(live_bf16)
+    t.add_(1.0)
+    live_bf16.add_(1.0)
+    assert not np.array_equal(shipped, t.numpy()) and not torch.equal(kept, live_bf16)
+    assert torch.equal(shipped_bf16, (t - 1.0).to(torch.bfloat16))
 
 
 def test_bf16_builds_trains_checkpoints_and_restores(quick_tiny_model, tmp_path):

@@ -31,8 +31,10 @@ def shippable(tensor: torch.Tensor, dtype: Optional[torch.dtype] = None):
     checkpoint. ``TorchRLModule.set_state`` (``convert_to_torch_tensor``) and
     ``load_state_dict`` take both forms. ``dtype`` casts first (a fp32 master copy shipped
     in the compute dtype)."""
-    t = tensor.detach().to("cpu", dtype=dtype or tensor.dtype)
-    return t.contiguous() if t.dtype == torch.bfloat16 else t.numpy()
+    # A copy, never a view of live parameters: a state is a snapshot (RLlib's own
+    # conversion copies too), and a CPU tensor's .numpy() would share its memory.
+    t = tensor.detach().to("cpu", dtype=dtype or tensor.dtype, copy=True)
+    return t if t.dtype == torch.bfloat16 else t.numpy()
 
 
 class LLMTorchRLModule(TorchRLModule):
