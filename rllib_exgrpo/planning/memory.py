@@ -121,6 +121,25 @@ def model_state_bytes(shape: ModelShape, *, backend: str, zero_stage: int = 2, n
     return {k: int(v) for k, v in out.items()}
 
 
+def _import_deepspeed_quietly() -> None:
+    """Import DeepSpeed without its accelerator line on stdout (its logger's handler is
+    pointed back at stdout afterwards)."""
+    import contextlib
+    import io
+    import logging
+    import sys
+
+    if "deepspeed" in sys.modules:
+        return
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        import deepspeed  # noqa: F401
+    for name in ("DeepSpeed", "deepspeed"):
+        for handler in logging.getLogger(name).handlers:
+            if getattr(handler, "stream", None) is buf:
+                handler.setStream(sys.stdout)
+
+
 def deepspeed_estimate_bytes(shape: ModelShape, *, zero_stage: int, num_learners: int) -> Optional[int]:
     """DeepSpeed's own estimate of the model states per GPU (no offload), or None (stage 1
     has no estimator; DeepSpeed not installed). Calls the functions that DeepSpeed's
@@ -130,27 +149,16 @@ def deepspeed_estimate_bytes(shape: ModelShape, *, zero_stage: int, num_learners
 
     if int(zero_stage) not in (2, 3) or importlib.util.find_spec("deepspeed") is None:
         return None
-    import logging
-
-    quiet = [logging.getLogger(n) for n in ("DeepSpeed", "deepspeed")]
-    levels = [lg.level for lg in quiet]
-    for lg in quiet:
-        lg.setLevel(logging.ERROR)
-    try:
-        if int(zero_stage) == 2:
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-            _, gpu = estimate_zero2_model_states_mem_needs(shape.num_parameters, num_gpus_per_node=int(num_learners),
-                                                           num_nodes=1, cpu_offload=False)
-        else:
-            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-            _, gpu, _ = estimate_zero3_model_states_mem_needs(
-                shape.num_parameters, shape.largest_module_parameters, num_gpus_per_node=int(num_learners),
-                num_nodes=1, cpu_offload=False, cpu_offload_params=False, zero_init=True)
-    finally:
-        for lg, level in zip(quiet, levels):
-            lg.setLevel(level)
+    _import_deepspeed_quietly()
+    if int(zero_stage) == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as estimate
+    else:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as estimate
+    if int(zero_stage) == 2:
+        _, gpu = estimate(shape.num_parameters, num_gpus_per_node=int(num_learners), num_nodes=1, cpu_offload=False)
+    else:
+        _, gpu, _ = estimate(shape.num_parameters, shape.largest_module_parameters, num_gpus_per_node=int(num_learners),
+                             num_nodes=1, cpu_offload=False, cpu_offload_params=False, zero_init=True)
     return int(gpu)
 
 
@@ -182,13 +190,14 @@ def layer_saved_bytes(shape: ModelShape, rows: int, tokens: int, mode: str) -> i
     return t * (coef[0] * h + coef[1] * ad + coef[2] * i + 4 * a + 8) + coef[3] * rows * tokens * tokens
 
 
-def _entropy_chunk_peak(rows: int, r: int, fresh: int) -> int:
+def _entropy_chunk_peak(rows: int, r: int, fresh: int) -> float:
     """Positions' worth of fp32 ``[positions, V]`` temporaries at the peak of the streamed
-    entropy's backward (``core/losses._StreamedEntropy``): each chunk of at most
-    ``ENTROPY_CHUNK_ROWS`` positions of one row makes ``fresh`` of them (its fp32 copy when
-    the logits are bf16, log p, p, p log p, the masked product) while the previous chunk's
-    p, log p and gradient are still referenced: max over consecutive chunks of
-    ``3 x previous + fresh x current``."""
+    entropy's backward (``core/losses._StreamedEntropy``), chunk by chunk of at most
+    ``ENTROPY_CHUNK_ROWS`` positions of one row: computing a chunk's ``p`` and ``log p``
+    makes ``fresh`` of them (the fp32 copy when the logits are bf16, log p, p, p log p, the
+    masked product) while the previous chunk's p, log p and gradient are still referenced;
+    its gradient ``-p (log p + H)`` then makes three more next to p, log p and the previous
+    gradient. Plus the boolean ``p > 0`` (a quarter of an fp32 chunk)."""
     step = _entropy_chunk_rows()
     sizes = [step] * (r // step) + ([r % step] if r % step else [])
     if not sizes:
@@ -196,7 +205,7 @@ def _entropy_chunk_peak(rows: int, r: int, fresh: int) -> int:
     pairs = [(0, sizes[0])] + list(zip(sizes, sizes[1:]))
     if rows > 1:
         pairs.append((sizes[-1], sizes[0]))
-    return max(3 * prev + fresh * cur for prev, cur in pairs)
+    return max(max(3 * prev + fresh * cur, prev + 5 * cur) + cur / 4 for prev, cur in pairs)
 
 
 def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, gradient_checkpointing: bool,
@@ -233,13 +242,13 @@ def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, g
     if half:
         # bf16 logits kept by the entropy; one fp32 copy per row kept by log-sum-exp
         logits = 2 * kept + 4 * scored
-        entropy_bwd = 2 * scored + 4 * v * _entropy_chunk_peak(rows, r, 5)  # bf16 gradient + chunks
+        entropy_bwd = 2 * scored + int(4 * v * _entropy_chunk_peak(rows, r, 5))  # bf16 gradient + chunks
         # after the entropy's backward the bf16 logits are gone; log-sum-exp's backward of
         # one row holds three fp32 [R, V] temporaries
         logprob_bwd = 2 * scored + 3 * 4 * r * v - 2 * kept
     else:
         logits = 4 * kept
-        entropy_bwd = 4 * scored + 4 * v * _entropy_chunk_peak(rows, r, 4)
+        entropy_bwd = 4 * scored + int(4 * v * _entropy_chunk_peak(rows, r, 4))
         logprob_bwd = 4 * scored + 3 * 4 * scored        # log-sum-exp's backward over [N, R, V]
     saved = layers + outside + logits
     # Backward through the layers, logits gone: the MLP's two [T, i] input gradients and the
@@ -248,16 +257,31 @@ def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, g
     layer_bwd = 2 * t * shape.intermediate_size * compute + 4 * t * h
     if gradient_checkpointing:
         layer_bwd += per_layer
+    # The embedding matrix's gradient (a new [V, h] tensor in the parameters' dtype) made by
+    # the lm_head's backward; with tied embeddings it waits in autograd's input buffer for
+    # the embedding's own [V, h] gradient (and their sum) at the very end of the backward.
+    vh = v * h
+    grad_bytes = 2 if mode == "half" else 4
+    head_grad = vh * grad_bytes + (2 * vh if mode == "autocast" else 0)  # autocast: bf16, then fp32
+    lm_head_bwd = kept * compute + head_grad
+    if shape.tie_word_embeddings:
+        layer_bwd += vh * grad_bytes
+        embedding_bwd = 3 * vh * grad_bytes
+    else:
+        embedding_bwd = vh * grad_bytes
     peaks = {
         "forward_end": saved,
         "entropy_backward": saved + entropy_bwd,
         "logprob_backward": saved + logprob_bwd,
+        "lm_head_backward": layers + outside + lm_head_bwd,
         "layer_backward": layers + outside + layer_bwd,
+        "embedding_backward": embedding_bwd + 8 * t,
     }
     peak = max(peaks.values())
     return dict(layers=int(layers), outside=int(outside), logits=int(logits), entropy_backward=int(entropy_bwd),
-                logprob_backward=int(logprob_bwd), layer_backward=int(layer_bwd), forward_end=int(saved),
-                peak=int(peak), peak_phase=max(peaks, key=peaks.get))
+                logprob_backward=int(logprob_bwd), lm_head_backward=int(lm_head_bwd), layer_backward=int(layer_bwd),
+                embedding_backward=int(embedding_bwd), forward_end=int(saved), peak=int(peak),
+                peak_phase=max(peaks, key=peaks.get))
 
 
 def learner_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, gradient_checkpointing: bool,
@@ -512,8 +536,9 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
         if ds is not None:
             ours = states["deepspeed_comparable"]
             fn = "estimate_zero2_model_states_mem_needs" if stage == 2 else "estimate_zero3_model_states_mem_needs"
+            what = "gathered module, " if stage == 3 else ""
             plan.notes.append(f"cross-check: DeepSpeed's {fn} (no offload) gives {_gib(ds)} for weights, gradients, "
-                              f"optimizer state and the step's fp32 gradients; this plan {_gib(ours)} "
+                              f"{what}optimizer state and the step's fp32 gradients; this plan {_gib(ours)} "
                               f"({(ours - ds) / ds:+.0%})")
     rows = _learner_rows(config)
     tokens = prompt + response

@@ -1,0 +1,329 @@
+"""The GPU memory plan (rllib_exgrpo/planning): shapes and parameter counts, model states by
+backend and ZeRO stage against DeepSpeed's own estimators, the activation formulas against
+autograd's saved tensors and the allocator's measured peak on tiny models, the plan of the
+shipped GPU recipes through the real `rllib train --dry-run`, and its one-line failure."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from rllib_exgrpo.planning.memory import (
+    GIB,
+    deepspeed_estimate_bytes,
+    layer_saved_bytes,
+    learner_activation_breakdown,
+    learner_activation_bytes,
+    model_state_bytes,
+    plan_memory,
+    scoring_activation_bytes,
+)
+from rllib_exgrpo.planning.shapes import PUBLISHED_SHAPES, ModelShape, model_shape
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN = "tuned_examples/exgrpo_qwen.yaml"
+QWEN15 = "tuned_examples/exgrpo_qwen1.5b.yaml"
+Q7 = PUBLISHED_SHAPES["Qwen/Qwen2.5-Math-7B"]
+Q15 = PUBLISHED_SHAPES["Qwen/Qwen2.5-Math-1.5B"]
+#: A hand-made shape: every size different, GQA, untied.
+HAND = ModelShape(hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=24,
+                  intermediate_size=200, vocab_size=1000, tie_word_embeddings=False, max_position_embeddings=512)
+
+
+# ------------------------------------------------------------------ shapes
+
+
+def _hf_model(shape: ModelShape, layers: int = None, dtype=None, device="meta"):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    cls = Qwen2Config if shape.model_type == "qwen2" else LlamaConfig
+    cfg = cls(hidden_size=shape.hidden_size, num_hidden_layers=layers or shape.num_hidden_layers,
+              num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
+              head_dim=shape.head_dim, intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size,
+              tie_word_embeddings=shape.tie_word_embeddings, max_position_embeddings=shape.max_position_embeddings)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.float32, attn_implementation="sdpa")
+
+
+def test_published_shapes_are_the_models_config_json():
+    assert (Q7.hidden_size, Q7.num_hidden_layers, Q7.num_attention_heads, Q7.num_key_value_heads, Q7.head_dim,
+            Q7.intermediate_size, Q7.vocab_size, Q7.tie_word_embeddings, Q7.max_position_embeddings) == \
+        (3584, 28, 28, 4, 128, 18944, 152064, False, 4096)
+    assert (Q15.hidden_size, Q15.num_hidden_layers, Q15.num_attention_heads, Q15.num_key_value_heads,
+            Q15.intermediate_size, Q15.vocab_size, Q15.tie_word_embeddings, Q15.max_position_embeddings) == \
+        (1536, 28, 12, 2, 8960, 151936, True, 4096)
+    # benchmarks/gpu_check.py builds its 1.5B shape from the same numbers
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    cfg = gpu_check.SHAPES["qwen2.5-1.5b"]["config"]
+    assert {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                "intermediate_size", "vocab_size", "tie_word_embeddings")} == \
+        {k: getattr(Q15, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")}
+    think = PUBLISHED_SHAPES["Elliott/Qwen2.5-Math-7B-16k-think"]
+    assert dataclasses.replace(think, max_position_embeddings=4096) == Q7
+
+
+@pytest.mark.parametrize("shape", [Q7, Q15, PUBLISHED_SHAPES["HuggingFaceTB/SmolLM2-135M-Instruct"], HAND],
+                         ids=["qwen7b", "qwen1.5b", "smollm2", "hand"])
+def test_parameter_count_is_exact(shape):
+    """The formula against a model built from the shape with 2 layers (on the meta device:
+    no memory), and the full count against the published totals."""
+    model = _hf_model(shape, layers=2)
+    counted = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
+    assert dataclasses.replace(shape, num_hidden_layers=2).num_parameters == counted
+    known = {Q7: 7_615_616_512, Q15: 1_543_714_304}
+    if shape in known:
+        assert shape.num_parameters == known[shape]
+
+
+def test_shape_from_config_folder_cache_and_table(tmp_path, monkeypatch):
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=500, tie_word_embeddings=True, max_position_embeddings=256)
+    s = ModelShape.from_hf_config(cfg)
+    assert (s.head_dim, s.num_key_value_heads, s.tie_word_embeddings, s.model_type, s.qkv_bias) == (16, 2, True,
+                                                                                                   "qwen2", True)
+    assert ModelShape.from_hf_config(cfg.to_dict()) == s
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg.to_dict()))
+    found = model_shape(str(tmp_path / "m"))
+    assert found == s and "config.json in" in found.source
+    assert model_shape("Qwen/Qwen2.5-Math-1.5B") == Q15  # published (not cached here) or the cache's config.json
+    assert model_shape("someone/unknown-model") is None
+    # an embedded model that is not built: None, and nothing is built
+    monkeypatch.setenv("RLLIB_EXGRPO_CACHE", str(tmp_path / "cache"))
+    assert model_shape("tiny:seed=12345") is None
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+# ------------------------------------------------------------------ model states
+
+
+def test_model_states_by_backend_and_stage_on_a_hand_made_shape():
+    p = HAND.num_parameters
+    ddp = model_state_bytes(HAND, backend="ddp", num_learners=4, model_dtype="bfloat16")
+    assert (ddp["weights"], ddp["gradients"], ddp["optimizer"], ddp["buckets"]) == (4 * p, 4 * p, 8 * p, 4 * p)
+    assert ddp["autocast_copies"] == 2 * (3 * HAND.layer_linear_parameters + HAND.vocab_size * HAND.hidden_size)
+    assert model_state_bytes(HAND, backend="ddp", num_learners=1, model_dtype="float32")["buckets"] == 0
+    assert model_state_bytes(HAND, backend="ddp", num_learners=2, model_dtype="float32",
+                             ddp_bucket_view=True)["buckets"] == 0
+    n = 4
+    z1, z2, z3 = (model_state_bytes(HAND, backend="deepspeed", zero_stage=s, num_learners=n) for s in (1, 2, 3))
+    assert (z1["weights"], z1["gradients"], z1["optimizer"]) == (2 * p, 2 * p, int(12 * p / n))
+    assert (z2["weights"], z2["gradients"], z2["optimizer"]) == (2 * p, int(2 * p / n), int(12 * p / n))
+    assert (z3["weights"], z3["gradients"], z3["optimizer"]) == (int(2 * p / n), int(2 * p / n), int(12 * p / n))
+    assert z3["gathered"] == 4 * HAND.vocab_size * HAND.hidden_size and z2["gathered"] == 0
+    assert z1["total"] > z2["total"] > z3["total"]
+    assert HAND.kv_cache_bytes_per_token(2) == 2 * 3 * 2 * 24 * 2
+    assert Q7.kv_cache_bytes_per_token(2) == 57344  # 56 KiB, as the 7B recipe's header says
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_model_states_within_ten_percent_of_deepspeeds_estimators():
+    """DeepSpeed's estimate_zero2/3_model_states_mem_needs (what its *_all_cold print)
+    against this plan's weights + gradients + optimiser state + the step's fp32 gradients
+    (+ ZeRO-3's gathered module). ZeRO-2: the same formula (2P + 18P/N). ZeRO-3: DeepSpeed's
+    18P/N leaves out one of the bf16 partitions this plan counts (weights and gradients are
+    both partitioned) and does not cap the fp32 gradients at sub_group_size, so it differs
+    more on small models with few learners (1.5B on 2 learners: +10.4%)."""
+    rows = []
+    for shape in (Q7, Q15):
+        for n in (1, 2, 4, 8):
+            ours = model_state_bytes(shape, backend="deepspeed", zero_stage=2, num_learners=n)["deepspeed_comparable"]
+            ds = deepspeed_estimate_bytes(shape, zero_stage=2, num_learners=n)
+            rows.append((shape.num_parameters, 2, n, ours / ds - 1))
+            assert abs(ours / ds - 1) < 0.10, rows[-1]
+        for n in (4, 8):  # the recipes' learner counts
+            ours = model_state_bytes(shape, backend="deepspeed", zero_stage=3, num_learners=n)["deepspeed_comparable"]
+            ds = deepspeed_estimate_bytes(shape, zero_stage=3, num_learners=n)
+            rows.append((shape.num_parameters, 3, n, ours / ds - 1))
+            assert abs(ours / ds - 1) < 0.10, rows[-1]
+        for n in (1, 2):
+            ours = model_state_bytes(shape, backend="deepspeed", zero_stage=3, num_learners=n)["deepspeed_comparable"]
+            ds = deepspeed_estimate_bytes(shape, zero_stage=3, num_learners=n)
+            assert abs(ours / ds - 1) < 0.11, (shape.num_parameters, 3, n, ours / ds - 1)
+    print("\nDeepSpeed cross-check (params, stage, learners, difference):",
+          ", ".join(f"{p / 1e9:.2f}B/Z{s}/{n}: {d:+.1%}" for p, s, n, d in rows))
+    assert deepspeed_estimate_bytes(Q7, zero_stage=1, num_learners=4) is None
+
+
+# ------------------------------------------------------------------ activations
+
+
+@pytest.mark.parametrize("mode", ["fp32", "half", "autocast"])
+def test_saved_per_layer_is_what_autograd_keeps(mode):
+    """layer_saved_bytes against the bytes autograd saves for one more layer (unique
+    storages seen by saved_tensors_hooks, parameters excluded), padded batch."""
+    import torch
+
+    from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
+
+    def saved(layers):
+        torch.manual_seed(0)
+        model = _hf_model(dataclasses.replace(HAND, vocab_size=300), layers=layers,
+                          dtype=torch.bfloat16 if mode == "half" else torch.float32, device="cpu")
+        model.train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(1, 300, (2, 40))
+        attn = torch.ones_like(ids)
+        attn[1, :5] = 0
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+            completion_logprobs_and_entropy(model, ids, attn, 24)
+        return sum(seen.values())
+
+    autocast_copies = 2 * HAND.layer_linear_parameters if mode == "autocast" else 0
+    assert saved(2) - saved(1) == layer_saved_bytes(HAND, 2, 40, mode) + autocast_copies
+
+
+def _measured_peak(shape, rows, prompt, response, ckpt, nograd=False):
+    """Peak live torch CPU bytes of one learner (or no-grad scoring) pass, from the
+    profiler's allocator records (as benchmarks/memory_plan.py measures)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import memory_plan as bench
+    import torch
+
+    from rllib_exgrpo.core.losses import mixed_policy_loss
+    from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
+
+    torch.manual_seed(0)
+    model = _hf_model(shape, device="cpu")
+    on = "enable" if ckpt else "disable"
+    (getattr(model, f"activation_checkpointing_{on}", None) or getattr(model, f"gradient_checkpointing_{on}"))()
+    model.train()
+
+    def learner(batch, resp):
+        ids, attn, rmask, adv, off = batch
+        logp, ent = completion_logprobs_and_entropy(model, ids, attn, resp)
+        loss, _ = mixed_policy_loss(logp, logp.detach(), adv, rmask, off, clip_fresh=False, beta=0.1,
+                                    agg_mode="seq-mean-token-sum-norm-official", max_len=resp,
+                                    micro_batch_rows=64, entropy=ent, entropy_coeff=0.001)
+        loss.backward()
+
+    def scoring(batch, resp):
+        with torch.no_grad():
+            completion_logprobs_and_entropy(model, batch[0], batch[1], resp)
+
+    learner(bench._batch(2, 8, 8, shape.vocab_size, 0), 8)  # gradients exist before
+    batch = bench._batch(rows, prompt, response, shape.vocab_size, 1)
+    fn = scoring if nograd else learner
+    return bench._peak_of(lambda: fn(batch, response))
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_learner_activation_estimate_matches_the_measured_peak(ckpt):
+    shape = dataclasses.replace(HAND, vocab_size=4000)
+    measured = _measured_peak(shape, 3, 48, 300, ckpt)
+    est = learner_activation_bytes(shape, 3, 348, gradient_checkpointing=ckpt, dtype_bytes=4, response_tokens=300)
+    assert abs(est / measured - 1) < 0.10, (est, measured)
+    measured = _measured_peak(shape, 2, 40, 300, ckpt=False, nograd=True)
+    est = scoring_activation_bytes(shape, 2, 340, response_tokens=300, dtype_bytes=4)
+    assert abs(est / measured - 1) < 0.15, (est, measured)
+
+
+def test_activation_formulas_scale_as_they_should():
+    b = learner_activation_breakdown(Q7, 4, 5120, gradient_checkpointing=True, response_tokens=4096)
+    # checkpointed: one [T, h] bf16 input per layer
+    assert b["layers"] == 28 * 4 * 5120 * 3584 * 2
+    # the bf16 logits of 4 x 4097 positions and one fp32 copy of the 4 x 4096 scored ones
+    assert b["logits"] == 2 * 4 * 4097 * 152064 + 4 * 4 * 4096 * 152064
+    no = learner_activation_bytes(Q7, 4, 5120, gradient_checkpointing=False, response_tokens=4096)
+    assert no > b["peak"] * 5  # 28 layers' saved activations dwarf the logits
+    assert learner_activation_bytes(Q7, 4, 5120, gradient_checkpointing=True) > b["peak"]  # all positions scored
+    one, two = (learner_activation_bytes(Q15, r, 4096, gradient_checkpointing=True, response_tokens=3072)
+                for r in (1, 2))
+    assert one < two < 2 * one + 2 * GIB
+
+
+# ------------------------------------------------------------------ the plan and the CLI
+
+
+def _config(path, **over):
+    import yaml
+
+    from rllib_exgrpo.cli.config_keys import apply_config
+    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
+
+    spec = next(iter(yaml.safe_load((REPO / path).read_text()).values()))["config"]
+    spec.update(over)
+    cfg = ExGRPOConfig()
+    assert not apply_config(cfg, spec)
+    return cfg
+
+
+def test_plan_of_the_recipes_names_the_key_when_it_does_not_fit():
+    gpu = 80 * (1 << 30)
+    for path in (QWEN, QWEN15):
+        plan = plan_memory(_config(path), gpu_memory=gpu, gpu_memory_source="test")
+        assert [a.kind for a in plan.actors] == ["learner", "env runner"] and plan.fits, plan.render()
+    cases = {
+        "learner_backend": dict(learner_backend="ddp"),
+        "gradient_checkpointing": dict(gradient_checkpointing=False),
+        "learner_micro_batch_rows": dict(learner_micro_batch_rows=64, gradient_checkpointing=False),
+        "vllm_kwargs.gpu_memory_utilization": dict(vllm_kwargs={"gpu_memory_utilization": 0.85}),
+        "generation_batch_size": dict(generation_batch_size=48),
+    }
+    for key, over in cases.items():
+        problems = plan_memory(_config(QWEN, **over), gpu_memory=gpu, gpu_memory_source="test").problems()
+        assert len(problems) == 1 and problems[0].startswith(f"config.{key}: "), (key, problems)
+        assert "\n" not in problems[0]
+    # vLLM's share too small for one sequence of max_model_len
+    tiny_share = plan_memory(_config(QWEN, vllm_kwargs={"gpu_memory_utilization": 0.18}), gpu_memory=gpu,
+                             gpu_memory_source="test").problems()
+    assert tiny_share and tiny_share[0].startswith("config.vllm_kwargs.gpu_memory_utilization: ")
+    # no GPU memory known: the plan is made, nothing is judged
+    unknown = plan_memory(_config(QWEN, learner_backend="ddp"), gpu_memory=None, gpu_memory_source="none")
+    assert unknown.fits is None and not unknown.problems() and "fit not checked" in unknown.render()
+
+
+def _dry_run(monkeypatch, capsys, tmp_path, extra: dict):
+    from rllib_exgrpo.cli import main, preflight
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "RAY_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    real_find = preflight._find
+    monkeypatch.setattr(preflight, "_find", lambda m: True if m == "vllm" else real_find(m))  # as on a GPU node
+    overrides = {"env_config": {"dataset": "arithmetic"}, "heldout_dataset": None, **extra}
+    rc = main.main(["train", "file", QWEN, "--dry-run", "--ray-num-gpus", "8", "--storage-path", str(tmp_path / "r"),
+                    "--config", json.dumps(overrides)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_dry_run_prints_the_plan_and_fails_in_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(REPO)
+    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path, {"gpu_memory_gb": 80})
+    assert rc == 0, out + err
+    assert "memory plan: Qwen/Qwen2.5-Math-7B" in out and "learner x4 (1 GPU each)" in out
+    assert "env runner x4 (1 GPU each)" in out and out.count(": fits") == 2, out
+    assert "published config.json of Qwen/Qwen2.5-Math-7B" in out or "Hugging Face cache" in out
+    with capsys.disabled():
+        print("\n" + out[out.index("  memory plan"):])
+
+    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path,
+                            {"gpu_memory_gb": 80, "learner_micro_batch_rows": 64, "gradient_checkpointing": False})
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"rllib train: error: {QWEN}: experiment 'exgrpo-qwen': config.learner_micro_batch_rows: ")
+    assert "Traceback" not in out + err and "memory plan" not in out
