@@ -327,3 +327,18 @@ def test_dry_run_prints_the_plan_and_fails_in_one_line(monkeypatch, capsys, tmp_
     assert rc == 2 and len(lines) == 1, err
     assert lines[0].startswith(f"rllib train: error: {QWEN}: experiment 'exgrpo-qwen': config.learner_micro_batch_rows: ")
     assert "Traceback" not in out + err and "memory plan" not in out
+
+
+def test_gpu_memory_from_the_field_or_the_machine(monkeypatch):
+    import subprocess
+
+    from rllib_exgrpo.planning import memory
+
+    cfg = _config(QWEN15, gpu_memory_gb=40)
+    assert memory.gpu_memory_for(cfg) == (40 * (1 << 30), "gpu_memory_gb")
+    smi = "0, NVIDIA H100 80GB HBM3, 81559\n1, NVIDIA H100 80GB HBM3, 81559\n2, NVIDIA A100-SXM4-40GB, 40960\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=smi))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert memory._nvidia_smi_memory(2) == (81559 << 20, "detected: NVIDIA H100 80GB HBM3, nvidia-smi")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert memory._nvidia_smi_memory(3)[0] == 40960 << 20  # the smallest GPU

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -216,7 +217,9 @@ def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, g
     tables, final norm, the lm_head's input), ``logits`` (the kept logits and the log-prob
     path's copies), the backward phases ``entropy_backward`` / ``logprob_backward`` (the
     logits' gradient, the entropy's chunk temporaries, log-sum-exp's temporaries),
-    ``layer_backward`` (recomputing / differentiating one layer), and ``peak``."""
+    ``lm_head_backward`` / ``embedding_backward`` (the ``[V, h]`` weight gradients),
+    ``layer_backward`` (recomputing / differentiating one layer), ``forward_end``, and
+    ``peak`` with ``peak_phase``, the largest of the phases (all beyond the model states)."""
     rows, tokens = int(rows), int(tokens)
     r = int(tokens if response_tokens is None else min(int(response_tokens), tokens))
     mode = _mode(dtype_bytes, autocast)
@@ -440,17 +443,64 @@ def _biggest(a: ActorPlan) -> str:
 
 @functools.lru_cache(maxsize=1)
 def detect_gpu_memory() -> Tuple[Optional[int], str]:
-    """The smallest visible GPU's memory (torch.cuda), or None."""
+    """The smallest visible GPU's memory, or None: NVML (``pynvml``) or ``nvidia-smi`` when
+    there, so that the process running ``rllib train`` holds no CUDA context on a GPU its
+    actors will use; else ``torch.cuda.get_device_properties``."""
     try:
         import torch
 
-        if not torch.cuda.is_available():
-            return None, "no GPU visible here (torch.cuda); set gpu_memory_gb to check the fit"
-        sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
-    except Exception as e:  # noqa: BLE001 - detection must never stop a run
-        return None, f"GPU detection failed ({type(e).__name__}); set gpu_memory_gb"
-    name = torch.cuda.get_device_name(0)
-    return int(min(sizes)), f"detected: {name}, torch.cuda.get_device_properties"
+        count = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - detection must never stop a run
+        count = 0
+    if not count:
+        return None, "no GPU visible here (torch.cuda); set gpu_memory_gb to check the fit"
+    for how in (_nvml_memory, _nvidia_smi_memory, _torch_memory):
+        try:
+            found = how(count)
+        except Exception:  # noqa: BLE001 - try the next way
+            found = None
+        if found:
+            return found
+    return None, "GPU memory could not be read here; set gpu_memory_gb"
+
+
+def _visible(count: int) -> List[int]:
+    ids = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    picked = [int(x) for x in ids.split(",") if x.strip().isdigit()]
+    return picked[:count] if picked else list(range(count))
+
+
+def _nvml_memory(count: int) -> Optional[Tuple[int, str]]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in _visible(count)]
+        sizes = [int(pynvml.nvmlDeviceGetMemoryInfo(h).total) for h in handles]
+        name = pynvml.nvmlDeviceGetName(handles[0])
+    finally:
+        pynvml.nvmlShutdown()
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    return min(sizes), f"detected: {name}, NVML"
+
+
+def _nvidia_smi_memory(count: int) -> Optional[Tuple[int, str]]:
+    import subprocess
+
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=20, check=True).stdout
+    rows = [ln.split(", ") for ln in out.strip().splitlines()]
+    rows = [r for r in rows if len(r) == 3 and int(r[0]) in _visible(count)]
+    if not rows:
+        return None
+    return min(int(float(r[2])) for r in rows) << 20, f"detected: {rows[0][1]}, nvidia-smi"
+
+
+def _torch_memory(count: int) -> Optional[Tuple[int, str]]:
+    import torch
+
+    sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(count)]
+    return int(min(sizes)), f"detected: {torch.cuda.get_device_name(0)}, torch.cuda"
 
 
 def gpu_memory_for(config: Any) -> Tuple[Optional[int], str]:
