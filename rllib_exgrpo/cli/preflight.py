@@ -849,8 +849,9 @@ def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cl
         if settings.generation_backend == "vllm" and not _find("vllm"):
             errors.append(f"{prefix}generation_backend: 'vllm' needs the vllm package, which is not installed "
                           "(pip install -e .[vllm], on a GPU machine).")
+    before = len(errors)
     run(resource_problems, cfg, cluster)
-    if validate:
+    if validate and len(errors) == before:  # GPUs the cluster cannot give: that line is the news
         run(memory_problems, cfg)
     for key in stop:
         if isinstance(key, str):
