@@ -350,7 +350,8 @@ _MEMORY = [
        "Memory of one GPU in GiB (2**30 bytes; an '80 GB' A100 / H100 has about 80) that the memory "
        "plan printed before a run checks each learner and env runner against; a run that does not "
        "fit stops before it starts, naming the key to change (rllib train --no-validate skips the "
-       "check). None: the GPU torch.cuda sees here (none visible: the plan is printed unchecked)."),
+       "check). None: the smallest GPU visible here (NVML, nvidia-smi or torch.cuda; none visible: the "
+       "plan is printed unchecked)."),
 ]
 
 #: Every field this project adds, in documentation order.
