@@ -909,7 +909,8 @@ def plan_comparison(res: dict, recipe: dict) -> dict:
             shape = shape_at(layers)
             state = model_state_bytes(shape, backend=backend, zero_stage=zero_stage, num_learners=num_learners,
                                       model_dtype=model_dtype)
-            act = int(learner_activation_bytes(shape, rows, seq, gradient_checkpointing=True, dtype_bytes=2))
+            act = int(learner_activation_bytes(shape, rows, seq, gradient_checkpointing=True, dtype_bytes=2,
+                                               response_tokens=res["response"]))
             return {"plan_state": state, "plan_state_bytes": total(state), "plan_activation_bytes": act,
                     "plan_total_bytes": total(state) + act}
 

@@ -248,8 +248,8 @@ def test_plan_comparison_wiring(gpu_check, monkeypatch):
         return {"weights": 10 * shape.num_hidden_layers, "optimizer": 4 * shape.num_hidden_layers // num_learners,
                 "total": 10 * shape.num_hidden_layers + 4 * shape.num_hidden_layers // num_learners}
 
-    def learner_activation_bytes(shape, rows, tokens, *, gradient_checkpointing, dtype_bytes=2):
-        assert gradient_checkpointing and dtype_bytes == 2
+    def learner_activation_bytes(shape, rows, tokens, *, gradient_checkpointing, dtype_bytes=2, response_tokens=None):
+        assert gradient_checkpointing and dtype_bytes == 2 and response_tokens == 2 < tokens
         return rows * tokens * shape.num_hidden_layers
 
     memory = types.ModuleType("rllib_exgrpo.planning.memory")
