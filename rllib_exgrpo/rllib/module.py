@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ray.rllib.core.columns import Columns
+from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 
 from rllib_exgrpo.core import columns as C
@@ -75,8 +76,15 @@ class LLMTorchRLModule(TorchRLModule):
         """The weights, bf16 kept as bf16 (:func:`shippable`). For the env runners
         (``inference_only``) a master copy is cast to the compute dtype: they sample in it,
         and it halves the bytes of every weight sync; checkpoints keep the master copy."""
+        state = self.state_dict()
+        if inference_only and not self.inference_only and isinstance(self, InferenceOnlyAPI):
+            # As RLlib's TorchRLModule.get_state: what only training needs (PPO's value head)
+            # stays out of what the inference-only copies get.
+            skip = tuple(self.get_non_inference_attributes())
+            state = {k: v for k, v in state.items()
+                     if not any(k == a or k.startswith(a + ".") for a in skip)}
         cast = self.compute_dtype if inference_only else None
-        return {key: shippable(value, cast) for key, value in self.state_dict().items()}
+        return {key: shippable(value, cast) for key, value in state.items()}
 
     def _forward(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
         """Next-token logits at the end of each (left-padded) prompt.
