@@ -302,6 +302,12 @@ def _dry_run(monkeypatch, capsys, tmp_path, extra: dict):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "RAY_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
+    # An earlier test in this process may have left Ray running; preflight would then check
+    # against that (GPU-less) cluster instead of --ray-num-gpus, as it should for a real run.
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
     real_find = preflight._find
     monkeypatch.setattr(preflight, "_find", lambda m: True if m == "vllm" else real_find(m))  # as on a GPU node
     overrides = {"env_config": {"dataset": "arithmetic"}, "heldout_dataset": None, **extra}
