@@ -2,8 +2,10 @@
 
 ``reset()`` shows a rendered prompt (through :func:`envs.prompting.render_prompt`, the
 one renderer of the project); ``step(completion)`` scores the completion with
-:func:`envs.rewards.math_reward` and ends the episode. The ground truth never leaves the
-env: not in observations, not in infos.
+:func:`envs.rewards.math_reward` (or, with ``reward_fn`` / ``reward_fns``, the weighted sum
+of reward functions run by :func:`envs.rewards.score_with_fns`; see ``docs/rewards.md``)
+and ends the episode. The ground truth never leaves the env: not in observations, not in
+infos.
 
 The training stack mostly bypasses the per-episode loop (it generates G completions per
 prompt in batch), so the env also offers batch helpers: :attr:`problems`,
@@ -30,7 +32,16 @@ from gymnasium import spaces
 from envs.datasets import load_problems
 from envs.problem import Problem
 from envs.prompting import DEFAULT_INSTRUCTION, render_prompt
-from envs.rewards import RewardResult, math_reward, rehearsal_score, score_batch
+from envs.rewards import (
+    BUILTIN_REWARDS,
+    RewardResult,
+    load_reward_fn,
+    math_reward,
+    rehearsal_score,
+    reward_labels,
+    score_batch,
+    score_with_fns,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +62,13 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "max_prompt_chars": 4096,
     "max_completion_chars": 16384,
     "problems": None,
+    # Reward functions (docs/rewards.md): "math" (the default when neither is set),
+    # "multiple_choice", "format" or "package.module:function"; reward_fns with
+    # reward_weights (default 1.0 each) is a weighted sum. reward_fn and reward_fns exclude
+    # each other.
+    "reward_fn": None,
+    "reward_fns": None,
+    "reward_weights": None,
     # Rehearsal only (``rllib train --rehearse``): the verifier still runs, but the reward is
     # envs.rewards.rehearsal_score (random models never answer correctly).
     "rehearsal_reward": False,
@@ -90,7 +108,45 @@ def validate_config(config: Optional[dict]) -> dict:
     p = cfg["problems"]
     _check(p is None or (isinstance(p, (list, tuple)) and all(isinstance(x, Problem) for x in p)),
            "problems", "a list of envs.problem.Problem or None", type(p).__name__ if p is not None else p)
+    _validate_rewards(cfg)
     return cfg
+
+
+def _validate_rewards(cfg: dict) -> None:
+    """``reward_fn`` / ``reward_fns`` / ``reward_weights``: shapes, then every function
+    imported here (a bad path is one line naming the key, before anything starts)."""
+    one, many, weights = cfg["reward_fn"], cfg["reward_fns"], cfg["reward_weights"]
+    want = f"a built-in name ({', '.join(BUILTIN_REWARDS)}) or 'package.module:function'"
+    _check(one is None or isinstance(one, str), "reward_fn", f"{want} or None", one)
+    _check(many is None or (isinstance(many, (list, tuple)) and len(many) > 0 and all(isinstance(x, str) for x in many)),
+           "reward_fns", f"a non-empty list of {want}s, or None", many)
+    if one is not None and many is not None:
+        raise ValueError("ReasoningEnv config 'reward_fn' cannot be set together with reward_fns "
+                         f"(reward_fn={one!r}, reward_fns={list(many)!r}): set one of them")
+    if weights is not None:
+        _check(many is not None, "reward_weights", "given only with reward_fns (one weight per function)", weights)
+        _check(isinstance(weights, (list, tuple)) and len(weights) == len(many)
+               and all(isinstance(w, (int, float)) and not isinstance(w, bool) and np.isfinite(w) for w in weights),
+               "reward_weights", f"a list of {len(many)} finite numbers (one per reward_fns entry)", weights)
+    specs = [("reward_fn", one)] if one is not None else [("reward_fns", x) for x in (many or ())]
+    for key, spec in specs:
+        if spec == "math":
+            continue
+        try:
+            load_reward_fn(spec)
+        except ValueError as exc:
+            where = f" (entry {list(many).index(spec) + 1})" if key == "reward_fns" else ""
+            raise ValueError(f"ReasoningEnv config {key!r} cannot import {spec!r}{where}: {exc}") from None
+
+
+def reward_specs(cfg: dict) -> tuple[list[str], list[float]]:
+    """(reward specs, weights) of a validated config; ``(["math"], [1.0])`` when unset."""
+    if cfg["reward_fn"] is not None:
+        return [cfg["reward_fn"]], [1.0]
+    if cfg["reward_fns"] is not None:
+        weights = cfg["reward_weights"]
+        return list(cfg["reward_fns"]), [float(w) for w in weights] if weights is not None else [1.0] * len(cfg["reward_fns"])
+    return ["math"], [1.0]
 
 
 def _load_tokenizer(tokenizer: Any):
@@ -129,6 +185,13 @@ class ReasoningEnv(gym.Env):
         self.max_prompt_chars: int = int(cfg["max_prompt_chars"])
         self.max_completion_chars: int = int(cfg["max_completion_chars"])
         self.tokenizer = _load_tokenizer(cfg["tokenizer"])
+        self.reward_fns, self.reward_weights = reward_specs(cfg)
+        #: The plain math reward (nothing set, or only "math" with weight 1): today's path.
+        self._plain_math = self.reward_fns == ["math"] and self.reward_weights == [1.0]
+        self.reward_labels: list[str] = reward_labels(self.reward_fns)
+        self._component_sums: dict[str, float] = dict.fromkeys(self.reward_labels, 0.0)
+        self._component_rows = 0
+        self._row_kwargs: dict[str, dict] = {}
 
         if cfg["problems"] is not None:
             problems = list(cfg["problems"])[cfg["skip"]:][: cfg["limit"]]
@@ -211,10 +274,50 @@ class ReasoningEnv(gym.Env):
         """Verify ``completions[i]`` against question ``question_ids[i]``, in parallel."""
         if len(question_ids) != len(completions):
             raise ValueError(f"{len(question_ids)} question ids but {len(completions)} completions")
-        truths = [self.get_problem(q).ground_truth for q in question_ids]
+        problems = [self.get_problem(q) for q in question_ids]
         clipped = [self._clip(c)[0] for c in completions]
-        results = score_batch(clipped, truths, timeout_s=self.reward_timeout_s, think_format=self.think_format)
+        results = self._reward(problems, clipped)
         return [self._rehearsed(q, c, r) for q, c, r in zip(question_ids, completions, results)]
+
+    def _reward(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[RewardResult]:
+        truths = [p.ground_truth for p in problems]
+        if self._plain_math:
+            return score_batch(completions, truths, timeout_s=self.reward_timeout_s, think_format=self.think_format)
+        results = score_with_fns(completions, truths, fns=self.reward_fns, weights=self.reward_weights,
+                                 rows=[self.row_kwargs(p) for p in problems], timeout_s=self.reward_timeout_s,
+                                 think_format=self.think_format)
+        for r in results:
+            for label, value in (r.components or {}).items():
+                self._component_sums[label] += value
+        self._component_rows += len(results)
+        return results
+
+    def row_kwargs(self, problem: Problem) -> dict:
+        """The row's fields a reward function gets besides ``completion`` and
+        ``ground_truth``: ``question``, ``question_id``, ``data_source``, ``solution``,
+        ``difficulty`` and the row's other scalar columns (``Problem.extra``, e.g.
+        ``line``); the named fields win over a column of the same name."""
+        kw = self._row_kwargs.get(problem.id)
+        if kw is None:
+            kw = {k: v for k, v in problem.extra.items() if isinstance(k, str) and k.isidentifier()}
+            kw.update(question=problem.question, question_id=problem.id, data_source=problem.data_source,
+                      solution=problem.solution, difficulty=problem.difficulty)
+            kw.pop("completion", None)
+            kw.pop("ground_truth", None)
+            self._row_kwargs[problem.id] = kw
+        return kw
+
+    def reward_metrics(self, reset: bool = True) -> dict[str, float]:
+        """Each reward function's mean score over the completions scored since the last
+        reset: ``{"reward_<label>_mean": mean}`` (labels: :attr:`reward_labels`). Empty
+        with the plain math reward, whose mean is ``reward_mean``."""
+        if self._plain_math or not self._component_rows:
+            return {}
+        out = {f"reward_{label}_mean": total / self._component_rows for label, total in self._component_sums.items()}
+        if reset:
+            self._component_sums = dict.fromkeys(self.reward_labels, 0.0)
+            self._component_rows = 0
+        return out
 
     def _rehearsed(self, question_id: str, completion: str, result: RewardResult) -> RewardResult:
         """The verifier's result, with the rehearsal reward as its score when that is on
@@ -257,12 +360,17 @@ class ReasoningEnv(gym.Env):
                                "call reset() to get a question first")
         problem, self._current = self._current, None
         completion, truncated_text = self._clip(action)
-        result = math_reward(completion, problem.ground_truth, timeout_s=self.reward_timeout_s,
-                             think_format=self.think_format)
+        if self._plain_math:
+            result = math_reward(completion, problem.ground_truth, timeout_s=self.reward_timeout_s,
+                                 think_format=self.think_format)
+        else:
+            result = self._reward([problem], [completion])[0]
         result = self._rehearsed(problem.id, completion, result)
         info = self._info(problem)
         info.update(parsed=result.parsed, timed_out=result.timed_out, format_ok=result.format_ok,
                     error=result.error, correct=result.correct, completion_truncated=truncated_text)
+        if result.components is not None:
+            info.update({f"reward_{label}": value for label, value in result.components.items()})
         # The terminal observation is the prompt again: valid in the space, never read.
         return self._prompts[problem.id], float(result.score), True, False, info
 

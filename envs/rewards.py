@@ -45,7 +45,10 @@ from __future__ import annotations
 import atexit
 import hashlib
 import concurrent.futures
+import importlib
+import inspect
 import logging
+import math
 import os
 import queue
 import re
@@ -70,6 +73,12 @@ MAX_DEFAULT_WORKERS = 8
 BOOT_TIMEOUT_S = 120.0
 #: Longest ``parsed`` string carried back from a worker.
 _MAX_REPR = 200
+#: Tag of a reward-function task on the worker protocol (a math task is (gt, answer text)).
+_FN_TASK = "\x00reward_fn"
+#: Names usable in ``env_config.reward_fn`` / ``reward_fns`` besides ``"package.module:function"``.
+BUILTIN_REWARDS = ("math", "multiple_choice", "format")
+#: The letters a multiple-choice answer may be (GPQA uses A-D, ARC A-E, MMLU-Pro A-J).
+CHOICE_LETTERS = "ABCDEFGHIJ"
 
 
 @dataclass
@@ -85,8 +94,12 @@ class RewardResult:
         format_ok: The completion had the required form (a ``\\boxed{}`` answer, or a
             ``</think>`` tag in think format).
         error: Set when verification failed for a reason other than a wrong answer
-            (worker crash, verifier exception, unparseable ground truth). Score is 0
+            (worker crash, verifier exception, unparseable ground truth, a reward
+            function that raised or returned no number). Score is 0 for the failed part
             but the sample should be treated as unscored, not as wrong.
+        components: With reward functions (:func:`score_with_fns`): each function's own
+            score by its metric label (0.0 for a call that crashed or timed out); None
+            for the plain math reward.
     """
 
     score: float
@@ -94,6 +107,7 @@ class RewardResult:
     timed_out: bool
     format_ok: bool
     error: Optional[str] = None
+    components: Optional[dict] = None
 
     @property
     def correct(self) -> bool:
@@ -165,7 +179,188 @@ def _after_think(completion: str) -> Optional[str]:
     return None if pos < 0 else completion[pos + len(tag) :]
 
 
+# --------------------------------------------------------------------------- built-in reward functions
+
+
+def _answer_part(completion: str, think_format: bool) -> Optional[str]:
+    """The text an answer is read from: after the last ``</think>`` when there is one
+    (required with ``think_format``: None without it), else the whole completion."""
+    after = _after_think(completion)
+    if after is None:
+        return None if think_format else completion
+    return after
+
+
+_CHOICE_IN_BOX = re.compile(r"^\(?([A-Ja-j])\)?(?:[.:)\s]|$)")
+_CHOICE_TEXT = re.compile(r"\\text(?:bf)?\{([^{}]*)\}")
+_CHOICE_STATED = re.compile(
+    r"answer\s*(?:is|:|=)?\s*(?:option|choice)?\s*[:\-]?\s*[*_]*\s*\(?([A-J])\)?(?![A-Za-z0-9])", re.IGNORECASE)
+_CHOICE_PAREN = re.compile(r"\(([A-J])\)")
+_CHOICE_ALONE = re.compile(r"^\s*\(?([A-J])\)?[.)]?\s*$")
+
+
+def extract_choice(text: str, *, think_format: bool = False) -> Optional[str]:
+    """The final chosen letter (A-J) of a multiple-choice answer, or None.
+
+    Read from the text after the last ``</think>`` (with ``think_format`` that tag is
+    required), by the first rule that finds one:
+
+    1. the last complete ``\\boxed{...}`` whose content is a letter, alone or followed by
+       punctuation or text: ``\\boxed{C}``, ``\\boxed{(c)}``, ``\\boxed{\\text{C}}``,
+       ``\\boxed{C) 42}``; a box holding anything else gives no letter;
+    2. the last "answer" statement: ``Answer: C``, ``the answer is (C)``, ``final answer
+       is **C**``, ``answer: option C`` (an upper-case letter not followed by a letter or
+       digit; "Answer: Dogs" is no choice, "the answer is A big one" reads as A);
+    3. the last parenthesised letter ``(C)``;
+    4. the whole text being one letter (``C`` or ``C.``).
+
+    Lower-case letters count only inside a box ("a" is an article elsewhere).
+    """
+    part = _answer_part(text, think_format)
+    if part is None:
+        return None
+    boxed = last_boxed(part)
+    if boxed is not None:
+        inner = _CHOICE_TEXT.sub(lambda m: m.group(1), boxed).strip().strip("$").strip()
+        m = _CHOICE_IN_BOX.match(inner)
+        return m.group(1).upper() if m else None
+    for rule in (_CHOICE_STATED, _CHOICE_PAREN):
+        found = [m for m in rule.finditer(part) if m.group(1).isupper()]
+        if found:
+            return found[-1].group(1)
+    m = _CHOICE_ALONE.match(part)
+    return m.group(1) if m else None
+
+
+def _choice_of_truth(ground_truth) -> str:
+    gt = str(ground_truth).strip().strip("()").strip().rstrip(".").upper()
+    if len(gt) != 1 or gt not in CHOICE_LETTERS:
+        raise ValueError(f"multiple_choice needs a letter A-J as the ground truth, got {str(ground_truth)[:40]!r}")
+    return gt
+
+
+def multiple_choice_reward(completion: str, ground_truth: str, *, think_format: bool = False, **_) -> float:
+    """1.0 when the completion's final chosen letter (:func:`extract_choice`) is the
+    ground-truth letter (``"C"``, ``"(C)"`` or ``"c"``), else 0.0. A ground truth that is
+    not a letter A-J raises (counted as a reward error: the data does not fit the reward)."""
+    truth = _choice_of_truth(ground_truth)
+    return 1.0 if extract_choice(completion, think_format=think_format) == truth else 0.0
+
+
+def format_reward(completion: str, *, think_format: bool = False, **_) -> float:
+    """1.0 when the completion has exactly the expected final-answer form, else 0.0.
+
+    The form is the one :func:`math_reward` reads: exactly one complete, non-empty
+    ``\\boxed{...}`` (or ``\\fbox{}``) in the answer part. The answer part is the text
+    after the think block: with ``think_format`` the completion must hold exactly one
+    ``</think>`` (and at most one ``<think>``, before it); without it a think block is
+    optional, but a ``<think>`` left open (no ``</think>`` after it) fails the form.
+    """
+    opens, closes = completion.count("<think>"), completion.count("</think>")
+    if think_format and closes != 1:
+        return 0.0
+    if opens > 1 or closes > 1 or (opens and (not closes or completion.find("<think>") > completion.find("</think>"))):
+        return 0.0
+    part = _answer_part(completion, think_format)
+    if part is None:
+        return 0.0
+    tags = len(re.findall(r"\\(?:boxed|fbox)(?![A-Za-z])", part))
+    boxed = last_boxed(part)
+    return 1.0 if tags == 1 and boxed else 0.0
+
+
+_BUILTIN_FNS = {"multiple_choice": multiple_choice_reward, "format": format_reward}
+
+
+def load_reward_fn(spec: str):
+    """``(function, accepted keyword names or None for **kwargs)`` of a reward spec: a
+    built-in name (not ``"math"``, which is not a function call) or
+    ``"package.module:function"`` (``function`` may be dotted: ``module:Class.method``).
+
+    Raises ValueError with a one-line reason (no module, no attribute, not callable, no
+    ``completion`` keyword).
+    """
+    if spec in _BUILTIN_FNS:
+        return _BUILTIN_FNS[spec], None
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError("expected a built-in name (" + ", ".join(BUILTIN_REWARDS) + ") or 'package.module:function'")
+    module_name, attr = spec.split(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see
+        raise ValueError(f"{type(exc).__name__}: {_one_line(exc)}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"{attr!r} is a {type(obj).__name__}, not a function")
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature: pass everything
+        return obj, None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return obj, None
+    accepted = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if "completion" not in accepted:
+        raise ValueError("the function takes no 'completion' keyword argument (signature "
+                         f"{_one_line(inspect.signature(obj))})")
+    return obj, accepted
+
+
+def _one_line(x) -> str:
+    return " ".join(str(x).split())[:_MAX_REPR]
+
+
+def reward_labels(specs: Sequence[str]) -> list[str]:
+    """The metric label of each reward spec: the built-in name, else the function's name
+    (``pkg.mod:exact_match`` -> ``exact_match``), made unique with ``_2``, ``_3``..."""
+    labels: list[str] = []
+    for spec in specs:
+        base = spec if spec in BUILTIN_REWARDS else spec.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+        base = re.sub(r"[^A-Za-z0-9_]", "_", base) or "fn"
+        label, n = base, 1
+        while label in labels:
+            n += 1
+            label = f"{base}_{n}"
+        labels.append(label)
+    return labels
+
+
 # --------------------------------------------------------------------------- worker side
+
+_FN_CACHE: dict = {}
+
+
+def _call_reward_fn(spec: str, kwargs: dict, caller_path: Sequence[str]):
+    """Run one reward-function call in a worker: its float score, or a one-line reason
+    (a str) when it returned no finite number. An exception propagates (the worker loop
+    reports it)."""
+    entry = _FN_CACHE.get(spec)
+    if entry is None:
+        for p in caller_path:  # after our own entries: real packages are not shadowed
+            if p not in sys.path:
+                sys.path.append(p)
+        try:
+            entry = load_reward_fn(spec)
+        except ValueError as exc:
+            return f"cannot import {spec!r}: {exc}"
+        _FN_CACHE[spec] = entry
+    fn, accepted = entry
+    if accepted is not None:
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    value = fn(**kwargs)
+    if value is None or isinstance(value, (str, bytes)):
+        return f"returned {type(value).__name__}, not a number"
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        return f"returned {type(value).__name__}, not a number"
+    if not math.isfinite(score):
+        return f"returned {score}, not a finite number"
+    return score
+
 
 
 def _set_parent_death_signal(parent_pid: int) -> None:
@@ -264,11 +459,18 @@ def _worker_main(in_fd: int, out_fd: int, parent_pid: int) -> None:
     outbox.send(("ready", os.getpid()))
     while True:
         try:
-            task_id, gt, pred_text = inbox.recv()
+            msg = inbox.recv()
         except (EOFError, OSError):
             return
+        task_id, task = msg[0], msg[1:]
         try:
-            ok, parsed, error, swallowed = verify_one(gt, pred_text)
+            if len(task) == 4 and task[0] == _FN_TASK:  # (tag, spec, kwargs, caller's sys.path)
+                ok, parsed, error, swallowed = _call_reward_fn(task[1], task[2], task[3]), None, None, 0
+                if isinstance(ok, str):  # not a score: the reason it failed
+                    ok, error = 0.0, ok
+            else:
+                gt, pred_text = task
+                ok, parsed, error, swallowed = verify_one(gt, pred_text)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller, not hidden
             ok, parsed, error, swallowed = False, None, f"{type(exc).__name__}: {str(exc)[:_MAX_REPR]}", 0
         try:
@@ -305,7 +507,10 @@ def reward_stats() -> dict:
     ``verified`` (sent to math-verify, after de-duplication), ``timeouts``, ``errors``,
     ``swallowed_exceptions`` (exceptions math-verify caught internally while comparing,
     which it counts as "not equal" by design), ``worker_starts``, ``worker_kills``,
-    ``worker_deaths`` (died without being killed by us), ``retries``.
+    ``worker_deaths`` (died without being killed by us), ``retries``; with reward
+    functions (:func:`score_with_fns`) also ``fn_calls`` (calls sent to the workers),
+    ``fn_errors`` (calls that raised or returned no number) and ``fn_timeouts`` (calls
+    cut at the timeout), which are counted in ``errors`` and ``timeouts`` too.
     """
     with _STATS_LOCK:
         return dict(_STATS)
@@ -520,7 +725,11 @@ class _Pool:
 
     # -- the dispatch loop
     def run(self, tasks: Sequence[tuple[str, str]], timeout_s: float, max_parallel: int) -> list[tuple]:
-        """Verify ``tasks`` = [(ground truth, answer text)] -> [(ok, parsed, error, timed_out)]."""
+        """Verify ``tasks`` = [(ground truth, answer text)] -> [(ok, parsed, error, timed_out)].
+
+        A task may also be a reward-function call ``(_FN_TASK, spec, kwargs, sys_path)``;
+        its ``ok`` is then the function's float score.
+        """
         results: list = [None] * len(tasks)
         pending: deque = deque(range(len(tasks)))
         retried: set = set()
@@ -530,7 +739,7 @@ class _Pool:
         def send(w: _Worker) -> None:
             idx = pending.popleft()
             try:
-                w.inbox.send((idx, tasks[idx][0], tasks[idx][1]))
+                w.inbox.send((idx, *tasks[idx]))
             except (OSError, ValueError):  # worker gone: not the task's fault, retry it
                 pending.appendleft(idx)
                 _count(worker_deaths=1)
@@ -554,7 +763,7 @@ class _Pool:
                 pending.appendleft(idx)
                 _count(retries=1)
             else:
-                results[idx] = (False, None, f"math-verify worker died while verifying (exit code {code})", False)
+                results[idx] = (False, None, f"verifier worker died while verifying (exit code {code})", False)
 
         try:
             while pending or active:
@@ -804,6 +1013,128 @@ def math_reward(
     """
     return score_batch([completion], [ground_truth], timeout_s=timeout_s, think_format=think_format,
                        num_workers=1, fast_path=fast_path)[0]
+
+
+def _caller_path() -> tuple:
+    """This process's import path for the workers (``''`` is the current folder)."""
+    return tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path if isinstance(p, str))
+
+
+def score_with_fns(
+    completions: Sequence[str],
+    ground_truths: Sequence[str],
+    *,
+    fns: Sequence[str],
+    weights: Optional[Sequence[float]] = None,
+    rows: Optional[Sequence[dict]] = None,
+    timeout_s: float = 5.0,
+    think_format: bool = False,
+    num_workers: Optional[int] = None,
+) -> list[RewardResult]:
+    """Score with reward functions: ``score = sum(weight_k * fn_k(...))``.
+
+    Args:
+        completions, ground_truths: As for :func:`score_batch`.
+        fns: Reward specs: ``"math"`` (:func:`score_batch`: 1.0 or 0.0),
+            ``"multiple_choice"``, ``"format"`` or ``"package.module:function"``.
+        weights: One per spec (default 1.0 each).
+        rows: Per completion, the row's other fields, passed as keyword arguments
+            (``question``, ``question_id``, ``data_source``...).
+        timeout_s, think_format, num_workers: As for :func:`score_batch`; the timeout is
+            per function call.
+
+    Every call except ``"math"`` runs in the verifier processes as
+    ``fn(completion=..., ground_truth=..., **row)`` (only the keywords it accepts unless
+    it takes ``**kwargs``; the built-ins also get ``think_format``). A call that raises or
+    returns no finite number scores 0, sets :attr:`RewardResult.error` and counts in
+    ``errors`` and ``fn_errors``; one that overruns ``timeout_s`` scores 0, sets
+    ``timed_out`` and counts in ``timeouts`` and ``fn_timeouts``. Each function's own
+    score is in :attr:`RewardResult.components` under its :func:`reward_labels` label.
+    """
+    fns = list(fns)
+    n = len(completions)
+    if not fns:
+        raise ValueError("fns must name at least one reward function")
+    if len(ground_truths) != n or (rows is not None and len(rows) != n):
+        raise ValueError(f"{n} completions but {len(ground_truths)} ground truths"
+                         + (f" and {len(rows)} rows" if rows is not None else ""))
+    weights = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(fns):
+        raise ValueError(f"{len(fns)} reward functions but {len(weights)} weights")
+    if not timeout_s or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    for c in completions:
+        if not isinstance(c, str):
+            raise TypeError(f"completion must be a str, got {type(c).__name__}")
+    labels = reward_labels(fns)
+    scores = [[0.0] * len(fns) for _ in range(n)]
+    errors: list[Optional[str]] = [None] * n
+    timed = [False] * n
+    math_results: Optional[list[RewardResult]] = None
+    tasks, where = [], []
+    path = _caller_path()
+    for k, spec in enumerate(fns):
+        if spec == "math":
+            math_results = score_batch(completions, ground_truths, timeout_s=timeout_s, think_format=think_format,
+                                       num_workers=num_workers)
+            for i, r in enumerate(math_results):
+                scores[i][k] = r.score
+                timed[i] = timed[i] or r.timed_out
+                if r.error is not None and errors[i] is None:
+                    errors[i] = f"reward 'math': {r.error}"
+            continue
+        extra = {"think_format": think_format} if spec in _BUILTIN_FNS else {}
+        for i in range(n):
+            row = rows[i] if rows is not None else {}
+            kwargs = {**row, "completion": completions[i], "ground_truth": ground_truths[i], **extra}
+            tasks.append((_FN_TASK, spec, kwargs, path))
+            where.append((i, k))
+    if tasks:
+        pool = _pool()
+        if num_workers:
+            pool.grow_to(num_workers)
+        verdicts = pool.run(tasks, timeout_s, min(num_workers or pool.size, len(tasks)))
+        n_err = n_timeouts = 0
+        first = None
+        for (value, _, error, timed_out), (i, k) in zip(verdicts, where):
+            if timed_out:
+                timed[i] = True
+                n_timeouts += 1
+            elif error is not None:
+                n_err += 1
+                msg = f"reward {labels[k]!r} ({fns[k]}): {error}"
+                first = first or msg
+                if errors[i] is None:
+                    errors[i] = msg
+            else:
+                scores[i][k] = float(value)
+        if n_err:
+            logger.warning("%d of %d reward-function calls failed (first: %s)", n_err, len(tasks), first)
+        if n_timeouts:
+            logger.warning("%d of %d reward-function calls overran reward_timeout_s=%s", n_timeouts, len(tasks),
+                           timeout_s)
+        _count(fn_calls=len(tasks), fn_errors=n_err, fn_timeouts=n_timeouts, errors=n_err, timeouts=n_timeouts)
+    if math_results is None:
+        _count(scored=n)
+    results = []
+    for i, completion in enumerate(completions):
+        if math_results is not None:
+            parsed, format_ok = math_results[i].parsed, math_results[i].format_ok
+        else:
+            part = _answer_part(completion, think_format)
+            format_ok = part is not None and (think_format or last_boxed(part) is not None)
+            if part is None:
+                parsed = None
+            elif "multiple_choice" in fns:
+                parsed = extract_choice(completion, think_format=think_format)
+            else:
+                parsed = last_boxed(part)
+        results.append(RewardResult(
+            score=float(sum(w * x for w, x in zip(weights, scores[i]))),
+            parsed=parsed, timed_out=timed[i], format_ok=format_ok, error=errors[i],
+            components=dict(zip(labels, scores[i])),
+        ))
+    return results
 
 
 def rehearsal_score(question_id: str, completion: str) -> float:
