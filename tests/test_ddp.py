@@ -175,11 +175,14 @@ def train_two_recorded(algo):
     return initial, steps, per_step, wall
 
 
-@pytest.mark.parametrize("micro", [None, 4])
+@pytest.mark.parametrize("micro", [None, 4, "tokens"])
 def test_ddp_two_learners_match_one_learner_and_the_runner(quick_tiny_model, micro):
     """``micro``: learner_micro_batch_rows=4 (4 passes per learner and step, DDP's
-    all-reduce only in the last backward), against the same one-pass reference."""
-    algo = two_learner_config(quick_tiny_model, learner_micro_batch_rows=micro).build_algo()
+    all-reduce only in the last backward), or ``"tokens"``: learner_micro_batch_tokens=100
+    (sorted rows packed under 100 padded positions: the two learners' pass counts differ
+    and are agreed on), against the same one-pass reference."""
+    fields = {"learner_micro_batch_tokens": 100} if micro == "tokens" else {"learner_micro_batch_rows": micro}
+    algo = two_learner_config(quick_tiny_model, **fields).build_algo()
     try:
         initial, steps, per_step, wall = train_two_recorded(algo)
         from ray.rllib.core import COMPONENT_RL_MODULE
@@ -194,7 +197,7 @@ def test_ddp_two_learners_match_one_learner_and_the_runner(quick_tiny_model, mic
         algo.stop()
     reference = reference_parameters(quick_tiny_model, steps)
     worst = assert_close_to_reference(views[0], reference, initial, atol=REFERENCE_ATOL)
-    print(f"\nDDP x2{' micro-batches of 4 rows' if micro else ''}: learner step {np.mean(per_step) * 1e3:.1f} ms (iterations: "
+    print(f"\nDDP x2{f' micro-batches ({micro})' if micro else ''}: learner step {np.mean(per_step) * 1e3:.1f} ms (iterations: "
           f"{', '.join(f'{t * 1e3:.1f}' for t in per_step)} ms), 2 iterations {wall:.1f} s, "
           f"max |DDP - single learner| = {worst:.2g}")
 

@@ -152,14 +152,18 @@ def test_deepspeed_config_is_generated_merged_and_checked():
 
 
 # --- training with two learners ---------------------------------------------------------------
-@pytest.mark.parametrize("stage,micro", [(1, None), (2, None), (3, None), (2, 4), (3, 4)])
+@pytest.mark.parametrize("stage,micro", [(1, None), (2, None), (3, None), (2, 4), (3, "rows+tokens")])
 @pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.usefixtures("ray_local")
 def test_two_zero_learners_match_one_learner_and_the_runner(quick_tiny_model, stage, micro):
     """``micro``: learner_micro_batch_rows (4 passes of 4 rows per learner and step, the
     gradients accumulated under DeepSpeed's boundary), against the same one-pass reference."""
-    training = ds_training(stage, learner_micro_batch_rows=micro)
+    # "rows+tokens": at most 4 rows and 100 padded positions a pass; the learners' pass
+    # counts differ and are agreed on (every ZeRO-3 forward gathers parameters from all ranks).
+    fields = {"learner_micro_batch_rows": 4, "learner_micro_batch_tokens": 100} if micro == "rows+tokens" else {
+        "learner_micro_batch_rows": micro}
+    training = ds_training(stage, **fields)
     t_build = time.perf_counter()
     algo = two_learner_config(quick_tiny_model, **training).build_algo()
     t_build = time.perf_counter() - t_build
@@ -179,7 +183,7 @@ def test_two_zero_learners_match_one_learner_and_the_runner(quick_tiny_model, st
         algo.stop()
     reference = reference_parameters(quick_tiny_model, steps)
     worst = assert_close_to_reference(views[0], reference, initial, atol=REFERENCE_ATOL)
-    print(f"\nZeRO-{stage} x2{' micro-batches of 4 rows' if micro else ''}: learner step {np.mean(per_step) * 1e3:.1f} ms (iterations: "
+    print(f"\nZeRO-{stage} x2{f' micro-batches ({micro})' if micro else ''}: learner step {np.mean(per_step) * 1e3:.1f} ms (iterations: "
           f"{', '.join(f'{t * 1e3:.1f}' for t in per_step)} ms), 2 iterations {wall:.1f} s, build {t_build:.1f} s, "
           f"max |ZeRO - single learner| = {worst:.2g}")
 

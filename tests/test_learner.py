@@ -297,3 +297,74 @@ def test_a_nonfinite_micro_batch_drops_the_whole_update(quick_tiny_model):
     result = group.update(batch=to_multi_agent_batch(batch))[0][DEFAULT_MODULE_ID]
     assert result["update_skipped"] == 1 and result["skipped_nonfinite"] == 1
     assert all(torch.equal(a, b) for a, b in zip(before, _params(learner)))
+
+
+def _long_tailed_batch(learner, seed=0, n_rows=12):
+    """Rows with prompts of 2-6 tokens and completions of 1-8, one row much longer than the rest."""
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for i in range(n_rows):
+        p_len, c_len = 2 + i % 5, (8 if i == 7 else 1 + (i * 5) % 4)
+        trajs.append(Trajectory(f"q{i // 3}", rng.integers(5, 60, size=p_len), rng.integers(8, 60, size=c_len),
+                                np.zeros(c_len, np.float32), float(i % 2), off_policy=(i % 3 == 2)))
+    adv = rng.normal(size=n_rows).astype(np.float32)
+    batch = learner_batch(trajs, adv, pad_id=0)
+    module = learner.module[DEFAULT_MODULE_ID]
+    with torch.no_grad():
+        logp = module._forward_train({k: torch.as_tensor(v) for k, v in batch.items()})[C.LOGP].numpy()
+    batch[C.OLD_LOGP] = (logp - rng.normal(scale=0.2, size=logp.shape)) * batch[C.RESPONSE_MASK]
+    return batch
+
+
+@pytest.mark.parametrize("agg,budget,rows,extra_passes", [
+    *[(agg, 24, None, 0) for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                                     "seq-mean-token-sum-norm-official")],
+    ("seq-mean-token-mean", 40, 3, 0),
+    ("token-mean", 24, None, 2),
+])
+def test_token_budget_passes_give_the_one_pass_update(quick_tiny_model, monkeypatch, agg, budget, rows, extra_passes):
+    """learner_micro_batch_tokens sorts, packs and trims the passes, and the step's gradient
+    and loss still equal the one-pass learner's; so do empty passes (``extra_passes``: as a
+    data-parallel learner with fewer rows than another runs them)."""
+    grads, results = [], []
+    for fields in ({}, {"learner_micro_batch_tokens": budget, "learner_micro_batch_rows": rows}):
+        group, learner, _ = _learner(quick_tiny_model, loss_agg_mode=agg, entropy_coeff=0.01, kl_coeff=0.05,
+                                     grad_clip=1.0, **fields)
+        if fields and extra_passes:
+            real = type(learner)._agreed_pass_count
+            monkeypatch.setattr(type(learner), "_agreed_pass_count", lambda self, n: real(self, n) + extra_passes)
+        learner.set_mixed_mode(True)
+        batch = _long_tailed_batch(learner)
+        results.append(group.update(batch=to_multi_agent_batch(batch))[0][DEFAULT_MODULE_ID])
+        grads.append([p.grad.detach().clone() for p in learner.module[DEFAULT_MODULE_ID].parameters()])
+        monkeypatch.undo()
+    one, cut = results
+    scale = max(float(g.abs().max()) for g in grads[0])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5 * scale, rtol=1e-4)
+
+    def value(stat):
+        return float(stat.peek() if hasattr(stat, "peek") else stat)
+
+    for key in ("policy_loss", "total_loss", "grad_norm_preclip", "ratio_max", "entropy"):
+        assert value(cut[key]) == pytest.approx(value(one[key]), rel=1e-4, abs=1e-6), key
+    assert value(cut["learner_passes"]) >= 2
+    assert 1.0 <= value(cut["learner_padded_over_real"]) < 1.6
+
+
+def test_token_budget_passes_are_trimmed_to_their_longest_row(quick_tiny_model):
+    """What the forward sees: every pass under the budget (or one row), sorted, trimmed."""
+    from rllib_exgrpo.core.minibatches import real_lengths
+
+    group, learner, _ = _learner(quick_tiny_model, learner_micro_batch_tokens=24)
+    batch = {DEFAULT_MODULE_ID: {k: torch.as_tensor(v) for k, v in _long_tailed_batch(learner).items()}}
+    passes = learner._micro_batches(batch)
+    seen = 0
+    for chunk in passes:
+        cols = chunk[DEFAULT_MODULE_ID]
+        n, width = cols[C.INPUT_IDS].shape
+        prompt, completion = real_lengths(cols)
+        assert width == prompt.max() + completion.max()  # nothing but the pass's own padding
+        assert n * width <= 24 or n == 1
+        seen += n
+    assert seen == 12

@@ -87,3 +87,38 @@ def test_take_rows_drops_columns_that_are_padding_for_every_row():
     both = take_rows(batch, np.array([0, 1]))
     assert both[C.INPUT_IDS].shape == (2, 5 + 3)
     assert both[C.ATTENTION_MASK].sum() == 2 + 3 + 5 + 1
+
+
+def test_micro_batch_plan_packs_sorted_rows_under_the_token_budget():
+    from rllib_exgrpo.core.minibatches import padded_positions, plan_micro_batches
+
+    prompt = np.array([3, 3, 4, 3, 5, 3])
+    completion = np.array([2, 10, 3, 2, 1, 30])
+    passes = plan_micro_batches(prompt, completion, max_tokens=28)
+    assert sorted(np.concatenate(passes).tolist()) == list(range(6))  # every row once
+    # Longest first; [5] (33 positions) is over the budget alone; [1] alone (2 x 13 = 26 fits, 3 x 13 = 39 not).
+    assert [p.tolist() for p in passes] == [[5], [1, 2], [0, 3, 4]]
+    for rows in passes:
+        assert len(rows) == 1 or len(rows) * (prompt[rows].max() + completion[rows].max()) <= 28
+    assert padded_positions(prompt, completion, passes) == 33 + 2 * 14 + 3 * 7
+    # A row cap holds too; without a budget the plan is today's consecutive row slices.
+    assert max(len(p) for p in plan_micro_batches(prompt, completion, max_tokens=1000, max_rows=2)) == 2
+    assert [p.tolist() for p in plan_micro_batches(prompt, completion, max_rows=4)] == [[0, 1, 2, 3], [4, 5]]
+    assert [p.tolist() for p in plan_micro_batches(prompt, completion)] == [list(range(6))]
+
+
+def test_trim_padding_keeps_one_contiguous_slice_for_numpy_and_torch():
+    import torch
+
+    from rllib_exgrpo.core import columns as C
+    from rllib_exgrpo.core.minibatches import trim_padding
+
+    # P = 3 (left-padded), R = 4 (right-padded); the real span is prompt columns 1-2 and completion 0-1.
+    mask = np.array([[0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0]])
+    resp = np.array([[1, 1, 0, 0], [1, 0, 0, 0]], dtype=np.float32)
+    cols = {C.ATTENTION_MASK: mask, C.INPUT_IDS: mask * 7, C.RESPONSE_MASK: resp, C.ADVANTAGES: np.ones(2)}
+    for wrap in (np.asarray, torch.as_tensor):
+        out = trim_padding({k: wrap(v) for k, v in cols.items()})
+        assert np.asarray(out[C.ATTENTION_MASK]).tolist() == [[1, 1, 1, 1], [0, 1, 1, 0]]
+        assert np.asarray(out[C.RESPONSE_MASK]).tolist() == [[1, 1], [1, 0]]
+        assert np.asarray(out[C.ADVANTAGES]).tolist() == [1, 1]

@@ -27,7 +27,7 @@ that are padding for every row of it (less compute for short minibatches).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -108,17 +108,93 @@ def take_rows(columns: Dict[str, np.ndarray], rows: np.ndarray) -> Dict[str, np.
     Layout (``columns.py``): ``input_ids``/``attention_mask`` are ``[N, P + R]`` (prompt
     left-padded, completion right-padded), the per-token columns ``[N, R]``.
     """
-    out = {k: v[rows] for k, v in columns.items()}
-    mask = out[C.ATTENTION_MASK]
-    width_r = out[C.RESPONSE_MASK].shape[1]
+    return trim_padding({k: v[rows] for k, v in columns.items()})
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+
+
+def real_lengths(columns: Dict[str, Any]) -> Tuple[np.ndarray, np.ndarray]:
+    """``(prompt_tokens [N], completion_tokens [N])``: each row's real (unpadded) lengths."""
+    mask = _as_numpy(columns[C.ATTENTION_MASK]) > 0
+    width_r = columns[C.RESPONSE_MASK].shape[1]
+    prompt = mask[:, : mask.shape[1] - width_r].sum(axis=1)
+    return prompt.astype(np.int64), mask[:, mask.shape[1] - width_r :].sum(axis=1).astype(np.int64)
+
+
+def trim_padding(columns: Dict[str, Any]) -> Dict[str, Any]:
+    """``columns`` (numpy arrays or torch tensors) without the columns that are padding for
+    every row: the prompt's leading ones (left padding) and the completion's trailing ones
+    (right padding). What is kept is one contiguous slice ``[first prompt column, last
+    completion column]``, so a torch tensor comes back as a view (no copy)."""
+    mask = _as_numpy(columns[C.ATTENTION_MASK]) > 0
+    width_r = columns[C.RESPONSE_MASK].shape[1]
     width_p = mask.shape[1] - width_r
     prompt_real = mask[:, :width_p].any(axis=0)
     first = int(np.argmax(prompt_real)) if prompt_real.any() else width_p
-    resp_real = out[C.RESPONSE_MASK].any(axis=0)
+    resp_real = (_as_numpy(columns[C.RESPONSE_MASK]) > 0).any(axis=0)
     last = int(len(resp_real) - np.argmax(resp_real[::-1])) if resp_real.any() else 1
-    for key, value in out.items():
-        if value.ndim == 2 and value.shape[1] == width_p + width_r:
-            out[key] = np.concatenate([value[:, first:width_p], value[:, width_p : width_p + last]], axis=1)
-        elif value.ndim == 2 and value.shape[1] == width_r:
+    out = dict(columns)
+    for key, value in columns.items():
+        shape = getattr(value, "shape", ())
+        if len(shape) == 2 and shape[1] == width_p + width_r:
+            out[key] = value[:, first : width_p + last]
+        elif len(shape) == 2 and shape[1] == width_r:
             out[key] = value[:, :last]
     return out
+
+
+def plan_micro_batches(
+    prompt_tokens: Sequence[int],
+    completion_tokens: Sequence[int],
+    *,
+    max_rows: Optional[int] = None,
+    max_tokens: Optional[int] = None,
+) -> List[np.ndarray]:
+    """Row indices of each forward/backward pass of one learner's share of a minibatch.
+
+    Every row is in exactly one pass. A pass is padded to its own longest prompt and
+    longest completion (:func:`trim_padding`), so it costs ``rows x (max prompt + max
+    completion)`` token positions; that is what ``max_tokens`` bounds.
+
+    * ``max_tokens`` None: consecutive slices of ``max_rows`` rows in batch order (one
+      pass when ``max_rows`` is None too);
+    * ``max_tokens`` set (verl's ``ppo_max_token_len_per_gpu``, counted as padded
+      positions since passes are padded, not packed): rows sorted by length, then packed
+      greedily, a pass closed when one more row would take its padded size over
+      ``max_tokens`` (or its rows over ``max_rows``). A row longer than the budget alone
+      gets a pass of its own. Sorting makes each pass's rows of similar length, so little
+      of a pass is padding (``benchmarks/learner_padding.py``).
+    """
+    prompt = np.asarray(prompt_tokens, dtype=np.int64)
+    completion = np.asarray(completion_tokens, dtype=np.int64)
+    n = len(prompt)
+    if n == 0:
+        return []
+    if max_tokens is None:
+        size = n if max_rows is None else max(1, int(max_rows))
+        return [np.arange(start, min(start + size, n)) for start in range(0, n, size)]
+    # Longest completion first (then longest prompt): a pass's width is set by its first row.
+    order = np.lexsort((-prompt, -completion))
+    passes: List[np.ndarray] = []
+    current: List[int] = []
+    wide_p = wide_c = 0
+    for i in order:
+        p, c = max(wide_p, int(prompt[i])), max(wide_c, int(completion[i]))
+        full = max_rows is not None and len(current) >= max_rows
+        if current and (full or (len(current) + 1) * (p + c) > max_tokens):
+            passes.append(np.asarray(current, dtype=np.int64))
+            current, p, c = [], int(prompt[i]), int(completion[i])
+        current.append(int(i))
+        wide_p, wide_c = p, c
+    passes.append(np.asarray(current, dtype=np.int64))
+    return passes
+
+
+def padded_positions(prompt_tokens: Sequence[int], completion_tokens: Sequence[int],
+                     passes: Sequence[np.ndarray]) -> int:
+    """Token positions the passes compute: ``sum over passes of rows x (max prompt + max
+    completion)`` (the real tokens are ``sum(prompt) + sum(completion)``)."""
+    prompt, completion = np.asarray(prompt_tokens), np.asarray(completion_tokens)
+    return int(sum(len(rows) * (prompt[rows].max() + completion[rows].max()) for rows in passes if len(rows)))

@@ -538,10 +538,17 @@ def sequence_lengths(config: Any, shape: ModelShape) -> Tuple[int, int, int, str
     return p, r, max_len, why
 
 
-def _learner_rows(config: Any) -> int:
+def _learner_rows(config: Any, tokens: int) -> int:
+    """Rows of the largest pass, at full width ``tokens``: the minibatch, capped by
+    ``learner_micro_batch_rows`` and by ``learner_micro_batch_tokens`` (a pass holds at most
+    the budget's padded positions, or one row; rounded up, so the plan never undercounts)."""
     minibatch = int(_get(config, "minibatch_size", 512) or 512)
     micro = getattr(config, "learner_micro_batch_rows", None)
-    return max(1, min(int(micro), minibatch) if micro else minibatch)
+    rows = max(1, min(int(micro), minibatch) if micro else minibatch)
+    budget = getattr(config, "learner_micro_batch_tokens", None)
+    if budget:
+        rows = min(rows, max(1, -(-int(budget) // max(1, int(tokens)))))
+    return rows
 
 
 def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int) -> ActorPlan:
@@ -590,8 +597,8 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
             plan.notes.append(f"cross-check: DeepSpeed's {fn} (no offload) gives {_gib(ds)} for weights, gradients, "
                               f"{what}optimizer state and the step's fp32 gradients; this plan {_gib(ours)} "
                               f"({(ours - ds) / ds:+.0%})")
-    rows = _learner_rows(config)
     tokens = prompt + response
+    rows = _learner_rows(config, tokens)
     act = learner_activation_breakdown(shape, rows, tokens, gradient_checkpointing=ckpt, dtype_bytes=mode_bytes,
                                        response_tokens=response, autocast=autocast)
     how = "checkpointed layer inputs" if ckpt else "saved per layer"
@@ -632,7 +639,8 @@ def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dic
 
     def stage_fits(s: int) -> bool:
         st = model_state_bytes(shape, backend="deepspeed", zero_stage=s, num_learners=nl, model_dtype="bfloat16")
-        a = learner_activation_bytes(shape, _learner_rows(config), prompt + response, gradient_checkpointing=ckpt,
+        a = learner_activation_bytes(shape, _learner_rows(config, prompt + response), prompt + response,
+                                     gradient_checkpointing=ckpt,
                                      dtype_bytes=2, response_tokens=response)
         return st["total"] + a + PROCESS_OVERHEAD_BYTES <= plan.budget
 
@@ -649,8 +657,8 @@ def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dic
             plan.advice = (f"ZeRO-{stage} keeps {_gib(states['total'])} of model states per learner; "
                            f"deepspeed_zero_stage: 3 shards the weights too")
             return
-    rows = _learner_rows(config)
     tokens = prompt + response
+    rows = _learner_rows(config, tokens)
 
     def act_of(r: int, c: bool) -> int:
         return learner_activation_bytes(shape, r, tokens, gradient_checkpointing=c, dtype_bytes=mode_bytes,

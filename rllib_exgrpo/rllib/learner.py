@@ -30,6 +30,14 @@ one-pass gradient; data-parallel learners all-reduce once, on the last slice
 (``no_sync`` before it). The guards, the gradient norm and the optimiser step then run
 once, as without micro-batches. Metrics of the slices are combined: losses summed, ``*_max``
 / ``*_min`` as max / min, the rest weighted by each slice's valid tokens.
+
+Token-budget passes (``learner_micro_batch_tokens``, as verl's ``ppo_max_token_len_per_gpu``):
+the learner's rows are sorted by length and packed into passes whose padded size (rows x
+longest row) stays under the budget, each pass trimmed to its own longest row, so one long
+completion widens only its own pass. The same accumulation makes the update equal to one
+pass. Data-parallel learners agree on the number of passes (a learner with fewer runs empty
+ones) because a forward is a collective under ZeRO-3 and DDP. Logged per update:
+``learner_passes`` and ``learner_padded_over_real`` (token positions computed / real tokens).
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ import copy
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -45,6 +54,7 @@ from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.losses import agg_totals, mixed_policy_loss
+from rllib_exgrpo.core.minibatches import trim_padding
 from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
 
 
@@ -169,23 +179,67 @@ class ExGRPOTorchLearner(TorchLearner):
 
     # ---- micro-batches (gradient accumulation) --------------------------------------------
     def _micro_batches(self, batch: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
-        """Row slices of ``batch`` (module id -> columns) of at most
-        ``learner_micro_batch_rows`` rows, or None when one pass holds it all."""
-        size = getattr(self.config, "learner_micro_batch_rows", None)
+        """The passes of ``batch`` (module id -> columns), or None when one pass holds it all.
+
+        ``learner_micro_batch_rows`` caps the rows and ``learner_micro_batch_tokens`` the
+        padded token positions of a pass (``minibatches.plan_micro_batches``: rows sorted by
+        length and packed under the budget); each pass is trimmed to its own longest prompt
+        and completion. Data-parallel learners agree on the number of passes (the largest
+        of any learner): every pass is a collective for DeepSpeed ZeRO-3 (parameters are
+        gathered in each forward) and for DDP (buffers are broadcast in each forward), so a
+        learner with fewer passes runs empty ones (:meth:`_empty_pass`, no gradient)."""
+        from rllib_exgrpo.core.minibatches import padded_positions, plan_micro_batches, real_lengths
+
+        max_rows = getattr(self.config, "learner_micro_batch_rows", None)
+        max_tokens = getattr(self.config, "learner_micro_batch_tokens", None)
         rows = {mid: int(b[C.RESPONSE_MASK].shape[0]) for mid, b in batch.items() if C.RESPONSE_MASK in b}
-        if not size or not rows or max(rows.values()) <= size:
+        if not (max_rows or max_tokens) or not rows:
+            return None
+        plans = {}
+        for mid in rows:
+            prompt, completion = real_lengths(batch[mid])
+            plans[mid] = plan_micro_batches(prompt, completion, max_rows=max_rows, max_tokens=max_tokens)
+            real = float(prompt.sum() + completion.sum()) or 1.0
+            self.metrics.log_value((mid, "learner_passes"), float(len(plans[mid])), window=1)
+            self.metrics.log_value((mid, "learner_padded_over_real"),
+                                   padded_positions(prompt, completion, plans[mid]) / real, window=1)
+        count = self._agreed_pass_count(max(len(p) for p in plans.values()))
+        if count <= 1:
             return None
 
-        def cut(columns, n: int, start: int) -> Dict[str, Any]:
-            return {
-                k: (v[start:start + size] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v)
-                for k, v in columns.items()
-            }
+        def take(columns, n: int, index: np.ndarray) -> Dict[str, Any]:
+            picked = {}
+            for k, v in columns.items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n:
+                    v = v[torch.as_tensor(index, device=v.device)]
+                picked[k] = v
+            return trim_padding(picked)
 
-        return [
-            {mid: cut(b, rows[mid], start) for mid, b in batch.items() if mid in rows and start < rows[mid]}
-            for start in range(0, max(rows.values()), size)
-        ]
+        passes = []
+        for i in range(count):
+            chunk = {mid: take(batch[mid], rows[mid], plans[mid][i]) for mid in rows if i < len(plans[mid])}
+            passes.append(chunk or self._empty_pass(batch, rows))
+        return passes
+
+    def _empty_pass(self, batch: Dict[str, Any], rows: Dict[str, int]) -> Dict[str, Any]:
+        """One row of ``batch`` with its completion mask zeroed: a forward and backward whose
+        loss and gradient are exactly 0 (every loss term is a masked sum)."""
+        out = {}
+        for mid, n in rows.items():
+            one = {k: (v[:1].clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v)
+                   for k, v in batch[mid].items()}
+            one[C.RESPONSE_MASK] = torch.zeros_like(one[C.RESPONSE_MASK])
+            out[mid] = trim_padding(one)
+        return out
+
+    def _agreed_pass_count(self, count: int) -> int:
+        """The most passes any data-parallel learner needs (``count`` alone)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return count
+        device = next(iter(self._params.values())).device if self._params else "cpu"
+        value = torch.tensor([float(count)], device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
 
     def _combined_metrics(self) -> None:
         """Log the micro-batches' loss metrics as one update's (see the module doc)."""
@@ -193,6 +247,8 @@ class ExGRPOTorchLearner(TorchLearner):
         for module_id, values in self._metric_parts or []:
             by_module.setdefault(module_id, []).append(values)
         for module_id, parts in by_module.items():
+            # Empty passes (_empty_pass: no completion token) carry no statistic.
+            parts = [p for p in parts if p["_tokens"] > 0] or parts
             tokens = [p["_tokens"] for p in parts]
             weight = sum(tokens) or 1.0
             combined: Dict[str, float] = {}
@@ -217,14 +273,16 @@ class ExGRPOTorchLearner(TorchLearner):
                     stack.enter_context(mod.no_sync())
         return stack
 
-    def _run_passes(self, batch: Dict[str, Any], *, forward, backward, pass_context):
+    def _run_passes(self, batch: Dict[str, Any], *, forward, backward, pass_context, chunks: Any = "plan"):
         """Forward, loss and backward per micro-batch of ``batch`` (one pass without
         ``learner_micro_batch_rows``): the one loop of both learners. ``forward(chunk)``
         gives the forward outputs, ``backward(loss_per_module)`` accumulates gradients,
         ``pass_context(last)`` wraps each pass (DDP's no_sync, DeepSpeed's boundary).
         Returns the last pass's forward outputs and the summed (detached) losses; the
-        guard flags of all passes are kept for the one optimiser step."""
-        chunks = self._micro_batches(batch)
+        guard flags of all passes are kept for the one optimiser step. ``chunks``: the
+        passes when already planned (``_micro_batches`` is a collective: plan once)."""
+        if isinstance(chunks, str):
+            chunks = self._micro_batches(batch)
         if chunks is not None:
             self._loss_totals = {mid: agg_totals(b[C.RESPONSE_MASK]) for mid, b in batch.items() if C.RESPONSE_MASK in b}
             self._metric_parts = []
@@ -258,7 +316,8 @@ class ExGRPOTorchLearner(TorchLearner):
             total.backward()
 
     def _uncompiled_update(self, batch: Dict, **kwargs):
-        if self._micro_batches(batch) is None:
+        chunks = self._micro_batches(batch)
+        if chunks is None:
             return super()._uncompiled_update(batch, **kwargs)
         self._compute_off_policyness(batch)
         for optim in self._optimizer_parameters:
@@ -268,6 +327,7 @@ class ExGRPOTorchLearner(TorchLearner):
             forward=self.module.forward_train,
             backward=self._torch_backward,
             pass_context=lambda last: self._no_sync(not last),  # all-reduce once, in the last backward
+            chunks=chunks,
         )
         gradients = {pid: p.grad for pid, p in self._params.items()}
         with self._no_sync(True):
