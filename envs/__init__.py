@@ -17,10 +17,11 @@ _EXPORTS = {
     "RewardResult": "envs.rewards",
     "math_reward": "envs.rewards",
     "score_batch": "envs.rewards",
+    "score_with_fns": "envs.rewards",
     "render_prompt": "envs.prompting",
     "DEFAULT_INSTRUCTION": "envs.prompting",
 }
-_MODULES = ("arithmetic", "datasets", "prompting", "problem", "reasoning_env", "rewards")
+_MODULES = ("arithmetic", "datasets", "prompting", "problem", "reasoning_env", "reward_examples", "rewards")
 
 __all__ = sorted(_EXPORTS) + ["arithmetic"]
 
@@ -46,4 +47,4 @@ if TYPE_CHECKING:  # pragma: no cover - for static tools only
     from envs.problem import Problem
     from envs.prompting import DEFAULT_INSTRUCTION, render_prompt
     from envs.reasoning_env import ReasoningEnv
-    from envs.rewards import RewardResult, math_reward, score_batch
+    from envs.rewards import RewardResult, math_reward, score_batch, score_with_fns
