@@ -316,18 +316,23 @@ def _long_tailed_batch(learner, seed=0, n_rows=12):
     return batch
 
 
-@pytest.mark.parametrize("agg,budget,rows,extra_passes", [
-    *[(agg, 24, None, 0) for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
-                                     "seq-mean-token-sum-norm-official")],
-    ("seq-mean-token-mean", 40, 3, 0),
-    ("token-mean", 24, None, 2),
+@pytest.mark.parametrize("agg,budget,rows,extra_passes,packing", [
+    *[(agg, 24, None, 0, True) for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                                           "seq-mean-token-sum-norm-official")],
+    ("seq-mean-token-mean", 24, None, 0, False),
+    ("seq-mean-token-mean", 40, 3, 0, False),
+    ("token-mean", 24, None, 2, True),
 ])
-def test_token_budget_passes_give_the_one_pass_update(quick_tiny_model, monkeypatch, agg, budget, rows, extra_passes):
-    """learner_micro_batch_tokens sorts, packs and trims the passes, and the step's gradient
-    and loss still equal the one-pass learner's; so do empty passes (``extra_passes``: as a
-    data-parallel learner with fewer rows than another runs them)."""
+def test_token_budget_passes_give_the_one_pass_update(quick_tiny_model, monkeypatch, agg, budget, rows, extra_passes,
+                                                      packing):
+    """learner_micro_batch_tokens packs the passes (end to end without padding, or padded,
+    sorted and trimmed), and the step's gradient and loss still equal the one-pass
+    learner's; so do empty passes (``extra_passes``: as a data-parallel learner with fewer
+    rows than another runs them). The KL term (kl_coeff) scores the reference model on the
+    same packed passes."""
     grads, results = [], []
-    for fields in ({}, {"learner_micro_batch_tokens": budget, "learner_micro_batch_rows": rows}):
+    for fields in ({}, {"learner_micro_batch_tokens": budget, "learner_micro_batch_rows": rows,
+                        "learner_sequence_packing": packing}):
         group, learner, _ = _learner(quick_tiny_model, loss_agg_mode=agg, entropy_coeff=0.01, kl_coeff=0.05,
                                      grad_clip=1.0, **fields)
         if fields and extra_passes:
@@ -349,22 +354,50 @@ def test_token_budget_passes_give_the_one_pass_update(quick_tiny_model, monkeypa
     for key in ("policy_loss", "total_loss", "grad_norm_preclip", "ratio_max", "entropy"):
         assert value(cut[key]) == pytest.approx(value(one[key]), rel=1e-4, abs=1e-6), key
     assert value(cut["learner_passes"]) >= 2
-    assert 1.0 <= value(cut["learner_padded_over_real"]) < 1.6
+    if packing:
+        assert value(cut["learner_padded_over_real"]) == 1.0
+    else:
+        assert 1.0 < value(cut["learner_padded_over_real"]) < 1.6
 
 
 def test_token_budget_passes_are_trimmed_to_their_longest_row(quick_tiny_model):
     """What the forward sees: every pass under the budget (or one row), sorted, trimmed."""
     from rllib_exgrpo.core.minibatches import real_lengths
 
-    group, learner, _ = _learner(quick_tiny_model, learner_micro_batch_tokens=24)
-    batch = {DEFAULT_MODULE_ID: {k: torch.as_tensor(v) for k, v in _long_tailed_batch(learner).items()}}
-    passes = learner._micro_batches(batch)
-    seen = 0
-    for chunk in passes:
-        cols = chunk[DEFAULT_MODULE_ID]
-        n, width = cols[C.INPUT_IDS].shape
-        prompt, completion = real_lengths(cols)
-        assert width == prompt.max() + completion.max()  # nothing but the pass's own padding
-        assert n * width <= 24 or n == 1
-        seen += n
-    assert seen == 12
+    for packing in (False, True):
+        group, learner, _ = _learner(quick_tiny_model, learner_micro_batch_tokens=24, learner_sequence_packing=packing)
+        batch = {DEFAULT_MODULE_ID: {k: torch.as_tensor(v) for k, v in _long_tailed_batch(learner).items()}}
+        passes = learner._micro_batches(batch)
+        seen = 0
+        for chunk in passes:
+            cols = chunk[DEFAULT_MODULE_ID]
+            n, width = cols[C.INPUT_IDS].shape
+            prompt, completion = real_lengths(cols)
+            assert width == prompt.max() + completion.max()  # nothing but the pass's own padding
+            if packing:  # and what is computed: the real tokens end to end, within the budget
+                assert cols[C.PACKED_INPUT_IDS].shape == (1, prompt.sum() + completion.sum())
+                assert cols[C.PACKED_INPUT_IDS].shape[1] <= 24 or n == 1
+            else:
+                assert n * width <= 24 or n == 1
+            seen += n
+        assert seen == 12
+
+
+def test_packed_scoring_equals_padded_scoring(quick_tiny_model):
+    """core/packing.py: the rows end to end, positions restarting per row, give each
+    completion token the log-prob and entropy of the padded layout (and 0 where masked)."""
+    from rllib_exgrpo.core.packing import pack_rows, score_packed
+    from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
+
+    group, learner, _ = _learner(quick_tiny_model)
+    model = learner.module[DEFAULT_MODULE_ID].model
+    cols = {k: torch.as_tensor(v) for k, v in _long_tailed_batch(learner).items()}
+    with torch.no_grad():
+        logp, ent = completion_logprobs_and_entropy(model, cols[C.INPUT_IDS], cols[C.ATTENTION_MASK],
+                                                    cols[C.RESPONSE_MASK].shape[1], temperature=0.7)
+        packed = {**cols, **pack_rows(cols)}
+        p_logp, p_ent = score_packed(model, packed, temperature=0.7)
+    mask = cols[C.RESPONSE_MASK] > 0
+    assert packed[C.PACKED_INPUT_IDS].shape[1] == int(cols[C.ATTENTION_MASK].sum())
+    assert torch.allclose(p_logp[mask], logp[mask], atol=1e-5) and torch.allclose(p_ent[mask], ent[mask], atol=1e-5)
+    assert not p_logp[~mask].any() and not p_ent[~mask].any()

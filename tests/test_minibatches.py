@@ -122,3 +122,15 @@ def test_trim_padding_keeps_one_contiguous_slice_for_numpy_and_torch():
         assert np.asarray(out[C.ATTENTION_MASK]).tolist() == [[1, 1, 1, 1], [0, 1, 1, 0]]
         assert np.asarray(out[C.RESPONSE_MASK]).tolist() == [[1, 1], [1, 0]]
         assert np.asarray(out[C.ADVANTAGES]).tolist() == [1, 1]
+
+
+def test_packed_plan_fills_passes_first_fit_decreasing():
+    from rllib_exgrpo.core.minibatches import padded_positions, plan_micro_batches
+
+    prompt = np.array([3, 3, 4, 3, 5, 3])
+    completion = np.array([2, 10, 3, 2, 1, 30])  # row lengths 5, 13, 7, 5, 6, 33
+    passes = plan_micro_batches(prompt, completion, max_tokens=20, packed=True)
+    assert [p.tolist() for p in passes] == [[5], [1, 2], [0, 3, 4]]  # 33 alone; 13 + 7; 6 + 5 + 5
+    assert all((prompt[p] + completion[p]).sum() <= 20 or len(p) == 1 for p in passes)
+    assert padded_positions(prompt, completion, passes, packed=True) == int(prompt.sum() + completion.sum())
+    assert max(len(p) for p in plan_micro_batches(prompt, completion, max_tokens=100, max_rows=2, packed=True)) == 2

@@ -23,3 +23,12 @@ ENTROPY = "entropy"  # [N, R] token entropy of the current policy
 # Keys of an episode's infos / extra model outputs.
 QUESTION_ID = "question_id"
 ACTION_LOGP = "action_logp"  # RLlib's Columns.ACTION_LOGP: per-token behaviour log-probs
+
+# A learner pass packed without padding (``core/packing.py``): the pass's rows laid end to
+# end in one sequence, each restarting its positions at 0 (HF models then attend within a
+# row only: a block-diagonal causal mask, or flash-attention's variable-length kernel).
+PACKED_INPUT_IDS = "packed_input_ids"  # int64 [1, T], T = the pass's real tokens
+PACKED_POSITION_IDS = "packed_position_ids"  # int64 [1, T]
+PACKED_LOGIT_INDEX = "packed_logit_index"  # int64 [K]: positions whose logits predict completion tokens
+PACKED_TARGET_ROW = "packed_target_row"  # int64 [K]: row of each predicted token in the [N, R] layout
+PACKED_TARGET_COL = "packed_target_col"  # int64 [K]: its completion column

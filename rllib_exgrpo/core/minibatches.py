@@ -151,6 +151,7 @@ def plan_micro_batches(
     *,
     max_rows: Optional[int] = None,
     max_tokens: Optional[int] = None,
+    packed: bool = False,
 ) -> List[np.ndarray]:
     """Row indices of each forward/backward pass of one learner's share of a minibatch.
 
@@ -165,7 +166,10 @@ def plan_micro_batches(
       greedily, a pass closed when one more row would take its padded size over
       ``max_tokens`` (or its rows over ``max_rows``). A row longer than the budget alone
       gets a pass of its own. Sorting makes each pass's rows of similar length, so little
-      of a pass is padding (``benchmarks/learner_padding.py``).
+      of a pass is padding (``benchmarks/learner_padding.py``);
+    * ``packed``: the passes are packed without padding (``packing.py``), so a pass costs
+      its rows' real tokens: rows longest first, each into the first pass it fits
+      (first-fit decreasing), which fills passes close to the budget.
     """
     prompt = np.asarray(prompt_tokens, dtype=np.int64)
     completion = np.asarray(completion_tokens, dtype=np.int64)
@@ -175,6 +179,8 @@ def plan_micro_batches(
     if max_tokens is None:
         size = n if max_rows is None else max(1, int(max_rows))
         return [np.arange(start, min(start + size, n)) for start in range(0, n, size)]
+    if packed:
+        return _first_fit_decreasing(prompt + completion, max_tokens, max_rows)
     # Longest completion first (then longest prompt): a pass's width is set by its first row.
     order = np.lexsort((-prompt, -completion))
     passes: List[np.ndarray] = []
@@ -192,9 +198,28 @@ def plan_micro_batches(
     return passes
 
 
+def _first_fit_decreasing(lengths: np.ndarray, max_tokens: int, max_rows: Optional[int]) -> List[np.ndarray]:
+    passes: List[List[int]] = []
+    room: List[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        need = int(lengths[i])
+        for k, left in enumerate(room):
+            if need <= left and (max_rows is None or len(passes[k]) < max_rows):
+                passes[k].append(int(i))
+                room[k] -= need
+                break
+        else:  # a new pass (a row over the budget alone gets one of its own)
+            passes.append([int(i)])
+            room.append(max_tokens - need)
+    return [np.asarray(sorted(p), dtype=np.int64) for p in passes]
+
+
 def padded_positions(prompt_tokens: Sequence[int], completion_tokens: Sequence[int],
-                     passes: Sequence[np.ndarray]) -> int:
+                     passes: Sequence[np.ndarray], packed: bool = False) -> int:
     """Token positions the passes compute: ``sum over passes of rows x (max prompt + max
-    completion)`` (the real tokens are ``sum(prompt) + sum(completion)``)."""
+    completion)`` (the real tokens are ``sum(prompt) + sum(completion)``); packed passes
+    compute exactly the real tokens."""
     prompt, completion = np.asarray(prompt_tokens), np.asarray(completion_tokens)
+    if packed:
+        return int(prompt.sum() + completion.sum())
     return int(sum(len(rows) * (prompt[rows].max() + completion[rows].max()) for rows in passes if len(rows)))

@@ -65,3 +65,18 @@ def score_completions(
     entropy = streamed_entropy(logits) if with_entropy else None
     hidden = out.hidden_states[-1] if with_hidden else None
     return logp, entropy, hidden
+
+
+def score_learner_batch(
+    model, batch: dict, *, temperature: float = 1.0, with_entropy: bool = True
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(logp [N, R], entropy [N, R] or None)`` of a learner pass, padded (``columns.py``)
+    or packed without padding (``packing.py``, when the pass carries packed columns)."""
+    from rllib_exgrpo.core.packing import is_packed, score_packed
+
+    if is_packed(batch):
+        return score_packed(model, batch, temperature=temperature, with_entropy=with_entropy)
+    return completion_logprobs_and_entropy(
+        model, batch["input_ids"], batch["attention_mask"], batch["response_mask"].shape[1],
+        temperature=temperature, with_entropy=with_entropy,
+    )

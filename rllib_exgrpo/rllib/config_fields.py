@@ -329,13 +329,19 @@ _LEARNERS = [
        "None: one pass. Memory only; the loss scale is loss_agg_mode's (official ExGRPO: a "
        "32k-token cap per GPU pass)."),
     _f("learner_micro_batch_tokens", None, optional(integer()),
-       "Token budget of a learner's forward/backward pass, counted as padded positions "
-       "(rows x (longest prompt + longest completion) of the pass), as verl's "
-       "ppo_max_token_len_per_gpu: each learner's share of a minibatch is sorted by length and "
-       "packed into passes under the budget, each trimmed to its own longest row, so a few "
-       "long completions no longer widen every row. A row longer than the budget gets a pass "
-       "of its own. With learner_micro_batch_rows both caps hold. The update equals one pass "
+       "Token budget of a learner's forward/backward pass (token positions computed: the "
+       "rows' tokens when packed, else rows x (longest prompt + longest completion)), as verl's "
+       "ppo_max_token_len_per_gpu: each learner's share of a minibatch is packed into passes "
+       "under the budget (learner_sequence_packing: end to end, no padding; else sorted by "
+       "length and each pass trimmed to its longest row), so a few long completions no longer "
+       "widen every row. A row longer than the budget gets a pass of its own. With learner_micro_batch_rows both caps hold. The update equals one pass "
        "(float tolerance), as with learner_micro_batch_rows. None: passes cut by rows only."),
+    _f("learner_sequence_packing", True, boolean,
+       "With learner_micro_batch_tokens: lay a pass's rows end to end without padding, "
+       "positions restarting per row (transformers attends within a row only: a block-diagonal "
+       "mask, or flash-attention's variable-length kernel), so a pass computes only real "
+       "tokens (verl's remove-padding). False: padded passes of length-sorted rows, each "
+       "trimmed to its longest row (for attention implementations without packed sequences)."),
     _f("learner_backend", "ddp", one_of(LEARNER_BACKENDS),
        "How num_learners >= 2 learners share the work: 'ddp' (RLlib's DistributedDataParallel, "
        "every learner a full copy of model and AdamW state) or 'deepspeed' (one DeepSpeed ZeRO "

@@ -32,9 +32,11 @@ once, as without micro-batches. Metrics of the slices are combined: losses summe
 / ``*_min`` as max / min, the rest weighted by each slice's valid tokens.
 
 Token-budget passes (``learner_micro_batch_tokens``, as verl's ``ppo_max_token_len_per_gpu``):
-the learner's rows are sorted by length and packed into passes whose padded size (rows x
-longest row) stays under the budget, each pass trimmed to its own longest row, so one long
-completion widens only its own pass. The same accumulation makes the update equal to one
+the learner's rows are packed into passes of at most that many tokens, laid end to end
+without padding (``core/packing.py``, ``learner_sequence_packing``: verl's remove-padding);
+or, with packing off, sorted by length into passes whose padded size (rows x longest row)
+stays under the budget, each trimmed to its own longest row. Either way one long completion
+no longer widens every row. The same accumulation makes the update equal to one
 pass. Data-parallel learners agree on the number of passes (a learner with fewer runs empty
 ones) because a forward is a collective under ZeRO-3 and DDP. Logged per update:
 ``learner_passes`` and ``learner_padded_over_real`` (token positions computed / real tokens).
@@ -55,7 +57,7 @@ from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.losses import agg_totals, mixed_policy_loss
 from rllib_exgrpo.core.minibatches import trim_padding
-from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
+from rllib_exgrpo.core.scoring import score_learner_batch
 
 
 class ExGRPOTorchLearner(TorchLearner):
@@ -116,13 +118,8 @@ class ExGRPOTorchLearner(TorchLearner):
         ref_logp = None
         if config.kl_coeff > 0:
             with torch.no_grad(), self.module[module_id].unwrapped().autocast():
-                ref_logp, _ = completion_logprobs_and_entropy(
-                    self._reference_models[module_id],
-                    batch[C.INPUT_IDS],
-                    batch[C.ATTENTION_MASK],
-                    batch[C.RESPONSE_MASK].shape[1],
-                    temperature=config.temperature,
-                    with_entropy=False,
+                ref_logp, _ = score_learner_batch(
+                    self._reference_models[module_id], batch, temperature=config.temperature, with_entropy=False
                 )
         loss, metrics = mixed_policy_loss(
             fwd_out[C.LOGP],
@@ -190,21 +187,25 @@ class ExGRPOTorchLearner(TorchLearner):
         learner with fewer passes runs empty ones (:meth:`_empty_pass`, no gradient)."""
         from rllib_exgrpo.core.minibatches import padded_positions, plan_micro_batches, real_lengths
 
+        from rllib_exgrpo.core.packing import pack_rows
+
         max_rows = getattr(self.config, "learner_micro_batch_rows", None)
         max_tokens = getattr(self.config, "learner_micro_batch_tokens", None)
+        packed = bool(max_tokens) and bool(getattr(self.config, "learner_sequence_packing", True))
         rows = {mid: int(b[C.RESPONSE_MASK].shape[0]) for mid, b in batch.items() if C.RESPONSE_MASK in b}
         if not (max_rows or max_tokens) or not rows:
             return None
         plans = {}
         for mid in rows:
             prompt, completion = real_lengths(batch[mid])
-            plans[mid] = plan_micro_batches(prompt, completion, max_rows=max_rows, max_tokens=max_tokens)
+            plans[mid] = plan_micro_batches(prompt, completion, max_rows=max_rows, max_tokens=max_tokens,
+                                            packed=packed)
             real = float(prompt.sum() + completion.sum()) or 1.0
             self.metrics.log_value((mid, "learner_passes"), float(len(plans[mid])), window=1)
             self.metrics.log_value((mid, "learner_padded_over_real"),
-                                   padded_positions(prompt, completion, plans[mid]) / real, window=1)
+                                   padded_positions(prompt, completion, plans[mid], packed) / real, window=1)
         count = self._agreed_pass_count(max(len(p) for p in plans.values()))
-        if count <= 1:
+        if count <= 1 and not packed:
             return None
 
         def take(columns, n: int, index: np.ndarray) -> Dict[str, Any]:
@@ -213,7 +214,8 @@ class ExGRPOTorchLearner(TorchLearner):
                 if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n:
                     v = v[torch.as_tensor(index, device=v.device)]
                 picked[k] = v
-            return trim_padding(picked)
+            picked = trim_padding(picked)
+            return {**picked, **pack_rows(picked)} if packed else picked
 
         passes = []
         for i in range(count):

@@ -18,7 +18,7 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 
 from rllib_exgrpo.core import columns as C
-from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
+from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy, score_learner_batch
 from rllib_exgrpo.core.tokens import position_ids_from_mask
 from rllib_exgrpo.models.loading import load_causal_lm, resolve_dtype
 
@@ -105,13 +105,6 @@ class LLMTorchRLModule(TorchRLModule):
         return {Columns.ACTION_DIST_INPUTS: out.logits[:, -1, :] / self.temperature}
 
     def _forward_train(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
-        response_len = batch[C.RESPONSE_MASK].shape[1]
-        with self.autocast():
-            logp, entropy = completion_logprobs_and_entropy(
-                self.model,
-                batch[C.INPUT_IDS],
-                batch[C.ATTENTION_MASK],
-                response_len,
-                temperature=self.temperature,
-            )
+        with self.autocast():  # a padded or a packed pass (core/packing.py)
+            logp, entropy = score_learner_batch(self.model, batch, temperature=self.temperature)
         return {C.LOGP: logp, C.ENTROPY: entropy}
