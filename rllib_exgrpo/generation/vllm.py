@@ -44,8 +44,10 @@ that lives in the env runner's process next to the runner's RLModule.
   :func:`rllib_exgrpo.rllib.module.completion_logprobs_and_entropy`, the learner's own function:
   vLLM's ``prompt_logprobs`` give log-probs but no entropies. The module copy on the runner
   holds the same weights as the engine: the runner's ``set_state`` loads new weights into
-  the module first and then calls :meth:`VLLMGenerationBackend.load_weights` with the same
-  state. (On a GPU, leave room for that module: lower ``gpu_memory_utilization``.)
+  the module first and then calls :meth:`VLLMGenerationBackend.load_weights` with the
+  module's own tensors (``module.state_dict()``, no copy), so the engine is loaded once per
+  sync, in the module's dtype, and the synced state is never copied or kept here. (On a
+  GPU, leave room for that module: lower ``gpu_memory_utilization``.)
 
 * **Weight sync** (``load_weights``): the RLModule's state dict has the HF model's tensors
   under ``model.`` (the module attribute); the prefix is stripped, entries that are not
@@ -427,8 +429,10 @@ class VLLMGenerationBackend:
     def load_weights(self, state_dict: Dict[str, Any]) -> None:
         """Push an RLModule (or HF) state dict into the running engine.
 
-        Before the engine exists there is nothing to do: it starts from the module's
-        weights when it is built.
+        The env runner passes its module's own ``state_dict()`` (live tensors: nothing is
+        copied on the way in; the engine's loader copies into its weights). Before the
+        engine exists there is nothing to do: it starts from the module's weights when it
+        is built.
         """
         if self.llm is None:
             return

@@ -205,10 +205,24 @@ class ExGRPO(Algorithm):
             heldout_env = ReasoningEnv(self._heldout_env_config())
             self._heldout_ids = [p.id for p in heldout_env.problems][: cfg.heldout_num_questions]
         self._pad_id = self._tokenizer_pad_id()
+        # The local runner keeps no copy of synced weights while it has no module: it
+        # fetches them from the learners if it ever needs one (LLMEnvRunner.weights_source).
+        local = self.env_runner_group.local_env_runner
+        if isinstance(local, LLMEnvRunner):
+            local.weights_source = self._learner_module_state
         # Remote runners build their module lazily; give them the learner's weights now.
         self.env_runner_group.sync_weights(
             from_worker_or_learner_group=self.learner_group, inference_only=True
         )
+
+    def _learner_module_state(self) -> dict:
+        """The learner's weights as a weight sync ships them (inference-only)."""
+        from ray.rllib.core import COMPONENT_LEARNER, COMPONENT_RL_MODULE
+
+        state = self.learner_group.get_state(
+            components=f"{COMPONENT_LEARNER}/{COMPONENT_RL_MODULE}", inference_only=True
+        )
+        return state[COMPONENT_LEARNER]
 
     def _heldout_env_config(self) -> dict:
         cfg = self.config

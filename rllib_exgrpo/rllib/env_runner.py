@@ -15,6 +15,14 @@ into one ``generate`` call, G completions each. This runner
 The module (hence the model) is built lazily, at the first sample or weight sync, so a
 runner that only answers ``get_spaces`` costs no model memory.
 
+Weight syncs keep no copy of the weights: a runner with a module (every remote runner, or
+the local one when there are no remote runners) loads them into its module, and its
+generation backend takes them from the module's own tensors; the local runner of an
+algorithm with remote runners, which has no module, keeps nothing: if it is ever asked to
+sample, it builds its module then and fetches the current weights from its
+``weights_source`` (set by ``ExGRPO``; without one it keeps the last synced state, as
+RLlib's runners do).
+
 Settings: the runner reads its LLM settings (model, G, token limits, sampling) through
 :class:`RunnerSettings`, so that it serves ``ExGRPOConfig`` (whose fields they are) and any
 other ``AlgorithmConfig``, e.g. RLlib's own ``PPOConfig``, which takes them from the RL
@@ -182,6 +190,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.module = None
         self.backend = None
         self._pending_module_state = None
+        #: A callable returning the current module state as a sync brings it
+        #: (``{"rl_module": ..., "weights_seq_no": ...}``); lets a runner without a module
+        #: keep no copy of synced weights (see the module docstring).
+        self.weights_source = None
+        self._weights_dropped = False
         self._weights_seq_no = 0
         self._stop_token_ids = None
 
@@ -220,8 +233,13 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.module.to(runner_device(self.config))
         self.module.eval()
         if self._pending_module_state is not None:
-            self.module.set_state(self._pending_module_state)
-            self._pending_module_state = None
+            pending, self._pending_module_state = self._pending_module_state, None
+            self.module.set_state(pending)
+            del pending
+        elif self._weights_dropped:
+            # Weights were synced while this runner had no module: fetch them now.
+            self._weights_dropped = False
+            self._load_module_state(self.weights_source())
         self.backend = self._make_backend()
 
     def _make_backend(self):
@@ -429,6 +447,14 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def get_state(self, components=None, *, not_components=None, **kwargs):
         state = {NUM_ENV_STEPS_SAMPLED_LIFETIME: self.num_env_steps_sampled_lifetime}
         if self._check_component(COMPONENT_RL_MODULE, components, not_components):
+            if components is None and self.module is None and self.weights_source is not None \
+                    and not self._samples_here():
+                # The whole state of a runner without a module (an algorithm's local
+                # runner; RLlib's restore_env_runners asks for it): no weights, rather than
+                # a model built on the driver for them. The restored runners get the
+                # learner's weights from the algorithm's sync. Asked for explicitly, the
+                # module is built and fetches the current weights.
+                return state
             self._ensure_module()
             state[COMPONENT_RL_MODULE] = self.module.get_state(**kwargs)
             state[WEIGHTS_SEQ_NO] = self._weights_seq_no
@@ -441,15 +467,39 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
                 module_state = state[COMPONENT_RL_MODULE]
                 if isinstance(module_state, dict) and DEFAULT_MODULE_ID in module_state:
                     module_state = module_state[DEFAULT_MODULE_ID]
-                if self.module is None:
+                if self.module is not None:
+                    self._load_module_state(module_state)
+                elif self._samples_here():
+                    # It will sample: build the module now and load straight into it.
+                    self.make_module()
+                    self._load_module_state(module_state)
+                elif self.weights_source is None:
                     self._pending_module_state = module_state
                 else:
-                    self.module.set_state(module_state)
-                    self.backend.load_weights(module_state)
+                    # No module, and the weights can be fetched if one is ever built:
+                    # keep no copy (see the module docstring).
+                    self._pending_module_state = None
+                    self._weights_dropped = True
             if seq_no > 0:
                 self._weights_seq_no = seq_no
         if NUM_ENV_STEPS_SAMPLED_LIFETIME in state:
             self.num_env_steps_sampled_lifetime = state[NUM_ENV_STEPS_SAMPLED_LIFETIME]
+
+    def _samples_here(self) -> bool:
+        """Whether this runner samples in training: a remote runner, or the local one
+        of an algorithm without remote runners."""
+        return bool(self.worker_index) or not (self.config.num_env_runners or 0)
+
+    def _load_module_state(self, module_state) -> None:
+        """New weights into the module, then into the generation backend from the
+        module's own tensors (the backend never gets another copy of the state)."""
+        if isinstance(module_state, dict) and COMPONENT_RL_MODULE in module_state:
+            module_state = module_state[COMPONENT_RL_MODULE]
+        if isinstance(module_state, dict) and DEFAULT_MODULE_ID in module_state:
+            module_state = module_state[DEFAULT_MODULE_ID]
+        self.module.set_state(module_state)
+        if self.backend is not None:
+            self.backend.load_weights(self.module.state_dict())
 
     def get_ctor_args_and_kwargs(self):
         return ((), {"config": self.config})

@@ -23,9 +23,61 @@ from rllib_exgrpo.core.tokens import position_ids_from_mask
 from rllib_exgrpo.models.loading import load_causal_lm, resolve_dtype
 
 
+def _as_tensor(value) -> torch.Tensor:
+    """A module-state value as a tensor of its own dtype, without a copy where possible."""
+    if torch.is_tensor(value):
+        return value.detach()
+    import warnings
+
+    import numpy as np
+
+    arr = np.asarray(value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only (object store) arrays
+        return torch.from_numpy(arr) if arr.dtype.kind in "biufc" else torch.as_tensor(arr)
+
+
+def _bf16_from_bits(bits) -> torch.Tensor:
+    """A bfloat16 tensor over the 16-bit integers ``bits`` (numpy), without a copy: what a
+    :class:`ShippedBF16` becomes when unpickled. Out of Ray's object store ``bits`` is a
+    read-only view of shared memory, so the tensor is too: it is read (``load_state_dict``,
+    the engine's loader), never written in place."""
+    import warnings
+
+    with warnings.catch_warnings():
+        # torch.from_numpy warns once about non-writable arrays (Ray's zero-copy buffers).
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(bits)
+    return t.view(torch.bfloat16).as_subclass(ShippedBF16)
+
+
+class ShippedBF16(torch.Tensor):
+    """A bfloat16 CPU tensor of a module state that pickles as a numpy ``int16`` array of
+    the same bits (2 bytes a parameter).
+
+    numpy arrays travel through Ray's object store out of band: the receiver's tensor is a
+    view of the object store's shared memory, not a copy, and re-putting it (the driver
+    forwards a learner's state to the env runners) stays zero-copy. A plain torch tensor
+    pickles through a ``bytes`` copy of its storage instead, twice (``bytes``, then a new
+    storage) on the way in. Everything else about it is a plain bfloat16 tensor
+    (``load_state_dict``, ``set_state``, checkpoints written with pickle read it back as
+    one). Operations on it return plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __reduce_ex__(self, protocol):
+        plain = self.as_subclass(torch.Tensor)
+        if plain.dtype != torch.bfloat16 or plain.device.type != "cpu" or not plain.is_contiguous():
+            return plain.__reduce_ex__(protocol)
+        return _bf16_from_bits, (plain.view(torch.int16).numpy(),)
+
+    def __deepcopy__(self, memo):
+        return self.as_subclass(torch.Tensor).clone().as_subclass(ShippedBF16)
+
+
 def shippable(tensor: torch.Tensor, dtype: Optional[torch.dtype] = None):
     """One module-state value as it leaves a process (weight sync, checkpoint): a CPU numpy
-    array where numpy has the dtype, else (bfloat16) a CPU torch tensor in that dtype.
+    array where numpy has the dtype, else (bfloat16) a :class:`ShippedBF16` CPU tensor.
 
     RLlib's ``TorchRLModule.get_state`` calls ``.numpy()`` on every tensor, which raises on
     bfloat16; converting to float32 instead would double the bytes of every sync and
@@ -35,7 +87,7 @@ def shippable(tensor: torch.Tensor, dtype: Optional[torch.dtype] = None):
     # A copy, never a view of live parameters: a state is a snapshot (RLlib's own
     # conversion copies too), and a CPU tensor's .numpy() would share its memory.
     t = tensor.detach().to("cpu", dtype=dtype or tensor.dtype, copy=True)
-    return t if t.dtype == torch.bfloat16 else t.numpy()
+    return t.as_subclass(ShippedBF16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 class LLMTorchRLModule(TorchRLModule):
@@ -85,6 +137,21 @@ class LLMTorchRLModule(TorchRLModule):
                      if not any(k == a or k.startswith(a + ".") for a in skip)}
         cast = self.compute_dtype if inference_only else None
         return {key: shippable(value, cast) for key, value in state.items()}
+
+    def set_state(self, state) -> None:
+        """Load weights in place, each value as it comes (RLlib's ``set_state`` first
+        converts every floating tensor to float32: a bf16 state would be copied, at twice
+        its size, before ``load_state_dict`` copies it into the parameters). numpy arrays
+        are wrapped without a copy; ``load_state_dict`` casts to the parameters' dtype.
+        As RLlib's: extra keys are ignored, and an inference-only module must get all of
+        its own."""
+        tensors = {key: _as_tensor(value) for key, value in state.items()}
+        missing, _ = self.load_state_dict(tensors, strict=False)
+        if self.inference_only and missing:
+            raise ValueError(
+                f"Updating the module's state is missing keys: {list(missing)} (the state comes "
+                f"from a different architecture?); its keys are {list(state)[:5]}..."
+            )
 
     def _forward(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
         """Next-token logits at the end of each (left-padded) prompt.

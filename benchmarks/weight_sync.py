@@ -1,0 +1,204 @@
+"""Weight sync from the learner to the env runners: bytes shipped, memory, time.
+
+    python benchmarks/weight_sync.py [--layers 20] [--hidden 1024] [--syncs 3]
+
+Builds a randomly initialised Qwen2 model (no download: the config is written here, the
+tokenizer is the embedded tiny one; 20 layers x 1024 wide = 226 M parameters) in bf16,
+then an ExGRPO algorithm with that model (`model_dtype: bfloat16`), one local learner and
+2 remote env runners on CPU. Each measured sync is the algorithm's own call,
+``env_runner_group.sync_weights(from_worker_or_learner_group=learner_group,
+inference_only=True)``, as ``ExGRPO.training_step`` makes it, with ``timeout_seconds=None``
+so that the call returns when every runner has loaded the weights.
+
+* **bytes_per_param**: the size of the object the sync puts into Ray's object store (the
+  one copy every runner reads; ``ray.experimental.get_object_locations`` -> object_size),
+  over the model's parameter count.
+* **extra_copies**: each runner's peak resident memory during the sync above its resident
+  memory just before it, in model sizes (the runner's own model: parameter count x bytes
+  of its dtype). The peak is the kernel's high-water mark (``VmHWM`` of
+  ``/proc/<pid>/status``), reset right before the sync (``echo 5 > /proc/self/clear_refs``),
+  so a transient peak cannot be missed between samples. It counts every page the runner
+  touches: its own allocations, and the object-store pages of the synced state it reads
+  (shared by the runners, counted in each runner's RSS while mapped). The worst runner of
+  the worst sync is reported.
+  Ray maps its object store into every worker once; pages a runner touched in an earlier
+  sync stay resident, so in the steady state reading the synced state adds no resident
+  memory, and the delta is what the runner allocates itself (``--plain-tensors`` shows
+  what the measure catches when the state arrives as a copy). The object store holds one
+  copy of the state per sync, shared by all runners, freed when the sync returns.
+* **seconds**: the wall time of the sync call (median over the syncs).
+
+The local env runner on the driver is checked to hold no copy of the weights after the
+syncs (no module, no pending state).
+
+The last line is ``bytes_per_param=X extra_copies=Y seconds=Z``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
+
+
+def build_model(folder: Path, layers: int, hidden: int) -> int:
+    """A random bf16 Qwen2 saved to ``folder`` with the embedded tokenizer; its size."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from rllib_exgrpo.models import resolve_model_path
+
+    tok_dir = resolve_model_path("rehearsal:qwen2")
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    tokenizer.save_pretrained(str(folder))
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=int(hidden * 2.75),
+        num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+        max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    return n
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def runner_before(runner) -> dict:
+    """On a runner: its model's bytes and resident memory; reset the high-water mark."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the OS: an honest baseline
+    params = list(runner.module.model.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in params)
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    return {"model_bytes": model_bytes, "rss_kb": _status_kb("VmRSS"), "shmem_kb": _status_kb("RssShmem"),
+            "pid": os.getpid()}
+
+
+def runner_after(runner) -> dict:
+    return {"hwm_kb": _status_kb("VmHWM"), "rss_after_kb": _status_kb("VmRSS"),
+            "seq_no": runner._weights_seq_no,
+            "dtype": str(next(runner.module.model.parameters()).dtype)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--syncs", type=int, default=3)
+    parser.add_argument("--plain-tensors", action="store_true",
+                        help="check of the measure: ship bf16 as plain torch tensors (pickled through "
+                             "bytes) instead of zero-copy")
+    args = parser.parse_args()
+    if args.plain_tensors:
+        import torch
+
+        from rllib_exgrpo.rllib.module import ShippedBF16
+
+        ShippedBF16.__reduce_ex__ = lambda self, proto: self.as_subclass(torch.Tensor).__reduce_ex__(proto)
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    work = Path(tempfile.mkdtemp(prefix="weight_sync_"))
+    try:
+        t0 = time.perf_counter()
+        n_params = build_model(work / "model", args.layers, args.hidden)
+        print(f"model: random Qwen2, {args.layers} layers x {args.hidden}, {n_params / 1e6:.1f} M parameters, "
+              f"bf16 ({n_params * 2 / 2**20:.0f} MiB); built in {time.perf_counter() - t0:.1f} s", flush=True)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=2 * 2**30, _temp_dir=str(work / "ray"),
+                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+        from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
+
+        config = (
+            ExGRPOConfig()
+            .environment("envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
+            .training(model_name_or_path=str(work / "model"), model_dtype="bfloat16", questions_per_step=2,
+                      group_size=2, max_prompt_tokens=64, max_response_tokens=4, minibatch_size=4)
+            .env_runners(num_env_runners=2, num_cpus_per_env_runner=1)
+            .learners(num_learners=0)
+        )
+        t0 = time.perf_counter()
+        algo = config.build_algo()
+        print(f"algorithm built (1 local learner, 2 env runners) in {time.perf_counter() - t0:.1f} s", flush=True)
+        group = algo.env_runner_group
+        ids = group.healthy_worker_ids()
+
+        # The size of what each sync puts into the object store (the driver's ray.put).
+        put_sizes = []
+        real_put = ray.put
+
+        def measured_put(value, *a, **k):
+            ref = real_put(value, *a, **k)
+            loc = ray.experimental.get_object_locations([ref]).get(ref, {})
+            put_sizes.append(int(loc.get("object_size") or 0))
+            return ref
+
+        def sync():
+            group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True,
+                               timeout_seconds=None)
+
+        sync()  # warm-up: allocator and object store in their steady state
+        rows, seconds = [], []
+        for i in range(args.syncs):
+            before = group.foreach_env_runner(runner_before, local_env_runner=False, remote_worker_ids=ids)
+            put_sizes.clear()
+            ray.put = measured_put
+            try:
+                t0 = time.perf_counter()
+                sync()
+                seconds.append(time.perf_counter() - t0)
+            finally:
+                ray.put = real_put
+            after = group.foreach_env_runner(runner_after, local_env_runner=False, remote_worker_ids=ids)
+            for wid, b, a in zip(ids, before, after):
+                extra = (a["hwm_kb"] - b["rss_kb"]) * 1024 / b["model_bytes"]
+                rows.append(dict(sync=i + 1, runner=wid, extra=extra, **b, **a, shipped=sum(put_sizes)))
+                print(f"sync {i + 1}, runner {wid}: {sum(put_sizes) / n_params:.3f} bytes/param shipped, "
+                      f"RSS {b['rss_kb'] / 1024:.0f} MiB before ({b['shmem_kb'] / 1024:.0f} MiB of it shared), peak +{(a['hwm_kb'] - b['rss_kb']) / 1024:.0f} MiB "
+                      f"= {extra:.2f} model sizes (model {b['model_bytes'] / 2**20:.0f} MiB, {a['dtype']}), "
+                      f"weights seq no {a['seq_no']}, {seconds[-1]:.2f} s", flush=True)
+        local = group.local_env_runner
+        local_holds = local.module is not None or local._pending_module_state is not None
+        print(f"local env runner after the syncs: module={'yes' if local.module is not None else 'no'}, "
+              f"pending state={'yes' if local._pending_module_state is not None else 'no'}")
+        bytes_per_param = max(r["shipped"] for r in rows) / n_params
+        extra_copies = max(r["extra"] for r in rows)
+        out = ROOT / "benchmarks" / "out"
+        out.mkdir(exist_ok=True)
+        (out / "weight_sync.json").write_text(json.dumps(
+            {"n_params": n_params, "rows": rows, "seconds": seconds, "local_runner_holds_weights": local_holds},
+            indent=1))
+        algo.stop()
+        ray.shutdown()
+        if local_holds:
+            print("WARNING: the local env runner holds a copy of the weights")
+        print(f"bytes_per_param={bytes_per_param:.3f} extra_copies={extra_copies:.2f} "
+              f"seconds={statistics.median(seconds):.2f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
