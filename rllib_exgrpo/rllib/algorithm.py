@@ -545,6 +545,23 @@ class ExGRPO(Algorithm):
         )
 
     # ---- checkpoints -----------------------------------------------------------------
+    def save_to_path(self, path=None, *, state=None, filesystem=None, use_msgpack: bool = False) -> str:
+        """RLlib's checkpoint, written atomically on a local path: everything (learner state
+        and optimiser shards, env runner state, this algorithm's sampler, experience pool and
+        RNG streams) goes into a temporary folder beside ``path`` that is renamed into place
+        when complete, so a run killed mid-save keeps its previous checkpoint intact."""
+        from rllib_exgrpo.rllib.checkpointing import atomic_folder
+
+        local = path is not None and (filesystem is None or type(filesystem).__name__ == "LocalFileSystem")
+        if local and "://" in str(path):
+            local = str(path).startswith("file://")
+            path = str(path)[len("file://"):] if local else path
+        if not local:
+            return super().save_to_path(path, state=state, filesystem=filesystem, use_msgpack=use_msgpack)
+        with atomic_folder(path) as tmp:
+            super().save_to_path(str(tmp), state=state, filesystem=filesystem, use_msgpack=use_msgpack)
+        return str(path)
+
     def get_state(self, components=None, *, not_components=None, **kwargs):
         state = super().get_state(components, not_components=not_components, **kwargs)
         state[STATE_KEY] = {

@@ -57,7 +57,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ray.rllib.core import COMPONENT_RL_MODULE
+from ray.rllib.core import COMPONENT_OPTIMIZER, COMPONENT_RL_MODULE
 from ray.rllib.core.learner.learner import DEFAULT_OPTIMIZER
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
@@ -66,6 +66,7 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
+from rllib_exgrpo.rllib import checkpointing
 from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
 from rllib_exgrpo.rllib.module import shippable
 
@@ -296,6 +297,18 @@ def _cpu_copy(obj):
     return obj
 
 
+def _local_path(filesystem, path) -> None:
+    """Optimiser shards are written and read with local file operations."""
+    if filesystem is not None:
+        import pyarrow.fs
+
+        if not isinstance(filesystem, pyarrow.fs.LocalFileSystem):
+            raise NotImplementedError(
+                f"DeepSpeed optimizer shards need a local (or mounted) checkpoint path, got {type(filesystem).__name__} "
+                f"for {path}"
+            )
+
+
 class _TrainForward(torch.nn.Module):
     """What the engine wraps: the RLModule, called through ``forward_train``; going through
     ``engine(batch)`` fires the hooks ZeRO-3 gathers parameters with."""
@@ -398,6 +411,11 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
         self._ds_peers: Optional[list] = None
         self._ds_dtypes: Dict[str, Dict[str, torch.dtype]] = {}
         self._ds_keep_step = False
+        #: get_state gathers every rank's optimiser shard only when the optimiser is asked
+        #: for by name (in-memory use); otherwise the state names the shards, which
+        #: save_to_path has each rank write itself.
+        self._ds_gather_optimizer = False
+        self._ds_shards_to_load: Optional[Dict[str, Any]] = None
         # ExGRPO's build: threads, RLlib's module and AdamW, the frozen KL reference (a
         # deep copy of the full model, taken before any partitioning).
         super().build()
@@ -584,6 +602,16 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
 
     # ---- optimizer state -----------------------------------------------------------------
     def _get_optimizer_state(self) -> Dict[str, Any]:
+        """In a checkpoint (and any state not asking for the optimiser by name): a manifest,
+        ``{"deepspeed_sharded": {module_id: {zero_stage, world_size}}}``; each rank writes
+        its own shard beside it (``save_to_path``). Asked for by name
+        (``get_state(components="optimizer")``): every rank's shard, gathered here through
+        Ray (in memory: tests, debugging)."""
+        if not self._ds_gather_optimizer:
+            return {"deepspeed_sharded": {
+                mid: {"zero_stage": _zero_stage(engine), "world_size": dist.get_world_size()}
+                for mid, engine in self._engines.items()
+            }}
         shards = {
             mid: {
                 "zero_stage": _zero_stage(engine),
@@ -594,7 +622,39 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
         }
         return {"deepspeed": shards}
 
+    def _check_shard_layout(self, mid, entry) -> None:
+        engine = self._engines[mid]
+        stage, world = _zero_stage(engine), dist.get_world_size()
+        if entry["zero_stage"] != stage or entry["world_size"] != world:
+            raise ValueError(
+                f"module {mid!r}: the checkpoint holds ZeRO-{entry['zero_stage']} optimizer shards of "
+                f"{entry['world_size']} learner(s); this run has ZeRO-{stage} with {world}. Restore with the "
+                "same deepspeed_zero_stage and num_learners (re-sharding is not supported)"
+            )
+
+    def _load_zero_state(self, mid, own: Dict[str, Any], read_rank=None) -> None:
+        """This rank's ZeRO optimiser state into its engine. DeepSpeed's rigid (default)
+        layout reads only the own rank's entry of the list; an elastic one reads all ranks'
+        (``read_rank(r)`` gives rank r's)."""
+        engine = self._engines[mid]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if getattr(engine.optimizer, "elastic_checkpoint", False) and world > 1:
+            if read_rank is None:
+                raise ValueError("zero_optimization.elastic_checkpoint needs every rank's shard")
+            shards = [own if r == rank else read_rank(r) for r in range(world)]
+        else:
+            shards = [own if r == rank else None for r in range(world)]
+        engine.optimizer.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=True)
+
     def _set_optimizer_state(self, state: Dict[str, Any]) -> None:
+        if "deepspeed_sharded" in state:
+            # A manifest: the shards are files beside the state (restore_from_path reads this
+            # rank's); in memory (set_state(get_state()) on the same learners) nothing moves.
+            for mid, entry in state["deepspeed_sharded"].items():
+                if mid in self._engines:
+                    self._check_shard_layout(mid, entry)
+            self._ds_shards_to_load = state["deepspeed_sharded"]
+            return
         if "deepspeed" not in state:
             if state:
                 logger.warning(
@@ -602,20 +662,105 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
                     "restored, optimizer state (AdamW moments, step) starts afresh"
                 )
             return
+        rank = dist.get_rank()
         for mid, entry in state["deepspeed"].items():
-            engine = self._engines.get(mid)
-            if engine is None:
+            if mid not in self._engines:
                 continue
-            stage, world = _zero_stage(engine), dist.get_world_size()
-            if entry["zero_stage"] != stage or entry["world_size"] != world:
-                raise ValueError(
-                    f"module {mid!r}: the checkpoint holds ZeRO-{entry['zero_stage']} optimizer shards of "
-                    f"{entry['world_size']} learner(s); this run has ZeRO-{stage} with {world}. Restore with the "
-                    "same deepspeed_zero_stage and num_learners (re-sharding is not supported)"
-                )
-            engine.optimizer.load_state_dict(
-                copy.deepcopy(entry["shards"]), load_optimizer_states=True, load_from_fp32_weights=True
+            self._check_shard_layout(mid, entry)
+            shards = entry["shards"]
+            # Only this rank's shard is copied (the engine adopts the tensors it is given).
+            self._load_zero_state(mid, copy.deepcopy(shards[rank]), lambda r: copy.deepcopy(shards[r]))
+
+    # ---- sharded checkpoints -----------------------------------------------------------------
+    def _ds_write_own_shards(self, folder: str) -> int:
+        """This rank's ZeRO optimiser state, as the optimiser holds it (no copy first), to
+        ``folder/<module id>/rank_<r>_of_<n>.pt``; returns the bytes written."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        written = 0
+        for mid, engine in self._engines.items():
+            written += checkpointing.save_shard(
+                engine.optimizer.state_dict(), checkpointing.shard_file(folder, mid, rank, world)
             )
+        return written
+
+    def _ds_node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def _ds_own_shard_states(self) -> Dict[str, Any]:
+        """This rank's optimiser state dicts (returned through Ray to a writer on another node)."""
+        return {mid: engine.optimizer.state_dict() for mid, engine in self._engines.items()}
+
+    def _write_optimizer_shards(self, learner_folder: pathlib.Path) -> None:
+        """Every rank's shard into ``learner_folder/optimizer_shards`` (written under a
+        temporary name, renamed when all are in). Ranks on this node write their own, at the
+        same time; a rank on another node hands its state to this one, one rank at a time."""
+        import ray
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        with checkpointing.atomic_folder(learner_folder / checkpointing.SHARD_FOLDER) as tmp:
+            local_refs, remote = [], []
+            if self._ds_peers:
+                here = self._ds_node_ip()
+                ips = ray.get([h._ds_node_ip.remote() for r, h in enumerate(self._ds_peers) if r != rank],
+                              timeout=GATHER_TIMEOUT_S)
+                others = [(r, h) for r, h in enumerate(self._ds_peers) if r != rank]
+                for (r, h), ip in zip(others, ips):
+                    if ip == here:
+                        local_refs.append(h._ds_write_own_shards.remote(str(tmp)))
+                    else:
+                        remote.append((r, h))
+            self._ds_write_own_shards(str(tmp))
+            ray.get(local_refs, timeout=GATHER_TIMEOUT_S)
+            for r, h in remote:
+                states = ray.get(h._ds_own_shard_states.remote(), timeout=GATHER_TIMEOUT_S)
+                for mid, sd in states.items():
+                    checkpointing.save_shard(sd, checkpointing.shard_file(tmp, mid, r, world))
+                del states
+
+    def _read_optimizer_shards(self, learner_folder: pathlib.Path) -> None:
+        """This rank's shard (only) from ``learner_folder/optimizer_shards``."""
+        manifest, self._ds_shards_to_load = self._ds_shards_to_load, None
+        folder = learner_folder / checkpointing.SHARD_FOLDER
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for mid in manifest:
+            if mid not in self._engines:
+                continue
+            device = next(self._engines[mid].module.parameters()).device
+
+            def read(r, mid=mid):
+                path = checkpointing.shard_file(folder, mid, r, world)
+                if not path.is_file():
+                    raise FileNotFoundError(f"optimizer shard {path} missing from the checkpoint")
+                return checkpointing.load_shard(path, map_location=device)
+
+            self._load_zero_state(mid, read(rank), read)
+
+    def save_to_path(self, path=None, *, state=None, filesystem=None, use_msgpack: bool = False) -> str:
+        """RLlib's layout (state file, ``rl_module/`` with the full weights), plus each
+        rank's ZeRO optimiser shard in ``optimizer_shards/`` (``docs/deepspeed.md``)."""
+        path = super().save_to_path(path, state=state, filesystem=filesystem, use_msgpack=use_msgpack)
+        if self._engines:
+            saved = state if state is not None else None
+            sharded = saved is None or "deepspeed_sharded" in (saved.get(COMPONENT_OPTIMIZER) or {})
+            if sharded:
+                _local_path(filesystem, path)
+                self._write_optimizer_shards(pathlib.Path(path))
+        return path
+
+    def restore_from_path(self, path, *, component=None, filesystem=None, **kwargs) -> None:
+        self._ds_shards_to_load = None
+        super().restore_from_path(path, component=component, filesystem=filesystem, **kwargs)
+        if self._engines and self._ds_shards_to_load is not None:
+            # Each learner reads its own shard (RLlib restores every learner from the path).
+            p = str(path if not isinstance(path, pathlib.Path) else path.as_posix())
+            if filesystem is None:
+                import pyarrow.fs
+
+                filesystem, p = pyarrow.fs.FileSystem.from_uri(p)
+            _local_path(filesystem, p)
+            self._read_optimizer_shards(pathlib.Path(p))
 
     # ---- RLlib's state API -----------------------------------------------------------------
     def get_state(self, components=None, *, not_components=None, **kwargs):
@@ -623,9 +768,15 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
         if not self._engines:
             return super().get_state(components, not_components=not_components, **kwargs)
         want_module = self._check_component(COMPONENT_RL_MODULE, components, not_components)
-        state = super().get_state(
-            components, not_components=force_list(not_components) + [COMPONENT_RL_MODULE], **kwargs
+        self._ds_gather_optimizer = components is not None and any(
+            c == COMPONENT_OPTIMIZER or c.startswith(COMPONENT_OPTIMIZER + "/") for c in force_list(components)
         )
+        try:
+            state = super().get_state(
+                components, not_components=force_list(not_components) + [COMPONENT_RL_MODULE], **kwargs
+            )
+        finally:
+            self._ds_gather_optimizer = False
         if want_module:
             sub = self._get_subcomponents(COMPONENT_RL_MODULE, components)
             not_sub = self._get_subcomponents(COMPONENT_RL_MODULE, not_components)
