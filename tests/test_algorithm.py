@@ -107,18 +107,41 @@ def test_checkpoint_restores_buffer_and_training_continues(algo, tmp_path):
 
 @pytest.mark.slow
 def test_remote_env_runners_and_xrpo(quick_tiny_model):
+    """Two remote runners: XRPO's planner, seeding and sharpening, and ExGRPO's replay
+    choice scored on both runners at once (a pool seeded with medium-bucket questions)."""
     cfg = small_config(
-        quick_tiny_model, xrpo_planner=True, planner_n0=2, novelty_sharpening=True, icl_seeding=True
+        quick_tiny_model, xrpo_planner=True, planner_n0=2, novelty_sharpening=True, icl_seeding=True,
+        delayed_start_solve_rate=0.0,
     ).env_runners(num_env_runners=2, num_cpus_per_env_runner=0.5)
     a = cfg.build_algo()
     try:
+        ids = a.sampler.question_ids
+        seeded = [
+            Trajectory(qid, np.array([3, 4]), np.array([20 + 10 * q + i, 7] + [9] * i), np.full(2 + i, -0.2, np.float32),
+                       float(r))
+            for q, qid in enumerate(ids[:4]) for i, r in enumerate([1, 1, 0, 1])
+        ]
+        a.experience.observe(score_groups(seeded), iteration=a.iteration)
         result = a.train()
-        assert result["env_runners"]["num_episodes"] >= 16
+        assert result["env_runners"]["num_episodes"] >= 8
         xrpo = result["xrpo"]
         assert xrpo["completions_per_question_mean"] == pytest.approx(4.0)
         assert "sharpened_fraction" in xrpo and "all_failing_questions" in xrpo
+        experience = result["experience"]
+        assert experience["replayed_questions"] >= 1
+        assert experience["replay_scored_trajectories"] >= 3 and experience["replay_scoring_runners"] == 2
     finally:
         a.stop()
+
+
+def test_replay_scoring_shards_are_sorted_and_balanced_by_tokens():
+    from rllib_exgrpo.rllib.algorithm import shard_by_tokens
+
+    lengths = [5, 100, 7, 50, 6, 52]
+    shards = shard_by_tokens(lengths, 2)
+    assert sorted(i for s in shards for i in s) == list(range(6))
+    assert shards == [[0, 4, 2, 3, 5], [1]]  # sorted by length: 120 and 100 tokens
+    assert shard_by_tokens([3], 4) == [[0]] and shard_by_tokens([], 2) == []
 
 
 @pytest.mark.slow

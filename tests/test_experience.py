@@ -112,6 +112,23 @@ def test_replay_chooses_lowest_entropy_under_current_policy():
     assert metrics["chosen_trajectory_entropy"] == pytest.approx(0.5)
 
 
+def test_replay_candidates_per_question_scores_the_most_recent_only():
+    m = ExperienceManager(config(delayed_start_solve_rate=0.0, replay_candidates_per_question=2))
+    m.observe(score_groups(group("a", [1, 1, 1, 0], start=20)), iteration=0)
+    stored = m.buffer.trajectories("a")
+    seen = []
+
+    def scorer(prompts, completions):
+        seen.extend(c.tolist() for c in completions)
+        return [np.zeros(len(c)) for c in completions], [np.full(len(c), float(i)) for i, c in enumerate(completions)]
+
+    chosen, metrics = m.replayed_trajectories(["a"], scorer)
+    assert seen == [t.completion_ids.tolist() for t in stored[-2:]]  # the 2 most recent of 3
+    np.testing.assert_array_equal(chosen[0].completion_ids, stored[1].completion_ids)  # lowest entropy of the 2
+    assert metrics["replay_scored_trajectories"] == 2
+    assert metrics["replay_scored_tokens"] == sum(len(t.completion_ids) for t in stored[-2:])
+
+
 def test_seeded_completions_do_not_count_or_enter_pool():
     m = ExperienceManager(config(delayed_start_solve_rate=0.0))
     ts = group("a", [0, 0, 0, 0])

@@ -90,7 +90,13 @@ class ExperienceManager:
         if not replay_ids:
             return [], {}
         mode = self.config.trajectory_selection
-        candidates = [(qid, t) for qid in replay_ids for t in self.buffer.trajectories(qid)]
+        cap = getattr(self.config, "replay_candidates_per_question", None)
+
+        def candidates_of(qid: str):  # the most recent ``cap`` stored trajectories (None: all)
+            trajs = self.buffer.trajectories(qid)
+            return trajs[-cap:] if cap else trajs
+
+        candidates = [(qid, t) for qid in replay_ids for t in candidates_of(qid)]
         need_scores = mode != "random"
         entropies: List[np.ndarray] = []
         logps: List[np.ndarray] = []
@@ -103,7 +109,7 @@ class ExperienceManager:
         chosen_entropy: List[float] = []
         start = 0
         for qid in replay_ids:
-            n = len(self.buffer.trajectories(qid))
+            n = len(candidates_of(qid))
             stats = [(mean_h[start + i], mean_lp[start + i]) for i in range(n)]
             pick = start + choose_trajectory(stats, mode, self._rng)
             stored = candidates[pick][1]
@@ -119,7 +125,11 @@ class ExperienceManager:
             )
             chosen_entropy.append(float(mean_h[pick]))
             start += n
-        metrics = {"chosen_trajectory_entropy": float(np.mean(chosen_entropy)) if need_scores else float("nan")}
+        metrics = {
+            "chosen_trajectory_entropy": float(np.mean(chosen_entropy)) if need_scores else float("nan"),
+            "replay_scored_trajectories": float(len(candidates) if need_scores else 0),
+            "replay_scored_tokens": float(sum(len(t.completion_ids) for _, t in candidates) if need_scores else 0),
+        }
         return chosen, metrics
 
     # ---- update ------------------------------------------------------------------------

@@ -381,16 +381,36 @@ class ExGRPO(Algorithm):
         self.learner_group.foreach_learner(lambda learner: learner.set_mixed_mode(mixed))
 
     def _score_trajectories(self, prompts, completions):
-        """Re-score stored trajectories where current weights live: one runner, one pass."""
+        """Re-score stored trajectories where the current weights live, on every healthy
+        runner at once: sorted by length (each runner's rows of similar length, little
+        padding) and cut into contiguous shards of about equal tokens, one per runner.
+        A shard whose runner dies is scored again on the local runner. Logs
+        ``experience/replay_scoring_runners``."""
         group = self.env_runner_group
         remote_ids = group.healthy_worker_ids() if group.num_remote_workers() > 0 else []
-        if not remote_ids:
+        if not remote_ids or not prompts:
+            self.metrics.log_value((EXPERIENCE, "replay_scoring_runners"), 0, window=1)
             return group.local_env_runner.score_trajectories(prompts, completions)
-        return group.foreach_env_runner(
-            lambda r: r.score_trajectories(prompts, completions),
-            remote_worker_ids=remote_ids[:1],
-            local_env_runner=False,
-        )[0]
+        shards = shard_by_tokens([len(p) + len(c) for p, c in zip(prompts, completions)], len(remote_ids))
+        funcs = []
+        for k, rows in enumerate(shards):
+            ps, cs = [prompts[i] for i in rows], [completions[i] for i in rows]
+            funcs.append(lambda r, k=k, ps=ps, cs=cs: (k, r.score_trajectories(ps, cs)))
+        results = group.foreach_env_runner(
+            funcs, remote_worker_ids=remote_ids[: len(shards)], local_env_runner=False
+        )
+        scored = {k: out for k, out in results}
+        self.metrics.log_value((EXPERIENCE, "replay_scoring_runners"), len(scored), window=1)
+        logps: List[Any] = [None] * len(prompts)
+        entropies: List[Any] = [None] * len(prompts)
+        for k, rows in enumerate(shards):
+            if k not in scored:  # its runner died mid-call
+                logger.warning("an env runner failed while scoring replay candidates; scoring its shard locally")
+                scored[k] = group.local_env_runner.score_trajectories(
+                    [prompts[i] for i in rows], [completions[i] for i in rows])
+            for j, i in enumerate(rows):
+                logps[i], entropies[i] = scored[k][0][j], scored[k][1][j]
+        return logps, entropies
 
     # ---- sampling across runners -----------------------------------------------------
     def _sample(
@@ -648,6 +668,21 @@ def _unfrozen(config):
         yield config
     finally:
         config._is_frozen = was_frozen
+
+
+def shard_by_tokens(lengths: Sequence[int], parts: int) -> List[List[int]]:
+    """Row indices sorted by length, cut into at most ``parts`` contiguous non-empty shards of
+    about equal total length (the cut after the row where the running total passes each
+    ``j / parts`` of the whole)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    total = float(sum(lengths)) or 1.0
+    shards: List[List[int]] = [[] for _ in range(max(1, parts))]
+    running = 0.0
+    for i in order:
+        shard = min(int(running / total * len(shards)), len(shards) - 1)
+        shards[shard].append(i)
+        running += lengths[i]
+    return [s for s in shards if s]
 
 
 def _split_evenly(items: list, parts: int) -> List[list]:

@@ -247,6 +247,11 @@ _EXPERIENCE = [
        "Which stored trajectory of a replayed question is used: 'lowest_entropy' under the "
        "current policy (official), 'highest_entropy' (the paper's ablation), 'highest_logp', "
        "'lowest_logp', 'random'."),
+    _f("replay_candidates_per_question", None, optional(integer()),
+       "How many of a replayed question's stored trajectories are re-scored under the current "
+       "policy to choose the one replayed: its most recent this many (None: all of them, as the "
+       "official code). Bounds the choice's cost when a question has gathered many; the scoring "
+       "is spread over all healthy env runners, sorted by length."),
     _f("policy_shaping", True, boolean,
        "Shape replayed tokens with f(w) = w / (w + beta) (official); False treats them like fresh "
        "tokens (ablation)."),
