@@ -7,9 +7,15 @@ setup(
     description="ExGRPO / XRPO / GRPO for LLM reasoning as a Ray RLlib custom algorithm",
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+    ],
     python_requires=">=3.10",
     packages=find_packages(include=["rllib_exgrpo", "rllib_exgrpo.*", "envs", "envs.*"]),
-    package_data={"rllib_exgrpo": ["py.typed"]},
+    # The default tiny model, built once by the pinned build and shipped (models/shipped.py).
+    package_data={"rllib_exgrpo": ["py.typed", "models/prebuilt/*/*"]},
     install_requires=[
         # Install torch first (CPU: `pip install torch==2.13.0`), or pip may fetch a CUDA build.
         "torch>=2.4",

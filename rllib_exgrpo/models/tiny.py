@@ -34,7 +34,9 @@ varies with the seed: seed 1 was still at 0.25 when it hit ``max_steps=1500``
 The folder is cached under ``cache_dir`` / ``$RLLIB_EXGRPO_CACHE`` / ``~/.cache/rllib_exgrpo``
 in a subfolder keyed by a hash of the whole recipe. Builds go to a temporary folder that is
 renamed into place atomically, under a file lock (``filelock``), so concurrent callers (several
-Ray actors) wait for one build instead of racing.
+Ray actors) wait for one build instead of racing. The default recipe's folder ships with the
+package (``shipped``): a cache without it gets a verified copy in a second instead of a build
+(``RLLIB_EXGRPO_REBUILD_MODEL=1`` builds instead).
 """
 from __future__ import annotations
 
@@ -830,13 +832,37 @@ def build_tiny_model(
     recipe = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
                          overrides=overrides, icl_fraction=icl_fraction)
     name = f"tiny-{recipe_key(recipe)}"
+    root = cache_root(cache_dir)
+    took_shipped = []
 
     def builder(tmp: Path):
+        from rllib_exgrpo.models import shipped
         from rllib_exgrpo.models.pinned_build import build_in_pinned_process
 
+        if shipped.shipped_folder(name) is not None and not shipped.rebuild_requested():
+            try:
+                shipped.copy_verified(name, tmp)
+                took_shipped.append(True)
+                return
+            except shipped.ShippedModelMismatch as exc:
+                import warnings
+
+                warnings.warn(f"{exc}: building the model from its recipe instead (minutes)",
+                              RuntimeWarning, stacklevel=4)
+                for leftover in tmp.iterdir():
+                    leftover.unlink()
         build_in_pinned_process(tmp, recipe, progress)
 
-    return str(build_cached(cache_root(cache_dir), name, builder))
+    folder = build_cached(root, name, builder)
+    if took_shipped:
+        import sys
+
+        print(f"rllib-exgrpo: tiny model {name}: copied the build shipped with the package "
+              f"(sha256 verified) to {folder} ({_REBUILD_HINT})", file=sys.stderr, flush=True)
+    return str(folder)
+
+
+_REBUILD_HINT = "RLLIB_EXGRPO_REBUILD_MODEL=1 on an empty cache builds it from its recipe instead"
 
 
 def read_warm_start(path: str) -> dict:

@@ -1,0 +1,133 @@
+"""The default tiny model shipped with the package (rllib_exgrpo/models/shipped.py)."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rllib_exgrpo.models import build_tiny_model, shipped
+from rllib_exgrpo.models import tiny as tiny_mod
+
+DEFAULT_NAME = f"tiny-{tiny_mod.recipe_key(tiny_mod.tiny_recipe())}"
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    """Fail the test if anything starts a build (the pinned child or the build itself)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a build was launched")
+
+    monkeypatch.setattr("rllib_exgrpo.models.pinned_build.build_in_pinned_process", refuse)
+    monkeypatch.setattr(tiny_mod, "_build_into", refuse)
+    monkeypatch.delenv(shipped.REBUILD_ENV_VAR, raising=False)
+
+
+@pytest.fixture
+def fake_build(monkeypatch):
+    """Replace the pinned build by one that writes a small complete folder; returns its calls."""
+    calls = []
+
+    def build(folder, recipe, progress):
+        calls.append(Path(folder))
+        (Path(folder) / "model.safetensors").write_bytes(b"built from the recipe")
+        (Path(folder) / tiny_mod.WARM_START_FILE).write_text("{}")
+
+    monkeypatch.setattr("rllib_exgrpo.models.pinned_build.build_in_pinned_process", build)
+    return calls
+
+
+def test_the_default_recipe_is_shipped_and_its_files_match_the_record():
+    """The shipped folder is the default recipe's, and each of its files has its recorded
+    sha256 (a recipe change that moves the default key must ship a new build)."""
+    folder = shipped.shipped_folder(DEFAULT_NAME)
+    assert folder is not None, f"no shipped folder for the default recipe {DEFAULT_NAME}"
+    shipped.verify(folder, DEFAULT_NAME)
+    assert set(shipped.SHIPPED[DEFAULT_NAME]) >= {"model.safetensors", "tokenizer.json", "config.json",
+                                                   tiny_mod.WARM_START_FILE}
+    report = tiny_mod.read_warm_start(str(folder))
+    assert report["recipe"] == tiny_mod.tiny_recipe()
+    assert report["recipe_key"] == DEFAULT_NAME[len("tiny-"):]
+    assert report["reached_target"] and report["cpu_capability"] == "AVX2"
+    assert shipped.main(["check"]) == 0
+
+
+def test_a_fresh_cache_gets_the_shipped_model_without_a_build(tmp_path, no_build, capsys):
+    path = Path(build_tiny_model(str(tmp_path / "cache"), progress=False))
+    assert path == (tmp_path / "cache" / DEFAULT_NAME).resolve()
+    assert shipped.file_digests(path) == shipped.SHIPPED[DEFAULT_NAME]
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
+    lines = [line for line in capsys.readouterr().err.splitlines() if "shipped" in line]
+    assert len(lines) == 1 and DEFAULT_NAME in lines[0] and "sha256 verified" in lines[0]
+    # The second call finds the folder in the cache: nothing copied, nothing printed.
+    assert Path(build_tiny_model(str(tmp_path / "cache"), progress=False)) == path
+    assert "shipped" not in capsys.readouterr().err
+    # It loads as the policy (the main job's model spec) and holds the shipped weights.
+    from rllib_exgrpo.models import load_tiny_model
+
+    model, tok = load_tiny_model(str(path))
+    assert model.config.model_type == "qwen2" and model.config.vocab_size == len(tok)
+
+
+def test_a_tampered_shipped_file_is_detected_and_the_model_built_instead(tmp_path, monkeypatch, fake_build):
+    prebuilt = tmp_path / "prebuilt"
+    shutil.copytree(shipped.PREBUILT_DIR / DEFAULT_NAME, prebuilt / DEFAULT_NAME)
+    weights = prebuilt / DEFAULT_NAME / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    monkeypatch.setattr(shipped, "PREBUILT_DIR", prebuilt)
+    monkeypatch.delenv(shipped.REBUILD_ENV_VAR, raising=False)
+
+    with pytest.raises(shipped.ShippedModelMismatch, match=r"model\.safetensors sha256"):
+        shipped.verify(prebuilt / DEFAULT_NAME, DEFAULT_NAME)
+    with pytest.warns(RuntimeWarning, match=r"model\.safetensors sha256.*building the model from its recipe"):
+        path = Path(build_tiny_model(str(tmp_path / "cache"), progress=False))
+    assert len(fake_build) == 1
+    # the cache holds the build, nothing of the tampered copy
+    assert sorted(os.listdir(path)) == ["model.safetensors", tiny_mod.WARM_START_FILE]
+    assert (path / "model.safetensors").read_bytes() == b"built from the recipe"
+
+
+def test_a_missing_or_extra_shipped_file_is_detected(tmp_path):
+    copy = tmp_path / DEFAULT_NAME
+    shutil.copytree(shipped.PREBUILT_DIR / DEFAULT_NAME, copy)
+    (copy / "tokenizer.json").unlink()
+    (copy / "extra.bin").write_bytes(b"x")
+    with pytest.raises(shipped.ShippedModelMismatch, match="tokenizer.json missing; extra.bin not in the record"):
+        shipped.verify(copy, DEFAULT_NAME)
+
+
+def test_the_rebuild_switch_builds_instead_of_copying(tmp_path, monkeypatch, fake_build, capsys):
+    monkeypatch.setenv(shipped.REBUILD_ENV_VAR, "1")
+    path = Path(build_tiny_model(str(tmp_path / "cache"), progress=False))
+    assert len(fake_build) == 1 and (path / "model.safetensors").read_bytes() == b"built from the recipe"
+    assert "shipped" not in capsys.readouterr().err
+
+
+def test_other_recipes_are_built(tmp_path, fake_build):
+    path = Path(build_tiny_model(str(tmp_path / "cache"), seed=1, progress=False))
+    assert len(fake_build) == 1 and path.name != DEFAULT_NAME
+
+
+def test_the_package_data_carries_the_shipped_folder():
+    """setup.py installs the shipped files (a wheel without them would build on first use)."""
+    import ast
+
+    setup_py = Path(__file__).resolve().parents[1] / "setup.py"
+    tree = ast.parse(setup_py.read_text())
+    package_data = next(kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                        for kw in node.keywords if kw.arg == "package_data")
+    patterns = ast.literal_eval(package_data)["rllib_exgrpo"]
+    root = Path(shipped.__file__).resolve().parents[1]
+    matched = {p.relative_to(root) for pattern in patterns for p in root.glob(pattern) if p.is_file()}
+    for file in shipped.SHIPPED[DEFAULT_NAME]:
+        assert Path("models/prebuilt") / DEFAULT_NAME / file in matched
+
+
+@pytest.mark.skipif(os.environ.get("RLLIB_EXGRPO_TEST_REBUILD") != "1",
+                    reason="builds the default recipe from scratch (5-9 min on 2 cores): RLLIB_EXGRPO_TEST_REBUILD=1 runs it")
+def test_a_rebuild_gives_the_shipped_weights(tmp_path):
+    """The pinned build of the default recipe equals the shipped weights on an AVX2 machine."""
+    assert shipped.main(["rebuild", "--cache", str(tmp_path / "cache")]) == 0
