@@ -118,7 +118,7 @@ def measure(algo, label, call, rows):
         peak = (a["hwm_kb"] - b["rss_kb"]) * 1024
         ratio = peak / shard
         worst = max(worst, ratio)
-        rows.append(dict(call=label, seconds=seconds, peak_bytes=peak, ratio=ratio, **b, **a))
+        rows.append(dict(call=label, seconds=seconds, peak_bytes=peak, ratio=ratio, **b, hwm_kb=a["hwm_kb"], rss_after_kb=a["rss_after_kb"]))
         print(f"{label:8s} rank {b['rank']}: RSS {b['rss_kb'] / 1024:.0f} MiB before, peak +{peak / 2**20:.0f} MiB; "
               f"shard {shard / 2**20:.0f} MiB (parameters {b['params_bytes'] / 2**20:.0f} + optimizer "
               f"{b['optimizer_bytes'] / 2**20:.0f}) -> {ratio:.2f} x shard; {seconds:.1f} s", flush=True)
@@ -162,8 +162,7 @@ def main() -> None:
         algo = config.build_algo()
         print(f"algorithm built ({args.learners} DeepSpeed ZeRO-{args.stage} learners over gloo) in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
-        vocab = algo.learner_group.foreach_learner(
-            lambda l: l.module[MODULE].unwrapped().model.config.vocab_size)[0].get()
+        vocab = json.loads((work / "model" / "config.json").read_text())["vocab_size"]
         t0 = time.perf_counter()
         algo.learner_group.update(batch=synthetic_batch(algo._pad_id, 2 * args.learners, 16, 4, vocab),
                                   minibatch_size=2 * args.learners, num_epochs=1)
