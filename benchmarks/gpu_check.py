@@ -116,8 +116,9 @@ SHAPES = {
 QWEN25_MATH_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                       intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
                       max_position_embeddings=16384, rope_theta=10000.0, rms_norm_eps=1e-6)
-# The 7B recipe (tuned_examples/exgrpo_qwen.yaml): one learner micro-batch is
-# learner_micro_batch_rows 4 x (max_prompt_tokens 1024 + max_response_tokens 8192).
+# The 7B recipe (tuned_examples/exgrpo_qwen.yaml): one learner pass holds at most
+# learner_micro_batch_tokens 32768, i.e. 4 rows at full width (max_prompt_tokens 1024 +
+# max_response_tokens 8192).
 SHAPES["qwen2.5-1.5b"].update(
     drift={"rows": 4, "prompt": 1024, "response": 8192},
     slice={"name": "qwen2.5-math-7b", "config": QWEN25_MATH_7B, "layers": (2, 4), "rows": 4, "prompt": 1024,
@@ -458,6 +459,11 @@ def read_recipe(path: Path) -> dict:
         doc = yaml.safe_load(path.read_text())
         cfg = next(iter(doc.values()))["config"]
         recipe.update({k: cfg[k] for k in list(recipe) if k in cfg})
+        if cfg.get("learner_micro_batch_tokens") and "learner_micro_batch_rows" not in cfg:
+            # A token budget: the pass's rows at full width (what the memory plan counts).
+            width = recipe["max_prompt_tokens"] + recipe["max_response_tokens"]
+            recipe["learner_micro_batch_tokens"] = int(cfg["learner_micro_batch_tokens"])
+            recipe["learner_micro_batch_rows"] = max(1, -(-int(cfg["learner_micro_batch_tokens"]) // width))
     except Exception as e:  # the defaults above are the file's values when this was written
         recipe["read_error"] = f"{type(e).__name__}: {e}"
     return recipe

@@ -279,7 +279,9 @@ def test_plan_of_the_recipes_names_the_key_when_it_does_not_fit():
     cases = {
         "learner_backend": dict(learner_backend="ddp"),
         "gradient_checkpointing": dict(gradient_checkpointing=False),
-        "learner_micro_batch_rows": dict(learner_micro_batch_rows=64, gradient_checkpointing=False),
+        "learner_micro_batch_rows": dict(learner_micro_batch_rows=64, learner_micro_batch_tokens=None,
+                                         gradient_checkpointing=False),
+        "learner_micro_batch_tokens": dict(learner_micro_batch_tokens=64 * 9216, gradient_checkpointing=False),
         "vllm_kwargs.gpu_memory_utilization": dict(vllm_kwargs={"gpu_memory_utilization": 0.85}),
         "generation_batch_size": dict(generation_batch_size=48),
     }
@@ -328,10 +330,11 @@ def test_dry_run_prints_the_plan_and_fails_in_one_line(monkeypatch, capsys, tmp_
         print("\n" + out[out.index("  memory plan"):])
 
     rc, out, err = _dry_run(monkeypatch, capsys, tmp_path,
-                            {"gpu_memory_gb": 80, "learner_micro_batch_rows": 64, "gradient_checkpointing": False})
+                            {"gpu_memory_gb": 80, "learner_micro_batch_tokens": 64 * 9216,
+                             "gradient_checkpointing": False})
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1, err
-    assert lines[0].startswith(f"rllib train: error: {QWEN}: experiment 'exgrpo-qwen': config.learner_micro_batch_rows: ")
+    assert lines[0].startswith(f"rllib train: error: {QWEN}: experiment 'exgrpo-qwen': config.learner_micro_batch_tokens: ")
     assert "Traceback" not in out + err and "memory plan" not in out
 
 

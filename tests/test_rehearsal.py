@@ -76,6 +76,13 @@ def test_a_gpu_recipe_keeps_its_structure_and_swaps_what_a_cpu_cannot_hold():
     assert steps(c["questions_per_step"], c["minibatch_size"]) == steps(128, 128) == 2
     assert c["minibatch_size"] >= 2 * c["learner_micro_batch_rows"]
     assert c["heldout_num_questions"] <= 8 and c["heldout_interval"] == 2
+    # A token budget scales with the token limits: the same rows per pass at full width.
+    tokens = dict(GPU_SPEC, config={**{k: v for k, v in GPU_SPEC["config"].items() if k != "learner_micro_batch_rows"},
+                                    "learner_micro_batch_tokens": 32768})
+    t_spec, t_swaps = _one(tokens, vllm=False)
+    budget = t_spec["config"]["learner_micro_batch_tokens"]
+    assert budget == round(32768 * (128 + 16) / 9216) and "same rows per pass" in t_swaps["learner_micro_batch_tokens"].why
+    assert t_spec["config"]["minibatch_size"] >= 2 * (budget // (128 + 16))
     # One line per swap, naming the key, the values and why.
     line = swaps["model_name_or_path"].line()
     assert "Qwen/Qwen2.5-Math-7B" in line and "rehearsal:qwen2" in line and "no download" in line

@@ -182,6 +182,16 @@ def _swap_model(settings, where, key, model, found) -> None:
 
 
 def _cap_tokens(settings, where, found) -> None:
+    budget = settings.get("learner_micro_batch_tokens")
+    widths = [settings.get(k) for k in ("max_prompt_tokens", "max_response_tokens")]
+    if isinstance(budget, int) and not isinstance(budget, bool) and all(
+            isinstance(w, int) and not isinstance(w, bool) for w in widths):
+        # The same rows per pass at full width: the budget scales with the token limits.
+        full, capped = sum(widths), sum(min(w, TOKEN_CAPS[k]) for w, k in zip(widths, ("max_prompt_tokens",
+                                                                                      "max_response_tokens")))
+        if capped < full:
+            _set(settings, where, "learner_micro_batch_tokens", max(1, round(budget * capped / full)),
+                 "scaled with the token limits: the same rows per pass at full width", found)
     for key, cap in TOKEN_CAPS.items():
         value = settings.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
@@ -227,6 +237,10 @@ def _scale_batch(config, defaults, found) -> None:
             return
         keep = max(1, ROWS_PER_ITERATION // group)
         micro = _value(config, defaults, "learner_micro_batch_rows")
+        budget = _value(config, defaults, "learner_micro_batch_tokens")
+        if isinstance(budget, int) and not isinstance(budget, bool):  # rows of a pass at full width
+            width = sum(_value(config, defaults, k, 1) for k in ("max_prompt_tokens", "max_response_tokens"))
+            micro = min(micro, max(1, budget // width)) if isinstance(micro, int) else max(1, budget // width)
         if isinstance(micro, int) and isinstance(minibatch, int):
             # At least two micro-batch passes per learner and step, as in the recipe.
             keep = max(keep, math.ceil(2 * micro * questions / minibatch))

@@ -671,10 +671,15 @@ def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dic
         return
     fit = [r for r in range(rows - 1, 0, -1) if act_of(r, ckpt) <= room]
     if fit:
+        more = "" if ckpt else " (gradient_checkpointing: true allows more)"
+        if getattr(config, "learner_micro_batch_tokens", None):
+            plan.key = "learner_micro_batch_tokens"
+            plan.advice = (f"passes of {rows * tokens} tokens need {_gib(act['peak'])} of activations, "
+                           f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0] * tokens} fits{more}")
+            return
         plan.key = "learner_micro_batch_rows"
         plan.advice = (f"passes of {rows} rows x {tokens} tokens need {_gib(act['peak'])} of activations, "
-                       f"{_gib(max(room, 0))} are left: learner_micro_batch_rows: {fit[0]} fits"
-                       + ("" if ckpt else " (gradient_checkpointing: true allows more)"))
+                       f"{_gib(max(room, 0))} are left: learner_micro_batch_rows: {fit[0]} fits{more}")
         return
     if not ckpt and act_of(1, True) <= room:
         plan.key = "gradient_checkpointing"
