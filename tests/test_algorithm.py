@@ -160,3 +160,38 @@ def test_optimizer_steps_and_rows_trained_per_iteration(quick_tiny_model, num_le
     assert result["minibatch_rows_min"] == result["minibatch_rows_max"] == 16 // expected_steps
     learner = result["learners"]["default_policy"]
     assert learner["num_module_steps_trained"] == result["num_completions"] == 16
+
+
+@pytest.mark.slow
+def test_async_rollouts_train_on_the_batch_collected_during_the_last_iteration(quick_tiny_model):
+    """async_rollouts: the first iteration collects its batch first (staleness 0), later ones
+    train on the batch collected during the previous iteration (staleness 1) while the next
+    is collected; the pool, the learner and the weight sync go on as in strict alternation."""
+    cfg = small_config(quick_tiny_model, delayed_start_solve_rate=0.0, async_rollouts=True,
+                       ).env_runners(num_env_runners=1, num_cpus_per_env_runner=0.5)
+    a = cfg.build_algo()
+    try:
+        results = [a.train() for _ in range(3)]
+        assert [r["async_batch_staleness"] for r in results] == [0, 1, 1]
+        # Two batches collected in the first iteration, one in each later one.
+        assert [r["env_runners"]["num_episodes"] for r in results] == [32, 16, 16]
+        for r in results:
+            learner = r["learners"]["default_policy"]
+            assert np.isfinite(learner["total_loss"]) and learner["num_module_steps_trained"] == 16
+        assert "heldout" in results[1]
+        assert a._next_step is not None  # the batch for iteration 4, collected with the current weights
+        from ray.rllib.core import COMPONENT_RL_MODULE
+
+        synced = a.env_runner_group.foreach_env_runner(
+            lambda r: {k: np.asarray(v, dtype=np.float32) for k, v in r.module.get_state().items()},
+            local_env_runner=False)[0]
+        learned = a.learner_group.get_state(components=f"learner/{COMPONENT_RL_MODULE}", inference_only=True)
+        learned = learned["learner"][COMPONENT_RL_MODULE]["default_policy"]
+        assert all(np.allclose(synced[k], np.asarray(learned[k], dtype=np.float32)) for k in synced)
+    finally:
+        a.stop()
+
+
+def test_async_rollouts_need_a_remote_runner(quick_tiny_model):
+    with pytest.raises(ValueError, match="async_rollouts: needs num_env_runners >= 1"):
+        small_config(quick_tiny_model, async_rollouts=True).validate()

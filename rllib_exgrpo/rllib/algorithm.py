@@ -10,8 +10,10 @@ each stage timed in ``timers/``. With experience replay off this is on-policy GR
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
+import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -199,6 +201,12 @@ class ExGRPO(Algorithm):
         self.seeder = InContextSeeder(cfg, seed=cfg.seed or 0) if cfg.icl_seeding else None
         self.experience = ExperienceManager(cfg, seed=cfg.seed or 0)
         self._sync_learner_mode()
+        # async_rollouts: the batch collected during the last iteration, trained on next.
+        self._next_step: Optional[_CollectedStep] = None
+        if cfg.async_rollouts:
+            # The learner update runs in a thread next to the collection: RLlib's logger
+            # takes a real lock then (as APPO / IMPALA do).
+            self.metrics._threading_lock = threading.RLock()
         self._heldout_ids: Optional[List[str]] = None
         self._initial_heldout: Optional[float] = None
         if cfg.heldout_dataset:
@@ -237,10 +245,71 @@ class ExGRPO(Algorithm):
 
     # ---- the training step ---------------------------------------------------------
     def training_step(self) -> None:
+        """One iteration: collect a step's batch on the runners, train the learners on it,
+        update the experience pool, sync the weights (and evaluate held-out questions).
+
+        With ``async_rollouts`` the runners collect step t+1 with the weights of step t
+        while the learners train on step t (:meth:`_overlapped_step`)."""
         cfg = self.config
         if self._heldout_ids and self.iteration == 0:
             self._evaluate_heldout(after_iteration=0)  # the starting point
 
+        if cfg.async_rollouts:
+            self._overlapped_step()
+        else:
+            step = self._collect_step()
+            with self._stage(LEARNER_UPDATE_TIMER):
+                self._update_learners(step.batch, step.groups.group_index)
+            self._observe_step(step, switch_learner_mode=True)
+
+        with self._stage(SYNCH_WORKER_WEIGHTS_TIMER):
+            self.env_runner_group.sync_weights(
+                from_worker_or_learner_group=self.learner_group, inference_only=True
+            )
+
+        done = self.iteration + 1
+        if self._heldout_ids and cfg.heldout_interval > 0 and done % cfg.heldout_interval == 0:
+            self._evaluate_heldout(after_iteration=done)
+
+    def _overlapped_step(self) -> None:
+        """``async_rollouts``: train on the batch collected during the previous iteration
+        (with the weights before that iteration's update: one step stale) while the runners
+        collect the next one with the current weights, which are synced only afterwards.
+
+        The behaviour log-probs recorded at sampling keep the importance ratio exact (the
+        clipped ratio for fresh rows, policy shaping for replayed ones), so staleness is
+        bounded by one step; ``async_batch_staleness`` logs it (0 on the first iteration,
+        whose batch is collected before training, and after a restore, as the collected
+        batch is not part of a checkpoint). The pool sees a step's groups before its
+        update, so the next step's plan has them, as in the synchronous order; a delayed
+        start that fires switches the learners' mode after the update, as there.
+        Sampling metrics (``env_runners/``, rewards) of an iteration are of the batch
+        collected during it."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        step, stale = self._next_step, 1
+        if step is None:
+            step, stale = self._collect_step(), 0
+        self._next_step = None
+        self.metrics.log_value("async_batch_staleness", stale, window=1)
+        switched = self._observe_step(step, switch_learner_mode=False)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-update") as pool:
+            update = pool.submit(self._timed_update, step)
+            try:
+                self._next_step = self._collect_step()
+            finally:
+                update.result()  # the update's error, if any, is raised here
+        if switched:
+            self._sync_learner_mode()
+
+    def _timed_update(self, step: "_CollectedStep") -> None:
+        with self._stage(LEARNER_UPDATE_TIMER):
+            self._update_learners(step.batch, step.groups.group_index)
+
+    def _collect_step(self) -> "_CollectedStep":
+        """Plan a step, choose the replayed trajectories, sample on the runners, score the
+        groups and build the learner batch (everything before the update)."""
+        cfg = self.config
         with self._stage(PLAN_TIMER):
             fresh_ids, replay_ids = self.experience.plan(
                 cfg.questions_per_step, self.sampler, len(self.sampler.question_ids), iteration=self.iteration
@@ -265,25 +334,18 @@ class ExGRPO(Algorithm):
             self._log_group_metrics(groups)
         for key, value in xrpo_metrics.items():
             self.metrics.log_value((XRPO, key), value, window=1)
+        return _CollectedStep(groups, batch, replay_metrics)
 
-        with self._stage(LEARNER_UPDATE_TIMER):
-            self._update_learners(batch, groups.group_index)
-
+    def _observe_step(self, step: "_CollectedStep", *, switch_learner_mode: bool) -> bool:
+        """The pool update from a step's groups; True when the delayed start fired."""
         with self._stage(BUFFER_TIMER):
-            update_metrics = self.experience.observe(groups, iteration=self.iteration)
+            update_metrics = self.experience.observe(step.groups, iteration=self.iteration)
             if update_metrics["switched"]:
                 logger.info("ExGRPO delayed start: mixed mode on from iteration %d", self.iteration)
-                self._sync_learner_mode()
-        self._log_experience_metrics({**replay_metrics, **update_metrics}, groups)
-
-        with self._stage(SYNCH_WORKER_WEIGHTS_TIMER):
-            self.env_runner_group.sync_weights(
-                from_worker_or_learner_group=self.learner_group, inference_only=True
-            )
-
-        done = self.iteration + 1
-        if self._heldout_ids and cfg.heldout_interval > 0 and done % cfg.heldout_interval == 0:
-            self._evaluate_heldout(after_iteration=done)
+                if switch_learner_mode:
+                    self._sync_learner_mode()
+        self._log_experience_metrics({**step.replay_metrics, **update_metrics}, step.groups)
+        return bool(update_metrics["switched"])
 
     def _update_learners(self, batch: Dict[str, np.ndarray], group_index: np.ndarray) -> None:
         """Exact minibatching (``minibatches.plan_minibatches``): one ``LearnerGroup.update``
@@ -668,6 +730,16 @@ def _unfrozen(config):
         yield config
     finally:
         config._is_frozen = was_frozen
+
+
+@dataclasses.dataclass
+class _CollectedStep:
+    """What a step's collection hands to its update: scored groups, the learner batch, and
+    the replay choice's metrics."""
+
+    groups: Any
+    batch: Dict[str, np.ndarray]
+    replay_metrics: Dict[str, float]
 
 
 def shard_by_tokens(lengths: Sequence[int], parts: int) -> List[List[int]]:

@@ -187,6 +187,12 @@ _SAMPLING = [
     _f("behaviour_ratio_cap", 2.0, number(1),
        "Truncated importance sampling cap C of the unclipped fresh-token ratio with vLLM and "
        "behaviour_logprobs='engine' (verl / TRL: 2.0)."),
+    _f("async_rollouts", False, boolean,
+       "Overlap rollouts with training: the env runners collect step t+1 with the weights of "
+       "step t while the learners train on step t (one step stale at most; the behaviour "
+       "log-probs recorded at sampling keep the importance ratio exact; logged as "
+       "async_batch_staleness). Needs num_env_runners >= 1: the runners must not share the "
+       "learner's process. False: strict alternation (the papers' on-policy order)."),
 ]
 _SECTION = "GRPO objective"
 _OBJECTIVE = [
@@ -427,6 +433,11 @@ def cross_field_errors(config: Any) -> Iterator[str]:
     cap = config.planner_max_per_question
     if _is_int(cap) and _is_int(config.group_size) and cap < config.group_size:
         yield "planner_max_per_question must be None or >= group_size (else the budget cannot be spent)"
+    # (RLlib's evaluation copy of a config has its own runner count: not checked there.)
+    if getattr(config, "async_rollouts", False) and not getattr(config, "in_evaluation", False) and not (
+            _is_int(config.num_env_runners) and config.num_env_runners >= 1):
+        yield ("async_rollouts: needs num_env_runners >= 1 (with none, the main process samples and "
+               "trains, so nothing overlaps)")
     if config.model_dtype == "float16" and getattr(config, "learner_backend", "ddp") == "ddp":
         # The DDP learner's mixed precision keeps fp32 master weights but scales no loss:
         # fp16 gradients underflow without it. bf16 needs no scaling; DeepSpeed scales fp16.
