@@ -320,12 +320,12 @@ def test_misspelled_python_field_fails_the_check(tiny_world):
 
 def test_misspelled_yaml_key_fails_the_check(tmp_path, monkeypatch):
     snippet = _readme_snippet("yaml", "exgrpo-qwen:")
-    assert "learner_micro_batch_rows:" in snippet.text
+    assert "learner_micro_batch_tokens:" in snippet.text
     rc, log = dry_run(snippet.text, tmp_path, monkeypatch)
     assert rc == 0, log[-2000:]
-    typo = snippet.text.replace("learner_micro_batch_rows:", "learner_micro_batch_row:")
+    typo = snippet.text.replace("learner_micro_batch_tokens:", "learner_micro_batch_token:")
     rc, log = dry_run(typo, tmp_path, monkeypatch)
-    assert rc == 2 and "learner_micro_batch_row" in log, log[-2000:]
+    assert rc == 2 and "learner_micro_batch_token" in log, log[-2000:]
     # the same for an env_config key of a fragment
     frag = "config:\n  env_config:\n    dataset: arithmetic\n    think_formatt: true\n"
     rc, log = dry_run(frag, tmp_path, monkeypatch)
