@@ -126,8 +126,31 @@ def test_the_package_data_carries_the_shipped_folder():
         assert Path("models/prebuilt") / DEFAULT_NAME / file in matched
 
 
+def test_the_rebuild_command_compares_the_built_weights_with_the_shipped_ones(tmp_path, monkeypatch, capsys):
+    """``python -m rllib_exgrpo.models.shipped rebuild`` (here with a stand-in for the build):
+    exit status 0 when the built weights are the shipped ones, 1 when they differ."""
+    def copy_build(folder, recipe, progress):
+        for file in shipped.SHIPPED[DEFAULT_NAME]:
+            shutil.copyfile(shipped.PREBUILT_DIR / DEFAULT_NAME / file, Path(folder) / file)
+
+    monkeypatch.setattr("rllib_exgrpo.models.pinned_build.build_in_pinned_process", copy_build)
+    monkeypatch.delenv(shipped.REBUILD_ENV_VAR, raising=False)
+    assert shipped.main(["rebuild", "--cache", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "model.safetensors: same" in out and "equal the shipped ones" in out
+
+    def other_build(folder, recipe, progress):
+        copy_build(folder, recipe, progress)
+        (Path(folder) / "model.safetensors").write_bytes(b"other weights")
+
+    monkeypatch.setattr("rllib_exgrpo.models.pinned_build.build_in_pinned_process", other_build)
+    assert shipped.main(["rebuild", "--cache", str(tmp_path / "b")]) == 1
+    assert "model.safetensors: DIFFERENT" in capsys.readouterr().out
+    assert shipped.REBUILD_ENV_VAR not in os.environ  # the switch is the command's own
+
+
 @pytest.mark.skipif(os.environ.get("RLLIB_EXGRPO_TEST_REBUILD") != "1",
-                    reason="builds the default recipe from scratch (5-9 min on 2 cores): RLLIB_EXGRPO_TEST_REBUILD=1 runs it")
+                    reason="builds the default recipe from scratch (5-25 min on 2 cores): RLLIB_EXGRPO_TEST_REBUILD=1 runs it")
 def test_a_rebuild_gives_the_shipped_weights(tmp_path):
     """The pinned build of the default recipe equals the shipped weights on an AVX2 machine."""
     assert shipped.main(["rebuild", "--cache", str(tmp_path / "cache")]) == 0

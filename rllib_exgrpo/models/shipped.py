@@ -149,8 +149,15 @@ def _rebuild(args) -> int:
     if (Path(cache) / name).exists():
         print(f"{Path(cache) / name} exists already: give --cache an empty folder", file=sys.stderr)
         return 2
+    before = os.environ.get(REBUILD_ENV_VAR)
     os.environ[REBUILD_ENV_VAR] = "1"
-    built = Path(build_tiny_model(cache))
+    try:
+        built = Path(build_tiny_model(cache))
+    finally:
+        if before is None:
+            del os.environ[REBUILD_ENV_VAR]
+        else:
+            os.environ[REBUILD_ENV_VAR] = before
     print(f"built {built}")
     shipped = shipped_folder(name)
     if shipped is None:
