@@ -313,3 +313,4 @@ def test_constant_reward_is_the_iterations_reward_mean(fns_module, quick_tiny_mo
     assert result["solve_rate"] == 0.0  # 0.25 < 1.0: never correct
     assert result["env_runners"]["episode_return_mean"] == 0.25
     assert result["env_runners"]["reward_errors"] == 0
+    assert result["env_runners"]["reward_quarter_mean"] == 0.25  # the function's own metric

@@ -362,6 +362,9 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             self._log_sample_metrics(episodes, [i.result for i in batch.items],
                                      generation_s=batch.generation_s, scoring_s=batch.scoring_s)
             self._log_logprob_mismatch([i.completion for i in batch.items])
+            # Custom rewards (env_config.reward_fn / reward_fns): each function's mean score.
+            for key, value in getattr(env, "reward_metrics", dict)().items():
+                self.metrics.log_value(key, value, window=1)
         return episodes
 
     def _episode(self, question_id, prompt_ids, completion, text, result, seeded=False) -> SingleAgentEpisode:
