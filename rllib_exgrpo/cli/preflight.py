@@ -116,6 +116,7 @@ _LEARNER_OWN = (
     "ratio_mean", "ratio_max", "ratio_min", "replay_ratio_mean", "replay_shaping_mean",
     "fresh_token_fraction", "replayed_token_fraction", "total_loss", "clip_on_fresh_tokens",
     "grad_norm_preclip", "update_skipped", "skipped_nonfinite", "zero_advantage_updates",
+    "learner_passes", "learner_padded_over_real",
 )
 _ALL_MODULES = (
     "num_env_steps_trained", "num_env_steps_trained_lifetime", "num_env_steps_trained_throughput",
@@ -138,6 +139,7 @@ _EXPERIENCE = (
     "mixed_mode", "pool_size", "pool_trajectories", "retired", "switch_iteration", "step_solve_rate",
     "switched", "pool_added", "pool_updated", "pool_retired", "pool_skipped", "pool_unchanged",
     "replayed_fraction", "replayed_questions", "chosen_trajectory_entropy",
+    "replay_scored_trajectories", "replay_scored_tokens", "replay_scoring_runners",
 )
 # xrpo/steps.py: AdaptiveRollouts.run, InContextSeeder.seed, sharpen_advantages
 _XRPO_PLANNER = ("completions_per_question_mean", "completions_per_question_min",
@@ -154,7 +156,7 @@ _PROJECT_TOP = (
     "reward_mean", "solve_rate", "zero_variance_group_fraction", "all_correct_group_fraction",
     "num_completions", "unscored_completions", "optimizer_steps", "minibatch_rows_min",
     "minibatch_rows_max", "env_runner_failures", "resampled_questions", "num_env_steps_sampled_lifetime",
-    "num_training_step_calls_per_iteration",
+    "num_training_step_calls_per_iteration", "async_batch_staleness",
 )
 
 
@@ -178,7 +180,9 @@ def _project_keys() -> Tuple[str, ...]:
 #: Every result key ExGRPO / GRPO report (besides the patterns below).
 PROJECT_RESULT_KEYS = _project_keys()
 #: Project keys with a variable part: bucket histogram, one perf entry per GPU.
-_PROJECT_PATTERNS = (re.compile(r"experience/bucket_(\d+)"), re.compile(r"perf/(gpu|vram)_util_percent\d+"))
+_PROJECT_PATTERNS = (re.compile(r"experience/bucket_(\d+)"), re.compile(r"perf/(gpu|vram)_util_percent\d+"),
+                     # one per custom reward function (env_config.reward_fn / reward_fns)
+                     re.compile(r"env_runners/reward_\w+_mean"))
 
 
 def _when(cfg: Any, key: str) -> Optional[str]:
@@ -197,6 +201,11 @@ def _when(cfg: Any, key: str) -> Optional[str]:
             return "icl_seeding is off"
         if tail in _XRPO_SHARPENING and not g(cfg, "novelty_sharpening", False):
             return "novelty_sharpening is off"
+    if key == "async_batch_staleness" and not g(cfg, "async_rollouts", False):
+        return "async_rollouts is off"
+    if key.startswith("learners/default_policy/learner_pa") and not (
+            g(cfg, "learner_micro_batch_rows", None) or g(cfg, "learner_micro_batch_tokens", None)):
+        return "it is logged with learner_micro_batch_rows or learner_micro_batch_tokens only"
     if key == "learners/default_policy/kl" and not (g(cfg, "kl_coeff", 0) or 0) > 0:
         return "kl_coeff is 0 (no KL term)"
     if key.startswith("env_runners/behaviour_logprob_mismatch") and g(cfg, "generation_backend", "hf") != "vllm":
