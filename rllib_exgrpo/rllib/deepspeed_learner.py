@@ -68,7 +68,7 @@ from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from rllib_exgrpo.rllib import checkpointing
 from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
-from rllib_exgrpo.rllib.module import shippable
+from rllib_exgrpo.rllib.module import ShippedBF16, shippable
 
 logger = logging.getLogger(__name__)
 
@@ -564,12 +564,25 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
         parts = None
         if any(hasattr(t, "ds_id") for t in tensors.values()):
             parts = self._from_every_rank("_ds_local_partitions", module_id)
-        out = {}
+        out, built = {}, {}
         for key, t in tensors.items():
-            if hasattr(t, "ds_id"):
-                flat = torch.cat([p[t.ds_id].reshape(-1) for p in parts])[: t.ds_numel]
-                t = flat.view(t.ds_shape)
-            out[key] = shippable(t, dtypes.get(key, t.dtype))
+            want = dtypes.get(key, t.dtype)
+            if not hasattr(t, "ds_id"):
+                out[key] = shippable(t, want)
+            elif t.ds_id in built:  # a tied parameter under a second name
+                out[key] = built[t.ds_id]
+            else:
+                # Each rank's piece is dropped once used, and the concatenated tensor (fresh,
+                # on the CPU) is shipped as it is when its dtype is already the one wanted:
+                # about one full copy of the weights at a time, not three.
+                pieces = [p.pop(t.ds_id).reshape(-1) for p in parts]
+                full = torch.cat(pieces)[: t.ds_numel].view(t.ds_shape)
+                del pieces
+                if full.dtype == want:
+                    value = full.as_subclass(ShippedBF16) if want == torch.bfloat16 else full.numpy()
+                else:
+                    value = shippable(full, want)
+                out[key] = built[t.ds_id] = value
         return out
 
     @torch.no_grad()
