@@ -280,12 +280,9 @@ def run_python(snippet_text: str, world: dict) -> None:
                 pass
 
 
-#: A Tune trial (an actor, ~30 s on 2 shared cores) is the one slow snippet.
-PYTHON_PARAMS = [pytest.param(s, id=s.id, marks=[pytest.mark.slow] if "tune.Tuner(" in s.text else [])
-                 for s in PYTHON]
-
-
-@pytest.mark.parametrize("snippet", PYTHON_PARAMS)
+#: The whole file takes ~30 s on 2 idle cores (~95 s when other jobs load them); the
+#: longest are the two README python snippets (an algorithm, a Tune trial: 11-39 s each).
+@pytest.mark.parametrize("snippet", PYTHON, ids=[s.id for s in PYTHON])
 def test_python_snippet_runs(snippet, tiny_world):
     if _skip_reason(snippet.text):
         pytest.skip(_skip_reason(snippet.text))
