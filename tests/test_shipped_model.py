@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rllib_exgrpo.models import build_tiny_model, shipped
+from rllib_exgrpo.models import build_tiny_model, shipped, shipped_cli
 from rllib_exgrpo.models import tiny as tiny_mod
 
 DEFAULT_NAME = f"tiny-{tiny_mod.recipe_key(tiny_mod.tiny_recipe())}"
@@ -50,7 +50,7 @@ def test_the_default_recipe_is_shipped_and_its_files_match_the_record():
     assert report["recipe"] == tiny_mod.tiny_recipe()
     assert report["recipe_key"] == DEFAULT_NAME[len("tiny-"):]
     assert report["reached_target"] and report["cpu_capability"] == "AVX2"
-    assert shipped.main(["check"]) == 0
+    assert shipped_cli.main(["check"]) == 0
 
 
 def test_a_fresh_cache_gets_the_shipped_model_without_a_build(tmp_path, no_build, capsys):
@@ -127,7 +127,7 @@ def test_the_package_data_carries_the_shipped_folder():
 
 
 def test_the_rebuild_command_compares_the_built_weights_with_the_shipped_ones(tmp_path, monkeypatch, capsys):
-    """``python -m rllib_exgrpo.models.shipped rebuild`` (here with a stand-in for the build):
+    """``python -m rllib_exgrpo.models.shipped_cli rebuild`` (here with a stand-in for the build):
     exit status 0 when the built weights are the shipped ones, 1 when they differ."""
     def copy_build(folder, recipe, progress):
         for file in shipped.SHIPPED[DEFAULT_NAME]:
@@ -135,7 +135,7 @@ def test_the_rebuild_command_compares_the_built_weights_with_the_shipped_ones(tm
 
     monkeypatch.setattr("rllib_exgrpo.models.pinned_build.build_in_pinned_process", copy_build)
     monkeypatch.delenv(shipped.REBUILD_ENV_VAR, raising=False)
-    assert shipped.main(["rebuild", "--cache", str(tmp_path / "a")]) == 0
+    assert shipped_cli.main(["rebuild", "--cache", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "model.safetensors: same" in out and "equal the shipped ones" in out
 
@@ -144,7 +144,7 @@ def test_the_rebuild_command_compares_the_built_weights_with_the_shipped_ones(tm
         (Path(folder) / "model.safetensors").write_bytes(b"other weights")
 
     monkeypatch.setattr("rllib_exgrpo.models.pinned_build.build_in_pinned_process", other_build)
-    assert shipped.main(["rebuild", "--cache", str(tmp_path / "b")]) == 1
+    assert shipped_cli.main(["rebuild", "--cache", str(tmp_path / "b")]) == 1
     assert "model.safetensors: DIFFERENT" in capsys.readouterr().out
     assert shipped.REBUILD_ENV_VAR not in os.environ  # the switch is the command's own
 
@@ -153,4 +153,4 @@ def test_the_rebuild_command_compares_the_built_weights_with_the_shipped_ones(tm
                     reason="builds the default recipe from scratch (5-25 min on 2 cores): RLLIB_EXGRPO_TEST_REBUILD=1 runs it")
 def test_a_rebuild_gives_the_shipped_weights(tmp_path):
     """The pinned build of the default recipe equals the shipped weights on an AVX2 machine."""
-    assert shipped.main(["rebuild", "--cache", str(tmp_path / "cache")]) == 0
+    assert shipped_cli.main(["rebuild", "--cache", str(tmp_path / "cache")]) == 0

@@ -19,20 +19,18 @@ Building instead of taking the shipped folder:
 * ``RLLIB_EXGRPO_REBUILD_MODEL=1`` in the environment: a missing cache folder is built
   from its recipe (a folder already in the cache is used as it is: point
   ``RLLIB_EXGRPO_CACHE`` at an empty folder to rebuild everything).
-* ``python -m rllib_exgrpo.models.shipped rebuild``: builds the default recipe from scratch
+* ``python -m rllib_exgrpo.models.shipped_cli rebuild``: builds the default recipe from scratch
   into a fresh folder and compares it with the shipped files (exit status 1 if the weights
   differ). ``check`` verifies the shipped files against their record (seconds);
-  ``record FOLDER`` prints the record of a built folder, for a new shipped build.
+  ``record FOLDER`` prints the record of a built folder, for a new shipped build. The
+  command is a module of its own: it imports the build (``tiny``), which imports this
+  module, and this module must not import it back.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
 import shutil
-import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -117,88 +115,3 @@ def copy_verified(name: str, dest: Path) -> None:
         if (source / file).is_file():
             shutil.copyfile(source / file, dest / file)
     verify(dest, name)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def _default_name() -> str:
-    from rllib_exgrpo.models.tiny import recipe_key, tiny_recipe
-
-    return f"tiny-{recipe_key(tiny_recipe())}"
-
-
-def _check(args) -> int:
-    name = _default_name()
-    folder = shipped_folder(name)
-    if folder is None:
-        print(f"no shipped folder for the default recipe {name} (shipped: {sorted(SHIPPED)})")
-        return 1
-    verify(folder, name)
-    size = sum(p.stat().st_size for p in folder.iterdir())
-    print(f"{name}: {len(SHIPPED[name])} files, {size / 1e6:.2f} MB, sha256 as recorded "
-          f"(model.safetensors {SHIPPED[name]['model.safetensors']})")
-    return 0
-
-
-def _rebuild(args) -> int:
-    from rllib_exgrpo.models.tiny import build_tiny_model, read_warm_start
-
-    name = _default_name()
-    cache = args.cache or tempfile.mkdtemp(prefix="rllib-exgrpo-rebuild-")
-    if (Path(cache) / name).exists():
-        print(f"{Path(cache) / name} exists already: give --cache an empty folder", file=sys.stderr)
-        return 2
-    before = os.environ.get(REBUILD_ENV_VAR)
-    os.environ[REBUILD_ENV_VAR] = "1"
-    try:
-        built = Path(build_tiny_model(cache))
-    finally:
-        if before is None:
-            del os.environ[REBUILD_ENV_VAR]
-        else:
-            os.environ[REBUILD_ENV_VAR] = before
-    print(f"built {built}")
-    shipped = shipped_folder(name)
-    if shipped is None:
-        print(f"nothing shipped for {name} to compare with")
-        return 1
-    same = True
-    for file in REPRODUCIBLE_FILES:
-        equal = sha256_of(built / file) == SHIPPED[name][file]
-        same &= equal or file != "model.safetensors"
-        print(f"  {file}: {'same' if equal else 'DIFFERENT'}")
-    config = [json.loads((f / "config.json").read_text()) for f in (built, shipped)]
-    for c in config:
-        c.pop("transformers_version", None)
-    print(f"  config.json (transformers_version aside): {'same' if config[0] == config[1] else 'DIFFERENT'}")
-    mine, theirs = read_warm_start(str(built)), read_warm_start(str(shipped))
-    print(f"  steps {mine['steps']} (shipped {theirs['steps']}), held-out pass@1 "
-          f"{mine['final_pass1']} (shipped {theirs['final_pass1']}), cpu kernels {mine['cpu_capability']}")
-    print("the rebuilt weights equal the shipped ones" if same else "the rebuilt weights DIFFER from the shipped ones")
-    return 0 if same else 1
-
-
-def _record(args) -> int:
-    folder = Path(args.folder)
-    print(json.dumps({folder.name: file_digests(folder)}, indent=4))
-    return 0
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rllib_exgrpo.models.shipped",
-                                     description="The tiny model shipped with the package.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("check", help="verify the shipped files against their recorded sha256").set_defaults(func=_check)
-    p = sub.add_parser("rebuild", help="build the default recipe from scratch (minutes) and compare it with the shipped files")
-    p.add_argument("--cache", help="cache folder to build into (default: a new temporary folder)")
-    p.set_defaults(func=_rebuild)
-    p = sub.add_parser("record", help="print the sha256 record of a built model folder")
-    p.add_argument("folder")
-    p.set_defaults(func=_record)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
