@@ -1,4 +1,4 @@
-"""The embedded tiny model: a ~1M-parameter Qwen2 warm-started on the arithmetic family.
+"""The embedded tiny model: a ~0.8M-parameter Qwen2 warm-started on the arithmetic family.
 
 The default training job must run on a fresh CPU machine with no downloads, so the project
 builds its own small causal LM and tokenizer on first use and caches the result:
