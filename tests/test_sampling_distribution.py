@@ -154,3 +154,21 @@ def test_pruned_decode_logprobs_equal_the_scoring_pass_and_top_p_keeps_the_nucle
     greedy, _, _ = _pruned(model, rows, SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(2,)))
     tiny_p, _, _ = _pruned(model, rows, SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1e-6, stop_token_ids=(2,)))
     assert [t.tolist() for t in tiny_p] == [t.tolist() for t in greedy]
+
+
+def test_score_sorts_rows_by_length_and_returns_them_in_the_order_given(model_with_hostile_generation_config):
+    """Chunks of similar lengths (less padding), results in the caller's order: the same
+    values as scoring each row alone."""
+    model = model_with_hostile_generation_config
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (3, 7, 2, 5, 4)]
+    completions = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (9, 1, 4, 12, 2)]
+    chunked = HFGenerationBackend(model, pad_token_id=0, batch_size=2)
+    logps, ents = chunked.score(prompts, completions, temperature=0.8)
+    alone = HFGenerationBackend(model, pad_token_id=0, batch_size=1)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        [lp], [en] = alone.score([p], [c], temperature=0.8)
+        assert len(logps[i]) == len(c)
+        assert torch.allclose(torch.as_tensor(logps[i]), torch.as_tensor(lp), atol=1e-5)
+        assert torch.allclose(torch.as_tensor(ents[i]), torch.as_tensor(en), atol=1e-5)

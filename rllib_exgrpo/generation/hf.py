@@ -174,12 +174,18 @@ class HFGenerationBackend:
 
     @torch.no_grad()
     def score(self, prompts, completions, *, temperature: float, with_entropy: bool = True):
-        """Log-probs (and entropies) of ``completions`` given ``prompts``, batched."""
-        logps: List[np.ndarray] = []
-        entropies: List[np.ndarray] = []
+        """Log-probs (and entropies) of ``completions`` given ``prompts``, batched.
+
+        Rows are scored in chunks of ``batch_size`` in order of length (each chunk is padded
+        to its longest prompt and completion, so similar lengths waste little), and come
+        back in the order given."""
+        logps: List[np.ndarray] = [np.zeros(0, np.float32)] * len(prompts)
+        entropies: List[np.ndarray] = [np.zeros(0, np.float32)] * len(prompts) if with_entropy else []
         device = next(self.model.parameters()).device
-        for start in range(0, len(prompts), self.batch_size):
-            p, c = prompts[start : start + self.batch_size], completions[start : start + self.batch_size]
+        order = sorted(range(len(prompts)), key=lambda i: (len(completions[i]), len(prompts[i])))
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            p, c = [prompts[i] for i in rows], [completions[i] for i in rows]
             ids, mask, resp_mask = prompt_completion_batch(p, c, self.pad_token_id)
             logp, ent = completion_logprobs_and_entropy(
                 self.model, ids.to(device), mask.to(device), resp_mask.shape[1],
@@ -187,10 +193,10 @@ class HFGenerationBackend:
             )
             logp = logp.float().cpu().numpy()
             ent = ent.float().cpu().numpy() if ent is not None else None
-            for k, comp in enumerate(c):
-                logps.append(logp[k, : len(comp)].copy())
+            for k, (i, comp) in enumerate(zip(rows, c)):
+                logps[i] = logp[k, : len(comp)].copy()
                 if ent is not None:
-                    entropies.append(ent[k, : len(comp)].copy())
+                    entropies[i] = ent[k, : len(comp)].copy()
         return logps, entropies
 
     def load_weights(self, state_dict) -> None:
