@@ -244,15 +244,19 @@ def test_extreme_log_ratios_give_a_finite_loss_and_gradient(quick_tiny_model, sh
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in learner.module[DEFAULT_MODULE_ID].parameters())
 
 
-def _ragged_batch(learner, n_rows: int = 6, seed: int = 0):
+def _ragged_batch(learner, n_rows: int = 6, seed: int = 0, lengths=None):
     """n_rows completions of different lengths, some replayed, behaviour log-probs a
-    little off the current ones (ratios != 1, so the clip and the shaping both act)."""
+    little off the current ones (ratios != 1, so the clip and the shaping both act).
+    ``lengths``: (prompt, completion) tokens of each row (default: prompts of 3, completions
+    of 1-8)."""
     rng = np.random.default_rng(seed)
+    lengths = lengths or [(3, 1 + i % 8) for i in range(n_rows)]
     trajs = []
-    for i in range(n_rows):
-        length = 1 + i % 8
-        trajs.append(Trajectory(f"q{i // 3}", np.array([5, 6, 7]), rng.integers(8, 60, size=length),
+    for i, (p_len, length) in enumerate(lengths):
+        prompt = np.array([5, 6, 7]) if p_len == 3 else rng.integers(5, 60, size=p_len)
+        trajs.append(Trajectory(f"q{i // 3}", prompt, rng.integers(8, 60, size=length),
                                 np.zeros(length, np.float32), float(i % 2), off_policy=(i % 3 == 2)))
+    n_rows = len(lengths)
     adv = rng.normal(size=n_rows).astype(np.float32)
     batch = learner_batch(trajs, adv, pad_id=0)
     module = learner.module[DEFAULT_MODULE_ID]
@@ -277,16 +281,23 @@ def test_micro_batches_give_the_one_pass_update(quick_tiny_model, agg, micro):
         batch = _ragged_batch(learner)
         results.append(group.update(batch=to_multi_agent_batch(batch))[0][DEFAULT_MODULE_ID])
         params.append([p.grad.detach().clone() for p in learner.module[DEFAULT_MODULE_ID].parameters()])
-    one, cut = results
-    scale = max(float(g.abs().max()) for g in params[0])
-    for a, b in zip(*params):
-        assert torch.allclose(a, b, atol=1e-5 * scale, rtol=1e-4)
-    def value(stat):
-        return float(stat.peek() if hasattr(stat, "peek") else stat)
-
-    for key in ("policy_loss", "total_loss", "grad_norm_preclip", "ratio_max", "entropy"):
-        assert value(cut[key]) == pytest.approx(value(one[key]), rel=1e-4, abs=1e-6), key
+    one, cut = _assert_same_update(results, params)
     assert cut["update_skipped"] == one["update_skipped"] == 0
+
+
+def _value(stat) -> float:
+    return float(stat.peek() if hasattr(stat, "peek") else stat)
+
+
+def _assert_same_update(results, grads):
+    """Two learners' results and gradients of one update: equal within float tolerance."""
+    one, cut = results
+    scale = max(float(g.abs().max()) for g in grads[0])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5 * scale, rtol=1e-4)
+    for key in ("policy_loss", "total_loss", "grad_norm_preclip", "ratio_max", "entropy"):
+        assert _value(cut[key]) == pytest.approx(_value(one[key]), rel=1e-4, abs=1e-6), key
+    return one, cut
 
 
 def test_a_nonfinite_micro_batch_drops_the_whole_update(quick_tiny_model):
@@ -301,19 +312,8 @@ def test_a_nonfinite_micro_batch_drops_the_whole_update(quick_tiny_model):
 
 def _long_tailed_batch(learner, seed=0, n_rows=12):
     """Rows with prompts of 2-6 tokens and completions of 1-8, one row much longer than the rest."""
-    rng = np.random.default_rng(seed)
-    trajs = []
-    for i in range(n_rows):
-        p_len, c_len = 2 + i % 5, (8 if i == 7 else 1 + (i * 5) % 4)
-        trajs.append(Trajectory(f"q{i // 3}", rng.integers(5, 60, size=p_len), rng.integers(8, 60, size=c_len),
-                                np.zeros(c_len, np.float32), float(i % 2), off_policy=(i % 3 == 2)))
-    adv = rng.normal(size=n_rows).astype(np.float32)
-    batch = learner_batch(trajs, adv, pad_id=0)
-    module = learner.module[DEFAULT_MODULE_ID]
-    with torch.no_grad():
-        logp = module._forward_train({k: torch.as_tensor(v) for k, v in batch.items()})[C.LOGP].numpy()
-    batch[C.OLD_LOGP] = (logp - rng.normal(scale=0.2, size=logp.shape)) * batch[C.RESPONSE_MASK]
-    return batch
+    return _ragged_batch(learner, seed=seed, lengths=[(2 + i % 5, 8 if i == 7 else 1 + (i * 5) % 4)
+                                                      for i in range(n_rows)])
 
 
 @pytest.mark.parametrize("agg,budget,rows,extra_passes,packing", [
@@ -343,21 +343,12 @@ def test_token_budget_passes_give_the_one_pass_update(quick_tiny_model, monkeypa
         results.append(group.update(batch=to_multi_agent_batch(batch))[0][DEFAULT_MODULE_ID])
         grads.append([p.grad.detach().clone() for p in learner.module[DEFAULT_MODULE_ID].parameters()])
         monkeypatch.undo()
-    one, cut = results
-    scale = max(float(g.abs().max()) for g in grads[0])
-    for a, b in zip(*grads):
-        assert torch.allclose(a, b, atol=1e-5 * scale, rtol=1e-4)
-
-    def value(stat):
-        return float(stat.peek() if hasattr(stat, "peek") else stat)
-
-    for key in ("policy_loss", "total_loss", "grad_norm_preclip", "ratio_max", "entropy"):
-        assert value(cut[key]) == pytest.approx(value(one[key]), rel=1e-4, abs=1e-6), key
-    assert value(cut["learner_passes"]) >= 2
+    one, cut = _assert_same_update(results, grads)
+    assert _value(cut["learner_passes"]) >= 2
     if packing:
-        assert value(cut["learner_padded_over_real"]) == 1.0
+        assert _value(cut["learner_padded_over_real"]) == 1.0
     else:
-        assert 1.0 < value(cut["learner_padded_over_real"]) < 1.6
+        assert 1.0 < _value(cut["learner_padded_over_real"]) < 1.6
 
 
 def test_token_budget_passes_are_trimmed_to_their_longest_row(quick_tiny_model):
