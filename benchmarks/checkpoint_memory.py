@@ -6,10 +6,17 @@ Builds a randomly initialised Qwen2 model (no download: the config is written he
 tokenizer is the embedded tiny one; 16 layers x 768 wide = about 101 M parameters), then an
 ExGRPO algorithm with ``learner_backend: deepspeed`` (ZeRO-2 by default), 4 learners over
 gloo on CPU (fp32, as DeepSpeed runs on CPU), and one optimiser step on a synthetic batch so
-that every rank holds its AdamW shard. Then it measures the algorithm's own checkpoint
-calls: ``algo.save_to_path(path)`` (the whole checkpoint: learner state and shards, env
-runner, sampler, experience pool) and ``algo.restore_from_path(path)`` into the same
-running algorithm (what ``--resume`` and ``Algorithm.from_checkpoint`` run on each learner).
+that every rank holds its AdamW shard. Then it measures the checkpoint calls:
+
+* ``save``: ``algo.save_to_path(path)``, the whole checkpoint (learner state, optimiser
+  shards and, under ZeRO-3, each rank's weight partitions; env runner, sampler, experience
+  pool);
+* ``restore``: ``algo.learner_group.restore_from_path(path / "learner_group")`` into the
+  same running learners: what ``algo.restore_from_path``, ``--resume`` and
+  ``Algorithm.from_checkpoint`` run on each learner;
+* ``sync`` (reported, not part of the figure): the weight sync to the env runners that
+  ``algo.restore_from_path`` runs after the learners' restore, the same call every
+  iteration ends with. Under ZeRO-3 the first learner gathers the model for it.
 
 The measure, per learner (rank): the kernel's resident-memory high-water mark (``VmHWM``)
 during the call, above its resident memory just before it (the mark is reset then with
@@ -175,13 +182,18 @@ def main() -> None:
             shard_files = sorted(path.glob("learner_group/learner/optimizer_shards/*/*.pt"))
             print(f"  {len(shard_files)} shard files: "
                   + ", ".join(f"{f.name} {f.stat().st_size / 2**20:.0f} MiB" for f in shard_files), flush=True)
-            worst = max(worst, measure(algo, "restore", lambda: algo.restore_from_path(str(path)), rows))
+            worst = max(worst, measure(algo, "restore",
+                                       lambda: algo.learner_group.restore_from_path(str(path / "learner_group")), rows))
+            measure(algo, "sync", lambda: algo.env_runner_group.sync_weights(
+                from_worker_or_learner_group=algo.learner_group, inference_only=True), rows)
         out = ROOT / "benchmarks" / "out"
         out.mkdir(exist_ok=True)
         (out / "checkpoint_memory.json").write_text(json.dumps(
             {"n_params": n_params, "learners": args.learners, "stage": args.stage, "rows": rows}, indent=1))
         algo.stop()
         ray.shutdown()
+        sync = max((r["ratio"] for r in rows if r["call"] == "sync"), default=0.0)
+        print(f"weight sync after a restore (as every iteration, not counted above): worst rank {sync:.2f} x shard")
         print(f"peak_over_shard={worst:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

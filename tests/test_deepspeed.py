@@ -5,9 +5,11 @@
   weights RLlib ships (``get_weights``, gathered without a collective) and on the env
   runner, and equal one plain learner trained on the same batches (``tests/test_ddp.py``
   explains the setup; the same check runs there for RLlib's DDP);
-* a ZeRO-3 checkpoint holds the full weights and every rank's optimiser shard: restored
-  into a new algorithm it gives back the same weights and AdamW state, and its next
-  iteration is the one the uninterrupted run made;
+* a ZeRO-3 checkpoint holds each rank's weight partitions and optimiser shard (its module
+  folder a manifest, nothing gathered): restored into a new algorithm it gives back the
+  same weights and AdamW state, and its next iteration is the one the uninterrupted run
+  made; ``zero3_weights.consolidate`` writes the full weights as a module folder that
+  ``RLModule.from_checkpoint`` reads;
 * the grad-norm skip, and a NaN loss on one learner, drop the step on every engine:
   nothing moves, AdamW's step count stays;
 * bf16 (what a GPU gets) runs through the same code on CPU.
@@ -207,6 +209,27 @@ def test_zero3_checkpoint_restores_weights_and_optimizer_and_trains_on(quick_tin
         expected = learner_views(algo)[0]
     finally:
         algo.stop()
+
+    # The module folder holds a manifest (no partitioned weights); each rank wrote its own
+    # partitions and optimiser shard.
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
+    from rllib_exgrpo.rllib import zero3_weights
+
+    learner_dir = tmp_path / "learner_group" / "learner"
+    manifest = zero3_weights._read_pickle(learner_dir / "rl_module" / MODULE / "module_state.pkl")
+    assert zero3_weights.is_manifest(manifest)
+    entry = manifest[zero3_weights.MANIFEST_KEY]
+    assert entry["world_size"] == 2 and entry["shapes"] and set(entry["shapes"]).isdisjoint(entry["whole"])
+    assert sorted(p.name for p in (learner_dir / "module_shards" / MODULE).iterdir()) == ["rank_0_of_2.pt", "rank_1_of_2.pt"]
+    assert sorted(p.name for p in (learner_dir / "optimizer_shards" / MODULE).iterdir()) == ["rank_0_of_2.pt", "rank_1_of_2.pt"]
+    with pytest.raises(ValueError, match="ZeRO-3 checkpoint's module folder"):
+        RLModule.from_checkpoint(learner_dir / "rl_module" / MODULE)
+    # Consolidated, the full weights are the saved ones, and RLlib's own loader reads them.
+    written = zero3_weights.consolidate(tmp_path, tmp_path.parent / f"{tmp_path.name}_full")
+    module = RLModule.from_checkpoint(written[MODULE])
+    consolidated = {k: v.detach().float().numpy() for k, v in module.state_dict().items()}
+    assert_same_weights([saved_weights, {k: consolidated[k] for k in saved_weights}], ["saved", "consolidated"])
 
     t0 = time.perf_counter()
     restored = ExGRPO.from_checkpoint(str(tmp_path))

@@ -640,9 +640,21 @@ class ExGRPO(Algorithm):
             path = str(path)[len("file://"):] if local else path
         if not local:
             return super().save_to_path(path, state=state, filesystem=filesystem, use_msgpack=use_msgpack)
-        with atomic_folder(path) as tmp:
-            super().save_to_path(str(tmp), state=state, filesystem=filesystem, use_msgpack=use_msgpack)
+        self._set_learners_checkpointing(True)
+        try:
+            with atomic_folder(path) as tmp:
+                super().save_to_path(str(tmp), state=state, filesystem=filesystem, use_msgpack=use_msgpack)
+        finally:
+            self._set_learners_checkpointing(False)
         return str(path)
+
+    def _set_learners_checkpointing(self, on: bool) -> None:
+        """Tell learners that shard their weights (DeepSpeed ZeRO-3) that a checkpoint is
+        being written: each then writes its own partitions instead of the first learner
+        gathering the whole model (``rllib/zero3_weights.py``)."""
+        if self.config.learner_backend != "deepspeed" or self.learner_group is None:
+            return
+        self.learner_group.foreach_learner(lambda learner, _on=on: learner.set_checkpointing(_on))
 
     def get_state(self, components=None, *, not_components=None, **kwargs):
         state = super().get_state(components, not_components=not_components, **kwargs)

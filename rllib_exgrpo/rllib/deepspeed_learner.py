@@ -66,7 +66,7 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
-from rllib_exgrpo.rllib import checkpointing
+from rllib_exgrpo.rllib import checkpointing, zero3_weights
 from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
 from rllib_exgrpo.rllib.module import ShippedBF16, shippable
 
@@ -585,10 +585,76 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
                 out[key] = built[t.ds_id] = value
         return out
 
+    def _is_zero3(self, module_id) -> bool:
+        return module_id in self._engines and _zero_stage(self._engines[module_id]) == 3
+
+    def _zero3_manifest(self, module_id, inference_only: bool = False) -> Dict[str, Any]:
+        """A ZeRO-3 module's state in a checkpoint (``zero3_weights``): nothing gathered.
+        The tensors every rank holds whole go in it; each rank writes its partitions of the
+        others beside it (:meth:`_ds_own_module_partitions`)."""
+        dtypes = self._ds_dtypes[module_id]
+        whole, shapes, tied, first = {}, {}, {}, {}
+        for key, t in self._module_tensors(module_id, inference_only).items():
+            want = dtypes.get(key, t.dtype)
+            if not hasattr(t, "ds_id"):
+                whole[key] = shippable(t, want)
+            elif t.ds_id in first:
+                tied[key] = first[t.ds_id]
+            else:
+                first[t.ds_id] = key
+                if t.data.numel() == t.ds_numel:  # kept whole on every rank (persistent)
+                    whole[key] = shippable(t.data, want)
+                else:
+                    shapes[key] = (tuple(t.ds_shape), want)
+        return {zero3_weights.MANIFEST_KEY: {
+            "world_size": dist.get_world_size(), "whole": whole, "shapes": shapes, "tied": tied,
+        }}
+
+    def _ds_own_module_partitions(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """This rank's live ZeRO-3 partitions (``ds_tensor``) of each partitioned
+        parameter, by name (no copy: ``torch.save`` writes them from their own storage)."""
+        out = {}
+        for mid in self._engines:
+            if not self._is_zero3(mid):
+                continue
+            parts, seen = {}, set()
+            for key, t in self._module_tensors(mid).items():
+                if hasattr(t, "ds_id") and t.ds_id not in seen and t.data.numel() != t.ds_numel:
+                    seen.add(t.ds_id)
+                    parts[key] = t.ds_tensor.data
+            out[mid] = parts
+        return out
+
+    @torch.no_grad()
+    def _load_own_module_partitions(self, module_id, manifest: Dict[str, Any], learner_folder: pathlib.Path) -> None:
+        """A ZeRO-3 manifest in: the whole tensors, then this rank's own partition file."""
+        entry = manifest[zero3_weights.MANIFEST_KEY]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if not self._is_zero3(module_id) or entry["world_size"] != world:
+            raise ValueError(
+                f"module {module_id!r}: the checkpoint holds ZeRO-3 weight partitions of {entry['world_size']} "
+                f"learner(s); this run has ZeRO-{_zero_stage(self._engines[module_id]) if module_id in self._engines else 0} "
+                f"with {world}. Restore with the same deepspeed_zero_stage and num_learners, or write the full "
+                "weights first: python -m rllib_exgrpo.rllib.zero3_weights CHECKPOINT OUT"
+            )
+        path = zero3_weights.rank_file(learner_folder, module_id, rank, world)
+        if not path.is_file():
+            raise FileNotFoundError(f"module weight partition {path} missing from the checkpoint")
+        self._set_module_weights(module_id, entry["whole"])
+        saved = torch.load(str(path), map_location="cpu", weights_only=True)
+        tensors = self._module_tensors(module_id)
+        for key in entry["shapes"]:
+            part = tensors[key].ds_tensor
+            part.data.copy_(saved.pop(key).reshape(part.shape))
+        del saved
+        self._engines[module_id].optimizer.refresh_fp32_params()
+
     @torch.no_grad()
     def _set_module_weights(self, module_id, weights: Dict[str, Any]) -> None:
         """Full weights in: ZeRO-3 keeps its own slice of each, ZeRO-1/2 the whole tensor;
         then the optimiser's fp32 master copy follows. Local to this rank (no collective)."""
+        if zero3_weights.is_manifest(weights):
+            raise zero3_weights.not_weights_error(f"the state given for module {module_id!r}")
         if module_id not in self._engines:
             self.module[module_id].set_state(weights)
             return
@@ -685,15 +751,28 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
             self._load_zero_state(mid, copy.deepcopy(shards[rank]), lambda r: copy.deepcopy(shards[r]))
 
     # ---- sharded checkpoints -----------------------------------------------------------------
-    def _ds_write_own_shards(self, folder: str) -> int:
+    #: Set on every learner while the algorithm writes a checkpoint (``ExGRPO.save_to_path``):
+    #: the state RLlib asks for then carries a ZeRO-3 module as a manifest, each rank's
+    #: partitions being written beside it, instead of the gathered weights.
+    _ds_checkpointing = False
+
+    def set_checkpointing(self, on: bool) -> None:
+        self._ds_checkpointing = bool(on)
+
+    def _ds_write_own_shards(self, folder: str, module_folder: Optional[str] = None) -> int:
         """This rank's ZeRO optimiser state, as the optimiser holds it (no copy first), to
-        ``folder/<module id>/rank_<r>_of_<n>.pt``; returns the bytes written."""
+        ``folder/<module id>/rank_<r>_of_<n>.pt``, and (ZeRO-3, ``module_folder`` given) its
+        weight partitions to ``module_folder/<module id>/rank_<r>_of_<n>.pt``; returns the
+        bytes written."""
         rank, world = dist.get_rank(), dist.get_world_size()
         written = 0
         for mid, engine in self._engines.items():
             written += checkpointing.save_shard(
                 engine.optimizer.state_dict(), checkpointing.shard_file(folder, mid, rank, world)
             )
+        if module_folder is not None:
+            for mid, parts in self._ds_own_module_partitions().items():
+                written += checkpointing.save_shard(parts, checkpointing.shard_file(module_folder, mid, rank, world))
         return written
 
     def _ds_node_ip(self) -> str:
@@ -702,8 +781,12 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
         return ray.util.get_node_ip_address()
 
     def _ds_own_shard_states(self) -> Dict[str, Any]:
-        """This rank's optimiser state dicts (returned through Ray to a writer on another node)."""
-        return {mid: engine.optimizer.state_dict() for mid, engine in self._engines.items()}
+        """This rank's optimiser state dicts and (ZeRO-3) weight partitions, returned
+        through Ray to a writer on another node."""
+        return {
+            "optimizer": {mid: engine.optimizer.state_dict() for mid, engine in self._engines.items()},
+            "module": self._ds_own_module_partitions(),
+        }
 
     def _write_optimizer_shards(self, learner_folder: pathlib.Path) -> None:
         """Every rank's shard into ``learner_folder/optimizer_shards`` (written under a
@@ -712,7 +795,13 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
         import ray
 
         rank, world = dist.get_rank(), dist.get_world_size()
-        with checkpointing.atomic_folder(learner_folder / checkpointing.SHARD_FOLDER) as tmp:
+        zero3 = any(self._is_zero3(mid) for mid in self._engines)
+        with contextlib.ExitStack() as stack:
+            tmp = stack.enter_context(checkpointing.atomic_folder(learner_folder / checkpointing.SHARD_FOLDER))
+            tmp_module = (
+                str(stack.enter_context(checkpointing.atomic_folder(learner_folder / zero3_weights.MODULE_SHARD_FOLDER)))
+                if zero3 else None
+            )
             local_refs, remote = [], []
             if self._ds_peers:
                 here = self._ds_node_ip()
@@ -721,15 +810,17 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
                 others = [(r, h) for r, h in enumerate(self._ds_peers) if r != rank]
                 for (r, h), ip in zip(others, ips):
                     if ip == here:
-                        local_refs.append(h._ds_write_own_shards.remote(str(tmp)))
+                        local_refs.append(h._ds_write_own_shards.remote(str(tmp), tmp_module))
                     else:
                         remote.append((r, h))
-            self._ds_write_own_shards(str(tmp))
+            self._ds_write_own_shards(str(tmp), tmp_module)
             ray.get(local_refs, timeout=GATHER_TIMEOUT_S)
             for r, h in remote:
                 states = ray.get(h._ds_own_shard_states.remote(), timeout=GATHER_TIMEOUT_S)
-                for mid, sd in states.items():
+                for mid, sd in states["optimizer"].items():
                     checkpointing.save_shard(sd, checkpointing.shard_file(tmp, mid, r, world))
+                for mid, parts in states["module"].items():
+                    checkpointing.save_shard(parts, checkpointing.shard_file(tmp_module, mid, r, world))
                 del states
 
     def _read_optimizer_shards(self, learner_folder: pathlib.Path) -> None:
@@ -793,8 +884,13 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
         if want_module:
             sub = self._get_subcomponents(COMPONENT_RL_MODULE, components)
             not_sub = self._get_subcomponents(COMPONENT_RL_MODULE, not_components)
+            inference_only = kwargs.get("inference_only", False)
             state[COMPONENT_RL_MODULE] = {
-                mid: self._full_module_state(mid, inference_only=kwargs.get("inference_only", False))
+                mid: (
+                    self._zero3_manifest(mid, inference_only)
+                    if self._ds_checkpointing and self._is_zero3(mid)
+                    else self._full_module_state(mid, inference_only=inference_only)
+                )
                 for mid in self.module.keys()
                 if self.module._check_component(mid, sub, not_sub)
             }
@@ -820,26 +916,30 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
         if component is None:
             if only_comp_names is not None and COMPONENT_RL_MODULE not in only_comp_names:
                 return
-            folder, mids = path / COMPONENT_RL_MODULE, list(self.module.keys())
+            folder, mids, learner = path / COMPONENT_RL_MODULE, list(self.module.keys()), path
         elif component == COMPONENT_RL_MODULE:
-            folder, mids = path, list(self.module.keys())
+            folder, mids, learner = path, list(self.module.keys()), path.parent
         elif component.startswith(COMPONENT_RL_MODULE + "/"):
             mid = component[len(COMPONENT_RL_MODULE) + 1 :].split("/")[0]
-            self._restore_module_folder(mid, path, filesystem)
+            self._restore_module_folder(mid, path, filesystem, path.parent.parent)
             return
         else:
             return
         for mid in mids:
-            self._restore_module_folder(mid, folder / mid, filesystem)
+            self._restore_module_folder(mid, folder / mid, filesystem, learner)
 
-    def _restore_module_folder(self, module_id, folder: pathlib.Path, filesystem) -> None:
+    def _restore_module_folder(self, module_id, folder: pathlib.Path, filesystem, learner_folder: pathlib.Path) -> None:
         from ray.rllib.utils.checkpoints import _exists_at_fs_path
 
         if not (_exists_at_fs_path(filesystem, folder.as_posix()) if filesystem is not None else folder.exists()):
             return
         reader = _StateFile()
         reader.restore_from_path(folder, filesystem=filesystem)
-        self._set_module_weights(module_id, reader.state)
+        if zero3_weights.is_manifest(reader.state):
+            _local_path(filesystem, folder)
+            self._load_own_module_partitions(module_id, reader.state, learner_folder)
+        else:
+            self._set_module_weights(module_id, reader.state)
 
     # ---- checks ----------------------------------------------------------------------------
     def full_parameters_collective(self, module_id=None) -> Dict[str, Any]:

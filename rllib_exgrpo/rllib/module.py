@@ -145,6 +145,10 @@ class LLMTorchRLModule(TorchRLModule):
         are wrapped without a copy; ``load_state_dict`` casts to the parameters' dtype.
         As RLlib's: extra keys are ignored, and an inference-only module must get all of
         its own."""
+        from rllib_exgrpo.rllib import zero3_weights
+
+        if zero3_weights.is_manifest(state):
+            raise zero3_weights.not_weights_error("the state given to this module")
         tensors = {key: _as_tensor(value) for key, value in state.items()}
         missing, _ = self.load_state_dict(tensors, strict=False)
         if self.inference_only and missing:
