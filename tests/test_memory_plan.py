@@ -282,13 +282,23 @@ def test_plan_of_the_recipes_names_the_key_when_it_does_not_fit():
         "learner_micro_batch_rows": dict(learner_micro_batch_rows=64, learner_micro_batch_tokens=None,
                                          gradient_checkpointing=False),
         "learner_micro_batch_tokens": dict(learner_micro_batch_tokens=64 * 9216, gradient_checkpointing=False),
-        "vllm_kwargs.gpu_memory_utilization": dict(vllm_kwargs={"gpu_memory_utilization": 0.85}),
-        "generation_batch_size": dict(generation_batch_size=48),
+        # Scoring on the runners: each holds a torch copy of the model beside vLLM.
+        "vllm_kwargs.gpu_memory_utilization": dict(scoring_on="runners", vllm_kwargs={"gpu_memory_utilization": 0.85}),
+        "generation_batch_size": dict(scoring_on="runners", vllm_kwargs={"gpu_memory_utilization": 0.5},
+                                      generation_batch_size=48),
     }
     for key, over in cases.items():
         problems = plan_memory(_config(QWEN, **over), gpu_memory=gpu, gpu_memory_source="test").problems()
         assert len(problems) == 1 and problems[0].startswith(f"config.{key}: "), (key, problems)
         assert "\n" not in problems[0]
+    # As shipped (scoring_on: learners) a runner holds vLLM's copy of the weights only; with
+    # scoring on the runners it holds a torch copy too.
+    shipped = plan_memory(_config(QWEN), gpu_memory=gpu, gpu_memory_source="test")
+    runner = next(a for a in shipped.actors if a.kind == "env runner")
+    assert [i.what for i in runner.items] == ["vLLM engine", "CUDA context, workspaces"], runner.render()
+    two = plan_memory(_config(QWEN, scoring_on="runners", vllm_kwargs={"gpu_memory_utilization": 0.5}),
+                      gpu_memory=gpu, gpu_memory_source="test")
+    assert "policy module (HF copy)" in [i.what for i in next(a for a in two.actors if a.kind == "env runner").items]
     # vLLM's share too small for one sequence of max_model_len
     tiny_share = plan_memory(_config(QWEN, vllm_kwargs={"gpu_memory_utilization": 0.18}), gpu_memory=gpu,
                              gpu_memory_source="test").problems()

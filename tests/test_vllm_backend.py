@@ -495,3 +495,63 @@ def test_vllm_requests_sample_the_plain_softmax(tmp_path):
     cfg = ExGRPOConfig().training(model_name_or_path=str(tmp_path))  # a local folder: nothing built
     backend = VLLMGenerationBackend(cfg, SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=512))), None)
     assert backend.engine_kwargs()["generation_config"] == "vllm"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_engine_only_runner_with_scoring_on_learners(vllm_module, quick_tiny_model, ray_local):
+    """``scoring_on: learners``: the vLLM runner builds no torch module (the engine holds
+    its only copy of the weights), the learners score every completion (first-step ratio 1),
+    and a weight sync goes straight into the engine."""
+    import torch
+    from ray.rllib.core import COMPONENT_RL_MODULE
+    from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
+
+    from rllib_exgrpo.generation.hf import HFGenerationBackend
+    from rllib_exgrpo.models.loading import load_causal_lm
+    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
+
+    algo = (
+        ExGRPOConfig()
+        .environment(env_config={"dataset": "arithmetic"})
+        .training(
+            model_name_or_path=quick_tiny_model, questions_per_step=4, group_size=4,
+            max_prompt_tokens=128, max_response_tokens=12, lr=1e-3, minibatch_size=16,
+            loss_agg_mode="token-mean", generation_backend="vllm", scoring_on="learners",
+            vllm_kwargs={"kv_cache_memory_bytes": 64 << 20, "block_size": 32},
+        )
+        .build_algo()
+    )
+    try:
+        result = algo.train()
+        runner = algo.env_runner_group.local_env_runner
+        assert runner.engine_only and runner.module is None
+        assert runner.backend.module is None and runner.backend._scorer is None and runner.backend.llm is not None
+        assert result["learner_scored_completions"] == 16
+        learner = result["learners"]["default_policy"]
+        assert abs(learner["ratio_max"] - 1.0) < 1e-4 and abs(learner["ratio_min"] - 1.0) < 1e-4, learner
+        with pytest.raises(RuntimeError, match="holds no torch module"):
+            runner.score_trajectories([[1, 2]], [[3]])
+
+        qids = [runner.env.reset()[1]["question_id"] for _ in range(4)]
+        prompts = [runner.encode_prompt(q) for q in qids]
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=runner.stop_token_ids)
+        before = runner.backend.generate(prompts, [1] * 4, params)
+
+        weights = algo.learner_group.get_weights()
+        rng = np.random.default_rng(3)
+        for state in weights.values():
+            for v in state.values():
+                v += rng.standard_normal(v.shape).astype(v.dtype) * (2.0 * v.std() + 1e-3)
+        runner.set_state({COMPONENT_RL_MODULE: weights, WEIGHTS_SEQ_NO: runner._weights_seq_no + 1})
+        assert runner.module is None
+
+        model = load_causal_lm({"model": quick_tiny_model, "dtype": "float32"}).eval()
+        model.load_state_dict({k[len("model."):]: torch.as_tensor(v) for k, v in weights["default_policy"].items()})
+        got = runner.backend.generate(prompts, [1] * 4, params)
+        want = HFGenerationBackend(model, pad_token_id=runner.tokenizer.pad_token_id).generate(prompts, [1] * 4, params)
+        assert any(not np.array_equal(a[0].token_ids, b[0].token_ids) for a, b in zip(got, before))
+        for prompt, a, b in zip(prompts, got, want):
+            assert_same_greedy(model, prompt, a[0].token_ids, b[0].token_ids)
+    finally:
+        algo.stop()

@@ -148,15 +148,15 @@ _XRPO_SEEDING = ("all_failing_questions", "seeded_questions", "corpus_size", "re
                  "rescued_questions")
 _XRPO_SHARPENING = ("sharpening_bonus_mean", "sharpened_fraction")
 # ExGRPO._stage timers (algorithm.py) and RLlib's own around training_step
-_STAGES = ("plan", "replay_choice", "sample", "advantages", "learner_update_timer", "buffer_update",
-           "synch_weights", "heldout_eval")
+_STAGES = ("plan", "replay_choice", "sample", "learner_scoring", "advantages", "learner_update_timer",
+           "buffer_update", "synch_weights", "heldout_eval")
 _RLLIB_TIMERS = ("training_iteration", "training_step", "restore_env_runners", "synch_env_connectors")
 # ExGRPO.training_step / _log_group_metrics / _update_learners / _sample, and RLlib's top level
 _PROJECT_TOP = (
     "reward_mean", "solve_rate", "zero_variance_group_fraction", "all_correct_group_fraction",
     "num_completions", "unscored_completions", "optimizer_steps", "minibatch_rows_min",
     "minibatch_rows_max", "env_runner_failures", "resampled_questions", "num_env_steps_sampled_lifetime",
-    "num_training_step_calls_per_iteration", "async_batch_staleness",
+    "num_training_step_calls_per_iteration", "async_batch_staleness", "learner_scored_completions",
 )
 
 
@@ -203,6 +203,9 @@ def _when(cfg: Any, key: str) -> Optional[str]:
             return "novelty_sharpening is off"
     if key == "async_batch_staleness" and not g(cfg, "async_rollouts", False):
         return "async_rollouts is off"
+    if (key == "learner_scored_completions" or tail == "learner_scoring") and (
+            g(cfg, "scoring_on", "runners") != "learners" or g(cfg, "behaviour_logprobs", "recompute") != "recompute"):
+        return "it is logged with scoring_on: learners and behaviour_logprobs: recompute only"
     if key.startswith("learners/default_policy/learner_pa") and not (
             g(cfg, "learner_micro_batch_rows", None) or g(cfg, "learner_micro_batch_tokens", None)):
         return "it is logged with learner_micro_batch_rows or learner_micro_batch_tokens only"

@@ -6,7 +6,7 @@ hand-made inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ class Trajectory:
     question_id: str
     prompt_ids: np.ndarray  # int [P]
     completion_ids: np.ndarray  # int [R]
-    logp: np.ndarray  # float32 [R], behaviour log-probs recorded at sampling time
+    logp: Optional[np.ndarray]  # float32 [R], behaviour log-probs (None until the learners score it: scoring_on: learners)
     reward: float
     #: Off-policy: trained with the recorded log-probs and policy shaping (ExGRPO replay,
     #: and XRPO seeded completions whose log-probs were recorded under another prompt).
@@ -47,12 +47,15 @@ def trajectories_from_episodes(episodes) -> List[Trajectory]:
     for e in episodes:
         info = e.get_infos(-1)
         seeded = bool(info.get("seeded", False))
+        # No log-probs recorded: the learners score the completion (scoring_on: learners).
+        logp = (np.asarray(e.get_extra_model_outputs(C.ACTION_LOGP, 0), dtype=np.float32)
+                if C.ACTION_LOGP in e.extra_model_outputs else None)
         out.append(
             Trajectory(
                 question_id=info[C.QUESTION_ID],
                 prompt_ids=np.asarray(e.get_observations(0)),
                 completion_ids=np.asarray(e.get_actions(0)),
-                logp=np.asarray(e.get_extra_model_outputs(C.ACTION_LOGP, 0), dtype=np.float32),
+                logp=logp,
                 reward=float(e.get_return()),
                 off_policy=seeded,
                 seeded=seeded,

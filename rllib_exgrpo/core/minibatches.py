@@ -223,3 +223,18 @@ def padded_positions(prompt_tokens: Sequence[int], completion_tokens: Sequence[i
     if packed:
         return int(prompt.sum() + completion.sum())
     return int(sum(len(rows) * (prompt[rows].max() + completion[rows].max()) for rows in passes if len(rows)))
+
+
+def shard_by_tokens(lengths: Sequence[int], parts: int) -> List[List[int]]:
+    """Row indices sorted by length, cut into at most ``parts`` contiguous non-empty shards of
+    about equal total length (the cut after the row where the running total passes each
+    ``j / parts`` of the whole)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    total = float(sum(lengths)) or 1.0
+    shards: List[List[int]] = [[] for _ in range(max(1, parts))]
+    running = 0.0
+    for i in order:
+        shard = min(int(running / total * len(shards)), len(shards) - 1)
+        shards[shard].append(i)
+        running += lengths[i]
+    return [s for s in shards if s]

@@ -49,6 +49,13 @@ that lives in the env runner's process next to the runner's RLModule.
   sync, in the module's dtype, and the synced state is never copied or kept here. (On a
   GPU, leave room for that module: lower ``gpu_memory_utilization``.)
 
+* **Without a module** (``scoring_on: learners``: the env runner passes ``module=None``):
+  the engine holds the runner's only copy of the weights. It is built with the first
+  weight sync and takes the synced state directly (HF names from a model built on the meta
+  device, no memory); completions come back without recomputed log-probs (``logp`` None
+  unless the engine's own are the behaviour log-probs: the learners score the rest) and
+  :meth:`VLLMGenerationBackend.score` is not available.
+
 * **Weight sync** (``load_weights``): the RLModule's state dict has the HF model's tensors
   under ``model.`` (the module attribute); the prefix is stripped, entries that are not
   the LM's (a value head) are dropped, and the values (numpy arrays or torch tensors of any
@@ -246,6 +253,7 @@ class VLLMGenerationBackend:
         self._has_extension = False
         self._warned_rescoring = False
         self._warned_clamp = False
+        self._model_names: Optional[List[str]] = None
 
     # ---- engine ----------------------------------------------------------------------
     def engine_kwargs(self) -> Dict[str, Any]:
@@ -254,7 +262,13 @@ class VLLMGenerationBackend:
 
         cfg = self.config
         max_len = int(cfg.max_prompt_tokens) + int(cfg.max_response_tokens)
-        model_max = getattr(getattr(self.module.model, "config", None), "max_position_embeddings", None)
+        if self.module is not None:
+            model_config = getattr(self.module.model, "config", None)
+        else:
+            from rllib_exgrpo.models.loading import model_config_of
+
+            model_config = model_config_of(cfg.model_name_or_path)
+        model_max = getattr(model_config, "max_position_embeddings", None)
         if model_max and max_len > int(model_max):
             logger.warning(
                 "vLLM: max_prompt_tokens + max_response_tokens = %d exceeds the model's "
@@ -309,7 +323,8 @@ class VLLMGenerationBackend:
         self._has_extension = kwargs.get("worker_extension_cls") == WORKER_EXTENSION
         # The module may already hold other weights than the checkpoint (restore, sync
         # before the first sample): start the engine from the module's.
-        self._push_weights(list(self.module.model.state_dict().items()))
+        if self.module is not None:
+            self._push_weights(list(self.module.model.state_dict().items()))
         return self.llm
 
     # ---- GenerationBackend -----------------------------------------------------------
@@ -329,7 +344,7 @@ class VLLMGenerationBackend:
         # completion and the engine's numbers only measure the mismatch.
         engine_logps = params.return_logprobs and vllm_logprobs_match_learner(self.logprobs_mode, params)
         use_vllm_logps = engine_logps and getattr(self.config, "behaviour_logprobs", "recompute") == "engine"
-        if params.return_logprobs and not use_vllm_logps and not self._warned_rescoring:
+        if params.return_logprobs and not use_vllm_logps and not self._warned_rescoring and self.module is not None:
             logger.info(
                 "vLLM log-probs (logprobs_mode=%s) are not the learner's at temperature=%s, "
                 "top_p=%s: scoring completions with the torch module instead",
@@ -382,8 +397,9 @@ class VLLMGenerationBackend:
                     )
                 if use_vllm_logps:
                     logp = engine_lp
-                elif params.return_logprobs:
+                elif params.return_logprobs and self.module is not None:
                     pending.append((i, len(results[i])))
+                # (No module: logp stays None and the learners score it, scoring_on: learners.)
                 results[i].append(
                     Completion(
                         prompt_index=i,
@@ -407,6 +423,10 @@ class VLLMGenerationBackend:
     @property
     def scorer(self):
         """The HF scoring path over the runner's torch module (same weights as vLLM)."""
+        if self.module is None:
+            raise RuntimeError(
+                "this vLLM env runner holds no torch module (scoring_on: learners): the learners score"
+            )
         if self._scorer is None:
             from rllib_exgrpo.generation.hf import HFGenerationBackend
 
@@ -423,8 +443,9 @@ class VLLMGenerationBackend:
     def score(self, prompts, completions, *, temperature: float, with_entropy: bool = True):
         """Log-probs and entropies of ``completions`` given ``prompts`` under the current
         weights, computed by the runner's torch module (vLLM has no entropies)."""
-        self.scorer.model = self.module.model
-        return self.scorer.score(prompts, completions, temperature=temperature, with_entropy=with_entropy)
+        scorer = self.scorer  # raises without a module (scoring_on: learners)
+        scorer.model = self.module.model
+        return scorer.score(prompts, completions, temperature=temperature, with_entropy=with_entropy)
 
     def load_weights(self, state_dict: Dict[str, Any]) -> None:
         """Push an RLModule (or HF) state dict into the running engine.
@@ -435,14 +456,26 @@ class VLLMGenerationBackend:
         is built.
         """
         if self.llm is None:
-            return
-        pairs = hf_weight_names(state_dict, self.module.model.state_dict().keys())
+            if self.module is not None:
+                return
+            self._ensure_llm()  # no module: the engine is built with the first weights
+        pairs = hf_weight_names(state_dict, self._hf_names())
         if not pairs:
             raise ValueError(
                 "load_weights: no entry of the state dict is a parameter of the model "
                 f"(keys like {list(state_dict)[:3]})"
             )
         self._push_weights([(name, as_tensor(state_dict[key])) for key, name in pairs])
+
+    def _hf_names(self) -> List[str]:
+        """The HF model's own state-dict names (the module's, or a meta-device model's)."""
+        if self.module is not None:
+            return list(self.module.model.state_dict().keys())
+        if self._model_names is None:
+            from rllib_exgrpo.models.loading import parameter_names
+
+            self._model_names = parameter_names(self.config.model_name_or_path)
+        return self._model_names
 
     def _push_weights(self, weights: List[Tuple[str, torch.Tensor]]) -> None:
         if not self._has_extension:

@@ -54,6 +54,43 @@ def load_tokenizer(model: str):
     return tok
 
 
+def model_config_of(model: str):
+    """The HF config of the policy ``model`` (no weights loaded)."""
+    from transformers import AutoConfig
+
+    from rllib_exgrpo.models import resolve_model_path
+
+    return AutoConfig.from_pretrained(resolve_model_path(model))
+
+
+def generation_config_holder(model: str):
+    """An object with the ``generation_config`` a loaded model of ``model`` would have
+    (its ``generation_config.json``, else derived from its config), for code that reads
+    it off a model (stop tokens) where no torch model is built."""
+    import types
+
+    from transformers import GenerationConfig
+
+    from rllib_exgrpo.models import resolve_model_path
+
+    path = resolve_model_path(model)
+    try:
+        gen = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        gen = GenerationConfig.from_model_config(model_config_of(model))
+    return types.SimpleNamespace(generation_config=gen)
+
+
+def parameter_names(model: str):
+    """The state-dict names of the HF model ``model``, from a model built on the meta
+    device (no memory, no weights read)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(model_config_of(model))
+    return list(built.state_dict().keys())
+
+
 @contextlib.contextmanager
 def _no_progress_bars():
     from transformers.utils import logging as hf_logging

@@ -605,6 +605,14 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     it(Item("activations", act["layers"] + act["outside"], f"{rows} rows x {tokens} tokens, {how}"))
     it(Item("logits / log-prob buffers", act["peak"] - act["layers"] - act["outside"],
             f"at the {act['peak_phase'].replace('_', ' ')} peak: {rows} x {response + 1} x vocab {shape.vocab_size}"))
+    if _get(config, "scoring_on", "runners") == "learners":
+        # Before the update, with the same passes: nothing of the update is held yet.
+        scoring = scoring_activation_bytes(shape, rows, tokens, response_tokens=response, dtype_bytes=mode_bytes)
+        if scoring > act["peak"]:
+            it(Item("scoring pass", scoring - act["peak"], "scoring_on: learners: no-grad pass beyond the update's"))
+        else:
+            plan.notes.append(f"scoring_on: learners: the no-grad scoring passes ({_gib(scoring)} each, {rows} rows x "
+                              f"{tokens} tokens) run before the update and peak below its activations")
     kl = float(_get(config, "kl_coeff", 0.0) or 0.0) > 0
     if kl:
         ref_bytes = p * (4 if backend == "ddp" else 2)
@@ -728,14 +736,21 @@ def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int
             it(Item("vLLM engine weights", weights, f"{p / 1e9:.2f} B x {b} B; plus its KV cache: "
                                                     f"gpu_memory_utilization {util:g} x the GPU"))
             plan.notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token")
-    it(Item("policy module (HF copy)", p * b, f"{p / 1e9:.2f} B x {b} B {model_dtype}: the runner's torch module"))
+    engine_only = backend == "vllm" and _get(config, "scoring_on", "runners") == "learners"
+    score = 0
+    if engine_only:
+        plan.notes.append(f"scoring_on: learners: no torch copy of the model here (vLLM's weights are the only "
+                          f"copy; {_gib(p * b)} not held), the learners score the completions")
+    else:
+        it(Item("policy module (HF copy)", p * b, f"{p / 1e9:.2f} B x {b} B {model_dtype}: the runner's torch module"))
     if backend != "vllm":
         gen_kv = chunk * tokens * kv_token
         it(Item("HF generation KV cache", gen_kv, f"generation_batch_size {chunk} x {tokens} tokens x "
                                                   f"{kv_token / 1024:.0f} KiB"))
-    score = scoring_activation_bytes(shape, chunk, tokens, response_tokens=response, dtype_bytes=b)
-    what = "behaviour log-probs and lowest-entropy scoring" if backend == "vllm" else "scoring"
-    it(Item("scoring pass", score, f"{what}: generation_batch_size {chunk} rows x {tokens} tokens, no grad"))
+    if not engine_only and _get(config, "scoring_on", "runners") != "learners":
+        score = scoring_activation_bytes(shape, chunk, tokens, response_tokens=response, dtype_bytes=b)
+        what = "behaviour log-probs and lowest-entropy scoring" if backend == "vllm" else "scoring"
+        it(Item("scoring pass", score, f"{what}: generation_batch_size {chunk} rows x {tokens} tokens, no grad"))
     it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
     if gpu is not None and per > 0:
         plan.budget = int(min(1.0, per) * gpu)

@@ -39,7 +39,7 @@ from rllib_exgrpo.core.groups import (
     trajectories_from_episodes,
 )
 from rllib_exgrpo.exgrpo.experience import ExperienceManager
-from rllib_exgrpo.core.minibatches import plan_minibatches, take_rows
+from rllib_exgrpo.core.minibatches import plan_minibatches, shard_by_tokens, take_rows
 from rllib_exgrpo.core.question_sampler import QuestionSampler
 from rllib_exgrpo.rllib.resources import apply_threads_for, fit_resources
 from rllib_exgrpo.xrpo.steps import AdaptiveRollouts, InContextSeeder, sharpen_advantages
@@ -65,6 +65,7 @@ EXPERIENCE = "experience"
 XRPO = "xrpo"
 STEP_TIMES = "step_time_s"
 SAMPLE_TIMER = "sample"
+LEARNER_SCORING_TIMER = "learner_scoring"
 ADVANTAGE_TIMER = "advantages"
 HELDOUT_TIMER = "heldout_eval"
 HELDOUT = "heldout"
@@ -319,6 +320,8 @@ class ExGRPO(Algorithm):
 
         with self._stage(SAMPLE_TIMER):
             sampled, xrpo_metrics = self._sample_step(fresh_ids, replay_ids)
+        if cfg.scoring_on == "learners":
+            self._fill_behaviour_logprobs(sampled)
 
         with self._stage(ADVANTAGE_TIMER):
             groups = score_groups(
@@ -448,6 +451,8 @@ class ExGRPO(Algorithm):
         padding) and cut into contiguous shards of about equal tokens, one per runner.
         A shard whose runner dies is scored again on the local runner. Logs
         ``experience/replay_scoring_runners``."""
+        if self.config.scoring_on == "learners":
+            return self._score_on_learners(prompts, completions)
         group = self.env_runner_group
         remote_ids = group.healthy_worker_ids() if group.num_remote_workers() > 0 else []
         if not remote_ids or not prompts:
@@ -473,6 +478,45 @@ class ExGRPO(Algorithm):
             for j, i in enumerate(rows):
                 logps[i], entropies[i] = scored[k][0][j], scored[k][1][j]
         return logps, entropies
+
+    def _score_on_learners(self, prompts, completions):
+        """``scoring_on: learners``: log-probs and entropies of ``(prompt, completion)`` rows
+        under the learners' weights, each learner scoring its share
+        (``ExGRPOTorchLearner.score_rows``). Returns ``(logps, entropies)`` in row order."""
+        logps: List[Any] = [None] * len(prompts)
+        entropies: List[Any] = [None] * len(prompts)
+        if not prompts:
+            return logps, entropies
+        prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
+        completions = [np.asarray(c, dtype=np.int64) for c in completions]
+        results = self.learner_group.foreach_learner(
+            lambda learner, _p=prompts, _c=completions, _pad=self._pad_id: learner.score_rows(_p, _c, _pad)
+        )
+        for result in results:
+            rows, lp, en = result.get()
+            for j, i in enumerate(rows):
+                logps[i], entropies[i] = lp[j], en[j]
+        missing = [i for i, v in enumerate(logps) if v is None]
+        if missing:
+            raise RuntimeError(f"scoring on the learners returned no numbers for {len(missing)} of {len(prompts)} rows")
+        return logps, entropies
+
+    def _fill_behaviour_logprobs(self, trajectories: List[Trajectory]) -> None:
+        """``scoring_on: learners``: the behaviour log-probs the runners did not record
+        (``behaviour_logprobs: recompute``), computed by the learners before they train:
+        the weights are the ones the runners sampled with (the last sync), so the
+        first-step ratio is 1, as with runner scoring. A completion sampled under another
+        prompt (XRPO seeding) is scored under that prompt (``score_prompt_ids``)."""
+        todo = [t for t in trajectories if t.logp is None or (len(t.logp) != len(t.completion_ids))]
+        if not todo:
+            return
+        with self._stage(LEARNER_SCORING_TIMER):
+            logps, _ = self._score_on_learners(
+                [t.info.get("score_prompt_ids", t.prompt_ids) for t in todo], [t.completion_ids for t in todo]
+            )
+        for t, lp in zip(todo, logps):
+            t.logp = np.asarray(lp, dtype=np.float32)
+        self.metrics.log_value("learner_scored_completions", len(todo), window=1)
 
     # ---- sampling across runners -----------------------------------------------------
     def _sample(
@@ -752,21 +796,6 @@ class _CollectedStep:
     groups: Any
     batch: Dict[str, np.ndarray]
     replay_metrics: Dict[str, float]
-
-
-def shard_by_tokens(lengths: Sequence[int], parts: int) -> List[List[int]]:
-    """Row indices sorted by length, cut into at most ``parts`` contiguous non-empty shards of
-    about equal total length (the cut after the row where the running total passes each
-    ``j / parts`` of the whole)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    total = float(sum(lengths)) or 1.0
-    shards: List[List[int]] = [[] for _ in range(max(1, parts))]
-    running = 0.0
-    for i in order:
-        shard = min(int(running / total * len(shards)), len(shards) - 1)
-        shards[shard].append(i)
-        running += lengths[i]
-    return [s for s in shards if s]
 
 
 def _split_evenly(items: list, parts: int) -> List[list]:

@@ -30,6 +30,7 @@ from rllib_exgrpo.generation.base import GENERATION_BACKENDS, HF_DECODERS
 from rllib_exgrpo.models.loading import MODEL_DTYPES
 
 BEHAVIOUR_LOGPROBS = ("recompute", "engine")
+SCORING_ON = ("runners", "learners")
 PLANNER_ALLOCATIONS = ("proportional", "top")
 
 
@@ -184,6 +185,12 @@ _SAMPLING = [
        "learner's within 1e-5 in float32; vLLM's kernels differ, so with vLLM the unclipped "
        "fresh-token ratios get truncated importance sampling at behaviour_ratio_cap). vLLM's "
        "mismatch is logged as env_runners/behaviour_logprob_mismatch_*."),
+    _f("scoring_on", "runners", one_of(SCORING_ON),
+       "Where completions are scored under the current weights (recomputed behaviour log-probs, "
+       "and the entropies of ExGRPO's replay candidates): 'runners' (each env runner's torch "
+       "module) or 'learners' (the learners' own weights, as verl's actor computes old_log_prob: "
+       "with generation_backend='vllm' a runner then holds no torch copy of the model, only "
+       "vLLM's, one copy of the weights per rollout GPU)."),
     _f("behaviour_ratio_cap", 2.0, number(1),
        "Truncated importance sampling cap C of the unclipped fresh-token ratio with vLLM and "
        "behaviour_logprobs='engine' (verl / TRL: 2.0)."),
@@ -438,6 +445,10 @@ def cross_field_errors(config: Any) -> Iterator[str]:
             _is_int(config.num_env_runners) and config.num_env_runners >= 1):
         yield ("async_rollouts: needs num_env_runners >= 1 (with none, the main process samples and "
                "trains, so nothing overlaps)")
+    if getattr(config, "scoring_on", "runners") == "learners" and getattr(config, "async_rollouts", False):
+        yield ("scoring_on: 'learners' does not go with async_rollouts: the learners train on step t while "
+               "step t+1 is sampled, so they hold neither the weights it was sampled with nor time to score "
+               "it; use scoring_on: runners with async_rollouts")
     if config.model_dtype == "float16" and getattr(config, "learner_backend", "ddp") == "ddp":
         # The DDP learner's mixed precision keeps fp32 master weights but scales no loss:
         # fp16 gradients underflow without it. bf16 needs no scaling; DeepSpeed scales fp16.

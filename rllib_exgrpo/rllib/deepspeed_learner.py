@@ -510,6 +510,13 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
                     engine.step()
         return fwd_out, loss_per_module, {}
 
+    def _score_forward(self, module_id, chunk):
+        """Through the engine: under ZeRO-3 its hooks gather the parameters (every rank runs
+        the same number of scoring passes: ``score_rows`` agrees on it)."""
+        if module_id in self._engines:
+            return self._engines[module_id](chunk)
+        return super()._score_forward(module_id, chunk)
+
     # ---- pieces each rank holds (called on the other learners through Ray) ---------------
     def _ds_local_partitions(self, module_id) -> Dict[int, torch.Tensor]:
         """ZeRO-3: this rank's partition of every parameter (``ds_tensor``), by ``ds_id``."""

@@ -13,7 +13,10 @@ into one ``generate`` call, G completions each. This runner
    outputs (``action_logp``), question id in the infos.
 
 The module (hence the model) is built lazily, at the first sample or weight sync, so a
-runner that only answers ``get_spaces`` costs no model memory.
+runner that only answers ``get_spaces`` costs no model memory. With
+``generation_backend: vllm`` and ``scoring_on: learners`` a runner builds no torch module
+at all (:attr:`LLMEnvRunner.engine_only`): vLLM's engine holds the only copy of the weights
+on its GPU, synced weights go straight into it, and the learners score the completions.
 
 Weight syncs keep no copy of the weights: a runner with a module (every remote runner, or
 the local one when there are no remote runners) loads them into its module, and its
@@ -87,6 +90,7 @@ RUNNER_SETTINGS = (
     "heldout_dataset",
     "heldout_split",
     "behaviour_logprobs",
+    "scoring_on",
     "hf_decoder",
 )
 
@@ -225,7 +229,29 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         env_config.setdefault("seed", (self.config.seed or 0) + (self.worker_index or 0))
         return env_creator(self.config.env)(env_config)
 
+    @property
+    def engine_only(self) -> bool:
+        """vLLM with ``scoring_on: learners``: no torch module here, the engine's weights only."""
+        return self.settings.generation_backend == "vllm" and self.settings.scoring_on == "learners"
+
+    def _make_engine_only(self):
+        """The vLLM backend without a module; the engine is built with the first weights."""
+        from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
+
+        self.backend = VLLMGenerationBackend(self.settings, None, self.tokenizer)
+        state = None
+        if self._pending_module_state is not None:
+            state, self._pending_module_state = self._pending_module_state, None
+        elif self._weights_dropped:
+            self._weights_dropped = False
+            state = self.weights_source()
+        if state is not None:
+            self._load_module_state(state)
+
     def make_module(self):
+        if self.engine_only:
+            self._make_engine_only()
+            return
         spec = self.config.get_rl_module_spec(
             spaces={DEFAULT_MODULE_ID: (self.obs_space, self.act_space)}, inference_only=True
         )
@@ -258,13 +284,19 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         )
 
     def _ensure_module(self):
-        if self.module is None:
+        if self.backend is None:
             self.make_module()
 
     @property
     def stop_token_ids(self) -> tuple:
         if self._stop_token_ids is None:
-            self._stop_token_ids = stop_token_ids(self.module.model, self.tokenizer)
+            if self.module is not None:
+                self._stop_token_ids = stop_token_ids(self.module.model, self.tokenizer)
+            else:  # engine only: the generation config as the model folder has it
+                from rllib_exgrpo.models.loading import generation_config_holder
+
+                self._stop_token_ids = stop_token_ids(
+                    generation_config_holder(self.settings.model_name_or_path), self.tokenizer)
         return self._stop_token_ids
 
     # ---- EnvRunner API -------------------------------------------------------------
@@ -337,6 +369,10 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             num_samples = [num_samples] * len(question_ids)
         if temperature is None:
             temperature = cfg.temperature if explore else 0.0
+        # scoring_on: learners: recomputed behaviour log-probs come from the learners.
+        learners_score = return_logprobs and cfg.scoring_on == "learners" and cfg.behaviour_logprobs == "recompute"
+        if learners_score:
+            return_logprobs = False
         params = SamplingParams(
             max_new_tokens=max_new_tokens or cfg.max_response_tokens,
             temperature=temperature,
@@ -355,7 +391,9 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         batch = sample_and_score(self.backend, self.tokenizer, gen_prompts, num_samples, params, question_ids, env.score)
         episodes = [
             self._episode(question_ids[i.prompt_index], prompts[i.prompt_index], i.completion, i.text, i.result,
-                          seeded=bool(prefixes[i.prompt_index]))
+                          seeded=bool(prefixes[i.prompt_index]),
+                          score_prompt=(gen_prompts[i.prompt_index]
+                                        if learners_score and prefixes[i.prompt_index] else None))
             for i in batch.items
         ]
         if not heldout:
@@ -367,7 +405,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
                 self.metrics.log_value(key, value, window=1)
         return episodes
 
-    def _episode(self, question_id, prompt_ids, completion, text, result, seeded=False) -> SingleAgentEpisode:
+    def _episode(self, question_id, prompt_ids, completion, text, result, seeded=False,
+                 score_prompt=None) -> SingleAgentEpisode:
         obs = np.asarray(prompt_ids, dtype=np.int64)
         info = {
             C.QUESTION_ID: question_id,
@@ -379,6 +418,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             "reward_error": result.error,
             "seeded": seeded,
         }
+        if score_prompt is not None:  # sampled under another prompt, scored later by the learners
+            info["score_prompt_ids"] = np.asarray(score_prompt, dtype=np.int64)
         extra = {}
         if completion.logp is not None:
             extra[C.ACTION_LOGP] = [completion.logp.astype(np.float32)]
@@ -459,6 +500,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
                 # module is built and fetches the current weights.
                 return state
             self._ensure_module()
+            if self.module is None:  # engine only: its weights are vLLM's, not a module state
+                return state
             state[COMPONENT_RL_MODULE] = self.module.get_state(**kwargs)
             state[WEIGHTS_SEQ_NO] = self._weights_seq_no
         return state
@@ -470,7 +513,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
                 module_state = state[COMPONENT_RL_MODULE]
                 if isinstance(module_state, dict) and DEFAULT_MODULE_ID in module_state:
                     module_state = module_state[DEFAULT_MODULE_ID]
-                if self.module is not None:
+                if self.backend is not None:
                     self._load_module_state(module_state)
                 elif self._samples_here():
                     # It will sample: build the module now and load straight into it.
@@ -500,6 +543,9 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             module_state = module_state[COMPONENT_RL_MODULE]
         if isinstance(module_state, dict) and DEFAULT_MODULE_ID in module_state:
             module_state = module_state[DEFAULT_MODULE_ID]
+        if self.module is None:  # engine only: straight into vLLM, nothing kept here
+            self.backend.load_weights(module_state)
+            return
         self.module.set_state(module_state)
         if self.backend is not None:
             self.backend.load_weights(self.module.state_dict())

@@ -174,6 +174,67 @@ class ExGRPOTorchLearner(TorchLearner):
             (module_id, "zero_advantage_updates"), float(values["zero_advantage_fraction"] == 1.0), reduce="sum"
         )
 
+    # ---- scoring where the training weights are (scoring_on: learners) ------------------------
+    @torch.no_grad()
+    def score_rows(self, prompts, completions, pad_id: int, module_id: Optional[str] = None):
+        """Per-token log-probs and entropies of this learner's share of the rows
+        ``(prompts[i], completions[i])`` under its current weights (``scoring_on:
+        learners``: behaviour log-probs and ExGRPO's replay entropies computed where the
+        training weights already are, as verl's actor computes ``old_log_prob``).
+
+        Every learner gets all rows and scores the contiguous share of its rank
+        (``shard_by_tokens``: rows sorted by length, about equal tokens per learner). Its
+        rows go in passes under ``learner_micro_batch_tokens`` / ``_rows`` (sorted by
+        length, each pass padded to its own longest row; not packed, so each row's
+        numbers come back in place); data-parallel learners agree on the number of passes
+        (a forward is a collective under ZeRO-3). Returns ``(row indices, logps,
+        entropies)``, float32 arrays of each completion's length.
+        """
+        from ray.rllib.core import DEFAULT_MODULE_ID
+
+        from rllib_exgrpo.core.minibatches import plan_micro_batches, shard_by_tokens
+        from rllib_exgrpo.core.tokens import prompt_completion_batch
+
+        module_id = module_id or DEFAULT_MODULE_ID
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
+            else (0, 1)
+        lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+        shards = shard_by_tokens(lengths, world)  # non-empty shards only: fewer rows than learners
+        mine = (shards[rank] if rank < len(shards) else []) if world > 1 else list(range(len(lengths)))
+        p_len = np.asarray([len(prompts[i]) for i in mine], dtype=np.int64)
+        c_len = np.asarray([len(completions[i]) for i in mine], dtype=np.int64)
+        max_rows = getattr(self.config, "learner_micro_batch_rows", None)
+        max_tokens = getattr(self.config, "learner_micro_batch_tokens", None)
+        if len(mine) and (max_rows or max_tokens):
+            plan = plan_micro_batches(p_len, c_len, max_rows=max_rows, max_tokens=max_tokens, packed=False)
+        else:
+            plan = [np.arange(len(mine))] if len(mine) else []
+        count = self._agreed_pass_count(len(plan))
+        device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
+        logps: List[Any] = [None] * len(mine)
+        entropies: List[Any] = [None] * len(mine)
+        for k in range(count):
+            rows = list(plan[k]) if k < len(plan) else []
+            ps = [prompts[mine[j]] for j in rows] or [[pad_id]]  # an empty pass: one dummy row
+            cs = [completions[mine[j]] for j in rows] or [[pad_id]]
+            ids, mask, resp = prompt_completion_batch(ps, cs, pad_id)
+            chunk = {C.INPUT_IDS: ids.to(device), C.ATTENTION_MASK: mask.to(device),
+                     C.RESPONSE_MASK: resp.to(device=device, dtype=torch.float32)}
+            out = self._score_forward(module_id, chunk)
+            lp = out[C.LOGP].float().cpu().numpy()
+            en = out[C.ENTROPY].float().cpu().numpy()
+            for r, j in enumerate(rows):
+                n = int(c_len[j])
+                logps[j], entropies[j] = lp[r, :n].copy(), en[r, :n].copy()
+        return list(mine), logps, entropies
+
+    def _score_forward(self, module_id, chunk: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The module's training forward on one scoring pass, outside DDP's wrapper (a
+        no-grad forward needs no collective)."""
+        module = self.module[module_id]
+        module = module.unwrapped() if hasattr(module, "unwrapped") else module
+        return module.forward_train(chunk)
+
     # ---- micro-batches (gradient accumulation) --------------------------------------------
     def _micro_batches(self, batch: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
         """The passes of ``batch`` (module id -> columns), or None when one pass holds it all.
