@@ -5,6 +5,9 @@ Sources:
 * ``"arithmetic"`` or ``"arithmetic:levels=1-4,n=5000,n_test=500,seed=0"``: the embedded
   family (:mod:`envs.arithmetic`); ``split`` picks ``"train"`` (``n``, default 5000) or
   ``"test"`` (``n_test``, default 500), levels 1-4 by default.
+* ``"operators"`` or ``"operators:seed=0,families=24,lengths=1-3,n=3000"``: the embedded
+  hidden-operator family (:mod:`envs.operators`); ``split`` picks ``"train"`` (``n``,
+  default 3000), ``"validation"`` (``n_validation``, 300) or ``"test"`` (``n_test``, 500).
 * A ``.jsonl``, ``.json`` (a JSON array of rows, or JSON lines) or ``.parquet`` file.
   A file is one split: ``split`` is ignored for files.
 
@@ -40,7 +43,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from envs import arithmetic
+from envs import arithmetic, operators
 from envs.problem import Problem
 
 logger = logging.getLogger("envs.datasets")
@@ -260,7 +263,7 @@ def _load_file(path: Path, *, field_map: dict, strict: bool, data_source: Option
     if suffix not in _READERS:
         raise ValueError(
             f"unsupported data file extension {path.suffix!r} for {path}; "
-            f"supported: {', '.join(SUPPORTED_SUFFIXES)} (or the 'arithmetic' source)"
+            f"supported: {', '.join(SUPPORTED_SUFFIXES)} (or the 'arithmetic' / 'operators' sources)"
         )
     stem = path.stem
     problems: list[Problem] = []
@@ -317,8 +320,42 @@ def _unique_ids(problems: list[Problem]) -> list[Problem]:
 # --------------------------------------------------------------------------- public
 
 
+#: The embedded families a dataset spec can name (``"<name>"`` or ``"<name>:<options>"``).
+BUILTIN_SOURCES = (arithmetic.DATA_SOURCE, operators.DATA_SOURCE)
+
+
+def builtin_source(source: Any) -> Optional[str]:
+    """The embedded family a spec names (``"arithmetic"``, ``"operators"``), else None.
+
+    Only the text is looked at: callers that also accept files check first that no file
+    of that name exists.
+    """
+    if not isinstance(source, str):
+        return None
+    name = source.partition(":")[0]
+    return name if name in BUILTIN_SOURCES else None
+
+
+def builtin_splits(name: str) -> tuple:
+    """The splits of the embedded family ``name``."""
+    return arithmetic.SPLITS if name == arithmetic.DATA_SOURCE else operators.SPLITS
+
+
+def parse_builtin_spec(source: str) -> dict:
+    """Parse a spec of an embedded family; ValueError (one line) on a bad option."""
+    module = arithmetic if builtin_source(source) == arithmetic.DATA_SOURCE else operators
+    return module.parse_spec(source)
+
+
 def _is_arithmetic_spec(source: str) -> bool:
     return source == arithmetic.DATA_SOURCE or source.startswith(arithmetic.DATA_SOURCE + ":")
+
+
+def _load_operators(spec: str, split: str, data_source: Optional[str], limit: Optional[int]) -> ProblemList:
+    problems = operators.generate_from_spec(spec, split, limit)
+    if data_source:
+        problems = [dataclasses.replace(p, data_source=data_source) for p in problems]
+    return ProblemList(problems, source=spec)
 
 
 def _load_arithmetic(spec: str, split: str, data_source: Optional[str], limit: Optional[int]) -> ProblemList:
@@ -350,8 +387,10 @@ def load_problems(
     """Load problems from ``source`` (see the module docstring for what is understood).
 
     Args:
-        source: ``"arithmetic[:opts]"`` or a path to a ``.jsonl`` / ``.json`` / ``.parquet`` file.
-        split: ``"train"`` or ``"test"`` for the arithmetic source; ignored for files.
+        source: ``"arithmetic[:opts]"``, ``"operators[:opts]"`` or a path to a ``.jsonl`` /
+            ``.json`` / ``.parquet`` file.
+        split: ``"train"`` or ``"test"`` for the arithmetic source, ``"train"``,
+            ``"validation"`` or ``"test"`` for the operators source; ignored for files.
         field_map: Row field names (or dotted paths) for ``question``, ``ground_truth``,
             ``id``, ``data_source``, ``solution``, ``difficulty``.
         strict: Raise :class:`DataFormatError` on the first malformed row instead of
@@ -383,8 +422,10 @@ def load_problems(
     wanted = None if limit is None else skip + limit
     if isinstance(source, str) and _is_arithmetic_spec(source) and not os.path.exists(source):
         loaded = _load_arithmetic(source, split, data_source, wanted)
+    elif isinstance(source, str) and builtin_source(source) == operators.DATA_SOURCE and not os.path.exists(source):
+        loaded = _load_operators(source, split, data_source, wanted)
     elif not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"source must be a path or 'arithmetic[:opts]', got {type(source).__name__}")
+        raise TypeError(f"source must be a path, 'arithmetic[:opts]' or 'operators[:opts]', got {type(source).__name__}")
     else:
         loaded = _load_file(Path(source).expanduser(), field_map=field_map, strict=strict,
                             data_source=data_source, limit=wanted)

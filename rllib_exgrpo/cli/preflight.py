@@ -12,8 +12,9 @@ beyond that each value once with the others at their first value):
 
 * **config fields**: ``AlgorithmConfig.validate()`` (one line, RLlib's "to suppress ..."
   tail dropped); this project's fields one line each (``config_fields.FIELDS``).
-* **data** (``env_config.dataset``, ``heldout_dataset``): an arithmetic spec
-  (``arithmetic`` / ``arithmetic:levels=1-4,n=500``) is parsed and one problem generated
+* **data** (``env_config.dataset``, ``heldout_dataset``): a spec of an embedded family
+  (``arithmetic`` / ``arithmetic:levels=1-4,n=500``, ``operators:families=8``) is parsed,
+  its split checked against the family's splits, and one problem generated
   with the split it will be read with; anything else is a file: it must exist, be a
   ``.jsonl`` / ``.json`` / ``.parquet`` file, and its first usable row (JSON) or its
   columns (parquet schema) must hold a question and an answer. ``env_config`` keys are
@@ -452,9 +453,10 @@ def _find(module: str) -> bool:
 
 
 def _is_arithmetic(value: Any) -> bool:
-    from envs import arithmetic
+    """A spec of an embedded family (``arithmetic[:opts]``, ``operators[:opts]``)."""
+    from envs.datasets import builtin_source
 
-    return isinstance(value, str) and (value == arithmetic.DATA_SOURCE or value.startswith(arithmetic.DATA_SOURCE + ":"))
+    return builtin_source(value) is not None
 
 
 _QUESTION_COLUMNS = ("problem", "question", "prompt")
@@ -469,17 +471,20 @@ def dataset_problems(value: Any, key: str, *, split: Any = "train", split_key: s
     if value is None or not isinstance(value, (str, os.PathLike)):
         return []  # the field's own type check reports it
     from envs import arithmetic
-    from envs.datasets import SUPPORTED_SUFFIXES, load_problems
+    from envs.datasets import (BUILTIN_SOURCES, SUPPORTED_SUFFIXES, builtin_source, builtin_splits, load_problems,
+                               parse_builtin_spec)
 
     text = os.fspath(value)
     if _is_arithmetic(text) and not os.path.exists(text):
+        family = builtin_source(text)
         try:
-            arithmetic.parse_spec(text)
+            parse_builtin_spec(text)
         except ValueError as e:
-            return [f"{key}: bad dataset spec {text!r}: {e} (levels are written 1-4 or 1+3, e.g. "
-                    "'arithmetic:levels=1-4,n=5000')."]
-        if split not in arithmetic.SPLITS:
-            return [f"{split_key or key}: the arithmetic source has splits {list(arithmetic.SPLITS)}, got {split!r}."]
+            example = (" (levels are written 1-4 or 1+3, e.g. 'arithmetic:levels=1-4,n=5000')"
+                       if family == arithmetic.DATA_SOURCE else "")
+            return [f"{key}: bad dataset spec {text!r}: {e}{example}."]
+        if split not in builtin_splits(family):
+            return [f"{split_key or key}: the {family} source has splits {list(builtin_splits(family))}, got {split!r}."]
         try:
             load_problems(text, split=split, limit=1)
         except ValueError as e:
@@ -489,9 +494,10 @@ def dataset_problems(value: Any, key: str, *, split: Any = "train", split_key: s
     if not os.path.exists(path):
         hint = ""
         if "/" not in text and os.sep not in text and not text.lower().endswith(SUPPORTED_SUFFIXES):
-            close = difflib.get_close_matches(text.partition(":")[0], [arithmetic.DATA_SOURCE], n=1, cutoff=0.6)
+            close = difflib.get_close_matches(text.partition(":")[0], list(BUILTIN_SOURCES), n=1, cutoff=0.6)
             hint = (f" (nor a dataset spec: did you mean {close[0]!r}?)" if close else
-                    " (a dataset is 'arithmetic[:levels=1-4,n=...]' or a .jsonl / .json / .parquet file)")
+                    " (a dataset is 'arithmetic[:levels=1-4,n=...]', 'operators[:families=24,...]' "
+                    "or a .jsonl / .json / .parquet file)")
         return [f"{key}: no such file: {path}{hint}."]
     if os.path.isdir(path):
         return [f"{key}: {path} is a directory; expected a .jsonl / .json / .parquet file."]

@@ -54,7 +54,7 @@ SUFFIX = "-rehearsal"
 #: of an engine's start-up on a CPU.
 VLLM_CPU_KWARGS = {"kv_cache_memory_bytes": 64 << 20, "block_size": 32, "enforce_eager": True}
 #: Data sets that come with the project (anything else is a file).
-BUILTIN_DATASETS = ("arithmetic",)
+BUILTIN_DATASETS = ("arithmetic", "operators")
 REHEARSAL_DATASET = "arithmetic"
 
 

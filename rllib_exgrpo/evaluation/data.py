@@ -26,19 +26,20 @@ def load_eval_problems(sources: Sequence[Union[str, os.PathLike]], *, limit: Opt
                        split: str = "test") -> List[EvalSource]:
     """Load every source strictly (a malformed row is an error, not a skip).
 
-    Sources are files (``.jsonl`` / ``.json`` / ``.parquet``) or ``"arithmetic[:opts]"``
-    specs (their ``split``, held-out ``"test"`` by default; a spec with options becomes
-    its own data source named by the spec). Raises :class:`EvalDataError` with a one-line
-    message (``path:line: reason`` for a malformed row).
+    Sources are files (``.jsonl`` / ``.json`` / ``.parquet``) or ``"arithmetic[:opts]"`` /
+    ``"operators[:opts]"`` specs (their ``split``, held-out ``"test"`` by default; a spec
+    with options becomes its own data source named by the spec). Raises
+    :class:`EvalDataError` with a one-line message (``path:line: reason`` for a malformed
+    row).
     """
-    from envs.datasets import DataFormatError, load_problems
+    from envs.datasets import DataFormatError, builtin_source, load_problems
 
     if not sources:
         raise EvalDataError("no benchmark given")
     out = []
     for src in sources:
         spec = os.fspath(src)
-        is_arith = spec == "arithmetic" or spec.startswith("arithmetic:")
+        is_arith = builtin_source(spec) is not None  # an embedded family: arithmetic, operators
         try:
             problems = load_problems(
                 spec, split=split, strict=True, limit=limit,
