@@ -54,6 +54,15 @@ def _assert_same_numbers(algo):
         np.testing.assert_allclose(d, c, atol=2e-5, err_msg=f"entropies of row {i}")
 
 
+def _train_scored_on_learners(algo, config) -> dict:
+    """One iteration: every completion scored by the learners, first-step ratio 1."""
+    result = algo.train()
+    learner = result["learners"]["default_policy"]
+    assert result["learner_scored_completions"] == config.completions_per_step
+    assert abs(learner["ratio_max"] - 1.0) < RATIO_TOL and abs(learner["ratio_min"] - 1.0) < RATIO_TOL, learner
+    return result
+
+
 @pytest.mark.usefixtures("ray_local")
 def test_learner_scores_equal_the_runner_module_and_an_iteration_trains(quick_tiny_model):
     """One local learner; the local runner samples (no remote runners)."""
@@ -62,13 +71,9 @@ def test_learner_scores_equal_the_runner_module_and_an_iteration_trains(quick_ti
     algo = config.env_runners(num_env_runners=0).build_algo()
     try:
         _assert_same_numbers(algo)
-        result = algo.train()
-        learner = result["learners"]["default_policy"]
-        assert result["learner_scored_completions"] == config.completions_per_step
-        assert abs(learner["ratio_max"] - 1.0) < RATIO_TOL and abs(learner["ratio_min"] - 1.0) < RATIO_TOL, learner
+        result = _train_scored_on_learners(algo, config)
         assert result["step_time_s"]["learner_scoring"] > 0
-        # The runner recorded none itself.
-        assert algo.env_runner_group.local_env_runner.module is not None  # HF generates with it
+        assert algo.env_runner_group.local_env_runner.module is not None  # the HF backend generates with it
     finally:
         algo.stop()
 
@@ -90,9 +95,6 @@ def test_two_learners_score_their_shares(quick_tiny_model, backend):
     algo = config.env_runners(num_env_runners=0).build_algo()
     try:
         _assert_same_numbers(algo)
-        result = algo.train()
-        learner = result["learners"]["default_policy"]
-        assert result["learner_scored_completions"] == config.completions_per_step
-        assert abs(learner["ratio_max"] - 1.0) < RATIO_TOL and abs(learner["ratio_min"] - 1.0) < RATIO_TOL, learner
+        result = _train_scored_on_learners(algo, config)
     finally:
         algo.stop()
