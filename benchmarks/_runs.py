@@ -77,10 +77,12 @@ def timed_steps(algo, warmup: int, steps: int):
             yield wall, result
 
 
-def greedy_rewards(algo, ids: List[str], max_new_tokens: int) -> Dict[str, float]:
+def greedy_rewards(algo, ids: List[str], max_new_tokens: int, split: Optional[str] = None) -> Dict[str, float]:
     """Each held-out question's greedy reward (question id -> 0/1) under the runner's
-    weights, in one runner call: every evaluator of the benchmarks goes through it."""
-    episodes = algo.env_runner.sample(question_ids=ids, num_samples=1, heldout=True, temperature=0.0,
+    weights, in one runner call: every evaluator of the benchmarks goes through it.
+    ``split`` takes the questions from that split of the held-out dataset (default: the
+    configured ``heldout_split``)."""
+    episodes = algo.env_runner.sample(question_ids=ids, num_samples=1, heldout=split or True, temperature=0.0,
                                       max_new_tokens=max_new_tokens, return_logprobs=False)
     return {e.get_infos(-1)[QUESTION_ID]: e.get_return() for e in episodes}
 

@@ -78,6 +78,7 @@ Problems: ``id`` ``operators-{split}-{index}``, ``difficulty`` = chain length,
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import random
 import re
@@ -233,6 +234,62 @@ def random_meaning_solution(question: Union[Problem, Question, str], rng: random
     if isinstance(question, str):
         question = parse_question(question)
     return worked_solution(question, random_meanings(question.length, rng))
+
+
+_STEP_RE = re.compile(r"(-?\d+) ([#@&]) (\d+) = (-?\d+) ([+x-]) (\d+) = (-?\d+)")
+_BOXED_RE = re.compile(r"\. \\boxed\{(-?\d+)\}")
+
+
+def read_worked_solution(question: Union[Problem, Question, str], completion: str) -> Optional[tuple[str, ...]]:
+    """The meanings a completion used, if it is a well-formed worked solution of ``question``
+    whose arithmetic is right under those meanings (whatever they are); else ``None``.
+
+    Well-formed means exactly the shape of :func:`worked_solution`: one step per operation
+    in order, each restating the question's running value, symbol and operand, then the
+    boxed last result (trailing text after the box is ignored). This separates what a warm
+    start must get right (format and arithmetic) from what it must not know (the tables):
+    the share of completions that read back is its *self-consistency*.
+    """
+    if isinstance(question, Problem):
+        question = question.question
+    if isinstance(question, str):
+        question = parse_question(question)
+    body, sep, _ = completion.partition("}")
+    if not sep:
+        return None
+    steps_text, box = body.rsplit(". \\boxed{", 1) if ". \\boxed{" in body else (None, None)
+    if steps_text is None or not re.fullmatch(r"-?\d+", box):
+        return None
+    parts = steps_text.split(", ")
+    if len(parts) != question.length:
+        return None
+    used, running = [], question.operands[0]
+    for part, symbol, b in zip(parts, question.symbols, question.operands[1:]):
+        m = _STEP_RE.fullmatch(part)
+        if not m:
+            return None
+        a1, s, b1, a2, meaning, b2, result = m.groups()
+        if (int(a1), s, int(b1)) != (running, symbol, b) or (int(a2), int(b2)) != (running, b):
+            return None
+        if int(result) != _apply(running, meaning, b):
+            return None
+        used.append(meaning)
+        running = int(result)
+    if int(box) != running:
+        return None
+    return tuple(used)
+
+
+def guessing_rate(question: Union[Problem, Question, str], answer: int) -> float:
+    """The chance that meanings drawn uniformly give ``answer`` on ``question``: the exact
+    pass@1 of a policy that computes right and guesses every meaning (about 1/3, 1/9, 1/27
+    by chain length; more where two meanings coincide, as in ``2 + 2 = 2 x 2``)."""
+    if isinstance(question, Problem):
+        question = question.question
+    if isinstance(question, str):
+        question = parse_question(question)
+    combos = list(itertools.product(MEANINGS, repeat=question.length))
+    return sum(evaluate(question, m) == answer for m in combos) / len(combos)
 
 
 # --------------------------------------------------------------------------- generation

@@ -197,3 +197,23 @@ def test_check_delayed_start_fires_once_above_the_threshold():
     assert m.learner_mixed_mode
     grpo = ExperienceManager(config(experience_replay=False, delayed_start_solve_rate=0.0))
     assert grpo.mixed_mode and not grpo.learner_mixed_mode  # on-policy GRPO never mixes
+
+
+def test_prompt_replay_brings_back_the_question_alone():
+    """replay_content: prompt (the control): a pooled question is drawn as usual but comes
+    back with G fresh samples and no stored trajectory, so nothing is scored for it."""
+    m = ExperienceManager(config(replay_content="prompt", delayed_start_solve_rate=0.0))
+    m.observe(score_groups(group("a", [1, 1, 0, 0]) + group("b", [1, 0, 0, 0])), iteration=0)
+    assert len(m.buffer) == 2 and m.mixed_mode
+    sampler = QuestionSampler(["a", "b", "c", "d", "e", "f"], seed=0)
+    fresh, replay = m.plan(4, sampler, 6)
+    assert len(replay) == 2 and not set(replay) & set(fresh)
+
+    def scorer(*_):
+        raise AssertionError("nothing is scored when only the question comes back")
+
+    assert m.replayed_trajectories(replay, scorer) == ([], {})
+    assert m.fresh_samples_of_replayed(G) == G
+    assert ExperienceManager(config()).fresh_samples_of_replayed(G) == G - 1
+    with pytest.raises(ValueError, match="replay_content"):
+        config(replay_content="questions").validate()

@@ -443,3 +443,61 @@ def test_concurrent_processes_build_once(tmp_path):
     assert paths == [str(tmp_path / "m")] * 2
     assert len(list(tmp_path.glob("built-by-*"))) == 1
     assert not list(tmp_path.glob(".tmp-m-*"))
+
+
+def test_operators_recipe_keeps_the_default_key_and_differs_where_it_should():
+    plain = tiny_recipe()
+    assert "task" not in plain and tiny_mod.recipe_key(tiny_recipe(task="arithmetic")) == tiny_mod.recipe_key(plain)
+    ops = tiny_recipe(task="operators")
+    assert ops["task"] == tiny_mod.OPERATORS_TASK and ops["levels"] == [1, 2, 3]
+    assert ops["eval"]["max_new_tokens"] == 96 and tiny_mod.recipe_key(ops) != tiny_mod.recipe_key(plain)
+    # an explicit override wins over the task's defaults
+    assert tiny_recipe(task="operators", overrides={"eval": {"n_eval": 16}})["eval"]["n_eval"] == 16
+    with pytest.raises(ValueError, match="task must be one of"):
+        tiny_recipe(task="algebra")
+    assert parse_tiny_spec("tiny:task=operators,max_steps=9") == {"task": "operators", "max_steps": 9}
+
+
+def test_operators_warm_start_draws_new_meanings_every_time_an_example_is_drawn():
+    from envs import operators
+
+    recipe = tiny_recipe(task="operators")
+    problems = operators.generate(50, split="train", seed=0)
+    tok = tiny_mod._wrap(tiny_mod._base_vocab(), [])
+    resample = tiny_mod._solution_resampler(problems, tok, recipe)
+    first, second = resample(list(range(50))), resample(list(range(50)))
+    decode = lambda ids: tok.decode(ids).removesuffix(tiny_mod.IM_END)  # noqa: E731
+    used = [[operators.read_worked_solution(p, decode(ids)) for p, ids in zip(problems, draw)] for draw in (first, second)]
+    assert all(u is not None for draw in used for u in draw)  # right arithmetic under its meanings
+    assert used[0] != used[1]  # drawn afresh, not once per question
+    # the tokenizer corpus never shows a table either: its meanings are guessed, not the true ones
+    corpus = tiny_mod._tokenizer_corpus(problems, recipe)
+    agree = [operators.read_worked_solution(p, c.solution) == tuple(p.extra["meanings"]) for p, c in zip(problems, corpus)]
+    assert 0 < sum(agree) < 35
+    assert tiny_mod._solution_resampler(problems, tok, tiny_recipe()) is None
+
+
+def test_operators_warm_start_figures_on_hand_made_completions():
+    from envs import operators
+
+    q = operators.generate(3, split="test", seed=0, lengths=(2,))
+    right = operators.worked_solution(operators.parse_question(q[0].question), ("x", "+"))
+    broken = right.replace(" = ", " =", 1)
+    figures = tiny_mod.operators_warm_start_figures(q, [right, broken, "no answer"])
+    assert figures["self_consistency"] == pytest.approx(1 / 3)
+    assert figures["meaning_shares"] == {"+": 0.5, "-": 0.0, "x": 0.5}
+    expected = sum(operators.guessing_rate(p, int(p.ground_truth)) for p in q) / 3
+    assert figures["guessing_pass1"] == {"2": round(expected, 4)}
+
+
+def test_operators_build_reports_what_the_model_guesses(tiny_cache):
+    path = build_tiny_model(str(tiny_cache), task="operators", seed=0, max_steps=6, progress=False,
+                            overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12,
+                                                                           "max_new_tokens": 16}})
+    report = read_warm_start(path)
+    assert report["recipe"]["task"]["name"] == "operators" and report["steps"] == 6
+    figures = report["operators"]
+    assert set(figures) == {"self_consistency", "meaning_shares", "guessing_pass1"}
+    assert set(figures["guessing_pass1"]) <= {"1", "2", "3"} and 0.0 <= figures["self_consistency"] <= 1.0
+    assert all("self_consistency" in h for h in report["history"])
+    assert not report["reached_target"]  # 6 steps cannot reach 95% well-formed answers

@@ -203,3 +203,33 @@ def test_reasoning_env_and_preflight_accept_the_spec():
     assert "did you mean 'operators'" in line
     (source,) = load_eval_problems([SPEC], limit=4)
     assert len(source.problems) == 4 and {p.data_source for p in source.problems} == {SPEC}
+
+
+def test_read_worked_solution_reads_back_the_meanings_of_right_arithmetic(train):
+    rng = random.Random(0)
+    for p in train[:300]:
+        q = ops.parse_question(p.question)
+        guess = ops.random_meanings(q.length, rng)
+        text = ops.worked_solution(q, guess)
+        assert ops.read_worked_solution(p, text + "<|im_end|>") == guess
+        assert ops.read_worked_solution(p.question, p.solution) == tuple(p.extra["meanings"])
+    q = ops.parse_question("[F03] 7 # 5 @ 2 =")
+    good = "7 # 5 = 7 - 5 = 2, 2 @ 2 = 2 x 2 = 4. \\boxed{4}"
+    assert ops.read_worked_solution(q, good) == ("-", "x")
+    for bad in (
+        "7 # 5 = 7 - 5 = 3, 3 @ 2 = 3 x 2 = 6. \\boxed{6}",   # wrong arithmetic
+        "7 # 5 = 7 - 5 = 2, 2 @ 2 = 2 x 2 = 4. \\boxed{5}",   # box disagrees with the steps
+        "7 @ 5 = 7 - 5 = 2, 2 # 2 = 2 x 2 = 4. \\boxed{4}",   # symbols out of order
+        "7 # 5 = 7 - 5 = 2. \\boxed{2}",                      # a step missing
+        "7 # 5 = 7 - 5 = 2, 9 @ 2 = 9 x 2 = 18. \\boxed{18}",  # chain not carried
+        "The answer is 4",
+    ):
+        assert ops.read_worked_solution(q, bad) is None, bad
+
+
+def test_guessing_rate_counts_the_meanings_that_give_the_answer():
+    assert ops.guessing_rate("[F00] 2 # 2 =", 4) == pytest.approx(2 / 3)  # 2 + 2 = 2 x 2
+    assert ops.guessing_rate("[F00] 7 # 5 =", 35) == pytest.approx(1 / 3)
+    assert ops.guessing_rate("[F00] 7 # 5 @ 2 =", 4) == pytest.approx(2 / 9)  # 7 - 5 = 2, then 2 + 2 = 2 x 2
+    assert ops.guessing_rate("[F00] 7 # 5 @ 3 =", 6) == pytest.approx(1 / 9)  # only 7 - 5 = 2, 2 x 3
+    assert ops.guessing_rate("[F00] 7 # 5 =", 1) == 0.0

@@ -107,6 +107,7 @@ __all__ = [
     "BUCKET_WEIGHTINGS",
     "UNIMPLEMENTED_BUCKET_WEIGHTINGS",
     "TRAJECTORY_SELECTIONS",
+    "REPLAY_CONTENTS",
     "LOGP_DTYPES",
     "UPDATE_RESULTS",
     "StoredTrajectory",
@@ -127,6 +128,9 @@ UNIMPLEMENTED_BUCKET_WEIGHTINGS: Tuple[str, ...] = ("linear", "sqrt", "linear_cl
 TRAJECTORY_SELECTIONS: Tuple[str, ...] = (
     "lowest_entropy", "highest_entropy", "highest_logp", "lowest_logp", "random"
 )
+#: What a replayed question brings back: its stored trajectory plus G - 1 fresh samples
+#: (ExGRPO), or the question alone with G fresh samples (the prompt-replay control).
+REPLAY_CONTENTS: Tuple[str, ...] = ("trajectory", "prompt")
 #: Storage formats of the recorded log-probs.
 LOGP_DTYPES: Tuple[str, ...] = ("float16", "bfloat16", "float32")
 #: Return values of :meth:`ExperienceBuffer.update_group`.

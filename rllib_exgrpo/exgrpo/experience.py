@@ -84,10 +84,16 @@ class ExperienceManager:
         fresh_ids = fresh_sampler.next_batch(questions_per_step - len(replay_ids), exclude=exclude)
         return fresh_ids, replay_ids
 
+    def fresh_samples_of_replayed(self, group_size: int) -> int:
+        """Fresh completions a replayed question gets: G - 1 beside its stored trajectory,
+        or G when only the question comes back (``replay_content: prompt``)."""
+        return group_size if self.config.replay_content == "prompt" else group_size - 1
+
     # ---- replay choice ---------------------------------------------------------------
     def replayed_trajectories(self, replay_ids: Sequence[str], scorer: Optional[Scorer]) -> Tuple[List[Trajectory], Dict[str, float]]:
-        """The trajectory to replay for each question, chosen under the current policy."""
-        if not replay_ids:
+        """The trajectory to replay for each question, chosen under the current policy
+        (none with ``replay_content: prompt``: the question alone comes back)."""
+        if not replay_ids or self.config.replay_content == "prompt":
             return [], {}
         mode = self.config.trajectory_selection
         cap = getattr(self.config, "replay_candidates_per_question", None)

@@ -47,14 +47,15 @@ __all__ = [
 ]
 
 _TINY_KEYS = {"seed": int, "target_pass1": float, "max_steps": int, "levels": None, "threads": int,
-              "icl": float}
+              "icl": float, "task": str}
 
 
 def parse_tiny_spec(spec: str) -> dict[str, Any]:
     """Keyword arguments of :func:`build_tiny_model` from ``"tiny"`` or
     ``"tiny:seed=1,target_pass1=0.3,levels=1-4,max_steps=1500,threads=2"`` (levels also
     ``1+2+4``; ``threads`` sets the build's torch thread count, part of the recipe; ``icl``
-    is the share of warm-start prompts that carry worked examples, ``icl_fraction``)."""
+    is the share of warm-start prompts that carry worked examples, ``icl_fraction``;
+    ``task=operators`` warm-starts on the hidden-operator family instead of arithmetic)."""
     name, _, rest = spec.partition(":")
     if name != "tiny":
         raise ValueError(f"not a tiny model spec: {spec!r}")

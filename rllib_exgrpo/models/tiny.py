@@ -81,6 +81,28 @@ CHAT_TEMPLATE = (
 #: Worked examples in an ICL-trained prompt (XRPO's icl_num_examples default).
 ICL_NUM_EXAMPLES = 2
 
+#: The families a tiny model can be warm-started on.
+TASKS = ("arithmetic", "operators")
+
+#: The hidden-operator warm start (``task="operators"``): every worked solution shows
+#: meanings drawn afresh each time the example is drawn (not once per question, which a
+#: small model would memorise per question), so the model learns the format and the
+#: arithmetic and guesses each meaning uniformly. The build stops when a share
+#: ``target_consistency`` of its sampled held-out answers read back as well-formed solutions
+#: whose arithmetic is right under the meanings they chose (``operators.read_worked_solution``):
+#: its pass@1 then sits at the guessing level by chain length, which the report records next
+#: to the exact guessing rates. ``target_pass1`` and ``eval.band`` do not apply.
+OPERATORS_TASK: dict[str, Any] = {
+    "name": "operators",
+    "families": 24,
+    "target_consistency": 0.95,
+}
+#: Recipe values that differ for the operators task (longer answers, a larger eval set
+#: because the stop reads a rate near 1; each check costs ~7 s, every 50 steps).
+OPERATORS_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "eval": {"n_eval": 512, "eval_every": 50, "eval_start": 300, "max_new_tokens": 96},
+}
+
 #: Everything that shapes the result besides the public arguments.
 _DEFAULTS: dict[str, Any] = {
     "tokenizer": {"vocab_size": 512, "min_frequency": 2},
@@ -140,8 +162,13 @@ def tiny_recipe(
     max_steps: int = 1500,
     overrides: Optional[dict] = None,
     icl_fraction: float = 0.0,
+    task: str = "arithmetic",
 ) -> dict:
     """The full, JSON-serialisable recipe of a tiny model (what the cache key hashes).
+
+    ``task`` is the family the warm start learns: ``"arithmetic"`` (the default model), or
+    ``"operators"`` (:mod:`envs.operators`: format and arithmetic with every meaning
+    guessed, see :data:`OPERATORS_TASK`; ``levels`` are then chain lengths, default 1-3).
 
     ``overrides`` is a nested dict merged into the defaults, e.g.
     ``{"model": {"num_hidden_layers": 2}, "eval": {"eval_every": 25}}``; unknown keys raise.
@@ -158,6 +185,10 @@ def tiny_recipe(
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
     if not 0.0 <= icl_fraction < 1.0:
         raise ValueError(f"icl_fraction must be in [0, 1), got {icl_fraction}")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
+    if task == "operators" and tuple(levels) == (1, 2, 3, 4):
+        levels = (1, 2, 3)  # the arithmetic default: chain lengths 1-3 instead
     levels = tuple(int(lv) for lv in levels)
     recipe: dict[str, Any] = {
         "kind": "tiny-qwen2-arithmetic",
@@ -184,13 +215,32 @@ def tiny_recipe(
 
         recipe["icl"] = {"fraction": float(icl_fraction), "num_examples": ICL_NUM_EXAMPLES,
                          "template": DEFAULT_TEMPLATE}
+    if task == "operators":
+        # Only a non-default task adds a section, so the default model's key is unchanged.
+        recipe["task"] = dict(OPERATORS_TASK)
+        for section, values in OPERATORS_TASK_DEFAULTS.items():
+            recipe[section].update({k: v for k, v in values.items()
+                                    if k not in (overrides or {}).get(section, {})})
     # Fingerprint of the data the build would see: a change in the generator rebuilds.
-    sample = arithmetic.generate(16, split="train", seed=seed, levels=levels)
-    sample += arithmetic.generate(4, split="test", seed=recipe["eval"]["eval_seed"], levels=levels)
+    sample = _task_problems(recipe, "train", 16) + _task_problems(recipe, "test", 4)
     recipe["data_fingerprint"] = hashlib.sha256(
         "\n".join(f"{p.question}|{p.solution}|{p.ground_truth}" for p in sample).encode()
     ).hexdigest()[:16]
     return recipe
+
+
+def _task_problems(recipe: dict, split: str, n: int) -> list:
+    """``n`` problems of the recipe's task: warm-start questions (``"train"``, drawn with the
+    recipe's seed) or held-out ones (``"test"``, the eval seed; true meanings)."""
+    seed = recipe["seed"] if split == "train" else recipe["eval"]["eval_seed"]
+    task = recipe.get("task")
+    if task is None:
+        from envs import arithmetic
+
+        return arithmetic.generate(n, split=split, seed=seed, levels=tuple(recipe["levels"]))
+    from envs import operators
+
+    return operators.generate(n, split=split, seed=seed, families=task["families"], lengths=tuple(recipe["levels"]))
 
 
 def recipe_key(recipe: dict) -> str:
@@ -404,6 +454,7 @@ def evaluate_pass1(
     temperature: float = 1.0,
     batch_size: int = 256,
     seed: int = 0,
+    return_texts: bool = False,
 ) -> dict:
     """Sampled pass@1 (one sample per problem) with per-level rates, on the project's one
     sample-and-score path (``generation.sample_and_score``: the HF backend's sampling at
@@ -411,8 +462,9 @@ def evaluate_pass1(
 
     Also returns the mean per-token surprisal -log p of the sampled tokens (eos included),
     an unbiased estimate of the sampling distribution's per-token entropy in nats
-    (``mean_token_entropy``), and the mean prompt / completion lengths in tokens. Does not
-    disturb the global torch RNG.
+    (``mean_token_entropy``), and the mean prompt / completion lengths in tokens; with
+    ``return_texts`` every completion text, in the order of ``problems``. Does not disturb
+    the global torch RNG.
     """
     import torch
 
@@ -462,7 +514,13 @@ def evaluate_pass1(
         "mean_completion_tokens": completion_tokens / n,
         "n": len(correct),
         "samples": [i.text for _, i in items[:8]],
+        **({"texts": _texts_in_order(env.problems, items)} if return_texts else {}),
     }
+
+
+def _texts_in_order(problems, items) -> list[str]:
+    by_id = {p.id: i.text for p, i in items}
+    return [by_id[p.id] for p in problems]
 
 
 # --------------------------------------------------------------------------- build
@@ -571,15 +629,13 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
     """Tokenizer, model, supervised warm start to the target pass@1, report; in ``folder``."""
     import torch
 
-    from envs import arithmetic
-
     t0 = time.time()
-    seed, levels, instruction = recipe["seed"], tuple(recipe["levels"]), recipe["instruction"]
+    seed, instruction = recipe["seed"], recipe["instruction"]
     tr, ev = recipe["train"], recipe["eval"]
-    train_problems = arithmetic.generate(tr["n_train"], split="train", seed=seed, levels=levels)
-    eval_problems = arithmetic.generate(ev["n_eval"], split="test", seed=ev["eval_seed"], levels=levels)
+    train_problems = _task_problems(recipe, "train", tr["n_train"])
+    eval_problems = _task_problems(recipe, "test", ev["n_eval"])
 
-    texts = corpus_texts(train_problems, instruction)
+    texts = corpus_texts(_tokenizer_corpus(train_problems, recipe), instruction)
     tokenizer = train_tokenizer(texts, **recipe["tokenizer"])
     tokenizer.save_pretrained(str(folder))
     _warn_if_busy(tr["num_threads"])
@@ -610,6 +666,7 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
         "mean_prompt_tokens": last_eval["mean_prompt_tokens"],
         "mean_completion_tokens": last_eval["mean_completion_tokens"],
         "n_eval": last_eval["n"],
+        **({"operators": last_eval["operators"]} if "operators" in last_eval else {}),
         "n_params": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
         "sample_completions": last_eval["samples"],
@@ -631,10 +688,11 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
             "its weights will differ from an AVX2 machine's build of the same recipe", RuntimeWarning, stacklevel=3,
         )
     if not run["reached"]:
-        warnings.warn(
-            f"tiny model warm start stopped at max_steps={run['steps']} with held-out pass@1 "
-            f"{last_eval['pass1']:.3f} < {recipe['target_pass1'] - ev['band']:.3f}", RuntimeWarning, stacklevel=3,
-        )
+        reached_what = (f"self-consistency {last_eval['operators']['self_consistency']:.3f} < "
+                        f"{recipe['task']['target_consistency']:.3f}" if "task" in recipe else
+                        f"held-out pass@1 {last_eval['pass1']:.3f} < {recipe['target_pass1'] - ev['band']:.3f}")
+        warnings.warn(f"tiny model warm start stopped at max_steps={run['steps']} with {reached_what}",
+                      RuntimeWarning, stacklevel=3)
     # written last: its presence marks a complete folder
     with open(folder / WARM_START_FILE, "w") as fh:
         json.dump(report, fh, indent=2)
@@ -681,6 +739,7 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
         lr=tr["lr"], betas=tuple(tr["betas"]), fused=True,
     )
     batches = _batch_indices(train_problems, tr["batch_size"], tr["level_balanced"], recipe["seed"])
+    resample = _solution_resampler(train_problems, tokenizer, recipe)
     history: list[dict] = []
     target_low = recipe["target_pass1"] - ev["band"]
     last_eval: Optional[dict] = None
@@ -690,7 +749,11 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
     bar = _progress_bar(recipe["max_steps"], progress)
     try:
         while step < recipe["max_steps"]:
-            input_ids, mask, labels = _collate(p_ids, c_ids, next(batches), tokenizer.pad_token_id)
+            idx = next(batches)
+            if resample is not None:
+                for i, ids in zip(idx, resample(idx)):
+                    c_ids[i] = ids
+            input_ids, mask, labels = _collate(p_ids, c_ids, idx, tokenizer.pad_token_id)
             for g in optim.param_groups:
                 g["lr"] = _lr_at(step, recipe)
             loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
@@ -708,7 +771,13 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
                                 "mean_token_entropy": round(last_eval["mean_token_entropy"], 4),
                                 "per_level": last_eval["per_level"], "elapsed_s": round(time.time() - t0, 1)})
                 postfix["pass1"] = f"{last_eval['pass1']:.2f}"
-                reached = last_eval["pass1"] >= target_low
+                if "task" in recipe:
+                    consistency = last_eval["operators"]["self_consistency"]
+                    history[-1]["self_consistency"] = round(consistency, 4)
+                    postfix["consistent"] = f"{consistency:.2f}"
+                    reached = consistency >= recipe["task"]["target_consistency"]
+                else:
+                    reached = last_eval["pass1"] >= target_low
             bar.set_postfix(postfix)
             if reached:
                 break
@@ -739,10 +808,69 @@ def _warn_if_busy(num_threads: int) -> None:
 
 def _eval(model, tokenizer, problems, recipe, step):
     ev = recipe["eval"]
-    return evaluate_pass1(
+    out = evaluate_pass1(
         model, tokenizer, problems, instruction=recipe["instruction"], max_new_tokens=ev["max_new_tokens"],
         temperature=ev["temperature"], batch_size=ev["batch_size"], seed=recipe["seed"] * 100_003 + step,
+        return_texts="task" in recipe,
     )
+    if "task" in recipe:
+        out["operators"] = operators_warm_start_figures(problems, out.pop("texts"))
+    return out
+
+
+def operators_warm_start_figures(problems: Sequence[Any], completions: Sequence[str]) -> dict:
+    """What an operators warm start must and must not know, from one sampled completion per
+    held-out problem: ``self_consistency`` (share of well-formed solutions with right
+    arithmetic under their own meanings), ``meaning_shares`` (how often each meaning was
+    chosen among them: uniform guessing gives 1/3 each), and the exact uniform-guessing
+    pass@1 by chain length (``guessing_pass1``), the level pass@1 should sit at."""
+    from envs import operators
+
+    consistent, chosen = 0, {m: 0 for m in operators.MEANINGS}
+    guess: dict[str, list[float]] = {}
+    for p, text in zip(problems, completions):
+        used = operators.read_worked_solution(p, text)
+        if used is not None:
+            consistent += 1
+            for m in used:
+                chosen[m] += 1
+        guess.setdefault(str(p.difficulty), []).append(operators.guessing_rate(p, int(p.ground_truth)))
+    total = max(sum(chosen.values()), 1)
+    return {
+        "self_consistency": consistent / max(len(completions), 1),
+        "meaning_shares": {m: round(c / total, 4) for m, c in chosen.items()},
+        "guessing_pass1": {k: round(sum(v) / len(v), 4) for k, v in sorted(guess.items())},
+    }
+
+
+def _tokenizer_corpus(problems: Sequence[Any], recipe: dict) -> list:
+    """The problems whose texts train the tokenizer: for the operators task with one set of
+    guessed meanings each (the true ones are never in the warm-start data)."""
+    if "task" not in recipe:
+        return list(problems)
+    import dataclasses
+
+    from envs import operators
+
+    rng = random.Random(f"tiny-operators-corpus:{recipe['seed']}")
+    return [dataclasses.replace(p, solution=operators.random_meaning_solution(p, rng)) for p in problems]
+
+
+def _solution_resampler(problems: Sequence[Any], tokenizer, recipe: dict):
+    """For the operators task, a function giving fresh guessed-meaning solution ids for a
+    batch of example indices (drawn anew every time, so no question gets a fixed answer);
+    ``None`` for the arithmetic task, whose solutions are fixed."""
+    if "task" not in recipe:
+        return None
+    from envs import operators
+
+    rng = random.Random(f"tiny-operators-solutions:{recipe['seed']}")
+
+    def resample(idx):
+        texts = [operators.random_meaning_solution(problems[i], rng) + IM_END for i in idx]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    return resample
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -806,6 +934,7 @@ def build_tiny_model(
     progress: bool = True,
     overrides: Optional[dict] = None,
     icl_fraction: float = 0.0,
+    task: str = "arithmetic",
 ) -> str:
     """Build (once) and return the folder of the warm-started tiny model.
 
@@ -824,13 +953,14 @@ def build_tiny_model(
         overrides: Nested recipe overrides, see :func:`tiny_recipe`.
         icl_fraction: Share of warm-start examples with worked examples before the question
             (:func:`icl_prefixes`); 0, the default, trains on bare prompts only.
+        task: ``"arithmetic"`` or ``"operators"`` (see :func:`tiny_recipe`).
 
     Returns:
         The folder path. A second call with the same recipe returns at once; concurrent
         callers wait for a single build.
     """
     recipe = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
-                         overrides=overrides, icl_fraction=icl_fraction)
+                         overrides=overrides, icl_fraction=icl_fraction, task=task)
     name = f"tiny-{recipe_key(recipe)}"
     root = cache_root(cache_dir)
     took_shipped = []

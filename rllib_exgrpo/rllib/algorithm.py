@@ -402,19 +402,21 @@ class ExGRPO(Algorithm):
 
     def _sample_step(self, fresh_ids, replay_ids) -> Tuple[List[Trajectory], Dict[str, float]]:
         """All of a step's generation: fresh groups (G each, or planner rounds), G - 1
-        fresh completions next to each replayed trajectory, then in-context seeding."""
+        fresh completions next to each replayed trajectory (G for a replayed question that
+        comes back alone, ``replay_content: prompt``), then in-context seeding."""
         cfg = self.config
         metrics: Dict[str, float] = {}
         sampled: List[Trajectory] = []
+        per_replayed = self.experience.fresh_samples_of_replayed(cfg.group_size)
         if self.rollouts is not None:
             fresh, metrics = self.rollouts.run(fresh_ids, self._sample_trajectories)
             sampled += fresh
             if replay_ids:
-                sampled += self._sample_trajectories(replay_ids, [cfg.group_size - 1] * len(replay_ids))
+                sampled += self._sample_trajectories(replay_ids, [per_replayed] * len(replay_ids))
         else:
             sampled += self._sample_trajectories(
                 list(fresh_ids) + list(replay_ids),
-                [cfg.group_size] * len(fresh_ids) + [cfg.group_size - 1] * len(replay_ids),
+                [cfg.group_size] * len(fresh_ids) + [per_replayed] * len(replay_ids),
             )
         if self.seeder is not None:
             seeded, seed_metrics = self.seeder.seed(sampled, self._question_text, self._sample_trajectories)

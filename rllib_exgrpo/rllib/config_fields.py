@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from rllib_exgrpo.core.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, RATIO_MODES
 from rllib_exgrpo.core.minibatches import MINIBATCH_SHUFFLES
-from rllib_exgrpo.exgrpo.buffer import BUCKET_WEIGHTINGS, LOGP_DTYPES, TRAJECTORY_SELECTIONS
+from rllib_exgrpo.exgrpo.buffer import BUCKET_WEIGHTINGS, LOGP_DTYPES, REPLAY_CONTENTS, TRAJECTORY_SELECTIONS
 from rllib_exgrpo.generation.base import GENERATION_BACKENDS, HF_DECODERS
 from rllib_exgrpo.models.loading import MODEL_DTYPES
 
@@ -256,6 +256,12 @@ _EXPERIENCE = [
     _f("bucket_mu", 0.5, number(), "Mean of the Gaussian bucket weight on the correctness-rate scale (0.5)."),
     _f("bucket_sigma", 0.125, number(0, low_open=True),
        "Std of the Gaussian bucket weight on the rate scale (0.125 = 1/G for G=8)."),
+    _f("replay_content", "trajectory", one_of(REPLAY_CONTENTS),
+       "What a replayed question brings back: 'trajectory' (ExGRPO: a stored correct "
+       "trajectory next to G - 1 fresh samples) or 'prompt' (a control, not in the papers: the "
+       "pooled question is drawn the same way but sampled G times afresh, no stored trajectory; "
+       "mixed mode and the clip removal as with 'trajectory'). 'prompt' separates the effect of "
+       "replaying a trajectory from that of re-selecting its question."),
     _f("trajectory_selection", "lowest_entropy", one_of(TRAJECTORY_SELECTIONS),
        "Which stored trajectory of a replayed question is used: 'lowest_entropy' under the "
        "current policy (official), 'highest_entropy' (the paper's ablation), 'highest_logp', "

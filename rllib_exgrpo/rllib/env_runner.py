@@ -185,7 +185,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             len(self.tokenizer), self.settings.max_prompt_tokens, self.settings.max_response_tokens
         )
         self.env = self.make_env()
-        self._heldout_env = None
+        #: Held-out envs by split of ``heldout_dataset``, each built on first use.
+        self._heldout_envs: dict = {}
         # Start the verifier's worker processes now, so their start-up is not charged to
         # the first verification's timeout.
         from envs.rewards import warm_up
@@ -312,14 +313,18 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
 
     @property
     def heldout_env(self):
-        """The env over the held-out set (``heldout_dataset``), built on first use."""
-        if self._heldout_env is None:
+        """The env over the held-out set (``heldout_dataset``, ``heldout_split``), built on
+        first use."""
+        return self.heldout_split_env(self.settings.heldout_split)
+
+    def heldout_split_env(self, split: str):
+        """The env over one split of ``heldout_dataset`` (e.g. ``"validation"`` beside the
+        configured ``"test"``: what a tuning benchmark selects on), built on first use."""
+        if split not in self._heldout_envs:
             if not self.settings.heldout_dataset:
                 raise ValueError("no held-out set configured (heldout_dataset is None)")
-            self._heldout_env = self.make_env(
-                {"dataset": self.settings.heldout_dataset, "split": self.settings.heldout_split}
-            )
-        return self._heldout_env
+            self._heldout_envs[split] = self.make_env({"dataset": self.settings.heldout_dataset, "split": split})
+        return self._heldout_envs[split]
 
     def encode_prompt(self, question_id: str, prefix: Optional[str] = None, env=None) -> List[int]:
         """Prompt token ids of a question, left-truncated to ``max_prompt_tokens``."""
@@ -336,7 +341,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         temperature: Optional[float] = None,
         max_new_tokens: Optional[int] = None,
         return_logprobs: bool = True,
-        heldout: bool = False,
+        heldout: bool | str = False,
         prompt_prefixes: Optional[Sequence[Optional[str]]] = None,
         **kwargs,
     ) -> List[SingleAgentEpisode]:
@@ -350,7 +355,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             explore: False samples greedily (temperature 0) unless ``temperature`` is given.
             temperature, max_new_tokens: Override the config for this call (evaluation).
             return_logprobs: Record behaviour log-probs (needed for training).
-            heldout: Take the questions from the held-out env instead of the training one.
+            heldout: Take the questions from the held-out env instead of the training one;
+                a split name takes them from that split of the held-out dataset.
             prompt_prefixes: Optional text per question put before its rendered prompt for
                 generation only (XRPO in-context seeding). The episode keeps the original
                 prompt as its observation, so the completion trains against it; its
@@ -381,7 +387,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             return_logprobs=return_logprobs,
         )
 
-        env = self.heldout_env if heldout else self.env
+        env = self.heldout_split_env(heldout) if isinstance(heldout, str) else self.heldout_env if heldout else self.env
         prompts = [self.encode_prompt(q, env=env) for q in question_ids]
         prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
         gen_prompts = [
@@ -557,7 +563,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         return []
 
     def stop(self):
-        for env in (self.env, self._heldout_env):
-            if env is not None:
-                env.close()
+        for env in (self.env, *self._heldout_envs.values()):
+            env.close()
 
