@@ -22,9 +22,11 @@ def shared_data() -> Path:
 QUICK_TINY = "tiny:max_steps=30,target_pass1=0.99"
 
 
-@pytest.fixture(scope="session")
-def ray_local():
-    """A private local Ray for the session (never joins another cluster on the machine)."""
+#: Whether the session's private Ray (``ray_local``) was started and is still wanted.
+_SHARED_RAY = {"wanted": False}
+
+
+def _start_private_ray():
     import os
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -36,8 +38,28 @@ def ray_local():
             address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
             runtime_env={"env_vars": {"PYTHONPATH": repo}},
         )
+    return ray
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A private local Ray for the session (never joins another cluster on the machine).
+
+    A test that needs no cluster may shut Ray down (a preflight check, a dry run): the next
+    test that asks for ``ray_local`` gets it started again (``pytest_runtest_setup``), once,
+    rather than every ``rllib train`` that test runs starting and stopping a Ray of its own."""
+    ray = _start_private_ray()
+    _SHARED_RAY["wanted"] = True
     yield ray
+    _SHARED_RAY["wanted"] = False
     ray.shutdown()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before any fixture of the test (module-scoped ones included) is set up.
+    if _SHARED_RAY["wanted"] and "ray_local" in getattr(item, "fixturenames", ()):
+        _start_private_ray()
 
 
 @pytest.fixture(scope="session")
