@@ -195,3 +195,30 @@ def test_async_rollouts_train_on_the_batch_collected_during_the_last_iteration(q
 def test_async_rollouts_need_a_remote_runner(quick_tiny_model):
     with pytest.raises(ValueError, match="async_rollouts: needs num_env_runners >= 1"):
         small_config(quick_tiny_model, async_rollouts=True).validate()
+
+
+def test_prompt_replay_samples_replayed_questions_afresh_and_trains_no_stored_row(quick_tiny_model):
+    """replay_content: prompt: a pooled question is re-selected but comes back with G fresh
+    samples and no stored trajectory (no off-policy row reaches the learner); the held-out
+    dataset's other splits are evaluable beside the configured one."""
+    algo = small_config(quick_tiny_model, delayed_start_solve_rate=0.0, replay_content="prompt").build_algo()
+    try:
+        ids = algo.sampler.question_ids
+        algo.experience.observe(score_groups(
+            [Trajectory(q, np.array([3, 4]), np.array([20 + i, 7]), np.full(2, -0.2, np.float32), float(i == 0))
+             for q in ids[:3] for i in range(4)]), iteration=0)
+        assert len(algo.experience.buffer) == 3
+        result = algo.train()
+        assert result["experience"]["replayed_questions"] >= 1, result["experience"]
+        assert result["env_runners"]["num_episodes"] == 16  # 4 questions x G, replayed ones too
+        assert result["learners"]["default_policy"]["replayed_token_fraction"] == 0.0
+
+        runner = algo.env_runner
+        assert runner.heldout_split_env(algo.config.heldout_split) is runner.heldout_env
+        train_env = runner.heldout_split_env("train")
+        assert not {p.id for p in train_env.problems[:50]} & {p.id for p in runner.heldout_env.problems[:50]}
+        episodes = runner.sample(question_ids=[p.id for p in train_env.problems[:2]], num_samples=1,
+                                 heldout="train", temperature=0.0, return_logprobs=False)
+        assert len(episodes) == 2
+    finally:
+        algo.stop()

@@ -317,6 +317,8 @@ class ExGRPO(Algorithm):
             )
         with self._stage(REPLAY_CHOICE_TIMER):
             replayed, replay_metrics = self.experience.replayed_trajectories(replay_ids, self._score_trajectories)
+            # questions drawn from the pool (with or without a stored trajectory)
+            replay_metrics["replayed_questions"] = float(len(replay_ids))
 
         with self._stage(SAMPLE_TIMER):
             sampled, xrpo_metrics = self._sample_step(fresh_ids, replay_ids)
@@ -626,9 +628,9 @@ class ExGRPO(Algorithm):
         replayed = sum(t.replayed for t in groups.trajectories)
         values = {
             **self.experience.metrics(),
+            "replayed_questions": replayed,
             **step_metrics,
             "replayed_fraction": replayed / max(len(groups.trajectories), 1),
-            "replayed_questions": replayed,
         }
         for key, value in values.items():
             if isinstance(value, float) and np.isnan(value):
