@@ -779,6 +779,8 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
                 else:
                     reached = last_eval["pass1"] >= target_low
             bar.set_postfix(postfix)
+            if due and isinstance(bar, _LineProgress):
+                bar.print_line()  # each check's figures, not only every tenth of the steps
             if reached:
                 break
     finally:
@@ -902,6 +904,9 @@ class _LineProgress:
 
     def set_postfix(self, postfix=None, **kwargs) -> None:
         self.postfix = dict(postfix or {}, **kwargs)
+
+    def print_line(self) -> None:
+        self._print()
 
     def _print(self) -> None:
         import sys
