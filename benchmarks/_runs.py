@@ -120,10 +120,12 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
               eval_interval: int = 10, overrides: Optional[dict] = None, out: Path,
               max_iterations: Optional[int] = None, model: Optional[str] = None,
               key_extra: Optional[dict] = None, extra_eval=None, step_fields=None, on_eval=None,
-              heldout_dataset: str = HELDOUT_DATASET) -> dict:
+              heldout_dataset: str = HELDOUT_DATASET, end_eval=None) -> dict:
     """One run (cached). Returns ``{"algo", "seed", "steps": [...], "evals": [...], ...}``:
     per step its sampled tokens so far, wall time and scalar metrics; per evaluation the
-    step, tokens so far and held-out accuracy."""
+    step, tokens so far and held-out accuracy. ``end_eval(algo)``, when given, is recorded
+    as ``"end"`` after the last step (measurements that need the trained algorithm's state,
+    such as its replay pool)."""
     overrides = dict(overrides or {})
     key = {"algo": name, "seed": seed, "iterations": iterations, "token_budget": token_budget,
            "eval_interval": eval_interval, "overrides": overrides, "model": model, "format": RUN_FORMAT,
@@ -180,10 +182,11 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
             if (step >= iterations and budget_met) or step >= max_iterations:
                 break
         evaluate(len(steps))
+        end = end_eval(algo) if end_eval else None
     finally:
         algo.stop()
     record = {**key, "steps": steps, "evals": evals, "budget_step": crossed_at,
-              "wall_s": time.perf_counter() - t_run}
+              "wall_s": time.perf_counter() - t_run, **({"end": end} if end_eval else {})}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))
     return json.loads(path.read_text())  # the same form whether fresh or cached
