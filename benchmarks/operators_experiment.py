@@ -241,7 +241,7 @@ def main():
         r, o, sh = variants[ref]
         first = train_run(ref, r, o, seed, task_seed=args.task_seed, shuffled=sh, iterations=args.iterations,
                           token_budget=None, eval_interval=args.eval_interval, out=args.out)
-        budgets[seed] = _runs.budget_of([first], seed, args.iterations)
+        budgets[seed] = first["steps"][args.iterations - 1]["tokens"]  # the reference's tokens
         runs[ref].append(first)
         for name, (r, o, sh) in variants.items():
             if name == ref:

@@ -65,7 +65,7 @@ def main() -> None:
     gains, rows = [], []
     for seed in args.seeds:
         g = run("grpo_finite", seed, None, args.out)
-        budget = _runs.budget_of([g], seed, 80)
+        budget = g["steps"][79]["tokens"]  # GRPO's tokens after its 80 steps
         e = run("exgrpo_finite", seed, budget, args.out)
         pool = e["end"]["pool_buckets"]
         hard = sorted(q for q, b in pool.items() if b <= HARD_MAX_CORRECT)
