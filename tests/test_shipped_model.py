@@ -154,3 +154,27 @@ def test_the_rebuild_command_compares_the_built_weights_with_the_shipped_ones(tm
 def test_a_rebuild_gives_the_shipped_weights(tmp_path):
     """The pinned build of the default recipe equals the shipped weights on an AVX2 machine."""
     assert shipped_cli.main(["rebuild", "--cache", str(tmp_path / "cache")]) == 0
+
+
+def test_every_tiny_model_a_shipped_recipe_names_is_shipped(tmp_path, no_build):
+    """A tuned example that names a tiny model (``tiny``, ``tiny:task=operators,...``) starts
+    in seconds on a fresh machine: its build ships with the package, sha256-checked, and
+    resolving it copies instead of building."""
+    import yaml
+
+    from rllib_exgrpo.models import parse_tiny_spec, resolve_model_path
+
+    root = Path(__file__).resolve().parents[1] / "tuned_examples"
+    specs = set()
+    for file in sorted(root.glob("*.yaml")):
+        for spec in yaml.safe_load(file.read_text()).values():
+            model = str(spec.get("config", {}).get("model_name_or_path", ""))
+            if model == "tiny" or model.startswith("tiny:"):
+                specs.add(model)
+    assert "tiny" in specs and any("task=operators" in s for s in specs)
+    for spec in sorted(specs):
+        kwargs = parse_tiny_spec(spec)
+        name = f"tiny-{tiny_mod.recipe_key(tiny_mod.tiny_recipe(**{k: v for k, v in kwargs.items()}))}"
+        assert name in shipped.SHIPPED and shipped.shipped_folder(name) is not None, f"{spec} ({name}) is not shipped"
+        path = Path(resolve_model_path(spec, cache_dir=str(tmp_path / "cache"), progress=False))
+        assert path.name == name and shipped.file_digests(path) == shipped.SHIPPED[name]
