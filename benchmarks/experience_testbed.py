@@ -1,4 +1,4 @@
-"""Experience testbed: GRPO vs ExGRPO where experience can matter (issue "Experience that pays").
+"""Experience testbed: GRPO vs ExGRPO where experience can matter.
 
     python benchmarks/experience_testbed.py --phase diag   [--seeds 0]
     python benchmarks/experience_testbed.py --phase search [--seeds 0]
@@ -21,7 +21,7 @@ by construction, envs/arithmetic.py):
 * ``val``: test questions 200-400 (``validation_accuracy`` below), the only numbers that
   tuning looks at;
 * ``final``: the large final set (FINAL_SET_DATASET below, 2200 questions outside
-  validation, the mean of the four level accuracies), declared in session 7 before its
+  validation, the mean of the four level accuracies), declared before its
   runs.
 
 Every run goes through ``_runs`` (its ``build``, cache naming and reading helpers); runs are
@@ -59,7 +59,7 @@ _common.RECIPES.setdefault("ppo_finite", ("ppo_tiny.yaml", {"env_config": {"data
 
 VAL_SLICE = (200, 400)
 TESTBED_FORMAT = 1
-#: The large final set (session 7; declared, with its score, before any run read it): every
+#: The large final set (declared, with its score, before any run read it): every
 #: question of ``arithmetic:n_test=2400`` outside the validation slice, 2200 questions. The
 #: test split holds only 30 level-1 and 82 level-3 questions (small problem spaces; the
 #: generator dedupes), so the set has all of them there are outside validation (29 and 59)
@@ -118,7 +118,7 @@ DIAG = {
 SEARCH_LRS = (1e-4, 5e-5, 2e-4)
 
 
-#: Phase "search2" (session 6): a second round, the same effort ratio as the first (two
+#: Phase "search2": a second round, the same effort ratio as the first (two
 #: ExGRPO arms per GRPO arm). ExGRPO gets the small-pool switches its first round pointed
 #: at -- a replay cooldown (not in the papers) and a lower bucket mean, on the selected
 #: lr 1e-4 / rho 0.25, and the official rho 0.5 with a cooldown; GRPO gets its own two
