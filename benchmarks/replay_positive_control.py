@@ -24,6 +24,7 @@ The last line is ``warm_start_hard_gain=<mean paired ExGRPO - GRPO accuracy on t
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Dict
 
@@ -60,8 +61,6 @@ def end_eval(algo) -> dict:
 def warm_start_solve_counts(seed: int, out: Path) -> Dict[str, int]:
     """Correct answers in 8 samples at temperature 1 of each training question under the
     warm start (the recipe's model before any training step), cached per seed."""
-    import json
-
     path = out / f"warm_start_counts-seed{seed}-{_runs.model_build('grpo_finite')}.json"
     if path.exists():
         return json.loads(path.read_text())
@@ -92,7 +91,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "positive_control")
+    ap.add_argument("--exgrpo", default=None,
+                    help='JSON overrides of the ExGRPO arm instead of its selected setting, e.g. \'{"lr": 1e-4, '
+                         '"experience_ratio": 0.25}\' (the same learning rate as GRPO)')
     args = ap.parse_args()
+    if args.exgrpo:
+        PICKS["exgrpo_finite"] = json.loads(args.exgrpo)
     start_ray()
     gains, rows = [], []
     for seed in args.seeds:
