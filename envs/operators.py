@@ -142,6 +142,13 @@ def parse_question(text: str) -> Question:
     return Question(int(m.group(1)), tuple(int(t) for t in tokens[0::2]), tuple(tokens[1::2]))
 
 
+def _as_question(question: Union[Problem, Question, str]) -> Question:
+    """A :class:`Question` from a problem, a question or a question text."""
+    if isinstance(question, Problem):
+        question = question.question
+    return parse_question(question) if isinstance(question, str) else question
+
+
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha1(text.encode("utf-8")).digest()[:8], "big")
 
@@ -229,10 +236,7 @@ def random_meaning_solution(question: Union[Problem, Question, str], rng: random
     """A worked solution of ``question`` (a :class:`Problem`, :class:`Question` or question
     text) under meanings drawn uniformly from ``rng``: right format and arithmetic, guessed
     meanings (a warm-start corpus that does not give the tables away)."""
-    if isinstance(question, Problem):
-        question = question.question
-    if isinstance(question, str):
-        question = parse_question(question)
+    question = _as_question(question)
     return worked_solution(question, random_meanings(question.length, rng))
 
 
@@ -250,10 +254,7 @@ def read_worked_solution(question: Union[Problem, Question, str], completion: st
     start must get right (format and arithmetic) from what it must not know (the tables):
     the share of completions that read back is its *self-consistency*.
     """
-    if isinstance(question, Problem):
-        question = question.question
-    if isinstance(question, str):
-        question = parse_question(question)
+    question = _as_question(question)
     body, sep, _ = completion.partition("}")
     if not sep:
         return None
@@ -284,10 +285,7 @@ def guessing_rate(question: Union[Problem, Question, str], answer: int) -> float
     """The chance that meanings drawn uniformly give ``answer`` on ``question``: the exact
     pass@1 of a policy that computes right and guesses every meaning (about 1/3, 1/9, 1/27
     by chain length; more where two meanings coincide, as in ``2 + 2 = 2 x 2``)."""
-    if isinstance(question, Problem):
-        question = question.question
-    if isinstance(question, str):
-        question = parse_question(question)
+    question = _as_question(question)
     combos = list(itertools.product(MEANINGS, repeat=question.length))
     return sum(evaluate(question, m) == answer for m in combos) / len(combos)
 

@@ -176,7 +176,6 @@ def tiny_recipe(
     :func:`icl_prefixes`); at 0 the recipe has no ``icl`` section, so the default model's
     cache key is what it was before the option existed.
     """
-    from envs import arithmetic
     from envs.prompting import DEFAULT_INSTRUCTION
 
     if not 0.0 < target_pass1 <= 1.0:
