@@ -222,3 +222,52 @@ def test_prompt_replay_samples_replayed_questions_afresh_and_trains_no_stored_ro
         assert len(episodes) == 2
     finally:
         algo.stop()
+
+
+def test_a_replayed_row_is_its_stored_success_under_its_own_prompt_and_the_update_raises_it(quick_tiny_model):
+    """The replay path end to end: a pooled question's stored correct trajectory reaches the
+    learner under that question's prompt, with its recorded log-probs as behaviour, marked
+    off-policy, with the group-relative advantage of reward 1 among its G - 1 fresh
+    neighbours; one update makes it more likely."""
+    from rllib_exgrpo.exgrpo.buffer import decode_logp, encode_logp
+
+    algo = small_config(quick_tiny_model, delayed_start_solve_rate=0.0, experience_ratio=0.5).build_algo()
+    try:
+        runner = algo.env_runner_group.local_env_runner
+        pooled = algo.sampler.question_ids[:2]
+        stored = {}
+        trajs = []
+        for q in pooled:
+            prompt = np.asarray(runner.encode_prompt(q))
+            success = np.array([20, 21, 22])
+            logp, _ = runner.score_trajectories([prompt], [success])
+            stored[q] = (prompt, success, logp[0].astype(np.float32))
+            trajs.append(Trajectory(q, prompt, success, logp[0].astype(np.float32), 1.0))
+            trajs += [Trajectory(q, prompt, np.array([30 + i, 7]), np.full(2, -3.0, np.float32), 0.0) for i in range(3)]
+        algo.experience.observe(score_groups(trajs), iteration=0)
+        assert set(algo.experience.buffer) == set(pooled)
+
+        step = algo._collect_step()
+        batch, groups = step.batch, step.groups
+        rows = np.flatnonzero(batch[C.OFF_POLICY] > 0)
+        assert len(rows) == 2  # floor(0.5 x 4 questions), both pooled questions
+        for i in rows:
+            t = groups.trajectories[i]
+            prompt, success, logp = stored[t.question_id]
+            assert np.array_equal(t.prompt_ids, prompt) and np.array_equal(t.completion_ids, success)
+            n = int(batch[C.RESPONSE_MASK][i].sum())
+            assert n == len(success)
+            # the behaviour log-probs are the recorded ones (through the pool's storage dtype)
+            want = decode_logp(encode_logp(logp, algo.config.buffer_logp_dtype))
+            np.testing.assert_allclose(batch[C.OLD_LOGP][i][:n], want, rtol=0, atol=1e-6)
+            members = groups.group_index == groups.group_index[i]
+            assert members.sum() == algo.config.group_size  # 1 replayed + G - 1 fresh
+            rewards = np.array([tr.reward for tr, m in zip(groups.trajectories, members) if m])
+            assert batch[C.ADVANTAGES][i] == pytest.approx(1.0 - rewards.mean())
+        before = _logp_of(algo, batch)
+        algo._timed_update(step)
+        after = _logp_of(algo, batch)
+        positive = rows[batch[C.ADVANTAGES][rows] > 0]
+        assert len(positive) > 0 and np.all(after[positive] > before[positive])
+    finally:
+        algo.stop()
