@@ -477,6 +477,36 @@ def test_operators_warm_start_draws_new_meanings_every_time_an_example_is_drawn(
     assert tiny_mod._solution_resampler(problems, tok, tiny_recipe()) is None
 
 
+def test_operators_known_families_show_true_meanings_and_the_task_families_never_do():
+    """``known=N``: N extra families (tags after the task's) always show their true meanings,
+    so the warm start learns to read a meaning off family and symbol; the task's own families
+    keep guessed meanings in every draw, and held-out checks use the task's families only."""
+    from envs import operators
+
+    recipe = tiny_recipe(**parse_tiny_spec("tiny:task=operators,known=24"))
+    assert recipe["task"]["known_families"] == 24
+    assert tiny_mod.recipe_key(recipe) != tiny_mod.recipe_key(tiny_recipe(task="operators"))
+    problems = tiny_mod._task_problems(recipe, "train", 400)
+    known = [p for p in problems if p.extra["family"] >= 24]
+    task_own = [p for p in problems if p.extra["family"] < 24]
+    assert len(known) > 100 and len(task_own) > 100
+    assert max(p.extra["family"] for p in tiny_mod._task_problems(recipe, "test", 200)) < 24
+    tok = tiny_mod._wrap(tiny_mod._base_vocab(), [])
+    resample = tiny_mod._solution_resampler(problems, tok, recipe)
+    decode = lambda ids: tok.decode(ids).removesuffix(tiny_mod.IM_END)  # noqa: E731
+    for draw in (resample(list(range(400))), resample(list(range(400)))):
+        used = [operators.read_worked_solution(p, decode(ids)) for p, ids in zip(problems, draw)]
+        true = [u == tuple(p.extra["meanings"]) for p, u in zip(problems, used)]
+        assert all(t for t, p in zip(true, problems) if p.extra["family"] >= 24)
+        assert sum(t for t, p in zip(true, problems) if p.extra["family"] < 24) < 0.5 * len(task_own)
+    corpus = tiny_mod._tokenizer_corpus(problems, recipe)
+    assert all(c.solution == p.solution for c, p in zip(corpus, problems) if p.extra["family"] >= 24)
+    with pytest.raises(ValueError, match="known_families applies to task='operators' only"):
+        tiny_recipe(known_families=4)
+    with pytest.raises(ValueError, match="known_families must be in"):
+        tiny_recipe(task="operators", known_families=90)
+
+
 def test_operators_warm_start_figures_on_hand_made_completions():
     from envs import operators
 

@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 _TINY_KEYS = {"seed": int, "target_pass1": float, "max_steps": int, "levels": None, "threads": int,
-              "icl": float, "task": str}
+              "icl": float, "task": str, "known": int}
 
 
 def parse_tiny_spec(spec: str) -> dict[str, Any]:
@@ -55,7 +55,9 @@ def parse_tiny_spec(spec: str) -> dict[str, Any]:
     ``"tiny:seed=1,target_pass1=0.3,levels=1-4,max_steps=1500,threads=2"`` (levels also
     ``1+2+4``; ``threads`` sets the build's torch thread count, part of the recipe; ``icl``
     is the share of warm-start prompts that carry worked examples, ``icl_fraction``;
-    ``task=operators`` warm-starts on the hidden-operator family instead of arithmetic)."""
+    ``task=operators`` warm-starts on the hidden-operator family instead of arithmetic;
+    ``known=N`` adds N other operator families shown with their true meanings, see
+    :func:`tiny_recipe`)."""
     name, _, rest = spec.partition(":")
     if name != "tiny":
         raise ValueError(f"not a tiny model spec: {spec!r}")
@@ -71,6 +73,8 @@ def parse_tiny_spec(spec: str) -> dict[str, Any]:
             out.setdefault("overrides", {}).setdefault("train", {})["num_threads"] = int(value)
         elif key == "icl":
             out["icl_fraction"] = float(value)
+        elif key == "known":
+            out["known_families"] = int(value)
         elif key == "levels":
             if "-" in value:
                 lo, hi = (int(x) for x in value.split("-", 1))

@@ -163,12 +163,17 @@ def tiny_recipe(
     overrides: Optional[dict] = None,
     icl_fraction: float = 0.0,
     task: str = "arithmetic",
+    known_families: int = 0,
 ) -> dict:
     """The full, JSON-serialisable recipe of a tiny model (what the cache key hashes).
 
     ``task`` is the family the warm start learns: ``"arithmetic"`` (the default model), or
     ``"operators"`` (:mod:`envs.operators`: format and arithmetic with every meaning
     guessed, see :data:`OPERATORS_TASK`; ``levels`` are then chain lengths, default 1-3).
+    ``known_families`` > 0 (operators only) adds that many *other* families, tagged after
+    the task's own, whose solutions always show their true meanings: the warm start then
+    learns that a meaning is read off the family tag and the symbol, without seeing any
+    meaning of the families the RL task uses (each family's table is drawn on its own).
 
     ``overrides`` is a nested dict merged into the defaults, e.g.
     ``{"model": {"num_hidden_layers": 2}, "eval": {"eval_every": 25}}``; unknown keys raise.
@@ -186,6 +191,10 @@ def tiny_recipe(
         raise ValueError(f"icl_fraction must be in [0, 1), got {icl_fraction}")
     if task not in TASKS:
         raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
+    if known_families and task != "operators":
+        raise ValueError(f"known_families applies to task='operators' only, got task={task!r}")
+    if not 0 <= known_families <= 100 - OPERATORS_TASK["families"]:
+        raise ValueError(f"known_families must be in [0, {100 - OPERATORS_TASK['families']}], got {known_families}")
     if task == "operators" and tuple(levels) == (1, 2, 3, 4):
         levels = (1, 2, 3)  # the arithmetic default: chain lengths 1-3 instead
     levels = tuple(int(lv) for lv in levels)
@@ -217,6 +226,8 @@ def tiny_recipe(
     if task == "operators":
         # Only a non-default task adds a section, so the default model's key is unchanged.
         recipe["task"] = dict(OPERATORS_TASK)
+        if known_families:  # only when used, so the first operators model's key is unchanged
+            recipe["task"]["known_families"] = int(known_families)
         for section, values in OPERATORS_TASK_DEFAULTS.items():
             recipe[section].update({k: v for k, v in values.items()
                                     if k not in (overrides or {}).get(section, {})})
@@ -239,7 +250,14 @@ def _task_problems(recipe: dict, split: str, n: int) -> list:
         return arithmetic.generate(n, split=split, seed=seed, levels=tuple(recipe["levels"]))
     from envs import operators
 
-    return operators.generate(n, split=split, seed=seed, families=task["families"], lengths=tuple(recipe["levels"]))
+    families = task["families"] + (task.get("known_families", 0) if split == "train" else 0)
+    return operators.generate(n, split=split, seed=seed, families=families, lengths=tuple(recipe["levels"]))
+
+
+def _shows_true_meanings(problem: Any, recipe: dict) -> bool:
+    """Whether a warm-start solution keeps its true meanings: only in the extra "known"
+    families (tagged after the task's own), never in a family the RL task uses."""
+    return problem.extra["family"] >= recipe["task"]["families"]
 
 
 def recipe_key(recipe: dict) -> str:
@@ -854,7 +872,8 @@ def _tokenizer_corpus(problems: Sequence[Any], recipe: dict) -> list:
     from envs import operators
 
     rng = random.Random(f"tiny-operators-corpus:{recipe['seed']}")
-    return [dataclasses.replace(p, solution=operators.random_meaning_solution(p, rng)) for p in problems]
+    return [p if _shows_true_meanings(p, recipe) else
+            dataclasses.replace(p, solution=operators.random_meaning_solution(p, rng)) for p in problems]
 
 
 def _solution_resampler(problems: Sequence[Any], tokenizer, recipe: dict):
@@ -868,7 +887,8 @@ def _solution_resampler(problems: Sequence[Any], tokenizer, recipe: dict):
     rng = random.Random(f"tiny-operators-solutions:{recipe['seed']}")
 
     def resample(idx):
-        texts = [operators.random_meaning_solution(problems[i], rng) + IM_END for i in idx]
+        texts = [(problems[i].solution if _shows_true_meanings(problems[i], recipe) else
+                  operators.random_meaning_solution(problems[i], rng)) + IM_END for i in idx]
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     return resample
@@ -939,6 +959,7 @@ def build_tiny_model(
     overrides: Optional[dict] = None,
     icl_fraction: float = 0.0,
     task: str = "arithmetic",
+    known_families: int = 0,
 ) -> str:
     """Build (once) and return the folder of the warm-started tiny model.
 
@@ -958,13 +979,16 @@ def build_tiny_model(
         icl_fraction: Share of warm-start examples with worked examples before the question
             (:func:`icl_prefixes`); 0, the default, trains on bare prompts only.
         task: ``"arithmetic"`` or ``"operators"`` (see :func:`tiny_recipe`).
+        known_families: operators only: extra families shown with their true meanings
+            (see :func:`tiny_recipe`).
 
     Returns:
         The folder path. A second call with the same recipe returns at once; concurrent
         callers wait for a single build.
     """
     recipe = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
-                         overrides=overrides, icl_fraction=icl_fraction, task=task)
+                         overrides=overrides, icl_fraction=icl_fraction, task=task,
+                         known_families=known_families)
     name = f"tiny-{recipe_key(recipe)}"
     root = cache_root(cache_dir)
     took_shipped = []
