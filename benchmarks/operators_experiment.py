@@ -242,7 +242,9 @@ def main():
         raw = json.loads(args.variants)
         variants = {k: ({"grpo": G, "exgrpo": E}[v[0]], v[1], bool(v[2]) if len(v) > 2 else False)
                     for k, v in raw.items()}
-        ref = next(k for k, v in variants.items() if v[0] == G)
+        # the budget's reference: the first GRPO variant, else the first variant (which then
+        # runs its --iterations steps, and the others match its tokens)
+        ref = next((k for k, v in variants.items() if v[0] == G), next(iter(variants)))
     elif args.phase == "search":
         variants = {k: (r, o, False) for k, (r, o) in search_variants().items()}
         ref = f"grpo_lr{SEARCH_LRS[0]:g}"
