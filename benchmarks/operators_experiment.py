@@ -83,26 +83,6 @@ def task_spec(task_seed: int, shuffled: bool = False) -> str:
     return f"operators:seed={task_seed}{extra}" + (",shuffled=1" if shuffled else "")
 
 
-def family_blind_accuracy(spec: str, split: str = "test") -> Dict[int, float]:
-    """Accuracy by chain length of the best answer that ignores the family tag: each step
-    uses the meaning its (symbol, position) has in most families (ties: the first in
-    ``MEANINGS``). A policy above it on one-operation questions has learnt something
-    family-specific; at or below it, at most the symbols' overall leanings."""
-    from collections import Counter
-    from envs import operators as ops
-
-    opts = ops.parse_spec(spec)
-    tables = ops.family_tables(opts["seed"], opts["families"])
-    blind = {(s, k): Counter(t[s][k] for t in tables).most_common(1)[0][0]
-             for s in ops.SYMBOLS for k in range(ops.MAX_LENGTH)}
-    hits: Dict[int, List[int]] = {}
-    for p in ops.generate_from_spec(spec, split=split):
-        q = ops.parse_question(p.question)
-        guess = ops.evaluate(q, [blind[(s, k)] for k, s in enumerate(q.symbols)])
-        hits.setdefault(q.length, []).append(int(str(guess) == str(p.ground_truth)))
-    return {length: float(np.mean(v)) for length, v in sorted(hits.items())}
-
-
 def split_eval(algo, split: str, max_new_tokens: int) -> dict:
     """Greedy accuracy on one held-out split, per chain length, and each question's outcome."""
     env = algo.env_runner.heldout_split_env(split)
@@ -282,6 +262,8 @@ def main():
             runs[name].append(train_run(name, r, o, seed, task_seed=args.task_seed, shuffled=sh,
                                         iterations=args.iterations, token_budget=budget,
                                         eval_interval=args.eval_interval, out=args.out))
+    from envs.operators import family_blind_accuracy
+
     blind = family_blind_accuracy(task_spec(args.task_seed))
     lines = [f"operators experiment, phase {args.phase or 'variants'}, task {task_spec(args.task_seed)}, seeds {args.seeds}"
              f" ({time.time() - t0:.0f} s)",

@@ -475,3 +475,22 @@ def generate_from_spec(spec: str, split: str = "train", limit: Optional[int] = N
     if limit is not None:
         n = min(n, limit)
     return generate(n, split=split, **{k: opts[k] for k in ("seed", "families", "lengths", "shuffled", "meanings")})
+
+
+def family_blind_accuracy(spec: str, split: str = "test") -> dict[int, float]:
+    """Accuracy by chain length, on ``split`` of the task ``spec``, of the best answers that
+    ignore the family tag: every step uses the meaning its (symbol, position) has in most
+    families (ties: the first in :data:`MEANINGS`). A policy above it on one-operation
+    questions has learnt something family-specific."""
+    from collections import Counter
+
+    opts = parse_spec(spec)
+    tables = family_tables(opts["seed"], opts["families"])
+    blind = {(s, k): Counter(t[s][k] for t in tables).most_common(1)[0][0]
+             for s in SYMBOLS for k in range(MAX_LENGTH)}
+    hits: dict[int, list[int]] = {}
+    for p in generate_from_spec(spec, split=split):
+        q = parse_question(p.question)
+        guess = evaluate(q, [blind[(s, k)] for k, s in enumerate(q.symbols)])
+        hits.setdefault(q.length, []).append(int(str(guess) == str(p.ground_truth)))
+    return {length: sum(v) / len(v) for length, v in sorted(hits.items())}

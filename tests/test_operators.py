@@ -233,3 +233,10 @@ def test_guessing_rate_counts_the_meanings_that_give_the_answer():
     assert ops.guessing_rate("[F00] 7 # 5 @ 2 =", 4) == pytest.approx(2 / 9)  # 7 - 5 = 2, then 2 + 2 = 2 x 2
     assert ops.guessing_rate("[F00] 7 # 5 @ 3 =", 6) == pytest.approx(1 / 9)  # only 7 - 5 = 2, 2 x 3
     assert ops.guessing_rate("[F00] 7 # 5 =", 1) == 0.0
+
+
+def test_family_blind_accuracy_is_perfect_with_one_family_and_a_lower_bar_with_many():
+    one = ops.family_blind_accuracy("operators:seed=0,families=1,n_test=60")
+    assert one == {1: 1.0, 2: 1.0, 3: 1.0}  # one family: its table is the majority
+    many = ops.family_blind_accuracy("operators:seed=0,families=24")
+    assert round(many[1], 3) == 0.412 and many[1] > many[2] > many[3]
