@@ -193,8 +193,11 @@ def tiny_recipe(
         raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
     if known_families and task != "operators":
         raise ValueError(f"known_families applies to task='operators' only, got task={task!r}")
-    if not 0 <= known_families <= 100 - OPERATORS_TASK["families"]:
-        raise ValueError(f"known_families must be in [0, {100 - OPERATORS_TASK['families']}], got {known_families}")
+    from envs.operators import MAX_FAMILIES
+
+    most_known = MAX_FAMILIES - OPERATORS_TASK["families"]  # the tags F00-F99 shared with the task's
+    if not 0 <= known_families <= most_known:
+        raise ValueError(f"known_families must be in [0, {most_known}], got {known_families}")
     if task == "operators" and tuple(levels) == (1, 2, 3, 4):
         levels = (1, 2, 3)  # the arithmetic default: chain lengths 1-3 instead
     levels = tuple(int(lv) for lv in levels)
