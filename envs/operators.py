@@ -126,7 +126,12 @@ class Question:
     @property
     def text(self) -> str:
         chain = " ".join([str(self.operands[0])] + [f"{s} {b}" for s, b in zip(self.symbols, self.operands[1:])])
-        return f"[F{self.family:02d}] {chain} ="
+        return f"{family_tag(self.family)} {chain} ="
+
+
+def family_tag(family: int) -> str:
+    """The tag a question of ``family`` starts with, e.g. ``[F07]``."""
+    return f"[F{family:02d}]"
 
 
 def parse_question(text: str) -> Question:

@@ -507,6 +507,38 @@ def test_operators_known_families_show_true_meanings_and_the_task_families_never
         tiny_recipe(task="operators", known_families=90)
 
 
+def test_operators_tag_tokens_give_each_family_tag_one_token_that_survives_a_reload(tmp_path):
+    """``tags=token``: every family tag ``[F00]``..``[F99]`` encodes as one token of its own
+    (not the operands' digit tokens), decodes back, and the saved tokenizer reloads
+    unchanged through AutoTokenizer; without it a tag is spelled with digit tokens."""
+    from envs import operators
+
+    recipe = tiny_recipe(**parse_tiny_spec("tiny:task=operators,known=24,tags=token"))
+    assert recipe["task"]["tag_tokens"] is True
+    assert "tag_tokens" not in tiny_recipe(**parse_tiny_spec("tiny:task=operators,known=24,tags=digits"))["task"]
+    problems = tiny_mod._task_problems(recipe, "train", 300)
+    texts = tiny_mod.corpus_texts(tiny_mod._tokenizer_corpus(problems, recipe), recipe["instruction"])
+    tags = tiny_mod._whole_words(recipe)
+    assert tags == [operators.family_tag(f) for f in range(operators.MAX_FAMILIES)]
+    tok = tiny_mod.train_tokenizer(texts, **recipe["tokenizer"], whole_words=tags)
+    tok.save_pretrained(str(tmp_path))
+    tiny_mod._new_model(recipe, tok).config.save_pretrained(str(tmp_path))
+    tok = tiny_mod.check_tokenizer_stable(tok, str(tmp_path), texts[:50])
+    ids = {tag: tok(tag, add_special_tokens=False)["input_ids"] for tag in tags}
+    assert all(len(v) == 1 for v in ids.values()) and len({v[0] for v in ids.values()}) == 100
+    question = "[F07] 3 # 5 @ 2 ="
+    pieces = [tok.decode([i]) for i in tok(question, add_special_tokens=False)["input_ids"]]
+    assert pieces[0] == "[F07]" and "".join(pieces) == question
+    assert not any(tok.convert_ids_to_tokens(v[0]) in tok.all_special_tokens for v in ids.values())
+    plain = tiny_mod.train_tokenizer(texts, **recipe["tokenizer"])
+    assert len(plain("[F07]", add_special_tokens=False)["input_ids"]) > 1
+    assert len(tok) == len(plain) + 100
+    with pytest.raises(ValueError, match="tag_tokens applies to task='operators' only"):
+        tiny_recipe(tag_tokens=True)
+    with pytest.raises(ValueError, match="tags must be one of"):
+        parse_tiny_spec("tiny:task=operators,tags=words")
+
+
 def test_operators_warm_start_figures_on_hand_made_completions():
     from envs import operators
 

@@ -47,7 +47,9 @@ __all__ = [
 ]
 
 _TINY_KEYS = {"seed": int, "target_pass1": float, "max_steps": int, "levels": None, "threads": int,
-              "icl": float, "task": str, "known": int}
+              "icl": float, "task": str, "known": int, "tags": str}
+#: ``tags=`` values: how the operators task's family tags are tokenized.
+_TAG_MODES = {"digits": False, "token": True}
 
 
 def parse_tiny_spec(spec: str) -> dict[str, Any]:
@@ -56,8 +58,9 @@ def parse_tiny_spec(spec: str) -> dict[str, Any]:
     ``1+2+4``; ``threads`` sets the build's torch thread count, part of the recipe; ``icl``
     is the share of warm-start prompts that carry worked examples, ``icl_fraction``;
     ``task=operators`` warm-starts on the hidden-operator family instead of arithmetic;
-    ``known=N`` adds N other operator families shown with their true meanings, see
-    :func:`tiny_recipe`)."""
+    ``known=N`` adds N other operator families shown with their true meanings;
+    ``tags=token`` gives each family tag a token of its own, ``tags=digits`` (default) spells
+    it with the BPE's tokens; see :func:`tiny_recipe`)."""
     name, _, rest = spec.partition(":")
     if name != "tiny":
         raise ValueError(f"not a tiny model spec: {spec!r}")
@@ -75,6 +78,10 @@ def parse_tiny_spec(spec: str) -> dict[str, Any]:
             out["icl_fraction"] = float(value)
         elif key == "known":
             out["known_families"] = int(value)
+        elif key == "tags":
+            if value not in _TAG_MODES:
+                raise ValueError(f"bad tiny model option {part!r} in {spec!r}; tags must be one of {sorted(_TAG_MODES)}")
+            out["tag_tokens"] = _TAG_MODES[value]
         elif key == "levels":
             if "-" in value:
                 lo, hi = (int(x) for x in value.split("-", 1))

@@ -164,6 +164,7 @@ def tiny_recipe(
     icl_fraction: float = 0.0,
     task: str = "arithmetic",
     known_families: int = 0,
+    tag_tokens: bool = False,
 ) -> dict:
     """The full, JSON-serialisable recipe of a tiny model (what the cache key hashes).
 
@@ -174,6 +175,11 @@ def tiny_recipe(
     the task's own, whose solutions always show their true meanings: the warm start then
     learns that a meaning is read off the family tag and the symbol, without seeing any
     meaning of the families the RL task uses (each family's table is drawn on its own).
+    ``tag_tokens`` (operators only) gives every family tag (``[F07]``) a token of its own.
+    The 512-token BPE otherwise spells a tag with the digit tokens the operands use, so a
+    family's identity lives in the embeddings every question shares, and what RL learns
+    about one family's meanings spills onto all others; a tag token gives each family a
+    representation of its own, as a large model's vocabulary and width give distinct names.
 
     ``overrides`` is a nested dict merged into the defaults, e.g.
     ``{"model": {"num_hidden_layers": 2}, "eval": {"eval_every": 25}}``; unknown keys raise.
@@ -193,6 +199,8 @@ def tiny_recipe(
         raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
     if known_families and task != "operators":
         raise ValueError(f"known_families applies to task='operators' only, got task={task!r}")
+    if tag_tokens and task != "operators":
+        raise ValueError(f"tag_tokens applies to task='operators' only, got task={task!r}")
     from envs.operators import MAX_FAMILIES
 
     most_known = MAX_FAMILIES - OPERATORS_TASK["families"]  # the tags F00-F99 shared with the task's
@@ -231,6 +239,8 @@ def tiny_recipe(
         recipe["task"] = dict(OPERATORS_TASK)
         if known_families:  # only when used, so the first operators model's key is unchanged
             recipe["task"]["known_families"] = int(known_families)
+        if tag_tokens:  # the same: absent unless used
+            recipe["task"]["tag_tokens"] = True
         for section, values in OPERATORS_TASK_DEFAULTS.items():
             recipe[section].update({k: v for k, v in values.items()
                                     if k not in (overrides or {}).get(section, {})})
@@ -255,6 +265,16 @@ def _task_problems(recipe: dict, split: str, n: int) -> list:
 
     families = task["families"] + (task.get("known_families", 0) if split == "train" else 0)
     return operators.generate(n, split=split, seed=seed, families=families, lengths=tuple(recipe["levels"]))
+
+
+def _whole_words(recipe: dict) -> list[str]:
+    """Strings the recipe's tokenizer keeps as one token each: with ``tag_tokens`` the
+    operators task's family tags ``[F00]`` .. ``[F99]``, otherwise none."""
+    if not recipe.get("task", {}).get("tag_tokens"):
+        return []
+    from envs.operators import MAX_FAMILIES, family_tag
+
+    return [family_tag(f) for f in range(MAX_FAMILIES)]
 
 
 def _shows_true_meanings(problem: Any, recipe: dict) -> bool:
@@ -383,11 +403,14 @@ def corpus_texts(problems: Sequence[Any], instruction: str) -> list[str]:
     ]
 
 
-def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 512, min_frequency: int = 2):
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 512, min_frequency: int = 2,
+                    whole_words: Sequence[str] = ()):
     """Train the byte-level BPE on ``texts`` and wrap it as a ``Qwen2Tokenizer``.
 
     Special tokens are cut out of the texts before training (they are atomic). The vocab is
-    laid out as: the 3 special tokens, the 256 bytes in byte order, then one token per merge.
+    laid out as: the 3 special tokens, the 256 bytes in byte order, then one token per merge,
+    then ``whole_words``: strings that always encode as one (non-special) token each, matched
+    before the BPE sees the text (the operators task's family tags, ``tags=token``).
     """
     from tokenizers import pre_tokenizers, trainers
 
@@ -412,7 +435,10 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 512, min_frequenc
     vocab = _base_vocab()
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
-    return _wrap(vocab, merges)
+    tok = _wrap(vocab, merges)
+    if whole_words:
+        tok.add_tokens(list(whole_words))
+    return tok
 
 
 def _merges_of(tok) -> list:
@@ -431,6 +457,7 @@ def check_tokenizer_stable(saved_tok, folder: str, sample_texts: Sequence[str]):
     reloaded = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     raw = _qwen2_pipeline_tokenizer(saved_tok.get_vocab(), [tuple(m) for m in _merges_of(saved_tok)])
     raw.add_special_tokens(list(SPECIAL_TOKENS))
+    raw.add_tokens([t.content for t in saved_tok.added_tokens_decoder.values() if not t.special])
     problems = []
     if type(reloaded).__name__ != "Qwen2Tokenizer":
         problems.append(f"class {type(reloaded).__name__} instead of Qwen2Tokenizer")
@@ -656,7 +683,7 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
     eval_problems = _task_problems(recipe, "test", ev["n_eval"])
 
     texts = corpus_texts(_tokenizer_corpus(train_problems, recipe), instruction)
-    tokenizer = train_tokenizer(texts, **recipe["tokenizer"])
+    tokenizer = train_tokenizer(texts, **recipe["tokenizer"], whole_words=_whole_words(recipe))
     tokenizer.save_pretrained(str(folder))
     _warn_if_busy(tr["num_threads"])
 
@@ -963,6 +990,7 @@ def build_tiny_model(
     icl_fraction: float = 0.0,
     task: str = "arithmetic",
     known_families: int = 0,
+    tag_tokens: bool = False,
 ) -> str:
     """Build (once) and return the folder of the warm-started tiny model.
 
@@ -984,6 +1012,7 @@ def build_tiny_model(
         task: ``"arithmetic"`` or ``"operators"`` (see :func:`tiny_recipe`).
         known_families: operators only: extra families shown with their true meanings
             (see :func:`tiny_recipe`).
+        tag_tokens: operators only: one token per family tag (see :func:`tiny_recipe`).
 
     Returns:
         The folder path. A second call with the same recipe returns at once; concurrent
@@ -991,7 +1020,7 @@ def build_tiny_model(
     """
     recipe = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
                          overrides=overrides, icl_fraction=icl_fraction, task=task,
-                         known_families=known_families)
+                         known_families=known_families, tag_tokens=tag_tokens)
     name = f"tiny-{recipe_key(recipe)}"
     root = cache_root(cache_dir)
     took_shipped = []
