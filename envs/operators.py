@@ -32,6 +32,11 @@ Design choices and why:
   drawn from a seed derived from the question itself instead of its family's table. The
   prompts look the same (family tags included) and the guessing baseline is the same, but
   nothing learned on one question transfers to another.
+* **Balanced tables.** With ``balanced=1`` each (symbol, position) means ``+``, ``-`` and
+  ``x`` in equally many families. With independent draws one meaning is right more often
+  than the others across families by chance, and a policy gains by answering it
+  everywhere without telling families apart; balanced, every answer that ignores the
+  family stays at the guessing rate, so accuracy above it is family-specific.
 
 Splits: ``train``, ``validation`` and ``test`` share the families (and so the tables) but
 never a question. A question belongs to a split by a stable hash of its text (80 % train,
@@ -67,6 +72,7 @@ option            default   meaning
 ``n_validation``  300       validation split size
 ``n_test``        500       test split size
 ``shuffled``      0         1: per-question meanings (the control described above)
+``balanced``      0         1: balanced tables (see "Balanced tables" below)
 ``meanings``      ``true``  ``random``: worked solutions use uniformly random meanings
 ================  ========  ==========================================================
 
@@ -100,7 +106,7 @@ MAX_FAMILIES = 100
 HELD_OUT_FRACTION = 0.1
 
 DEFAULTS = {"seed": 0, "families": 24, "lengths": (1, 2, 3), "n": 3000, "n_validation": 300,
-            "n_test": 500, "shuffled": False, "meanings": "true"}
+            "n_test": 500, "shuffled": False, "meanings": "true", "balanced": False}
 #: Spec option holding each split's size.
 SIZE_OPTION = {"train": "n", "validation": "n_validation", "test": "n_test"}
 
@@ -165,17 +171,37 @@ def split_of(question: str) -> str:
     return "test" if bucket < cut else "validation" if bucket < 2 * cut else "train"
 
 
-def family_tables(seed: int, families: int) -> Table:
+def family_tables(seed: int, families: int, balanced: bool = False) -> Table:
     """``tables[family][symbol]`` = the meanings of ``symbol`` at positions 1..3.
 
     Each family's table is drawn from ``(seed, family)`` alone, so the first families of a
     larger task are those of a smaller one with the same seed.
+
+    ``balanced``: for each (symbol, position) the families' meanings are a shuffled list
+    holding each meaning equally often (``families`` a multiple of 3; otherwise as equal as
+    can be), shuffled on its own for every (symbol, position). Each family's entry is still
+    uniform over the meanings and the entries are drawn independently of each other, but no
+    answer that ignores the family beats guessing: with independent draws one meaning is
+    the majority by chance (seed 0, 24 families: ``-`` is right on 41% of the one-operation
+    questions), and a policy can collapse onto it without learning any family.
     """
+    if balanced:
+        return _balanced_tables(seed, families)
     out = []
     for f in range(families):
         rng = random.Random(f"operators-table:{seed}:{f}")
         out.append({s: tuple(rng.choice(MEANINGS) for _ in range(MAX_LENGTH)) for s in SYMBOLS})
     return tuple(out)
+
+
+def _balanced_tables(seed: int, families: int) -> Table:
+    columns = {}
+    for s in SYMBOLS:
+        for k in range(MAX_LENGTH):
+            column = [MEANINGS[i % len(MEANINGS)] for i in range(families)]
+            random.Random(f"operators-balanced:{seed}:{s}:{k}").shuffle(column)
+            columns[(s, k)] = column
+    return tuple({s: tuple(columns[(s, k)][f] for k in range(MAX_LENGTH)) for s in SYMBOLS} for f in range(families))
 
 
 def question_meanings(question: Question, *, seed: int = 0, shuffled: bool = False,
@@ -311,7 +337,7 @@ def _one_op_pool(seed: int, families: int, split: str) -> list[Question]:
     return pool
 
 
-def _validate(n, split, seed, families, lengths, shuffled, meanings) -> None:
+def _validate(n, split, seed, families, lengths, shuffled, meanings, balanced=False) -> None:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS} for the operators source, got {split!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -324,6 +350,8 @@ def _validate(n, split, seed, families, lengths, shuffled, meanings) -> None:
         raise ValueError(f"lengths must be chain lengths from 1 to {MAX_LENGTH}, got {lengths!r}")
     if not isinstance(shuffled, bool):
         raise ValueError(f"shuffled must be a bool, got {shuffled!r}")
+    if not isinstance(balanced, bool):
+        raise ValueError(f"balanced must be a bool, got {balanced!r}")
     if meanings not in ("true", "random"):
         raise ValueError(f"meanings must be 'true' or 'random', got {meanings!r}")
 
@@ -337,6 +365,7 @@ def generate(
     lengths: Sequence[int] = DEFAULTS["lengths"],
     shuffled: bool = DEFAULTS["shuffled"],
     meanings: str = DEFAULTS["meanings"],
+    balanced: bool = DEFAULTS["balanced"],
 ) -> list[Problem]:
     """``n`` distinct problems of one split (see the module docstring).
 
@@ -350,13 +379,15 @@ def generate(
         meanings: ``"true"``: worked solutions use the true meanings; ``"random"``: meanings
             drawn uniformly per problem (from the seed and the question). ``ground_truth``
             is the true answer either way.
+        balanced: Balanced tables (:func:`family_tables`): no family-blind answer beats
+            guessing.
 
     Raises:
         ValueError: a bad argument, or ``lengths`` holding too few questions of ``split``.
     """
     lengths = tuple(sorted(set(lengths))) if lengths else ()
-    _validate(n, split, seed, families, lengths, shuffled, meanings)
-    tables = family_tables(seed, families)
+    _validate(n, split, seed, families, lengths, shuffled, meanings, balanced)
+    tables = family_tables(seed, families, balanced)
     rng = random.Random(f"operators:{seed}:{split}:{families}")
     pool = _one_op_pool(seed, families, split) if 1 in lengths else []
     live = list(lengths)
@@ -458,9 +489,9 @@ def parse_spec(spec: str) -> dict:
             out[key] = _int(spec, key, value, 0)
         elif key == "lengths":
             out[key] = _lengths(spec, value)
-        elif key == "shuffled":
+        elif key in ("shuffled", "balanced"):
             if value not in ("0", "1"):
-                raise _bad(spec, key, value, "shuffled must be 0 or 1")
+                raise _bad(spec, key, value, f"{key} must be 0 or 1")
             out[key] = value == "1"
         elif key == "meanings":
             if value not in ("true", "random"):
@@ -479,7 +510,8 @@ def generate_from_spec(spec: str, split: str = "train", limit: Optional[int] = N
     n = opts[SIZE_OPTION[split]]
     if limit is not None:
         n = min(n, limit)
-    return generate(n, split=split, **{k: opts[k] for k in ("seed", "families", "lengths", "shuffled", "meanings")})
+    return generate(n, split=split, **{k: opts[k] for k in ("seed", "families", "lengths", "shuffled", "meanings",
+                                                            "balanced")})
 
 
 def family_blind_accuracy(spec: str, split: str = "test") -> dict[int, float]:
@@ -490,7 +522,7 @@ def family_blind_accuracy(spec: str, split: str = "test") -> dict[int, float]:
     from collections import Counter
 
     opts = parse_spec(spec)
-    tables = family_tables(opts["seed"], opts["families"])
+    tables = family_tables(opts["seed"], opts["families"], opts["balanced"])
     blind = {(s, k): Counter(t[s][k] for t in tables).most_common(1)[0][0]
              for s in SYMBOLS for k in range(MAX_LENGTH)}
     hits: dict[int, list[int]] = {}

@@ -147,7 +147,7 @@ def test_shuffled_draws_meanings_per_question():
     ("operators:famlies=3", "famlies"), ("operators:families=0", "families"), ("operators:families=abc", "families"),
     ("operators:lengths=0-3", "lengths"), ("operators:lengths=4", "lengths"), ("operators:shuffled=yes", "shuffled"),
     ("operators:n=-1", "n"), ("operators:n_test=x", "n_test"), ("operators:meanings=some", "meanings"),
-    ("operators:seed=1.5", "seed"), ("operators:seed", "seed"),
+    ("operators:seed=1.5", "seed"), ("operators:seed", "seed"), ("operators:balanced=2", "balanced"),
 ])
 def test_bad_option_is_one_line_naming_it(spec, option):
     with pytest.raises(ValueError) as info:
@@ -160,7 +160,8 @@ def test_parse_spec_defaults_and_values():
     assert ops.parse_spec("operators") == ops.DEFAULTS
     opts = ops.parse_spec("operators:seed=3, families=8,lengths=1+3,n=10,n_validation=2,n_test=4,shuffled=1,meanings=random")
     assert opts == {"seed": 3, "families": 8, "lengths": (1, 3), "n": 10, "n_validation": 2, "n_test": 4,
-                    "shuffled": True, "meanings": "random"}
+                    "shuffled": True, "meanings": "random", "balanced": False}
+    assert ops.parse_spec("operators:balanced=1")["balanced"] is True
 
 
 def test_load_problems_validation_limit_skip_and_errors():
@@ -240,3 +241,26 @@ def test_family_blind_accuracy_is_perfect_with_one_family_and_a_lower_bar_with_m
     assert one == {1: 1.0, 2: 1.0, 3: 1.0}  # one family: its table is the majority
     many = ops.family_blind_accuracy("operators:seed=0,families=24")
     assert round(many[1], 3) == 0.412 and many[1] > many[2] > many[3]
+
+
+def test_balanced_tables_hold_each_meaning_equally_often_and_leave_no_family_blind_gain():
+    """``balanced=1``: every (symbol, position) column holds +, - and x in 8 of 24 families
+    each, columns are shuffled independently, answers follow the balanced tables, and no
+    family-blind answer beats guessing (1/3 + collisions), where the independent draw of
+    seed 0 gives "always -" 0.412 on one-operation questions."""
+    tables = ops.family_tables(0, 24, balanced=True)
+    columns = {(s, k): [t[s][k] for t in tables] for s in ops.SYMBOLS for k in range(ops.MAX_LENGTH)}
+    assert all(sorted(c) == sorted(ops.MEANINGS * 8) for c in columns.values())
+    assert len({tuple(c) for c in columns.values()}) == len(columns)  # each column shuffled on its own
+    assert ops.family_tables(0, 24) != tables and ops.family_tables(0, 24, balanced=True) == tables
+    problems = load_problems("operators:seed=0,balanced=1", split="test")
+    for p in problems:
+        q = ops.parse_question(p.question)
+        assert p.extra["meanings"] == "".join(tables[q.family][s][k] for k, s in enumerate(q.symbols))
+        assert str(ops.evaluate(q, p.extra["meanings"])) == p.ground_truth
+    assert [p.question for p in problems] == [p.question for p in load_problems("operators:seed=0", split="test")]
+    blind = ops.family_blind_accuracy("operators:seed=0,balanced=1")
+    assert blind[1] < 0.36 < ops.family_blind_accuracy("operators:seed=0")[1]
+    l1 = [p for p in problems if p.difficulty == 1]
+    minus = sum(str(ops.evaluate(ops.parse_question(p.question), ["-"])) == p.ground_truth for p in l1) / len(l1)
+    assert minus < 0.40
