@@ -61,11 +61,10 @@ def _env(**extra: str) -> dict:
     return env
 
 
-def _train(yaml_file: Path, storage: Path, *extra: str, env: dict | None = None, stdout=subprocess.PIPE,
-           **popen) -> subprocess.Popen:
+def _train(yaml_file: Path, storage: Path, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
     return subprocess.Popen(
         RLLIB + ["train", "file", str(yaml_file), "--storage-path", str(storage), *extra],
-        cwd=REPO, env=_env(**(env or {})), stdout=stdout, stderr=subprocess.STDOUT, text=True, **popen,
+        cwd=REPO, env=_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen,
     )
 
 
@@ -112,21 +111,10 @@ def test_sigkill_then_resume_continues_exactly(tmp_path, tiny_model, fault_log):
     yaml_file = tmp_path / "resume.yaml"
     yaml_file.write_text(RESUME_YAML)
 
-    # The uninterrupted run goes beside the one to be killed (two Ray clusters of their
-    # own): neither run keeps both cores busy, so together they take less wall time.
-    # Its output goes to a file: a pipe nobody reads until the end would stall it.
-    ref_log = tmp_path / "uninterrupted.log"
-    with open(ref_log, "w") as fh:
-        ref = _train(yaml_file, tmp_path / "uninterrupted", stdout=fh, start_new_session=True)
-    try:
-        _kill_and_resume(yaml_file, tmp_path, ref, ref_log, fault_log)
-    finally:
-        if ref.poll() is None:  # a failure above: the reference run must not outlive the test
-            os.killpg(ref.pid, signal.SIGKILL)
-            ref.wait(timeout=60)
-
-
-def _kill_and_resume(yaml_file: Path, tmp_path: Path, ref: subprocess.Popen, ref_log: Path, fault_log) -> None:
+    ref = _train(yaml_file, tmp_path / "uninterrupted")
+    out, _ = ref.communicate(timeout=600)
+    assert ref.returncode == 0, out[-3000:]
+    expected = _rows(tmp_path / "uninterrupted")
 
     # The killed run holds still after iteration 3 (fault_callbacks.PauseForKill): the
     # kill lands at the same point on a slow or a fast machine.
@@ -153,9 +141,6 @@ def _kill_and_resume(yaml_file: Path, tmp_path: Path, ref: subprocess.Popen, ref
     assert resumed.returncode == 0, out[-3000:]
     assert "--resume: experiment 'resume-check' continues from" in out
     got = _rows(killed)
-    ref.wait(timeout=600)
-    assert ref.returncode == 0, ref_log.read_text()[-3000:]
-    expected = _rows(tmp_path / "uninterrupted")
     for it in range(3, 8):  # from the last checkpoint before the kill to the end
         assert _fingerprint(got[it]) == _fingerprint(expected[it]), f"iteration {it} differs after resume"
     fault_log(survived=True, lost=0)  # the SIGKILL
