@@ -40,7 +40,7 @@ setup(
         "vllm": ["vllm>=0.10"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
         "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6"],
     },
     entry_points={"console_scripts": ["rllib=rllib_exgrpo.cli.main:main"]},
 )

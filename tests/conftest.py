@@ -72,18 +72,27 @@ def quick_tiny_model() -> str:
 
 
 # --- fault-injection suite (tests marked `faults`) -------------------------------------
-#: One record per injected fault: (test id, survived, items lost).
+#: One record per injected fault: (test id, survived, items lost), gathered in pytest's own
+#: process, which under pytest-xdist is the controller that receives every worker's reports.
 FAULTS: list = []
 
 
 @pytest.fixture
 def fault_log(request):
-    """``fault_log(survived: bool, lost: int = 0)`` records one injected fault of this test."""
+    """``fault_log(survived: bool, lost: int = 0)`` records one injected fault of this test.
+
+    The record travels as a user property of the test's reports, so that the summary line
+    counts the faults of every xdist worker."""
 
     def record(survived: bool, lost: int = 0) -> None:
-        FAULTS.append((request.node.nodeid, bool(survived), int(lost)))
+        request.node.user_properties.append(("fault", [bool(survived), int(lost)]))
 
     return record
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":  # the last report of a test: every property is on it
+        FAULTS.extend((report.nodeid, bool(v[0]), int(v[1])) for k, v in report.user_properties if k == "fault")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

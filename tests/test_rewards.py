@@ -16,6 +16,9 @@ from envs.datasets import load_problems
 from envs.rewards import RewardResult, last_boxed, math_reward, score_batch
 
 HANG = "\\boxed{9^{9^{9^{9^9}}}}"
+#: Seconds a cut hang may take beyond its timeout: a verifier worker booting on a loaded
+#: machine (tests run in parallel). Far below the hang itself, which does not end.
+SLACK_S = 8.0
 REPO = Path(__file__).resolve().parents[1]
 
 # (completion, ground truth, expected score): exercises math-verify, not just the fast path.
@@ -99,7 +102,9 @@ def test_hanging_verification_is_cut_and_does_not_block_the_batch():
     results = score_batch(completions, truths, timeout_s=2.0)
     elapsed = time.monotonic() - start
     print(f"hang in a batch: {elapsed:.2f} s for a 2 s timeout")
-    assert elapsed < 2.0 + 1.0, elapsed
+    # Cut at the timeout, not when the hang ends (hours): the margin absorbs a verifier
+    # worker's boot on a loaded machine (tests run two at a time on 2 cores).
+    assert elapsed < 2.0 + SLACK_S, elapsed
     assert results[0].timed_out and results[0].score == 0.0 and results[0].error is None
     assert _scores(results[1:]) == [0.0 if i % 3 == 0 else 1.0 for i in range(12)]
     assert not any(r.timed_out for r in results[1:])
@@ -116,7 +121,7 @@ def test_hang_inside_thread_pool_times_out_and_neighbours_finish():
         results = list(pool.map(lambda a: math_reward(*a, timeout_s=1.5, fast_path=False), jobs))
     elapsed = time.monotonic() - start
     print(f"hang in a thread pool: {elapsed:.2f} s for a 1.5 s timeout")
-    assert elapsed < 1.5 + 1.0
+    assert elapsed < 1.5 + SLACK_S, elapsed  # cut at the timeout (see SLACK_S)
     assert results[0].timed_out
     assert _scores(results[1:]) == [1.0] * 6
 
@@ -319,4 +324,4 @@ def test_same_scores_from_ray_actor_with_concurrency(ray_local):
     assert singles == expected
     elapsed, verdicts = ray.get(actor.timed.remote([HANG, "\\boxed{2.0}"], ["5", "2"], 1.5), timeout=60)
     assert verdicts == [(0.0, True), (1.0, False)]
-    assert elapsed < 1.5 + 1.0
+    assert elapsed < 1.5 + SLACK_S, elapsed  # cut at the timeout (see SLACK_S)
