@@ -5,6 +5,7 @@
     python benchmarks/experience_testbed.py --phase final  [--seeds 0 1 2 3 4] --best '{...}'
     python benchmarks/experience_testbed.py --phase ablate [--seeds 0] --best '{...}'
     python benchmarks/experience_testbed.py --phase weak   [--seeds 0 1 2] --model "tiny:target_pass1=0.12,threads=1"
+    python benchmarks/experience_testbed.py --phase weak_format [--seeds 0 1 2] --model "tiny:boxed=0.02,threads=1" --weak-lr 1e-4
     python benchmarks/experience_testbed.py --variants '{"name": ["grpo_finite", {"lr": 1e-4}], ...}'
 
 Testbed (tuned_examples/grpo_finite_tiny.yaml and exgrpo_finite_tiny.yaml, twins): the
@@ -388,6 +389,30 @@ def paired(runs: Dict[str, List[dict]], budgets, a: str, b: str, field: str = "a
     return f"{a} - {b} ({field}@budget, paired over seeds {seeds}): {m:+.3f} ± {h:.3f} (95% t, n={n})"
 
 
+def half_budget_lines(runs: Dict[str, List[dict]], budgets, ref: str) -> List[str]:
+    """The weak-start reading: test accuracy at the start and at half the budget (the first
+    evaluation at or past half of each seed's budget), each method's change from its start,
+    and each method minus ``ref`` paired over seeds."""
+    half = {s: b / 2 for s, b in budgets.items()}
+    lines = [f"at half the budget ({', '.join(f'seed {s}: {int(h):,}' for s, h in half.items())} tokens):"]
+    for name, mine in runs.items():
+        start = ci95([r["evals"][0]["accuracy"] for r in mine])
+        now = ci95([at_budget(r, half[r["seed"]], "accuracy") for r in mine])
+        gain = ci95([at_budget(r, half[r["seed"]], "accuracy") - r["evals"][0]["accuracy"] for r in mine])
+        lines.append(f"  {name:<18} start {start[0]:.3f}  test {now[0]:.3f} ± {now[1]:.3f}  "
+                     f"change from start {gain[0]:+.3f} ± {gain[1]:.3f} (95% t, n={now[2]})")
+    for name in runs:
+        if name == ref:
+            continue
+        ra = {r["seed"]: at_budget(r, half[r["seed"]], "accuracy") for r in runs[name]}
+        rb = {r["seed"]: at_budget(r, half[r["seed"]], "accuracy") for r in runs[ref]}
+        seeds = sorted(set(ra) & set(rb))
+        m, h, n = ci95([ra[s] - rb[s] for s in seeds])
+        lines.append(f"  {name} - {ref} (test at half the budget, paired over seeds {seeds}): "
+                     f"{m:+.3f} ± {h:.3f} (95% t, n={n})")
+    return lines
+
+
 def final_set_levels() -> np.ndarray:
     """The level of each final-set question, in ``final_bits`` order."""
     from envs.datasets import load_problems
@@ -458,7 +483,7 @@ def with_train_dataset(variants: Dict[str, list], dataset: str) -> Dict[str, lis
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phase", choices=["diag", "search", "search2", "final", "weak", "ablate", "custom"],
+    p.add_argument("--phase", choices=["diag", "search", "search2", "final", "weak", "weak_format", "ablate", "custom"],
                    default="custom")
     p.add_argument("--variants", default=None, help='JSON {"name": [recipe, overrides], ...} (custom phase; '
                    'with another phase: only these names of it)')
@@ -515,6 +540,14 @@ def main():
         # ExGRPO = GRPO; here mixed mode is on from the first step (stated in the docs).
         variants = {"grpo": [G, {"lr": args.weak_lr}],
                     "exgrpo": [E, {"lr": args.weak_lr, "delayed_start_solve_rate": 0.0}]}
+    elif args.phase == "weak_format":
+        # A format-weak warm start (--model "tiny:boxed=0.02,..."): it computes as well as the
+        # default one but boxes ~2% of its answers, and only boxed, correct answers are
+        # rewarded. Both methods at the same (tuned, not collapsing) --weak-lr, ExGRPO with
+        # replay from the first step; equal sampled tokens (the answers' length does not
+        # change with the format), read at the budget and at half of it.
+        variants = {"grpo": [G, {"lr": args.weak_lr}],
+                    "exgrpo": [E, {"lr": args.weak_lr, "delayed_start_solve_rate": 0.0}]}
     elif args.phase == "ablate":
         # The paper's ablations, one switch at a time on top of --best's ExGRPO setting, next
         # to --best's GRPO (the budget reference).
@@ -566,10 +599,12 @@ def main():
         runs_so_far = {k: v for k, v in runs.items() if v}
         print("\n".join(report(runs_so_far, budgets, ref)), flush=True)
     lines = report(runs, budgets, ref)
-    if args.phase in ("final", "weak") and len(args.seeds) > 1:
+    if args.phase in ("final", "weak", "weak_format") and len(args.seeds) > 1:
         lines.append("")
         for name in order[1:]:
             lines += [paired(runs, budgets, name, ref), paired(runs, budgets, name, ref, "val")]
+        if args.phase == "weak_format":
+            lines += [""] + half_budget_lines(runs, budgets, ref)
         if final_set:
             levels = final_set_levels()
             lines.append("")
@@ -580,7 +615,7 @@ def main():
             lines += [""] + reach_lines(runs, budgets, ref)
             if final_set:
                 lines += reach_lines(runs, budgets, ref, "final")
-    if args.phase in ("final", "weak"):
+    if args.phase in ("final", "weak", "weak_format"):
         png = out / f"plot-{args.phase}{'-final-set' if final_set else ''}.png"
         plot(runs, budgets, png, f"experience testbed, phase {args.phase}" + (f", model {args.model}" if args.model else ""),
              field="final" if final_set else "accuracy")

@@ -563,3 +563,61 @@ def test_operators_build_reports_what_the_model_guesses(tiny_cache):
     assert set(figures["guessing_pass1"]) <= {"1", "2", "3"} and 0.0 <= figures["self_consistency"] <= 1.0
     assert all("self_consistency" in h for h in report["history"])
     assert not report["reached_target"]  # 6 steps cannot reach 95% well-formed answers
+
+
+# --------------------------------------------------------------------------- format-weak warm start
+
+
+def test_format_weak_recipe_keeps_every_other_key_and_validates():
+    plain = tiny_recipe()
+    assert "answer_format" not in plain
+    assert tiny_mod.recipe_key(tiny_recipe(boxed_fraction=1.0)) == tiny_mod.recipe_key(plain)
+    weak = tiny_recipe(**parse_tiny_spec("tiny:boxed=0.02"))
+    assert weak["answer_format"] == {"other": "Answer: {answer}", "boxed_fraction": 0.02}
+    assert tiny_mod.recipe_key(weak) != tiny_mod.recipe_key(plain)
+    assert parse_tiny_spec("tiny:boxed=0.02,threads=1") == {"boxed_fraction": 0.02,
+                                                             "overrides": {"train": {"num_threads": 1}}}
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="boxed_fraction must be in"):
+            tiny_recipe(boxed_fraction=bad)
+
+
+def test_format_weak_solutions_box_about_their_share_drawn_anew_each_time():
+    """Each draw of an example ends in ``\\boxed{N}`` with probability ``boxed_fraction``,
+    else in ``Answer: N`` with the same N and the same worked steps; the draw is new every
+    time, and the tokenizer corpus holds both formats."""
+    recipe = tiny_recipe(boxed_fraction=0.25)
+    problems = arithmetic.generate(400, split="train", seed=0)
+    tok = tiny_mod._wrap(tiny_mod._base_vocab(), [])
+    resample = tiny_mod._solution_resampler(problems, tok, recipe)
+    decode = lambda ids: tok.decode(ids).removesuffix(tiny_mod.IM_END)  # noqa: E731
+    draws = [[decode(ids) for ids in resample(list(range(400)))] for _ in range(2)]
+    for texts in draws:
+        boxed = [t == p.solution for p, t in zip(problems, texts)]
+        other = [t == p.solution.rsplit("\\boxed{", 1)[0] + f"Answer: {p.ground_truth}" for p, t in zip(problems, texts)]
+        assert all(b or o for b, o in zip(boxed, other))
+        assert 60 < sum(boxed) < 140  # 0.25 x 400 = 100
+    assert draws[0] != draws[1]
+    corpus = tiny_mod._tokenizer_corpus(problems, recipe)
+    assert 0 < sum("\\boxed{" in c.solution for c in corpus) < 200
+    assert all(tiny_mod.read_final_answer(c.solution)[0] == p.ground_truth for c, p in zip(corpus, problems))
+
+
+def test_answer_format_figures_on_hand_made_completions():
+    q = arithmetic.generate(4, split="test", seed=0)
+    texts = [f"x. \\boxed{{{q[0].ground_truth}}}", f"x. Answer: {q[1].ground_truth}",
+             f"x. Answer: {int(q[2].ground_truth) + 1}", "no answer"]
+    figures = tiny_mod.answer_format_figures(q, texts)
+    assert figures["pass1_any_format"] == 0.5 and figures["boxed_share"] == 0.25
+    assert tiny_mod.read_final_answer("1 + 2 = 3. Answer: 3") == ("3", False)
+    assert tiny_mod.read_final_answer("1 + 2 = 3. \\boxed{3}") == ("3", True)
+    assert tiny_mod.read_final_answer("nothing") == (None, False)
+
+
+def test_format_weak_build_stops_on_either_format_and_reports_the_boxed_share(tiny_cache):
+    path = build_tiny_model(str(tiny_cache), boxed_fraction=0.5, seed=0, max_steps=6, progress=False,
+                            overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12}})
+    report = read_warm_start(path)
+    assert report["recipe"]["answer_format"]["boxed_fraction"] == 0.5 and report["steps"] == 6
+    assert set(report["answer_format"]) == {"pass1_any_format", "boxed_share", "per_level_any_format"}
+    assert all("boxed_share" in h and "pass1_any_format" in h for h in report["history"])

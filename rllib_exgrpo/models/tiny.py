@@ -103,6 +103,40 @@ OPERATORS_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "eval": {"n_eval": 512, "eval_every": 50, "eval_start": 300, "max_new_tokens": 96},
 }
 
+#: The format-weak warm start (``boxed_fraction`` < 1): the answer ending a worked solution
+#: is written ``\\boxed{N}`` with probability ``boxed_fraction`` and ``other`` otherwise,
+#: drawn afresh each time an example is drawn (a format fixed per question could be learnt
+#: per question). The ``Answer: N`` line is what a base LLM that was never asked for a box
+#: tends to write: the verifier gives it 0, so rewarded answers are rare although the
+#: arithmetic is right, and what a success teaches (box the answer) holds for every question.
+ANSWER_FORMAT: dict[str, Any] = {"other": "Answer: {answer}"}
+_BOXED_END_RE = re.compile(r"\\boxed\{([^{}]*)\}$")
+
+
+def with_answer_format(solution: str, boxed: bool, recipe: dict) -> str:
+    """``solution`` (ending in ``\\boxed{N}``) with its final answer boxed or written in the
+    recipe's other format."""
+    if boxed:
+        return solution
+    match = _BOXED_END_RE.search(solution)
+    if match is None:
+        raise ValueError(f"worked solution does not end in a boxed answer: {solution!r}")
+    return solution[: match.start()] + recipe["answer_format"]["other"].format(answer=match.group(1))
+
+
+def read_final_answer(text: str) -> tuple[Optional[str], bool]:
+    """``(answer, boxed)`` of a completion in either format of the format-weak warm start:
+    the last ``\\boxed{N}``, else the number after the last ``Answer:``; ``(None, False)``
+    when neither is there."""
+    from envs.rewards import last_boxed
+
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip(), True
+    match = re.findall(r"Answer:\s*(-?\d+)", text)
+    return (match[-1], False) if match else (None, False)
+
+
 #: Everything that shapes the result besides the public arguments.
 _DEFAULTS: dict[str, Any] = {
     "tokenizer": {"vocab_size": 512, "min_frequency": 2},
@@ -165,6 +199,7 @@ def tiny_recipe(
     task: str = "arithmetic",
     known_families: int = 0,
     tag_tokens: bool = False,
+    boxed_fraction: float = 1.0,
 ) -> dict:
     """The full, JSON-serialisable recipe of a tiny model (what the cache key hashes).
 
@@ -186,6 +221,13 @@ def tiny_recipe(
     ``icl_fraction`` > 0 makes the model able to read worked examples in its prompt (see
     :func:`icl_prefixes`); at 0 the recipe has no ``icl`` section, so the default model's
     cache key is what it was before the option existed.
+
+    ``boxed_fraction`` < 1 makes a *format-weak* warm start (:data:`ANSWER_FORMAT`): each time
+    a worked solution is drawn it ends in ``\\boxed{N}`` with that probability and in
+    ``Answer: N`` otherwise, so the model computes as well as the default one but boxes about
+    that share of its answers, and the verifier (reward only for a boxed, correct answer)
+    rewards about ``boxed_fraction`` x its accuracy. The build's stop then reads accuracy in
+    either format (``target_pass1`` as usual); the report adds the boxed share.
     """
     from envs.prompting import DEFAULT_INSTRUCTION
 
@@ -197,6 +239,8 @@ def tiny_recipe(
         raise ValueError(f"icl_fraction must be in [0, 1), got {icl_fraction}")
     if task not in TASKS:
         raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
+    if not 0.0 < boxed_fraction <= 1.0:
+        raise ValueError(f"boxed_fraction must be in (0, 1], got {boxed_fraction}")
     if known_families and task != "operators":
         raise ValueError(f"known_families applies to task='operators' only, got task={task!r}")
     if tag_tokens and task != "operators":
@@ -244,6 +288,8 @@ def tiny_recipe(
         for section, values in OPERATORS_TASK_DEFAULTS.items():
             recipe[section].update({k: v for k, v in values.items()
                                     if k not in (overrides or {}).get(section, {})})
+    if boxed_fraction < 1.0:  # absent unless used, so every other model's key is unchanged
+        recipe["answer_format"] = {**ANSWER_FORMAT, "boxed_fraction": float(boxed_fraction)}
     # Fingerprint of the data the build would see: a change in the generator rebuilds.
     sample = _task_problems(recipe, "train", 16) + _task_problems(recipe, "test", 4)
     recipe["data_fingerprint"] = hashlib.sha256(
@@ -714,6 +760,7 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
         "mean_completion_tokens": last_eval["mean_completion_tokens"],
         "n_eval": last_eval["n"],
         **({"operators": last_eval["operators"]} if "operators" in last_eval else {}),
+        **({"answer_format": last_eval["answer_format"]} if "answer_format" in last_eval else {}),
         "n_params": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
         "sample_completions": last_eval["samples"],
@@ -735,9 +782,13 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
             "its weights will differ from an AVX2 machine's build of the same recipe", RuntimeWarning, stacklevel=3,
         )
     if not run["reached"]:
-        reached_what = (f"self-consistency {last_eval['operators']['self_consistency']:.3f} < "
-                        f"{recipe['task']['target_consistency']:.3f}" if "task" in recipe else
-                        f"held-out pass@1 {last_eval['pass1']:.3f} < {recipe['target_pass1'] - ev['band']:.3f}")
+        if "task" in recipe:
+            reached_what = (f"self-consistency {last_eval['operators']['self_consistency']:.3f} < "
+                            f"{recipe['task']['target_consistency']:.3f}")
+        else:
+            read = (last_eval["answer_format"]["pass1_any_format"] if "answer_format" in recipe
+                    else last_eval["pass1"])
+            reached_what = f"held-out pass@1 {read:.3f} < {recipe['target_pass1'] - ev['band']:.3f}"
         warnings.warn(f"tiny model warm start stopped at max_steps={run['steps']} with {reached_what}",
                       RuntimeWarning, stacklevel=3)
     # written last: its presence marks a complete folder
@@ -823,6 +874,12 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
                     history[-1]["self_consistency"] = round(consistency, 4)
                     postfix["consistent"] = f"{consistency:.2f}"
                     reached = consistency >= recipe["task"]["target_consistency"]
+                elif "answer_format" in recipe:
+                    figures = last_eval["answer_format"]
+                    history[-1]["pass1_any_format"] = round(figures["pass1_any_format"], 4)
+                    history[-1]["boxed_share"] = round(figures["boxed_share"], 4)
+                    postfix["any_format"] = f"{figures['pass1_any_format']:.2f}"
+                    reached = figures["pass1_any_format"] >= target_low
                 else:
                     reached = last_eval["pass1"] >= target_low
             bar.set_postfix(postfix)
@@ -860,11 +917,31 @@ def _eval(model, tokenizer, problems, recipe, step):
     out = evaluate_pass1(
         model, tokenizer, problems, instruction=recipe["instruction"], max_new_tokens=ev["max_new_tokens"],
         temperature=ev["temperature"], batch_size=ev["batch_size"], seed=recipe["seed"] * 100_003 + step,
-        return_texts="task" in recipe,
+        return_texts="task" in recipe or "answer_format" in recipe,
     )
+    texts = out.pop("texts", None)
     if "task" in recipe:
-        out["operators"] = operators_warm_start_figures(problems, out.pop("texts"))
+        out["operators"] = operators_warm_start_figures(problems, texts)
+    if "answer_format" in recipe:
+        out["answer_format"] = answer_format_figures(problems, texts)
     return out
+
+
+def answer_format_figures(problems: Sequence[Any], completions: Sequence[str]) -> dict:
+    """A format-weak warm start's two halves, from one sampled completion per held-out
+    problem: ``pass1_any_format`` (the final answer right, boxed or not: its arithmetic,
+    what the build's stop reads) and ``boxed_share`` (answers boxed: what the verifier
+    needs), with ``pass1_any_format`` by level."""
+    right, boxed, per_level = 0, 0, {}
+    for p, text in zip(problems, completions):
+        answer, is_boxed = read_final_answer(text)
+        ok = answer is not None and answer == str(p.ground_truth).strip()
+        right += ok
+        boxed += is_boxed
+        per_level.setdefault(str(p.difficulty), []).append(int(ok))
+    n = max(len(completions), 1)
+    return {"pass1_any_format": right / n, "boxed_share": boxed / n,
+            "per_level_any_format": {k: sum(v) / len(v) for k, v in sorted(per_level.items())}}
 
 
 def operators_warm_start_figures(problems: Sequence[Any], completions: Sequence[str]) -> dict:
@@ -895,30 +972,45 @@ def operators_warm_start_figures(problems: Sequence[Any], completions: Sequence[
 def _tokenizer_corpus(problems: Sequence[Any], recipe: dict) -> list:
     """The problems whose texts train the tokenizer: for the operators task with one set of
     guessed meanings each (the true ones are never in the warm-start data)."""
-    if "task" not in recipe:
-        return list(problems)
     import dataclasses
 
-    from envs import operators
+    if "task" in recipe:
+        from envs import operators
 
-    rng = random.Random(f"tiny-operators-corpus:{recipe['seed']}")
-    return [p if _shows_true_meanings(p, recipe) else
-            dataclasses.replace(p, solution=operators.random_meaning_solution(p, rng)) for p in problems]
+        rng = random.Random(f"tiny-operators-corpus:{recipe['seed']}")
+        problems = [p if _shows_true_meanings(p, recipe) else
+                    dataclasses.replace(p, solution=operators.random_meaning_solution(p, rng)) for p in problems]
+    if "answer_format" in recipe:
+        rng = random.Random(f"tiny-answer-format-corpus:{recipe['seed']}")
+        fraction = recipe["answer_format"]["boxed_fraction"]
+        problems = [dataclasses.replace(p, solution=with_answer_format(p.solution, rng.random() < fraction, recipe))
+                    for p in problems]
+    return list(problems)
 
 
 def _solution_resampler(problems: Sequence[Any], tokenizer, recipe: dict):
-    """For the operators task, a function giving fresh guessed-meaning solution ids for a
-    batch of example indices (drawn anew every time, so no question gets a fixed answer);
-    ``None`` for the arithmetic task, whose solutions are fixed."""
-    if "task" not in recipe:
+    """A function giving fresh solution ids for a batch of example indices, drawn anew every
+    time so no question gets a fixed answer: for the operators task guessed meanings, for a
+    format-weak recipe the answer's format; ``None`` when neither applies (the arithmetic
+    task's solutions are fixed)."""
+    if "task" not in recipe and "answer_format" not in recipe:
         return None
     from envs import operators
 
     rng = random.Random(f"tiny-operators-solutions:{recipe['seed']}")
+    format_rng = random.Random(f"tiny-answer-format:{recipe['seed']}")
+
+    def solution(p):
+        if "task" in recipe and not _shows_true_meanings(p, recipe):
+            text = operators.random_meaning_solution(p, rng)
+        else:
+            text = p.solution
+        if "answer_format" in recipe:
+            text = with_answer_format(text, format_rng.random() < recipe["answer_format"]["boxed_fraction"], recipe)
+        return text
 
     def resample(idx):
-        texts = [(problems[i].solution if _shows_true_meanings(problems[i], recipe) else
-                  operators.random_meaning_solution(problems[i], rng)) + IM_END for i in idx]
+        texts = [solution(problems[i]) + IM_END for i in idx]
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     return resample
@@ -991,6 +1083,7 @@ def build_tiny_model(
     task: str = "arithmetic",
     known_families: int = 0,
     tag_tokens: bool = False,
+    boxed_fraction: float = 1.0,
 ) -> str:
     """Build (once) and return the folder of the warm-started tiny model.
 
@@ -1013,6 +1106,8 @@ def build_tiny_model(
         known_families: operators only: extra families shown with their true meanings
             (see :func:`tiny_recipe`).
         tag_tokens: operators only: one token per family tag (see :func:`tiny_recipe`).
+        boxed_fraction: < 1 for a format-weak warm start that boxes about that share of its
+            answers (see :func:`tiny_recipe`).
 
     Returns:
         The folder path. A second call with the same recipe returns at once; concurrent
@@ -1020,7 +1115,7 @@ def build_tiny_model(
     """
     recipe = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
                          overrides=overrides, icl_fraction=icl_fraction, task=task,
-                         known_families=known_families, tag_tokens=tag_tokens)
+                         known_families=known_families, tag_tokens=tag_tokens, boxed_fraction=boxed_fraction)
     name = f"tiny-{recipe_key(recipe)}"
     root = cache_root(cache_dir)
     took_shipped = []
