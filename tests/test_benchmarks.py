@@ -77,6 +77,13 @@ def test_testbed_reading_report_and_plot_on_hand_made_runs(tmp_path):
     assert tb.tokens_to_reach(runs["exgrpo"], 0.5) == 10000.0 and tb.tokens_to_reach(runs["grpo"], 0.9) is None
     reach = tb.reach_lines(runs, budgets, "grpo")  # GRPO's final: (0.5 + 0.55) / 2
     assert "0.525" in reach[0] and "20,000 tokens = 1.00 x budget" in reach[1] and "1.00 x" in reach[2]
+    # the weak-start reading: start, the first evaluation at or past half the budget
+    # (10,000 tokens: step 10), the change from the start and the paired difference
+    half = tb.half_budget_lines(runs, budgets, "grpo")
+    assert "seed 0: 10,000" in half[0]
+    assert "start 0.300  test 0.425" in half[1] and "change from start +0.125" in half[1]  # (0.4 + 0.45) / 2
+    assert "start 0.300  test 0.500" in half[2]
+    assert "exgrpo - grpo (test at half the budget" in half[3] and "+0.075" in half[3] and "n=2" in half[3]
     png = tmp_path / "plot.png"
     tb.plot(runs, budgets, png, "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
