@@ -535,17 +535,14 @@ def main():
                     variants[f"{short}_lr{lr:.0e}_{label}"] = [recipe, {**base, "lr": lr, key: v}]
     elif args.phase == "search2":
         variants = dict(SEARCH2)
-    elif args.phase == "weak":
-        # The delayed start (solve rate > 0.35) would never fire from a ~10% start, leaving
+    elif args.phase in ("weak", "weak_format"):
+        # The delayed start (solve rate > 0.35) would never fire from a weak start, leaving
         # ExGRPO = GRPO; here mixed mode is on from the first step (stated in the docs).
-        variants = {"grpo": [G, {"lr": args.weak_lr}],
-                    "exgrpo": [E, {"lr": args.weak_lr, "delayed_start_solve_rate": 0.0}]}
-    elif args.phase == "weak_format":
-        # A format-weak warm start (--model "tiny:boxed=0.02,..."): it computes as well as the
-        # default one but boxes ~2% of its answers, and only boxed, correct answers are
-        # rewarded. Both methods at the same (tuned, not collapsing) --weak-lr, ExGRPO with
-        # replay from the first step; equal sampled tokens (the answers' length does not
-        # change with the format), read at the budget and at half of it.
+        # weak_format: a format-weak warm start (--model "tiny:boxed=0.02,...") that computes
+        # like the default one but rarely boxes its answers (only boxed, correct answers are
+        # rewarded), at a tuned, non-collapsing --weak-lr; unlike "weak" it runs at equal
+        # sampled tokens (the answers' length does not change with the format) and is also
+        # read at half the budget.
         variants = {"grpo": [G, {"lr": args.weak_lr}],
                     "exgrpo": [E, {"lr": args.weak_lr, "delayed_start_solve_rate": 0.0}]}
     elif args.phase == "ablate":

@@ -971,7 +971,8 @@ def operators_warm_start_figures(problems: Sequence[Any], completions: Sequence[
 
 def _tokenizer_corpus(problems: Sequence[Any], recipe: dict) -> list:
     """The problems whose texts train the tokenizer: for the operators task with one set of
-    guessed meanings each (the true ones are never in the warm-start data)."""
+    guessed meanings each (the true ones are never in the warm-start data); for a
+    format-weak recipe with each answer's format drawn once, so both formats are in it."""
     import dataclasses
 
     if "task" in recipe:
