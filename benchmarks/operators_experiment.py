@@ -40,6 +40,7 @@ phase.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import time
@@ -58,6 +59,11 @@ _common.RECIPES.setdefault("exgrpo_ops", ("exgrpo_operators_tiny.yaml", {}))
 
 #: Bumped when what a run records changes.
 OPS_FORMAT = 1
+#: The recipe texts (sha1, first 12 hex digits) that runs were cached with before a recipe's
+#: text joined the run key. A run whose recipe file still reads so keeps its old key (those
+#: runs stay valid); any other text adds its digest, so an edited recipe (a changed default)
+#: never reuses a run of the old one.
+KEYLESS_RECIPE_TEXTS = {"grpo_ops": "fba511d83bce", "exgrpo_ops": "4f606712fe3e"}
 G, E = "grpo_ops", "exgrpo_ops"
 SEARCH_LRS = (1e-4, 5e-5, 2e-4)
 SEARCH_RHOS = (0.25, 0.5)
@@ -98,6 +104,14 @@ def split_eval(algo, split: str, max_new_tokens: int) -> dict:
     return out
 
 
+def recipe_key(recipe: str) -> dict:
+    """What a run's cache key adds for its recipe file: nothing for a text in
+    :data:`KEYLESS_RECIPE_TEXTS`, else ``{"recipe_text": <its digest>}``."""
+    text = (ROOT / "tuned_examples" / _common.RECIPES[recipe][0]).read_bytes()
+    digest = hashlib.sha1(text).hexdigest()[:12]
+    return {} if KEYLESS_RECIPE_TEXTS.get(recipe) == digest else {"recipe_text": digest}
+
+
 def train_run(variant: str, recipe: str, overrides: dict, seed: int, *, task_seed: int, shuffled: bool,
               iterations: int, token_budget: Optional[float], eval_interval: int, out: Path, log=print) -> dict:
     spec = task_spec(task_seed, shuffled)
@@ -118,7 +132,7 @@ def train_run(variant: str, recipe: str, overrides: dict, seed: int, *, task_see
 
     run = _runs.train_run(
         recipe, seed, iterations=iterations, token_budget=token_budget, eval_interval=eval_interval,
-        overrides=overrides, out=out, key_extra={"operators": OPS_FORMAT}, extra_eval=extra_eval,
+        overrides=overrides, out=out, key_extra={"operators": OPS_FORMAT, **recipe_key(recipe)}, extra_eval=extra_eval,
         step_fields=step_fields, on_eval=on_eval, heldout_dataset=spec,
     )
     for e in run["evals"]:  # the benchmark's names for the two evaluators

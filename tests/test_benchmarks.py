@@ -141,3 +141,30 @@ def test_main_job_levels_scores_the_final_set_by_level_without_validation():
     assert s["first200"] == 1.0
     assert s["L1"] == 200 / 250 and s["L2"] == 0.5
     assert s["final"] == (200 / 250 + 0.5) / 2
+
+
+def test_operators_run_key_names_an_edited_recipe(tmp_path, monkeypatch):
+    """An operators run's cache key keeps its old form for the recipe texts the cached runs
+    were made with, and carries the text's digest once the recipe file is edited, so a
+    changed recipe default never reuses a run of the old one."""
+    import hashlib
+
+    import _common
+    import operators_experiment as oe
+
+    for recipe in ("grpo_ops", "exgrpo_ops"):
+        text = (oe.ROOT / "tuned_examples" / _common.RECIPES[recipe][0]).read_bytes()
+        digest = hashlib.sha1(text).hexdigest()[:12]
+        expected = {} if oe.KEYLESS_RECIPE_TEXTS[recipe] == digest else {"recipe_text": digest}
+        assert oe.recipe_key(recipe) == expected
+
+    # an edited copy of a keyless recipe: its key gains the new text's digest
+    (tmp_path / "tuned_examples").mkdir()
+    original = (oe.ROOT / "tuned_examples" / "grpo_operators_tiny.yaml").read_bytes()
+    (tmp_path / "tuned_examples" / "grpo_operators_tiny.yaml").write_bytes(original + b"# edited\n")
+    monkeypatch.setattr(oe, "ROOT", tmp_path)
+    monkeypatch.setitem(oe.KEYLESS_RECIPE_TEXTS, "grpo_ops", hashlib.sha1(original).hexdigest()[:12])
+    edited = oe.recipe_key("grpo_ops")
+    assert edited == {"recipe_text": hashlib.sha1(original + b"# edited\n").hexdigest()[:12]}
+    (tmp_path / "tuned_examples" / "grpo_operators_tiny.yaml").write_bytes(original)
+    assert oe.recipe_key("grpo_ops") == {}
