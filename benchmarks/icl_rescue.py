@@ -1,6 +1,7 @@
 """XRPO's in-context seeding: how often it rescues an all-failing question, against resampling.
 
     python benchmarks/icl_rescue.py [--models tiny "tiny:icl=0.3,threads=1"] [--questions 2000]
+    python benchmarks/icl_rescue.py --dataset "operators:seed=0" --models "tiny:task=operators,..."
 
 XRPO gives a question whose G completions all failed a few extra completions from a prompt
 that starts with worked examples of similar questions the model has solved (BM25 over the
@@ -40,6 +41,12 @@ from _common import ROOT, start_ray
 import _runs
 
 _common.RECIPES.setdefault("grpo_finite", ("grpo_finite_tiny.yaml", {}))
+_common.RECIPES.setdefault("grpo_ops", ("grpo_operators_tiny.yaml", {}))
+#: The GRPO recipe whose sampling settings (group size, response length) a dataset is
+#: measured with, by the dataset's kind.
+RECIPE_FOR = {"arithmetic": "grpo_finite", "operators": "grpo_ops"}
+#: The training questions measured: the testbed's distribution, ``--questions`` of them.
+DEFAULT_DATASET = "arithmetic:levels=1-4,n={n}"
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple:
@@ -51,11 +58,16 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple:
     return (centre - half, centre + half)
 
 
-def measure(model: str, seed: int, questions: int, extra: int, num_examples: int) -> dict:
+def measure(model: str, seed: int, questions: int, extra: int, num_examples: int,
+            dataset: str = DEFAULT_DATASET) -> dict:
     from rllib_exgrpo.xrpo.icl import SolvedCorpus, format_examples
 
-    overrides = {"env_config": {"dataset": f"arithmetic:levels=1-4,n={questions}"}}
-    config, algo = _runs.build("grpo_finite", seed, overrides, model)
+    # "{n}" in the dataset string takes --questions; a spec without it is used whole
+    overrides = {"env_config": {"dataset": dataset.format(n=questions)}}
+    recipe = RECIPE_FOR.get(dataset.split(":", 1)[0])
+    if recipe is None:
+        raise SystemExit(f"--dataset: no recipe for {dataset!r}; known kinds: {sorted(RECIPE_FOR)}")
+    config, algo = _runs.build(recipe, seed, overrides, model)
     try:
         runner = algo.env_runner
         problems = {p.id: p for p in runner.env.problems}
@@ -114,10 +126,12 @@ def main():
     p.add_argument("--extra", type=int, default=4, help="extra completions per all-failing question (icl_samples)")
     p.add_argument("--num-examples", type=int, default=2, help="worked examples per seeded prompt (icl_num_examples)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--dataset", default=DEFAULT_DATASET,
+                   help='training questions (a dataset spec; "{n}" takes --questions), e.g. "operators:seed=0"')
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "icl_rescue.json"))
     args = p.parse_args()
     start_ray()
-    rows = [measure(m, s, args.questions, args.extra, args.num_examples) for m in args.models for s in args.seeds]
+    rows = [measure(m, s, args.questions, args.extra, args.num_examples, args.dataset) for m in args.models for s in args.seeds]
     print(f"\n{'model':<26}{'seed':>5}{'solved':>8}{'failing':>8}{'seeded':>7} | {'rescued seeded':>22} {'rescued plain':>22}"
           f" | only-seeded only-plain")
     for r in rows:
