@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import threading
 import time
@@ -580,6 +581,62 @@ def test_format_weak_recipe_keeps_every_other_key_and_validates():
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="boxed_fraction must be in"):
             tiny_recipe(boxed_fraction=bad)
+
+
+def test_operators_icl_prefix_shows_the_meanings_its_solution_uses_drawn_anew_each_time():
+    """``tiny:task=operators,icl=F``: an in-context example of the same task family shows,
+    at each (symbol, position) it shares with the question, the meaning the question's own
+    solution uses; every draw has a new table, so the true tables never leak, and the
+    prompt ids the warm start trains on are exactly prefix + rendered prompt."""
+    from envs import operators
+
+    recipe = tiny_recipe(**parse_tiny_spec("tiny:task=operators,known=24,tags=token,icl=0.5"))
+    problems = tiny_mod._task_problems(recipe, "train", 400)
+    chosen = tiny_mod._icl_examples(problems, recipe)
+    assert 0.4 < len(chosen) / len(problems) < 0.6
+    same_family = sum(problems[j].extra["family"] == problems[i].extra["family"]
+                      for i, shown in chosen.items() for j in shown)
+    assert same_family / sum(len(v) for v in chosen.values()) > 0.8  # the retrieval matches the tag
+
+    def steps(question, text):
+        q = operators.parse_question(question)
+        used = operators.read_worked_solution(q, text)
+        assert used is not None  # right format and arithmetic under its own meanings
+        return {(symbol, k): m for k, (symbol, m) in enumerate(zip(q.symbols, used))}
+
+    rng = random.Random(0)
+    compared = agree_true = checked = 0
+    for i, shown in list(chosen.items())[:120]:
+        prefix, own = tiny_mod._operators_icl_draw(problems, i, shown, recipe, rng)
+        blocks = [b for b in prefix.split("\n\n") if b]
+        assert [b.split("\n")[0][len("Question: "):] for b in blocks] == [problems[j].question for j in shown]
+        mine = steps(problems[i].question, own)
+        task_family = problems[i].extra["family"] < 24
+        for j, block in zip(shown, blocks):
+            theirs = steps(problems[j].question, block.split("\nSolution: ")[1])
+            if problems[j].extra["family"] == problems[i].extra["family"]:
+                for key in set(mine) & set(theirs):
+                    compared += 1
+                    assert mine[key] == theirs[key]  # one table per family in a draw
+        if task_family:
+            checked += 1
+            agree_true += tuple(mine.values()) == tuple(problems[i].extra["meanings"])
+    assert compared > 50
+    assert checked > 30 and agree_true / checked < 0.6  # guessed, not the true table
+
+    tok = tiny_mod._wrap(tiny_mod._base_vocab(), [])
+    resample = tiny_mod._operators_icl_resampler(problems, tok, recipe)
+    idx = list(range(60))
+    first, second = resample(idx), resample(idx)
+    assert set(first) == {i for i in idx if i in chosen}
+    assert any(first[i] != second[i] for i in first)  # a new table each draw
+    for i, (prompt_ids, solution_ids) in first.items():
+        text = tok.decode(prompt_ids)
+        assert text.endswith(render_prompt(problems[i].question, tokenizer=tok, instruction=recipe["instruction"]))
+        assert text.startswith("Question: ")
+        assert tok.decode(solution_ids).endswith(tiny_mod.IM_END)
+    assert tiny_mod._operators_icl_resampler(problems, tok, tiny_recipe(task="operators")) is None
+    assert tiny_mod._operators_icl_resampler(problems, tok, tiny_recipe(icl_fraction=0.3)) is None
 
 
 def test_format_weak_solutions_box_about_their_share_drawn_anew_each_time():

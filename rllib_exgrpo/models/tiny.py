@@ -642,24 +642,107 @@ def icl_prefixes(problems, recipe: dict) -> list[str]:
     questions share numbers and sub-expressions ("94 - 76 + 73" retrieves "94 - 76 + 12",
     whose solution holds "94 - 76 = 18"), so the examples carry usable information and the
     model can learn to copy it. The choice of examples is seeded by the recipe's seed.
+
+    For the operators task the examples' solutions are drawn with the question's own
+    (:func:`_operators_icl_draw`): the prefixes here are one such draw, and the warm start
+    draws them anew each time an example is used (:func:`_operators_icl_resampler`).
     """
     icl = recipe.get("icl")
     if not icl:
         return [""] * len(problems)
-    from rllib_exgrpo.xrpo.icl import SolvedCorpus, format_examples
+    from rllib_exgrpo.xrpo.icl import Example, format_examples
 
+    chosen = _icl_examples(problems, recipe)
+    if "task" in recipe:
+        rng = random.Random(f"tiny-operators-icl-prefixes:{recipe['seed']}")
+        return [_operators_icl_draw(problems, i, chosen[i], recipe, rng)[0] if i in chosen else ""
+                for i in range(len(problems))]
+    return [format_examples([Example(j, problems[j].question, problems[j].solution) for j in chosen[i]],
+                            icl["template"]) if i in chosen else ""
+            for i in range(len(problems))]
+
+
+def _icl_examples(problems, recipe: dict) -> dict[int, list[int]]:
+    """Which warm-start examples get an in-context prefix, and the indices of the training
+    questions it shows (XRPO's retrieval; the example itself excluded), chosen once."""
+    from rllib_exgrpo.xrpo.icl import SolvedCorpus
+
+    icl = recipe["icl"]
     corpus = SolvedCorpus(capacity=len(problems), seed=recipe["seed"])
     for i, p in enumerate(problems):
         corpus.add(i, p.question, p.solution)
     rng = random.Random(f"tiny-icl:{recipe['seed']}")
-    out = []
+    chosen: dict[int, list[int]] = {}
     for i, p in enumerate(problems):
         if rng.random() >= icl["fraction"]:
-            out.append("")
             continue
         examples = corpus.retrieve(p.question, k=icl["num_examples"], exclude_ids=[i])
-        out.append(format_examples(examples, icl["template"]))
-    return out
+        chosen[i] = [ex.question_id for ex in examples]
+    return chosen
+
+
+def _operators_icl_draw(problems, i: int, shown: Sequence[int], recipe: dict, rng: random.Random) -> tuple[str, str]:
+    """One draw of an operators warm-start example with an in-context prefix: the prefix
+    text (the ``shown`` questions with worked solutions) and the example's own solution.
+
+    In a family the RL task uses, every meaning the warm start shows is guessed, but within
+    one draw the guesses come from *one* table per family, ``meaning[symbol][position]``,
+    shared by the prefix and the solution. A prefix example of the same family then shows
+    the meanings the solution uses wherever it holds the same symbol at the same position,
+    and is worth copying; the next draw has another table, so no family's meanings are
+    learned, only the reading of them off the examples: what XRPO's seeding with a solved
+    example of the family needs. Known families (``known=N``) show their true meanings, as
+    everywhere in the warm start.
+    """
+    from envs import operators
+    from rllib_exgrpo.xrpo.icl import Example, format_examples
+
+    tables: dict[int, dict[tuple[str, int], str]] = {}
+
+    def solution(p) -> str:
+        if _shows_true_meanings(p, recipe):
+            return p.solution
+        question = operators.parse_question(p.question)
+        table = tables.setdefault(p.extra["family"], {})
+        meanings = tuple(table.setdefault((symbol, k), rng.choice(operators.MEANINGS))
+                         for k, symbol in enumerate(question.symbols))
+        return operators.worked_solution(question, meanings)
+
+    own = solution(problems[i])
+    prefix = format_examples([Example(j, problems[j].question, solution(problems[j])) for j in shown],
+                             recipe["icl"]["template"])
+    return prefix, own
+
+
+def _operators_icl_resampler(problems: Sequence[Any], tokenizer, recipe: dict):
+    """For an operators recipe with ``icl``: a function giving, for the in-context examples
+    among a batch's indices, fresh ``(prompt ids, solution ids)`` drawn together
+    (:func:`_operators_icl_draw`); ``None`` for any other recipe."""
+    if "task" not in recipe or not recipe.get("icl"):
+        return None
+    from envs.prompting import render_prompt
+
+    chosen = _icl_examples(problems, recipe)
+    rng = random.Random(f"tiny-operators-icl:{recipe['seed']}")
+    format_rng = random.Random(f"tiny-operators-icl-format:{recipe['seed']}")
+
+    def resample(idx) -> dict[int, tuple[list[int], list[int]]]:
+        mine = [i for i in idx if i in chosen]
+        prompts, solutions = [], []
+        for i in mine:
+            prefix, own = _operators_icl_draw(problems, i, chosen[i], recipe, rng)
+            if "answer_format" in recipe:
+                own = with_answer_format(own, format_rng.random() < recipe["answer_format"]["boxed_fraction"], recipe)
+            prompts.append(prefix + render_prompt(problems[i].question, tokenizer=tokenizer,
+                                                  instruction=recipe["instruction"]))
+            solutions.append(own + IM_END)
+        if not mine:
+            return {}
+        p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        c_ids = tokenizer(solutions, add_special_tokens=False)["input_ids"]
+        return {i: (p, c) for i, p, c in zip(mine, p_ids, c_ids)}
+
+    return resample
 
 
 def _encode_examples(tokenizer, problems, instruction: str, prefixes: Optional[Sequence[str]] = None):
@@ -838,6 +921,7 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
     )
     batches = _batch_indices(train_problems, tr["batch_size"], tr["level_balanced"], recipe["seed"])
     resample = _solution_resampler(train_problems, tokenizer, recipe)
+    icl_resample = _operators_icl_resampler(train_problems, tokenizer, recipe)
     history: list[dict] = []
     target_low = recipe["target_pass1"] - ev["band"]
     last_eval: Optional[dict] = None
@@ -851,6 +935,9 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
             if resample is not None:
                 for i, ids in zip(idx, resample(idx)):
                     c_ids[i] = ids
+            if icl_resample is not None:  # prompt and solution drawn together (one table)
+                for i, (prompt, solution) in icl_resample(idx).items():
+                    p_ids[i], c_ids[i] = prompt, solution
             input_ids, mask, labels = _collate(p_ids, c_ids, idx, tokenizer.pad_token_id)
             for g in optim.param_groups:
                 g["lr"] = _lr_at(step, recipe)
