@@ -566,6 +566,16 @@ def test_operators_build_reports_what_the_model_guesses(tiny_cache):
     assert not report["reached_target"]  # 6 steps cannot reach 95% well-formed answers
 
 
+def test_operators_icl_build_trains_on_examples_drawn_with_their_prompts(tiny_cache):
+    """The build loop takes prompt and solution from the in-context resampler together."""
+    path = build_tiny_model(str(tiny_cache), task="operators", seed=0, max_steps=6, progress=False, icl_fraction=0.5,
+                            overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12,
+                                                                           "max_new_tokens": 16}})
+    report = read_warm_start(path)
+    assert report["recipe"]["icl"]["fraction"] == 0.5 and report["recipe"]["task"]["name"] == "operators"
+    assert report["steps"] == 6 and report["mean_prompt_tokens"] > 0
+
+
 # --------------------------------------------------------------------------- format-weak warm start
 
 

@@ -629,7 +629,7 @@ def _lr_at(step: int, recipe: dict) -> float:
     return t["lr"] * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def icl_prefixes(problems, recipe: dict) -> list[str]:
+def icl_prefixes(problems, recipe: dict, chosen: Optional[dict[int, list[int]]] = None) -> list[str]:
     """The in-context prefix of each warm-start example ("" for most): what makes the
     model able to use XRPO's in-context seeding.
 
@@ -652,7 +652,7 @@ def icl_prefixes(problems, recipe: dict) -> list[str]:
         return [""] * len(problems)
     from rllib_exgrpo.xrpo.icl import Example, format_examples
 
-    chosen = _icl_examples(problems, recipe)
+    chosen = _icl_examples(problems, recipe) if chosen is None else chosen
     if "task" in recipe:
         rng = random.Random(f"tiny-operators-icl-prefixes:{recipe['seed']}")
         return [_operators_icl_draw(problems, i, chosen[i], recipe, rng)[0] if i in chosen else ""
@@ -714,7 +714,8 @@ def _operators_icl_draw(problems, i: int, shown: Sequence[int], recipe: dict, rn
     return prefix, own
 
 
-def _operators_icl_resampler(problems: Sequence[Any], tokenizer, recipe: dict):
+def _operators_icl_resampler(problems: Sequence[Any], tokenizer, recipe: dict,
+                             chosen: Optional[dict[int, list[int]]] = None):
     """For an operators recipe with ``icl``: a function giving, for the in-context examples
     among a batch's indices, fresh ``(prompt ids, solution ids)`` drawn together
     (:func:`_operators_icl_draw`); ``None`` for any other recipe."""
@@ -722,7 +723,7 @@ def _operators_icl_resampler(problems: Sequence[Any], tokenizer, recipe: dict):
         return None
     from envs.prompting import render_prompt
 
-    chosen = _icl_examples(problems, recipe)
+    chosen = _icl_examples(problems, recipe) if chosen is None else chosen
     rng = random.Random(f"tiny-operators-icl:{recipe['seed']}")
     format_rng = random.Random(f"tiny-operators-icl-format:{recipe['seed']}")
 
@@ -908,8 +909,11 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
     import torch
 
     tr, ev = recipe["train"], recipe["eval"]
+    # which examples carry a prefix, and what it shows: one retrieval pass (BM25 over the
+    # training questions, a few minutes for 20,000), shared by the prefixes and the resampler
+    chosen = _icl_examples(train_problems, recipe) if recipe.get("icl") else None
     p_ids, c_ids = _encode_examples(tokenizer, train_problems, recipe["instruction"],
-                                    icl_prefixes(train_problems, recipe))
+                                    icl_prefixes(train_problems, recipe, chosen))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     # fused: ATen's own vectorised AdamW kernel. The default single-tensor path takes its
@@ -921,7 +925,7 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
     )
     batches = _batch_indices(train_problems, tr["batch_size"], tr["level_balanced"], recipe["seed"])
     resample = _solution_resampler(train_problems, tokenizer, recipe)
-    icl_resample = _operators_icl_resampler(train_problems, tokenizer, recipe)
+    icl_resample = _operators_icl_resampler(train_problems, tokenizer, recipe, chosen)
     history: list[dict] = []
     target_low = recipe["target_pass1"] - ev["band"]
     last_eval: Optional[dict] = None
