@@ -106,6 +106,14 @@ def test_icl_rescue_counts_add_up(ray_local, quick_tiny_model):
     assert lo < 0.3 < hi and abs(lo - 0.1078) < 1e-3 and abs(hi - 0.6032) < 1e-3
 
 
+def test_icl_rescue_measures_operators_with_the_operators_recipe_and_names_an_unknown_dataset():
+    import icl_rescue
+
+    assert icl_rescue.RECIPE_FOR["operators"] == "grpo_ops"  # its group size and response length
+    with pytest.raises(SystemExit, match="--dataset"):
+        icl_rescue.measure("tiny", 0, questions=4, extra=2, num_examples=2, dataset="gsm8k:n={n}")
+
+
 def test_main_job_heldout_summary_skips_rows_without_a_new_measurement():
     """Rows between evaluations carry NaN accuracy (and NaN iteration); the summary reads
     the measured ones only: start, end, peak and the curve by iteration."""
