@@ -643,7 +643,7 @@ def icl_prefixes(problems, recipe: dict, chosen: Optional[dict[int, list[int]]] 
     whose solution holds "94 - 76 = 18"), so the examples carry usable information and the
     model can learn to copy it. The choice of examples is seeded by the recipe's seed.
 
-    For the operators task the examples' solutions are drawn with the question's own
+    For the operators task the examples' solutions share the question's guessed table
     (:func:`_operators_icl_draw`): the prefixes here are one such draw, and the warm start
     draws them anew each time an example is used (:func:`_operators_icl_resampler`).
     """
@@ -936,12 +936,14 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
     try:
         while step < recipe["max_steps"]:
             idx = next(batches)
-            if resample is not None:
-                for i, ids in zip(idx, resample(idx)):
+            # in-context rows: prompt and solution drawn together (one table per family)
+            icl_rows = icl_resample(idx) if icl_resample is not None else {}
+            for i, (prompt, solution) in icl_rows.items():
+                p_ids[i], c_ids[i] = prompt, solution
+            rest = [i for i in idx if i not in icl_rows]
+            if resample is not None and rest:
+                for i, ids in zip(rest, resample(rest)):
                     c_ids[i] = ids
-            if icl_resample is not None:  # prompt and solution drawn together (one table)
-                for i, (prompt, solution) in icl_resample(idx).items():
-                    p_ids[i], c_ids[i] = prompt, solution
             input_ids, mask, labels = _collate(p_ids, c_ids, idx, tokenizer.pad_token_id)
             for g in optim.param_groups:
                 g["lr"] = _lr_at(step, recipe)
