@@ -1,4 +1,6 @@
 """ExGRPO / GRPO on RLlib end to end with a real (quick) tiny model, real Ray actors."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -228,7 +230,7 @@ def test_a_replayed_row_is_its_stored_success_under_its_own_prompt_and_the_updat
     """The replay path end to end: a pooled question's stored correct trajectory reaches the
     learner under that question's prompt, with its recorded log-probs as behaviour, marked
     off-policy, with the group-relative advantage of reward 1 among its G - 1 fresh
-    neighbours; one update makes it more likely."""
+    neighbours; one update makes it more likely than the same update without its advantage."""
     from rllib_exgrpo.exgrpo.buffer import decode_logp, encode_logp
 
     algo = small_config(quick_tiny_model, delayed_start_solve_rate=0.0, experience_ratio=0.5).build_algo()
@@ -264,10 +266,23 @@ def test_a_replayed_row_is_its_stored_success_under_its_own_prompt_and_the_updat
             assert members.sum() == algo.config.group_size  # 1 replayed + G - 1 fresh
             rewards = np.array([tr.reward for tr, m in zip(groups.trajectories, members) if m])
             assert batch[C.ADVANTAGES][i] == pytest.approx(1.0 - rewards.mean())
+        # Whether a row's log-prob rises in absolute terms also depends on its fresh
+        # neighbours (Adam's first step is close to sign(gradient of the whole batch)), so the
+        # claim is counterfactual: the same update from the same learner state with the
+        # replayed rows' advantages zeroed leaves them less likely than the real one does.
+        learner = algo.learner_group._learner
+        start = copy.deepcopy(learner.get_state())  # module weights and optimizer moments
         before = _logp_of(algo, batch)
         algo._timed_update(step)
         after = _logp_of(algo, batch)
+        learner.set_state(start)
+        np.testing.assert_allclose(_logp_of(algo, batch), before, rtol=0, atol=1e-5)
+        muted = dict(batch)
+        muted[C.ADVANTAGES] = batch[C.ADVANTAGES].copy()
+        muted[C.ADVANTAGES][rows] = 0.0
+        algo._update_learners(muted, groups.group_index)
+        without = _logp_of(algo, batch)
         positive = rows[batch[C.ADVANTAGES][rows] > 0]
-        assert len(positive) > 0 and np.all(after[positive] > before[positive])
+        assert len(positive) > 0 and np.all(after[positive] > without[positive])
     finally:
         algo.stop()
