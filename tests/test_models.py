@@ -576,6 +576,44 @@ def test_operators_icl_build_trains_on_examples_drawn_with_their_prompts(tiny_ca
     assert report["steps"] == 6 and report["mean_prompt_tokens"] > 0
 
 
+def test_continued_build_starts_from_its_base_keeps_its_tokenizer_and_runs_all_its_steps(tiny_cache):
+    """``continue=N``: the build loads the model of the same spec without ``icl`` and
+    ``continue``, keeps its tokenizer, and trains exactly N more steps (no early stop),
+    so its weights stay close to the base's and far from a fresh model's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = dict(task="operators", seed=0, max_steps=6, progress=False,
+                overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12,
+                                                               "max_new_tokens": 16}})
+    recipe = tiny_recipe(**{k: v for k, v in args.items() if k != "progress"}, icl_fraction=0.5, continue_steps=4)
+    base_recipe = tiny_recipe(**{k: v for k, v in args.items() if k != "progress"})
+    assert recipe["continue"] == {"from": f"tiny-{tiny_mod.recipe_key(base_recipe)}", "steps": 4}
+    assert "continue" not in tiny_recipe(**{k: v for k, v in args.items() if k != "progress"}, icl_fraction=0.5)
+    with pytest.raises(ValueError, match="continue_steps must be >= 0"):
+        tiny_recipe(continue_steps=-1)
+    assert parse_tiny_spec("tiny:icl=0.3,continue=500") == {"icl_fraction": 0.3, "continue_steps": 500}
+
+    path = build_tiny_model(str(tiny_cache), icl_fraction=0.5, continue_steps=4, **args)
+    base = Path(tiny_cache) / recipe["continue"]["from"]
+    assert (base / "warm_start.json").is_file()  # built first, beside it
+    report = read_warm_start(path)
+    assert report["steps"] == 4 and report["recipe"]["continue"]["steps"] == 4  # not max_steps=6
+    assert AutoTokenizer.from_pretrained(path).get_vocab() == AutoTokenizer.from_pretrained(str(base)).get_vocab()
+
+    def flat(folder):
+        model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    cont, start = flat(path), flat(base)
+    assert not torch.equal(cont, start)  # it trained
+    torch.manual_seed(1)
+    fresh = torch.cat([p.detach().flatten() for p in tiny_mod._new_model(
+        base_recipe, AutoTokenizer.from_pretrained(str(base))).parameters()])
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(cont, start, dim=0) > 0.9 > cos(cont, fresh, dim=0)
+
+
 # --------------------------------------------------------------------------- format-weak warm start
 
 

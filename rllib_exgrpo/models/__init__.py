@@ -48,7 +48,7 @@ __all__ = [
 
 _TINY_KEYS = {"seed": int, "target_pass1": float, "max_steps": int, "levels": None, "threads": int,
               "icl": float, "task": str, "known": int, "tags": str,
-              "boxed": float}
+              "boxed": float, "continue": int}
 #: ``tags=`` values: how the operators task's family tags are tokenized.
 _TAG_MODES = {"digits": False, "token": True}
 
@@ -62,7 +62,9 @@ def parse_tiny_spec(spec: str) -> dict[str, Any]:
     ``known=N`` adds N other operator families shown with their true meanings;
     ``tags=token`` gives each family tag a token of its own, ``tags=digits`` (default) spells
     it with the BPE's tokens; ``boxed=0.02`` makes a format-weak warm start that boxes about
-    2% of its answers and writes ``Answer: N`` otherwise; see :func:`tiny_recipe`)."""
+    2% of its answers and writes ``Answer: N`` otherwise; ``continue=N`` trains N more steps
+    of the spec, ``icl`` included, starting from the build of the spec without ``icl`` and
+    ``continue``; see :func:`tiny_recipe`)."""
     name, _, rest = spec.partition(":")
     if name != "tiny":
         raise ValueError(f"not a tiny model spec: {spec!r}")
@@ -82,6 +84,8 @@ def parse_tiny_spec(spec: str) -> dict[str, Any]:
             out["known_families"] = int(value)
         elif key == "boxed":
             out["boxed_fraction"] = float(value)
+        elif key == "continue":
+            out["continue_steps"] = int(value)
         elif key == "tags":
             if value not in _TAG_MODES:
                 raise ValueError(f"bad tiny model option {part!r} in {spec!r}; tags must be one of {sorted(_TAG_MODES)}")

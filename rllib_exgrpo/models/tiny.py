@@ -200,6 +200,7 @@ def tiny_recipe(
     known_families: int = 0,
     tag_tokens: bool = False,
     boxed_fraction: float = 1.0,
+    continue_steps: int = 0,
 ) -> dict:
     """The full, JSON-serialisable recipe of a tiny model (what the cache key hashes).
 
@@ -228,6 +229,14 @@ def tiny_recipe(
     that share of its answers, and the verifier (reward only for a boxed, correct answer)
     rewards about ``boxed_fraction`` x its accuracy. The build's stop then reads accuracy in
     either format (``target_pass1`` as usual); the report adds the boxed share.
+
+    ``continue_steps`` > 0 makes a *continued* warm start: the build loads the model of the
+    same recipe without ``icl`` and ``continue`` (built or copied first; its key is
+    ``recipe["continue"]["from"]``), keeps its tokenizer, and trains exactly that many more
+    steps of this recipe, the learning rate warming up again and decaying over those steps,
+    with no early stop. What it is for: teaching a built model to read in-context examples
+    (``icl``) costs a few hundred steps, where a from-scratch build with them pays for the
+    longer rows on all of its steps.
     """
     from envs.prompting import DEFAULT_INSTRUCTION
 
@@ -241,6 +250,8 @@ def tiny_recipe(
         raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
     if not 0.0 < boxed_fraction <= 1.0:
         raise ValueError(f"boxed_fraction must be in (0, 1], got {boxed_fraction}")
+    if continue_steps < 0:
+        raise ValueError(f"continue_steps must be >= 0, got {continue_steps}")
     if known_families and task != "operators":
         raise ValueError(f"known_families applies to task='operators' only, got task={task!r}")
     if tag_tokens and task != "operators":
@@ -290,6 +301,11 @@ def tiny_recipe(
                                     if k not in (overrides or {}).get(section, {})})
     if boxed_fraction < 1.0:  # absent unless used, so every other model's key is unchanged
         recipe["answer_format"] = {**ANSWER_FORMAT, "boxed_fraction": float(boxed_fraction)}
+    if continue_steps:  # absent unless used
+        base = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
+                           overrides=overrides, task=task, known_families=known_families,
+                           tag_tokens=tag_tokens, boxed_fraction=boxed_fraction)
+        recipe["continue"] = {"from": f"tiny-{recipe_key(base)}", "steps": int(continue_steps)}
     # Fingerprint of the data the build would see: a change in the generator rebuilds.
     sample = _task_problems(recipe, "train", 16) + _task_problems(recipe, "test", 4)
     recipe["data_fingerprint"] = hashlib.sha256(
@@ -619,9 +635,14 @@ def _texts_in_order(problems, items) -> list[str]:
 # --------------------------------------------------------------------------- build
 
 
+def _run_steps(recipe: dict) -> int:
+    """Supervised steps this build runs at most: ``max_steps``, or a continued build's own."""
+    return recipe["continue"]["steps"] if "continue" in recipe else recipe["max_steps"]
+
+
 def _lr_at(step: int, recipe: dict) -> float:
     t = recipe["train"]
-    warm, total = t["warmup_steps"], recipe["max_steps"]
+    warm, total = t["warmup_steps"], _run_steps(recipe)
     if step < warm:
         return t["lr"] * (step + 1) / warm
     progress = min(1.0, (step - warm) / max(1, total - warm))
@@ -812,8 +833,14 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
     train_problems = _task_problems(recipe, "train", tr["n_train"])
     eval_problems = _task_problems(recipe, "test", ev["n_eval"])
 
-    texts = corpus_texts(_tokenizer_corpus(train_problems, recipe), instruction)
-    tokenizer = train_tokenizer(texts, **recipe["tokenizer"], whole_words=_whole_words(recipe))
+    base = _continued_from(folder, recipe)
+    if base is None:
+        texts = corpus_texts(_tokenizer_corpus(train_problems, recipe), instruction)
+        tokenizer = train_tokenizer(texts, **recipe["tokenizer"], whole_words=_whole_words(recipe))
+    else:  # a continued build keeps the base's tokenizer: its ids are what the weights know
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(base), local_files_only=True)
     tokenizer.save_pretrained(str(folder))
     _warn_if_busy(tr["num_threads"])
 
@@ -821,9 +848,16 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
     torch.set_num_threads(tr["num_threads"])
     try:
         torch.manual_seed(seed)
-        model = _new_model(recipe, tokenizer)
-        model.config.save_pretrained(str(folder))  # so AutoTokenizer resolves the qwen2 class
-        tokenizer = check_tokenizer_stable(tokenizer, str(folder), texts[:200] + [p.question for p in eval_problems[:50]])
+        if base is None:
+            model = _new_model(recipe, tokenizer)
+            model.config.save_pretrained(str(folder))  # so AutoTokenizer resolves the qwen2 class
+            tokenizer = check_tokenizer_stable(tokenizer, str(folder),
+                                               texts[:200] + [p.question for p in eval_problems[:50]])
+        else:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True, dtype=torch.float32)
+            model.config.save_pretrained(str(folder))
         run = _warm_start(model, tokenizer, train_problems, eval_problems, recipe, progress, t0)
         model.save_pretrained(str(folder), safe_serialization=True)
     finally:
@@ -881,6 +915,17 @@ def _build_into(folder: Path, recipe: dict, progress: bool) -> dict:
     return report
 
 
+def _continued_from(folder: Path, recipe: dict) -> Optional[Path]:
+    """The built base folder a continued recipe starts from (a sibling of the folder being
+    built: both live in the cache root), or ``None`` for a build from scratch."""
+    if "continue" not in recipe:
+        return None
+    base = folder.parent / recipe["continue"]["from"]
+    if not _is_complete(base):
+        raise FileNotFoundError(f"continued tiny build: its base model {base} is not built")
+    return base
+
+
 def _new_model(recipe: dict, tokenizer):
     """A freshly initialised Qwen2 of the recipe's shape with a neutral generation config."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -932,9 +977,12 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
     reached = False
     step = 0
     model.train()
-    bar = _progress_bar(recipe["max_steps"], progress)
+    total = _run_steps(recipe)
+    # a continued build runs all of its steps: its start already met the stop
+    may_stop = "continue" not in recipe
+    bar = _progress_bar(total, progress)
     try:
-        while step < recipe["max_steps"]:
+        while step < total:
             idx = next(batches)
             # in-context rows: prompt and solution drawn together (one table per family)
             icl_rows = icl_resample(idx) if icl_resample is not None else {}
@@ -956,7 +1004,7 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
             bar.update(1)
             postfix = {"loss": f"{loss.item():.3f}"}
             due = step >= ev["eval_start"] and (step - ev["eval_start"]) % ev["eval_every"] == 0
-            if due or step == recipe["max_steps"]:
+            if due or step == total:
                 last_eval = _eval(model, tokenizer, eval_problems, recipe, step)
                 history.append({"step": step, "loss": round(loss.item(), 4), "pass1": last_eval["pass1"],
                                 "mean_token_entropy": round(last_eval["mean_token_entropy"], 4),
@@ -978,7 +1026,7 @@ def _warm_start(model, tokenizer, train_problems, eval_problems, recipe: dict, p
             bar.set_postfix(postfix)
             if due and isinstance(bar, _LineProgress):
                 bar.print_line()  # each check's figures, not only every tenth of the steps
-            if reached:
+            if reached and may_stop:
                 break
     finally:
         bar.close()
@@ -1178,6 +1226,7 @@ def build_tiny_model(
     known_families: int = 0,
     tag_tokens: bool = False,
     boxed_fraction: float = 1.0,
+    continue_steps: int = 0,
 ) -> str:
     """Build (once) and return the folder of the warm-started tiny model.
 
@@ -1202,6 +1251,9 @@ def build_tiny_model(
         tag_tokens: operators only: one token per family tag (see :func:`tiny_recipe`).
         boxed_fraction: < 1 for a format-weak warm start that boxes about that share of its
             answers (see :func:`tiny_recipe`).
+        continue_steps: > 0 to continue the build of the same arguments without
+            ``icl_fraction`` and ``continue_steps`` (built first if missing) for that many
+            steps (see :func:`tiny_recipe`).
 
     Returns:
         The folder path. A second call with the same recipe returns at once; concurrent
@@ -1209,8 +1261,13 @@ def build_tiny_model(
     """
     recipe = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
                          overrides=overrides, icl_fraction=icl_fraction, task=task,
-                         known_families=known_families, tag_tokens=tag_tokens, boxed_fraction=boxed_fraction)
+                         known_families=known_families, tag_tokens=tag_tokens, boxed_fraction=boxed_fraction,
+                         continue_steps=continue_steps)
     name = f"tiny-{recipe_key(recipe)}"
+    if continue_steps:  # the base first, in the same cache root (the build reads it there)
+        build_tiny_model(cache_dir, seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
+                         progress=progress, overrides=overrides, task=task, known_families=known_families,
+                         tag_tokens=tag_tokens, boxed_fraction=boxed_fraction)
     root = cache_root(cache_dir)
     took_shipped = []
 
