@@ -1259,15 +1259,14 @@ def build_tiny_model(
         The folder path. A second call with the same recipe returns at once; concurrent
         callers wait for a single build.
     """
-    recipe = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
-                         overrides=overrides, icl_fraction=icl_fraction, task=task,
-                         known_families=known_families, tag_tokens=tag_tokens, boxed_fraction=boxed_fraction,
-                         continue_steps=continue_steps)
+    # what a continued build's base shares with it (everything but icl and continue)
+    base_args = dict(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
+                     overrides=overrides, task=task, known_families=known_families,
+                     tag_tokens=tag_tokens, boxed_fraction=boxed_fraction)
+    recipe = tiny_recipe(**base_args, icl_fraction=icl_fraction, continue_steps=continue_steps)
     name = f"tiny-{recipe_key(recipe)}"
     if continue_steps:  # the base first, in the same cache root (the build reads it there)
-        build_tiny_model(cache_dir, seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
-                         progress=progress, overrides=overrides, task=task, known_families=known_families,
-                         tag_tokens=tag_tokens, boxed_fraction=boxed_fraction)
+        build_tiny_model(cache_dir, progress=progress, **base_args)
     root = cache_root(cache_dir)
     took_shipped = []
 
