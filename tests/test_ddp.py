@@ -25,9 +25,15 @@ from rllib_exgrpo.core import columns as C
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 MODULE = "default_policy"
-#: |data-parallel - single learner| after two AdamW steps (lr 1e-3): gradients summed in
-#: another order, then AdamW's g / sqrt(v) (measured: ~7e-6 for DDP).
-REFERENCE_ATOL = 3e-5
+#: |data-parallel - single learner| per parameter after two AdamW steps (lr 1e-3). The
+#: gradients are summed in another order, and AdamW's g / sqrt(v) turns that rounding into an
+#: update difference that is large only where the gradient is near zero: a handful of the
+#: 0.87M entries (measured: max 7.6e-6 for DDP and ZeRO-1/2, 1.2e-5 ZeRO-3, 3.3e-5 ZeRO-3 with
+#: token-budget passes; 99.99th percentile <= 5e-7 in all). A tenth of one step's size.
+REFERENCE_ATOL = 1e-4
+#: ||learners - single learner|| / ||single learner - initial||: the whole update agrees, not
+#: just its largest entry (measured 1e-5 to 3.1e-5).
+REFERENCE_RTOL_NORM = 3e-4
 
 
 def two_learner_config(model: str, *, num_learners: int = 2, **training):
@@ -143,12 +149,17 @@ def assert_same_weights(views: List[Dict[str, np.ndarray]], names: List[str]) ->
 
 def assert_close_to_reference(params: Dict[str, np.ndarray], reference: Dict[str, np.ndarray],
                               initial: Dict[str, np.ndarray], *, atol: float) -> float:
-    """``params`` equal the single-learner reference within ``atol``; they moved from
-    ``initial`` by much more than that. Returns the largest difference."""
-    worst = max(float(np.max(np.abs(params[k] - reference[k]))) for k in reference)
-    moved = max(float(np.max(np.abs(reference[k] - initial[k]))) for k in reference)
+    """``params`` equal the single-learner reference within ``atol`` per entry and within
+    ``REFERENCE_RTOL_NORM`` of the update's norm; the parameters moved by much more than
+    ``atol``. Returns the largest difference."""
+    diff = np.concatenate([np.abs(params[k] - reference[k]).ravel() for k in reference])
+    update = np.concatenate([np.abs(reference[k] - initial[k]).ravel() for k in reference])
+    worst, moved = float(diff.max()), float(update.max())
+    relative = float(np.linalg.norm(diff) / np.linalg.norm(update))
     assert worst <= atol, f"max |learners - single learner| = {worst:.3g} > {atol:g}"
-    assert moved > 20 * atol, f"training barely moved the parameters ({moved:.3g}): the comparison says nothing"
+    assert relative <= REFERENCE_RTOL_NORM, (
+        f"||learners - single learner|| / ||update|| = {relative:.3g} > {REFERENCE_RTOL_NORM:g}")
+    assert moved > 10 * atol, f"training barely moved the parameters ({moved:.3g}): the comparison says nothing"
     return worst
 
 
