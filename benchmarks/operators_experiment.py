@@ -5,6 +5,7 @@ over (docs/experience.md, "The hidden-operator task", where the protocol is decl
     python benchmarks/operators_experiment.py --phase final   [--task-seed 0] --seeds 0 1 2 3 4 --best '{...}'
     python benchmarks/operators_experiment.py --phase ablate  [--task-seed 0] --seeds 0 1 2 --best '{...}'
     python benchmarks/operators_experiment.py --phase xrpo    [--task-seed 0] --seeds 0 1 2 3 4 --best '{...}'
+    python benchmarks/operators_experiment.py --phase positive [--task-seed 0] [--shuffled] --seeds 5 6 7 --best '{...}'
     python benchmarks/operators_experiment.py --variants '{"name": ["grpo", {"lr": 1e-4}], ...}'
 
 Recipes: ``tuned_examples/grpo_operators_tiny.yaml`` and ``exgrpo_operators_tiny.yaml``
@@ -34,8 +35,16 @@ pooled questions come back alone, with fresh samples), ``grpo_shuffled`` / ``exg
 test split's meanings are shuffled too, so nothing learned transfers), and in the ``xrpo``
 phase ``xrpo`` / ``exgrpo_xrpo``.
 
+The ``positive`` phase is the replay positive control on this task (``_replay_control``):
+GRPO and ExGRPO (``--best``) at equal tokens, each answering every one of its 3000 training
+questions greedily at the end; their accuracies are compared on the questions the warm start
+solves 1-3 times in 8 (counted once per task, before training) and on ExGRPO's end-pool hard
+questions. With ``--shuffled`` it runs on the task with meanings drawn per question, where
+nothing is shared: a gain on the training questions there is replay's own, with no transfer.
+
 The last line is ``exgrpo_minus_grpo=<paired mean difference of test@budget>`` for the final
-phase.
+phase, ``warm_start_hard_gain=<paired mean difference on the warm-start hard training
+questions>`` for the positive phase.
 """
 from __future__ import annotations
 
@@ -51,6 +60,7 @@ import numpy as np
 
 import _common
 from _common import ROOT, start_ray
+import _replay_control as rc
 import _runs
 import experience_testbed as tb
 
@@ -113,7 +123,10 @@ def recipe_key(recipe: str) -> dict:
 
 
 def train_run(variant: str, recipe: str, overrides: dict, seed: int, *, task_seed: int, shuffled: bool,
-              iterations: int, token_budget: Optional[float], eval_interval: int, out: Path, log=print) -> dict:
+              iterations: int, token_budget: Optional[float], eval_interval: int, out: Path, log=print,
+              train_end_eval: bool = False) -> dict:
+    """One cached run; ``train_end_eval`` adds the positive control's end record (every
+    training question answered greedily, ExGRPO's pool), under its own cache key."""
     spec = task_spec(task_seed, shuffled)
     overrides = {**overrides, "env_config": {"dataset": spec}}
 
@@ -132,8 +145,9 @@ def train_run(variant: str, recipe: str, overrides: dict, seed: int, *, task_see
 
     run = _runs.train_run(
         recipe, seed, iterations=iterations, token_budget=token_budget, eval_interval=eval_interval,
-        overrides=overrides, out=out, key_extra={"operators": OPS_FORMAT, **recipe_key(recipe)}, extra_eval=extra_eval,
-        step_fields=step_fields, on_eval=on_eval, heldout_dataset=spec,
+        overrides=overrides, out=out, extra_eval=extra_eval, step_fields=step_fields, on_eval=on_eval,
+        key_extra={"operators": OPS_FORMAT, **recipe_key(recipe), **({"positive_control": 1} if train_end_eval else {})},
+        heldout_dataset=spec, end_eval=rc.end_eval if train_end_eval else None,
     )
     for e in run["evals"]:  # the benchmark's names for the two evaluators
         e["val"] = e["validation"]
@@ -199,6 +213,33 @@ def paired_lines(runs: Dict[str, List[dict]], budgets, a: str, b: str, rng_seed:
 
 
 # ---- phases ------------------------------------------------------------------------------
+def positive_lines(grpo_runs: List[dict], exgrpo_runs: List[dict], budgets: Dict[int, float], best: dict,
+                   spec: str, out: Path) -> tuple:
+    """The positive control's table (per seed: each set's size and both accuracies) and the
+    paired mean difference on the warm-start hard set."""
+    model = best["grpo"].get("model_name_or_path")
+    counts_path = out / f"warm_start_counts-{spec.replace(':', '_').replace(',', '_')}-{_runs.model_build(G, model)}.json"
+    overrides = {**best["grpo"], "env_config": {"dataset": spec}}
+    counts = rc.warm_start_solve_counts(counts_path, lambda: _runs.build(G, 0, overrides, heldout_dataset=spec)[1])
+    names = ("warm_start_hard", "pool_hard", "pooled", "all")
+    lines = [f"positive control on {spec}: greedy accuracy at the end on training questions, GRPO / ExGRPO"]
+    diffs: Dict[str, List[float]] = {k: [] for k in names}
+    for g, e in zip(grpo_runs, exgrpo_runs):
+        sets = rc.control_sets(e["end"], counts)
+        cells = []
+        for k in names:
+            a, b = rc.accuracy_on(g["end"], sets[k]), rc.accuracy_on(e["end"], sets[k])
+            diffs[k].append(b - a)
+            cells.append(f"{k} ({len(sets[k])}) {a:.3f} / {b:.3f}")
+        test = (tb.at_budget(g, None, "test"), tb.at_budget(e, budgets[e["seed"]], "test"))
+        lines.append(f"  seed {e['seed']}: " + " | ".join(cells) + f" | held-out test {test[0]:.3f} / {test[1]:.3f}")
+    for k in names:
+        m, h, n = tb.ci95(diffs[k])
+        lines.append(f"  ExGRPO - GRPO on {k}: {m * 100:+.1f} ± {h * 100:.1f} points (95% t, n={n}), per seed "
+                     + " ".join(f"{d * 100:+.1f}" for d in diffs[k]))
+    return lines, tb.ci95(diffs["warm_start_hard"])[0]
+
+
 def search_variants() -> Dict[str, tuple]:
     out = {f"grpo_lr{lr:g}": (G, {"lr": lr}) for lr in SEARCH_LRS}
     for lr in SEARCH_LRS:
@@ -216,10 +257,11 @@ def final_variants(best: dict) -> Dict[str, tuple]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phase", choices=("search", "final", "ablate", "xrpo"), default=None)
+    ap.add_argument("--phase", choices=("search", "final", "ablate", "xrpo", "positive"), default=None)
     ap.add_argument("--variants", default=None, help="JSON {name: [recipe 'grpo'|'exgrpo', overrides]}")
     ap.add_argument("--best", default=None, help='JSON {"grpo": {...}, "exgrpo": {...}} (final/ablate/xrpo)')
     ap.add_argument("--task-seed", type=int, default=0)
+    ap.add_argument("--shuffled", action="store_true", help="positive phase: the task with meanings per question")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--iterations", type=int, default=80)
     ap.add_argument("--eval-interval", type=int, default=10)
@@ -249,6 +291,10 @@ def main():
         ref = "grpo"
         if args.phase == "final":
             variants = final_variants(best)
+        elif args.phase == "positive":
+            suffix = "_shuffled" if args.shuffled else ""
+            ref = f"grpo{suffix}"
+            variants = {ref: (G, best["grpo"], args.shuffled), f"exgrpo{suffix}": (E, best["exgrpo"], args.shuffled)}
         elif args.phase == "ablate":
             variants = {"grpo": (G, best["grpo"], False),
                         **{f"exgrpo_{k}": (E, {**best["exgrpo"], **v}, False) for k, v in ABLATIONS.items()}}
@@ -259,13 +305,14 @@ def main():
     if args.only:
         variants = {k: v for k, v in variants.items() if k in set(args.only) | {ref}}
 
+    positive = args.phase == "positive"
     t0 = time.time()
     budgets: Dict[int, float] = {}
     runs: Dict[str, List[dict]] = {k: [] for k in variants}
     for seed in args.seeds:
         r, o, sh = variants[ref]
         first = train_run(ref, r, o, seed, task_seed=args.task_seed, shuffled=sh, iterations=args.iterations,
-                          token_budget=None, eval_interval=args.eval_interval, out=args.out)
+                          token_budget=None, eval_interval=args.eval_interval, out=args.out, train_end_eval=positive)
         budgets[seed] = first["steps"][args.iterations - 1]["tokens"]  # the reference's tokens
         runs[ref].append(first)
         for name, (r, o, sh) in variants.items():
@@ -275,7 +322,7 @@ def main():
             budget = budgets[seed]
             runs[name].append(train_run(name, r, o, seed, task_seed=args.task_seed, shuffled=sh,
                                         iterations=args.iterations, token_budget=budget,
-                                        eval_interval=args.eval_interval, out=args.out))
+                                        eval_interval=args.eval_interval, out=args.out, train_end_eval=positive))
     from envs.operators import family_blind_accuracy
 
     blind = family_blind_accuracy(task_spec(args.task_seed))
@@ -293,7 +340,15 @@ def main():
                 lines.append(line)
                 if (a, b) == ("exgrpo", "grpo"):
                     last = m
+    if positive:
+        last = None
+        grpo_runs, exgrpo_runs = runs[ref], runs[next(k for k in variants if k != ref)]
+        control, gain = positive_lines(grpo_runs, exgrpo_runs, budgets, best, task_spec(args.task_seed, args.shuffled),
+                                       args.out)
+        lines += [""] + control
     print("\n".join(lines))
+    if positive:
+        print(f"warm_start_hard_gain={gain:.4f}")
     if last is not None:
         print(f"exgrpo_minus_grpo={last:.4f}")
 

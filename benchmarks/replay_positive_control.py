@@ -33,58 +33,25 @@ import numpy as np
 import _common
 from _common import ROOT, start_ray
 import _runs
+import _replay_control as rc
 import experience_testbed as tb
-from rllib_exgrpo.core.columns import QUESTION_ID
 
 TRAIN_DATASET = "arithmetic:levels=1-4,n=1280"
 PICKS = {"grpo_finite": {"lr": 1e-4}, "exgrpo_finite": {"lr": 5e-5, "experience_ratio": 0.25}}
-#: A pooled question is "hard" when its last group solved at most this many of G = 8.
-HARD_MAX_CORRECT = 3
 CONTROL_FORMAT = 1
 
 
-def end_eval(algo) -> dict:
-    """Greedy reward of every training question, and the pool's buckets (ExGRPO)."""
-    ids = list(algo.sampler.question_ids)
-    max_tokens = int(algo.config.max_response_tokens)
-    rewards = {}
-    for start in range(0, len(ids), 256):
-        chunk = ids[start:start + 256]
-        episodes = algo.env_runner.sample(question_ids=chunk, num_samples=1, temperature=0.0,
-                                          max_new_tokens=max_tokens, return_logprobs=False)
-        rewards.update({e.get_infos(-1)[QUESTION_ID]: float(e.get_return()) for e in episodes})
-    buffer = algo.experience.buffer
-    pool = {q: int(buffer.bucket_of(q)) for q in buffer} if algo.config.experience_replay else {}
-    return {"train_greedy": rewards, "pool_buckets": pool}
-
-
 def warm_start_solve_counts(seed: int, out: Path) -> Dict[str, int]:
-    """Correct answers in 8 samples at temperature 1 of each training question under the
-    warm start (the recipe's model before any training step), cached per seed."""
+    """The warm start's correct answers in 8 samples of each training question, per seed."""
     path = out / f"warm_start_counts-seed{seed}-{_runs.model_build('grpo_finite')}.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    config, algo = _runs.build("grpo_finite", seed, {**PICKS["grpo_finite"], "env_config": {"dataset": TRAIN_DATASET}})
-    counts: Dict[str, int] = {}
-    try:
-        ids = list(algo.sampler.question_ids)
-        for start in range(0, len(ids), 64):
-            episodes = algo.env_runner.sample(question_ids=ids[start:start + 64], num_samples=8, temperature=1.0,
-                                              return_logprobs=False)
-            for e in episodes:
-                q = e.get_infos(-1)[QUESTION_ID]
-                counts[q] = counts.get(q, 0) + int(e.get_return() >= 1.0)
-    finally:
-        algo.stop()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(counts))
-    return counts
+    overrides = {**PICKS["grpo_finite"], "env_config": {"dataset": TRAIN_DATASET}}
+    return rc.warm_start_solve_counts(path, lambda: _runs.build("grpo_finite", seed, overrides)[1])
 
 
 def run(name: str, seed: int, budget, out: Path) -> dict:
     overrides = {**PICKS[name], "env_config": {"dataset": TRAIN_DATASET}}
     return _runs.train_run(name, seed, iterations=80, token_budget=budget, eval_interval=20, overrides=overrides,
-                           out=out, key_extra={"positive_control": CONTROL_FORMAT}, end_eval=end_eval)
+                           out=out, key_extra={"positive_control": CONTROL_FORMAT}, end_eval=rc.end_eval)
 
 
 def main() -> None:
@@ -103,19 +70,13 @@ def main() -> None:
         g = run("grpo_finite", seed, None, args.out)
         budget = g["steps"][79]["tokens"]  # GRPO's tokens after its 80 steps
         e = run("exgrpo_finite", seed, budget, args.out)
-        pool = e["end"]["pool_buckets"]
-        hard = sorted(q for q, b in pool.items() if b <= HARD_MAX_CORRECT)
-        counts = warm_start_solve_counts(seed, args.out)
-        ws_hard = sorted(q for q, c in counts.items() if 1 <= c <= HARD_MAX_CORRECT)
+        sets = rc.control_sets(e["end"], warm_start_solve_counts(seed, args.out))
+        hard, ws_hard, pool = sets["pool_hard"], sets["warm_start_hard"], sets["pooled"]
         acc: Dict[str, Dict[str, float]] = {}
         for label, r in (("grpo", g), ("exgrpo", e)):
-            greedy = r["end"]["train_greedy"]
-
-            def mean_on(qs):
-                return float(np.mean([greedy[q] for q in qs])) if qs else float("nan")
-
-            acc[label] = {"hard": mean_on(hard), "ws_hard": mean_on(ws_hard), "pooled": mean_on(list(pool)),
-                          "all": float(np.mean(list(greedy.values()))),
+            acc[label] = {"hard": rc.accuracy_on(r["end"], hard), "ws_hard": rc.accuracy_on(r["end"], ws_hard),
+                          "pooled": rc.accuracy_on(r["end"], pool),
+                          "all": float(np.mean(list(r["end"]["train_greedy"].values()))),
                           "test": tb.at_budget(r, budget if label == "exgrpo" else None, "accuracy")}
         gains.append((acc["exgrpo"]["ws_hard"] - acc["grpo"]["ws_hard"], acc["exgrpo"]["hard"] - acc["grpo"]["hard"]))
         rows.append(f"seed {seed}: warm-start hard {len(ws_hard)}: GRPO {acc['grpo']['ws_hard']:.3f} ExGRPO"
