@@ -28,6 +28,9 @@ from rllib_exgrpo.core.columns import QUESTION_ID
 HARD_MAX_CORRECT = 3
 #: Samples per training question of the warm-start count.
 WARM_START_SAMPLES = 8
+#: The cache-key entry of a run that records the control's end evaluation; bumped when what
+#: :func:`end_eval` records changes.
+CONTROL_KEY = {"positive_control": 1}
 
 
 def end_eval(algo) -> dict:

@@ -146,7 +146,7 @@ def train_run(variant: str, recipe: str, overrides: dict, seed: int, *, task_see
     run = _runs.train_run(
         recipe, seed, iterations=iterations, token_budget=token_budget, eval_interval=eval_interval,
         overrides=overrides, out=out, extra_eval=extra_eval, step_fields=step_fields, on_eval=on_eval,
-        key_extra={"operators": OPS_FORMAT, **recipe_key(recipe), **({"positive_control": 1} if train_end_eval else {})},
+        key_extra={"operators": OPS_FORMAT, **recipe_key(recipe), **(rc.CONTROL_KEY if train_end_eval else {})},
         heldout_dataset=spec, end_eval=rc.end_eval if train_end_eval else None,
     )
     for e in run["evals"]:  # the benchmark's names for the two evaluators
@@ -233,11 +233,12 @@ def positive_lines(grpo_runs: List[dict], exgrpo_runs: List[dict], budgets: Dict
             cells.append(f"{k} ({len(sets[k])}) {a:.3f} / {b:.3f}")
         test = (tb.at_budget(g, None, "test"), tb.at_budget(e, budgets[e["seed"]], "test"))
         lines.append(f"  seed {e['seed']}: " + " | ".join(cells) + f" | held-out test {test[0]:.3f} / {test[1]:.3f}")
+    means = {}
     for k in names:
-        m, h, n = tb.ci95(diffs[k])
-        lines.append(f"  ExGRPO - GRPO on {k}: {m * 100:+.1f} ± {h * 100:.1f} points (95% t, n={n}), per seed "
+        means[k], h, n = tb.ci95(diffs[k])
+        lines.append(f"  ExGRPO - GRPO on {k}: {means[k] * 100:+.1f} ± {h * 100:.1f} points (95% t, n={n}), per seed "
                      + " ".join(f"{d * 100:+.1f}" for d in diffs[k]))
-    return lines, tb.ci95(diffs["warm_start_hard"])[0]
+    return lines, means["warm_start_hard"]
 
 
 def search_variants() -> Dict[str, tuple]:

@@ -38,7 +38,6 @@ import experience_testbed as tb
 
 TRAIN_DATASET = "arithmetic:levels=1-4,n=1280"
 PICKS = {"grpo_finite": {"lr": 1e-4}, "exgrpo_finite": {"lr": 5e-5, "experience_ratio": 0.25}}
-CONTROL_FORMAT = 1
 
 
 def warm_start_solve_counts(seed: int, out: Path) -> Dict[str, int]:
@@ -51,7 +50,7 @@ def warm_start_solve_counts(seed: int, out: Path) -> Dict[str, int]:
 def run(name: str, seed: int, budget, out: Path) -> dict:
     overrides = {**PICKS[name], "env_config": {"dataset": TRAIN_DATASET}}
     return _runs.train_run(name, seed, iterations=80, token_budget=budget, eval_interval=20, overrides=overrides,
-                           out=out, key_extra={"positive_control": CONTROL_FORMAT}, end_eval=rc.end_eval)
+                           out=out, key_extra=rc.CONTROL_KEY, end_eval=rc.end_eval)
 
 
 def main() -> None:
