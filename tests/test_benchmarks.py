@@ -195,3 +195,37 @@ def test_replay_control_sets_and_accuracies_on_hand_made_records():
     assert rc.accuracy_on(grpo_end, sets["warm_start_hard"]) == pytest.approx(1.0)
     assert rc.accuracy_on(exgrpo_end, sets["pool_hard"]) == pytest.approx(0.5)
     assert math.isnan(rc.accuracy_on(grpo_end, []))
+
+
+def test_format_rate_finds_the_format_decision_and_scores_it_under_left_padding(quick_tiny_model):
+    """benchmarks/format_rate.py: the decision index is the token after the worked steps'
+    last "." in either answer format (none when the answer is cut off), and the batched,
+    left-padded probability of the boxed form's first token equals a one-row forward's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import format_rate
+    from rllib_exgrpo.models import resolve_model_path
+
+    path = resolve_model_path(quick_tiny_model, progress=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    token = format_rate.boxed_first_token(tok)
+    assert tok.decode([token]).strip() == "\\"
+    for text, boxed, number in [("3 + 4 = 7, 7 - 2 = 5. \\boxed{5}", True, "5"),
+                                ("3 + 4 = 7. Answer: 7", False, "7"),
+                                ("1.5 + 1 = 2.5. \\boxed{2.5}", True, "2.5")]:
+        ids = enc(text)
+        k, got_boxed, got_number = format_rate.decision_index(tok, ids)
+        assert (got_boxed, got_number) == (boxed, number)
+        assert tok.decode(ids[:k]).rstrip().endswith(".") and tok.decode(ids[k:]).strip()[0] in "\\A"
+    assert format_rate.decision_index(tok, enc("3 + 4 = 7. \\boxed{")) is None
+    assert format_rate.decision_index(tok, enc("3 + 4 = 7, 7 -")) is None
+
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    rows = [enc("What is 3 + 4? 3 + 4 = 7."), enc("What is 12 - 5 + 6? 12 - 5 = 7, 7 + 6 = 13.")]
+    batched = format_rate.box_probabilities(model, rows, token, temperature=0.7)
+    with torch.no_grad():
+        for row, p in zip(rows, batched):
+            logits = model(input_ids=torch.tensor([row])).logits[0, -1]
+            assert abs(float(torch.softmax(logits / 0.7, -1)[token]) - p) < 1e-5
