@@ -15,10 +15,14 @@ group size and response length, on ``--dataset``):
 2. **sampled**: the share of completions whose final answer is boxed, and boxed and correct
    (what the verifier rewards);
 3. **expected** (far less noisy at these rates): at the token where each completion chose
-   its answer format (right after the worked steps' final ``.``), the policy's probability,
-   at the same temperature, of the boxed form's first token. Its mean over completions is the
-   boxed share the sampler produces (a Rao-Blackwell estimate of 2.), and its mean times
-   "the number written is right" estimates the reward per answer;
+   its answer format (right after the worked steps' final ``.``), the policy's probability
+   p, at the same temperature, of the boxed form's first token. Its mean over completions is
+   the boxed share the sampler produces (a Rao-Blackwell estimate of 2.). A warm start that
+   saw few boxed answers may not finish a box it starts, so each completion is also
+   continued from that token (one sample, the project's generation backend, the same
+   temperature) and verified: the mean of p x "the forced box is rewarded" estimates the
+   reward per answer without bias, and "box finished right" is the share of forced boxes
+   the verifier accepts;
 4. from 3.: successes per training step of ``completions_per_step`` answers, and the share
    of groups of G holding at least one success.
 
@@ -37,11 +41,14 @@ import torch
 import _common
 import _runs
 from _common import ROOT, start_ray
+from rllib_exgrpo.generation.base import SamplingParams
 
 _common.RECIPES.setdefault("grpo_finite", ("grpo_finite_tiny.yaml", {}))
 
 #: A completion's final answer in either format, after the worked steps' last "." (the
 #: format the arithmetic warm start writes: "... = 7. \\boxed{7}" or "... = 7. Answer: 7").
+#: Tokens a forced box may take to close (``boxed{123}`` and the stop token need 7).
+FORCED_TOKENS = 24
 FINAL_ANSWER = re.compile(r"^\s*(\\boxed\{(?P<boxed>[^{}]*)\}|Answer: (?P<plain>-?\d+))\s*$")
 
 
@@ -109,7 +116,7 @@ def measure(model_name: str, temperature: float, questions: int, seed: int, data
         sample_s = time.perf_counter() - t0
         tokenizer = runner.tokenizer
         token = boxed_first_token(tokenizer)
-        rows, right, boxed_count, reward_count, per_question = [], [], 0, 0, []
+        rows, heads, right, boxed_count, reward_count, per_question = [], [], [], 0, 0, []
         for e in episodes:
             info = e.get_infos()[-1]
             reward_count += e.get_return() >= 1.0
@@ -120,23 +127,32 @@ def measure(model_name: str, temperature: float, questions: int, seed: int, data
             k, boxed, number = found
             boxed_count += boxed
             rows.append([int(t) for t in e.get_observations()[0]] + completion[:k])
+            heads.append(completion[:k])
             right.append(number == truth[info["question_id"]])
             per_question.append(info["question_id"])
         policy = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_name, progress=False)).eval()
         p_box = box_probabilities(policy, rows, token, temperature)
         right = np.asarray(right, dtype=float)
+        # the boxed branch continued from its first token and verified
+        params = SamplingParams(max_new_tokens=FORCED_TOKENS, temperature=temperature,
+                                stop_token_ids=tuple(runner.stop_token_ids), return_logprobs=False)
+        forced = runner.backend.generate([r + [token] for r in rows], [1] * len(rows), params)
+        texts = [tokenizer.decode(h + [token] + [int(t) for t in c[0].token_ids], skip_special_tokens=True)
+                 for h, c in zip(heads, forced)]
+        box_rewarded = np.asarray([r.reward >= 1.0 for r in runner.env.score(per_question, texts)], dtype=float)
         n = len(episodes)
         # each question's expected reward per answer -> the chance a group of G holds a success
         by_q: dict = {}
-        for q, p, r in zip(per_question, p_box, right):
+        for q, p, r in zip(per_question, p_box, box_rewarded):
             by_q.setdefault(q, []).append(p * r)
         group_hit = np.mean([1.0 - np.prod(1.0 - np.asarray(v)) for v in by_q.values()])
-        reward = float((p_box * right).sum() / n)  # unparsed completions count as failures
+        reward = float((p_box * box_rewarded).sum() / n)  # unparsed completions count as failures
         return {
             "model": model_name, "temperature": temperature, "seed": seed, "answers": n,
             "parsed": len(rows), "sampled_boxed": boxed_count / n, "sampled_reward": reward_count / n,
             "expected_boxed": float(p_box.sum() / n), "expected_reward_per_answer": reward,
             "number_right": float(right.mean()) if len(right) else float("nan"),
+            "box_finished_right": float(box_rewarded.mean()) if len(rows) else float("nan"),
             "successes_per_step": reward * config.completions_per_step, "groups_with_success": float(group_hit),
             "sample_s": round(sample_s, 1),
         }
@@ -161,10 +177,12 @@ def main():
     rows = [measure(args.model, t, args.questions, args.seed, args.dataset) for t in args.temperatures]
     print(f"\n{args.model}, {args.questions} questions x G, seed {args.seed}")
     print(f"{'T':>5} {'answers':>8} {'boxed (sampled)':>16} {'boxed (expected)':>17} {'reward (sampled)':>17}"
-          f" {'reward (expected)':>18} {'successes/step':>15} {'groups w/ success':>18}")
+          f" {'number right':>13} {'box finished right':>19} {'reward (expected)':>18} {'successes/step':>15}"
+          f" {'groups w/ success':>18}")
     for r in rows:
         print(f"{r['temperature']:>5} {r['answers']:>8} {r['sampled_boxed']:>16.5f} {r['expected_boxed']:>17.5f}"
-              f" {r['sampled_reward']:>17.5f} {r['expected_reward_per_answer']:>18.5f}"
+              f" {r['sampled_reward']:>17.5f} {r['number_right']:>13.3f} {r['box_finished_right']:>19.3f}"
+              f" {r['expected_reward_per_answer']:>18.5f}"
               f" {r['successes_per_step']:>15.2f} {r['groups_with_success']:>18.4f}")
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
