@@ -139,7 +139,7 @@ def measure(model_name: str, temperature: float, questions: int, seed: int, data
         forced = runner.backend.generate([r + [token] for r in rows], [1] * len(rows), params)
         texts = [tokenizer.decode(h + [token] + [int(t) for t in c[0].token_ids], skip_special_tokens=True)
                  for h, c in zip(heads, forced)]
-        box_rewarded = np.asarray([r.reward >= 1.0 for r in runner.env.score(per_question, texts)], dtype=float)
+        box_rewarded = np.asarray([r.score >= 1.0 for r in runner.env.score(per_question, texts)], dtype=float)
         n = len(episodes)
         # each question's expected reward per answer -> the chance a group of G holds a success
         by_q: dict = {}
