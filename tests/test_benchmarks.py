@@ -229,3 +229,19 @@ def test_format_rate_finds_the_format_decision_and_scores_it_under_left_padding(
         for row, p in zip(rows, batched):
             logits = model(input_ids=torch.tensor([row])).logits[0, -1]
             assert abs(float(torch.softmax(logits / 0.7, -1)[token]) - p) < 1e-5
+
+
+def test_format_rate_measure_end_to_end_counts_are_consistent(ray_local, quick_tiny_model):
+    """benchmarks/format_rate.py's measurement through the env runner, the generation
+    backend (the forced boxes) and the verifier, on the quick model: whatever its rates,
+    the expected shares are bounded by what they are shares of."""
+    import _common
+    import format_rate
+
+    r = format_rate.measure(quick_tiny_model, 1.0, questions=8, seed=0, dataset="arithmetic:levels=1-4,n={n}")
+    assert r["answers"] == 8 * 8 and 0 <= r["parsed"] <= r["answers"]
+    assert r["sampled_boxed"] * r["answers"] <= r["parsed"]  # a boxed answer is a parsed one
+    assert 0.0 <= r["expected_reward_per_answer"] <= r["expected_boxed"] <= r["parsed"] / r["answers"] + 1e-9
+    assert 0.0 <= r["groups_with_success"] <= 1.0
+    per_step = _common.recipe_config("grpo_finite").completions_per_step
+    assert abs(r["successes_per_step"] - r["expected_reward_per_answer"] * per_step) < 1e-9
