@@ -36,7 +36,6 @@ import re
 import time
 
 import numpy as np
-import torch
 
 import _common
 import _runs
@@ -80,30 +79,14 @@ def boxed_first_token(tokenizer) -> int:
     return first
 
 
-@torch.no_grad()
-def box_probabilities(model, rows: list, token: int, temperature: float, batch: int = 64) -> np.ndarray:
-    """P(``token`` | row) at ``temperature`` for each row of token ids (the prompt and the
-    completion up to its decision index)."""
-    out = []
-    for i in range(0, len(rows), batch):
-        chunk = rows[i:i + batch]
-        width = max(len(r) for r in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for j, r in enumerate(chunk):  # left padding: the last position is each row's own
-            ids[j, width - len(r):] = torch.as_tensor(r)
-            mask[j, width - len(r):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
-        out.append(torch.softmax(logits / temperature, -1)[:, token].numpy())
-    return np.concatenate(out) if out else np.zeros(0)
+def box_probabilities(backend, prompts: list, heads: list, token: int, temperature: float) -> np.ndarray:
+    """P(``token`` | prompt + head) at ``temperature`` for each row (token ids): the log-prob
+    the generation backend's own scoring pass gives ``token`` appended to each head."""
+    logps, _ = backend.score(prompts, [h + [token] for h in heads], temperature=temperature, with_entropy=False)
+    return np.exp(np.asarray([float(lp[-1]) for lp in logps], dtype=np.float64))
 
 
 def measure(model_name: str, temperature: float, questions: int, seed: int, dataset: str) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from rllib_exgrpo.models import resolve_model_path
-
     config, algo = _runs.build("grpo_finite", seed, {"env_config": {"dataset": dataset.format(n=questions)}},
                                model_name)
     try:
@@ -116,7 +99,7 @@ def measure(model_name: str, temperature: float, questions: int, seed: int, data
         sample_s = time.perf_counter() - t0
         tokenizer = runner.tokenizer
         token = boxed_first_token(tokenizer)
-        rows, heads, right, boxed_count, reward_count, per_question = [], [], [], 0, 0, []
+        prompts, heads, right, boxed_count, reward_count, per_question = [], [], [], 0, 0, []
         for e in episodes:
             info = e.get_infos()[-1]
             reward_count += e.get_return() >= 1.0
@@ -126,17 +109,16 @@ def measure(model_name: str, temperature: float, questions: int, seed: int, data
                 continue
             k, boxed, number = found
             boxed_count += boxed
-            rows.append([int(t) for t in e.get_observations()[0]] + completion[:k])
+            prompts.append([int(t) for t in e.get_observations()[0]])
             heads.append(completion[:k])
             right.append(number == truth[info["question_id"]])
             per_question.append(info["question_id"])
-        policy = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_name, progress=False)).eval()
-        p_box = box_probabilities(policy, rows, token, temperature)
+        p_box = box_probabilities(runner.backend, prompts, heads, token, temperature)
         right = np.asarray(right, dtype=float)
         # the boxed branch continued from its first token and verified
         params = SamplingParams(max_new_tokens=FORCED_TOKENS, temperature=temperature,
                                 stop_token_ids=tuple(runner.stop_token_ids), return_logprobs=False)
-        forced = runner.backend.generate([r + [token] for r in rows], [1] * len(rows), params)
+        forced = runner.backend.generate([p + h + [token] for p, h in zip(prompts, heads)], [1] * len(heads), params)
         texts = [tokenizer.decode(h + [token] + [int(t) for t in c[0].token_ids], skip_special_tokens=True)
                  for h, c in zip(heads, forced)]
         box_rewarded = np.asarray([r.score >= 1.0 for r in runner.env.score(per_question, texts)], dtype=float)
@@ -149,10 +131,10 @@ def measure(model_name: str, temperature: float, questions: int, seed: int, data
         reward = float((p_box * box_rewarded).sum() / n)  # unparsed completions count as failures
         return {
             "model": model_name, "temperature": temperature, "seed": seed, "answers": n,
-            "parsed": len(rows), "sampled_boxed": boxed_count / n, "sampled_reward": reward_count / n,
+            "parsed": len(heads), "sampled_boxed": boxed_count / n, "sampled_reward": reward_count / n,
             "expected_boxed": float(p_box.sum() / n), "expected_reward_per_answer": reward,
             "number_right": float(right.mean()) if len(right) else float("nan"),
-            "box_finished_right": float(box_rewarded.mean()) if len(rows) else float("nan"),
+            "box_finished_right": float(box_rewarded.mean()) if len(heads) else float("nan"),
             "successes_per_step": reward * config.completions_per_step, "groups_with_success": float(group_hit),
             "sample_s": round(sample_s, 1),
         }

@@ -197,14 +197,16 @@ def test_replay_control_sets_and_accuracies_on_hand_made_records():
     assert math.isnan(rc.accuracy_on(grpo_end, []))
 
 
-def test_format_rate_finds_the_format_decision_and_scores_it_under_left_padding(quick_tiny_model):
+def test_format_rate_finds_the_format_decision_and_scores_it_in_a_padded_batch(quick_tiny_model):
     """benchmarks/format_rate.py: the decision index is the token after the worked steps'
-    last "." in either answer format (none when the answer is cut off), and the batched,
-    left-padded probability of the boxed form's first token equals a one-row forward's."""
+    last "." in either answer format (none when the answer is cut off), and the batched
+    probability of the boxed form's first token (the backend's scoring pass, padded rows of
+    different lengths) equals a one-row forward's."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import format_rate
+    from rllib_exgrpo.generation.hf import HFGenerationBackend
     from rllib_exgrpo.models import resolve_model_path
 
     path = resolve_model_path(quick_tiny_model, progress=False)
@@ -223,10 +225,11 @@ def test_format_rate_finds_the_format_decision_and_scores_it_under_left_padding(
     assert format_rate.decision_index(tok, enc("3 + 4 = 7, 7 -")) is None
 
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    rows = [enc("What is 3 + 4? 3 + 4 = 7."), enc("What is 12 - 5 + 6? 12 - 5 = 7, 7 + 6 = 13.")]
-    batched = format_rate.box_probabilities(model, rows, token, temperature=0.7)
+    backend = HFGenerationBackend(model, pad_token_id=tok.pad_token_id or 0)
+    prompts, heads = [enc("What is 3 + 4?"), enc("What is 12 - 5 + 6?")], [enc(" 3 + 4 = 7."), enc(" 12 - 5 = 7, 7 + 6 = 13.")]
+    batched = format_rate.box_probabilities(backend, prompts, heads, token, temperature=0.7)
     with torch.no_grad():
-        for row, p in zip(rows, batched):
+        for row, p in zip([a + b for a, b in zip(prompts, heads)], batched):
             logits = model(input_ids=torch.tensor([row])).logits[0, -1]
             assert abs(float(torch.softmax(logits / 0.7, -1)[token]) - p) < 1e-5
 
