@@ -36,13 +36,16 @@ import _runs
 import _replay_control as rc
 import experience_testbed as tb
 
-TRAIN_DATASET = "arithmetic:levels=1-4,n=1280"
+DEFAULT_TRAIN_DATASET = "arithmetic:levels=1-4,n=1280"
+#: The training set of both arms (``--train-dataset``).
+TRAIN_DATASET = DEFAULT_TRAIN_DATASET
 PICKS = {"grpo_finite": {"lr": 1e-4}, "exgrpo_finite": {"lr": 5e-5, "experience_ratio": 0.25}}
 
 
 def warm_start_solve_counts(seed: int, out: Path) -> Dict[str, int]:
     """The warm start's correct answers in 8 samples of each training question, per seed."""
-    path = out / f"warm_start_counts-seed{seed}-{_runs.model_build('grpo_finite')}.json"
+    tag = "" if TRAIN_DATASET == DEFAULT_TRAIN_DATASET else "-" + TRAIN_DATASET.replace(":", "_").replace(",", "_")
+    path = out / f"warm_start_counts-seed{seed}-{_runs.model_build('grpo_finite')}{tag}.json"
     overrides = {**PICKS["grpo_finite"], "env_config": {"dataset": TRAIN_DATASET}}
     return rc.warm_start_solve_counts(path, lambda: _runs.build("grpo_finite", seed, overrides)[1])
 
@@ -60,7 +63,11 @@ def main() -> None:
     ap.add_argument("--exgrpo", default=None,
                     help='JSON overrides of the ExGRPO arm instead of its selected setting, e.g. \'{"lr": 1e-4, '
                          '"experience_ratio": 0.25}\' (the same learning rate as GRPO)')
+    ap.add_argument("--train-dataset", default=DEFAULT_TRAIN_DATASET,
+                    help="the training set of both arms; a smaller one replays each pooled question more often")
     args = ap.parse_args()
+    global TRAIN_DATASET
+    TRAIN_DATASET = args.train_dataset
     if args.exgrpo:
         PICKS["exgrpo_finite"] = json.loads(args.exgrpo)
     start_ray()
@@ -81,7 +88,7 @@ def main() -> None:
         rows.append(f"seed {seed}: warm-start hard {len(ws_hard)}: GRPO {acc['grpo']['ws_hard']:.3f} ExGRPO"
                     f" {acc['exgrpo']['ws_hard']:.3f} | ExGRPO's end-pool hard {len(hard)} (of {len(pool)} pooled):"
                     f" {acc['grpo']['hard']:.3f} / {acc['exgrpo']['hard']:.3f} | all pooled: {acc['grpo']['pooled']:.3f} /"
-                    f" {acc['exgrpo']['pooled']:.3f} | all 1280 training: {acc['grpo']['all']:.3f} / {acc['exgrpo']['all']:.3f}"
+                    f" {acc['exgrpo']['pooled']:.3f} | all {len(g['end']['train_greedy'])} training: {acc['grpo']['all']:.3f} / {acc['exgrpo']['all']:.3f}"
                     f" | held-out test: {acc['grpo']['test']:.3f} / {acc['exgrpo']['test']:.3f}")
         print(rows[-1], flush=True)
     m2, h2, n = tb.ci95([x[1] for x in gains])
