@@ -12,6 +12,9 @@ tokens, both answer every training question greedily, and their accuracies are c
   times in 8 samples at temperature 1, counted once before any training (chosen by neither
   run: the questions ExGRPO pools as hard when it meets them, which GRPO trains on as fresh
   ones);
+* ``warm_start_hard_pooled`` / ``warm_start_hard_unpooled``: the warm-start hard questions
+  in ExGRPO's pool at the end, and the rest (those it retired as solved G in G, or never
+  solved again): what replay acts on, against what retirement takes out of the fresh data;
 * ``pooled``: every question in ExGRPO's pool at the end; ``all``: every training question.
 """
 from __future__ import annotations
@@ -76,9 +79,12 @@ def control_sets(exgrpo_end: dict, counts: Dict[str, int]) -> Dict[str, List[str
     """The question sets of the control (module docstring), from the ExGRPO run's ``"end"``
     record and the warm-start counts."""
     pool = exgrpo_end["pool_buckets"]
+    warm_start_hard = sorted(q for q, c in counts.items() if 1 <= c <= HARD_MAX_CORRECT)
     return {
         "pool_hard": sorted(q for q, b in pool.items() if b <= HARD_MAX_CORRECT),
-        "warm_start_hard": sorted(q for q, c in counts.items() if 1 <= c <= HARD_MAX_CORRECT),
+        "warm_start_hard": warm_start_hard,
+        "warm_start_hard_pooled": [q for q in warm_start_hard if q in pool],
+        "warm_start_hard_unpooled": [q for q in warm_start_hard if q not in pool],
         "pooled": sorted(pool),
         "all": sorted(exgrpo_end["train_greedy"]),
     }

@@ -1,6 +1,6 @@
 """Positive control of replay: does ExGRPO get better than GRPO at what it replays?
 
-    python benchmarks/replay_positive_control.py [--seeds 0 1 2]
+    python benchmarks/replay_positive_control.py [--seeds 0 1 2] [--train-dataset SPEC] [--exgrpo JSON]
 
 On the arithmetic testbed (``grpo_finite_tiny.yaml`` / ``exgrpo_finite_tiny.yaml`` on
 ``arithmetic:levels=1-4,n=1280``, the testbed's selected settings: GRPO lr 1e-4, ExGRPO
@@ -17,7 +17,9 @@ ExGRPO itself failed at the end (a selection bias against ExGRPO; GRPO's accurac
 not selected that way). The script therefore also reads a set chosen by neither run: the
 *warm-start hard* questions, those the warm start solves 1 to 3 times in 8 samples at
 temperature 1 (counted once per seed before training, cached). Those are the questions
-ExGRPO pools as hard when it meets them, and GRPO trains on them as fresh ones.
+ExGRPO pools as hard when it meets them, and GRPO trains on them as fresh ones. That set is
+also split by ExGRPO's pool at the end: the part still pooled (what replay acts on) and the
+rest (mostly questions retired as solved G in G, which leave the fresh data).
 
 The last line is ``warm_start_hard_gain=<mean paired ExGRPO - GRPO accuracy on that set>``.
 """
@@ -27,8 +29,6 @@ import argparse
 import json
 from pathlib import Path
 from typing import Dict
-
-import numpy as np
 
 import _common
 from _common import ROOT, start_ray
@@ -71,30 +71,26 @@ def main() -> None:
     if args.exgrpo:
         PICKS["exgrpo_finite"] = json.loads(args.exgrpo)
     start_ray()
-    gains, rows = [], []
+    names = ("warm_start_hard", "warm_start_hard_pooled", "warm_start_hard_unpooled", "pool_hard", "pooled", "all")
+    diffs: Dict[str, list] = {k: [] for k in names}
     for seed in args.seeds:
         g = run("grpo_finite", seed, None, args.out)
         budget = g["steps"][79]["tokens"]  # GRPO's tokens after its 80 steps
         e = run("exgrpo_finite", seed, budget, args.out)
         sets = rc.control_sets(e["end"], warm_start_solve_counts(seed, args.out))
-        hard, ws_hard, pool = sets["pool_hard"], sets["warm_start_hard"], sets["pooled"]
-        acc: Dict[str, Dict[str, float]] = {}
-        for label, r in (("grpo", g), ("exgrpo", e)):
-            acc[label] = {"hard": rc.accuracy_on(r["end"], hard), "ws_hard": rc.accuracy_on(r["end"], ws_hard),
-                          "pooled": rc.accuracy_on(r["end"], pool),
-                          "all": float(np.mean(list(r["end"]["train_greedy"].values()))),
-                          "test": tb.at_budget(r, budget if label == "exgrpo" else None, "accuracy")}
-        gains.append((acc["exgrpo"]["ws_hard"] - acc["grpo"]["ws_hard"], acc["exgrpo"]["hard"] - acc["grpo"]["hard"]))
-        rows.append(f"seed {seed}: warm-start hard {len(ws_hard)}: GRPO {acc['grpo']['ws_hard']:.3f} ExGRPO"
-                    f" {acc['exgrpo']['ws_hard']:.3f} | ExGRPO's end-pool hard {len(hard)} (of {len(pool)} pooled):"
-                    f" {acc['grpo']['hard']:.3f} / {acc['exgrpo']['hard']:.3f} | all pooled: {acc['grpo']['pooled']:.3f} /"
-                    f" {acc['exgrpo']['pooled']:.3f} | all {len(g['end']['train_greedy'])} training: {acc['grpo']['all']:.3f} / {acc['exgrpo']['all']:.3f}"
-                    f" | held-out test: {acc['grpo']['test']:.3f} / {acc['exgrpo']['test']:.3f}")
-        print(rows[-1], flush=True)
-    m2, h2, n = tb.ci95([x[1] for x in gains])
-    print(f"ExGRPO - GRPO greedy accuracy on ExGRPO's end-pool hard questions: {m2:+.3f} ± {h2:.3f} (95% t, n={n})")
-    m, h, n = tb.ci95([x[0] for x in gains])
-    print(f"ExGRPO - GRPO greedy accuracy on the warm-start hard training questions: {m:+.3f} ± {h:.3f} (95% t, n={n})")
+        cells = []
+        for k in names:
+            a, b = rc.accuracy_on(g["end"], sets[k]), rc.accuracy_on(e["end"], sets[k])
+            diffs[k].append(b - a)
+            cells.append(f"{k} ({len(sets[k])}) {a:.3f} / {b:.3f}")
+        test = (tb.at_budget(g, None, "accuracy"), tb.at_budget(e, budget, "accuracy"))
+        print(f"seed {seed}, greedy accuracy GRPO / ExGRPO: " + " | ".join(cells)
+              + f" | held-out test {test[0]:.3f} / {test[1]:.3f}", flush=True)
+    for k in names:
+        m, h, n = tb.ci95([d for d in diffs[k] if d == d])
+        print(f"ExGRPO - GRPO on {k}: {m * 100:+.1f} ± {h * 100:.1f} points (95% t, n={n}), per seed "
+              + " ".join(f"{d * 100:+.1f}" for d in diffs[k]))
+    m, _, _ = tb.ci95(diffs["warm_start_hard"])
     print(f"warm_start_hard_gain={m:.4f}")
 
 

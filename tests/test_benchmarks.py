@@ -181,15 +181,15 @@ def test_operators_run_key_names_an_edited_recipe(tmp_path, monkeypatch):
 def test_replay_control_sets_and_accuracies_on_hand_made_records():
     """The positive control's sets (``_replay_control``): end-pool hard = pooled with last
     bucket <= 3 of 8, warm-start hard = 1-3 correct of 8 at the start (0 and 4+ excluded),
-    and a run's accuracy on each is its mean greedy reward there."""
+    split by ExGRPO's end pool, and a run's accuracy on each is its mean greedy reward there."""
     import _replay_control as rc
 
     exgrpo_end = {"pool_buckets": {"a": 1, "b": 3, "c": 4, "d": 7},
                   "train_greedy": {"a": 1.0, "b": 0.0, "c": 1.0, "d": 1.0, "e": 0.0, "f": 0.0}}
     counts = {"a": 0, "b": 1, "c": 3, "d": 4, "e": 2, "f": 8}
     sets = rc.control_sets(exgrpo_end, counts)
-    assert sets == {"pool_hard": ["a", "b"], "warm_start_hard": ["b", "c", "e"], "pooled": ["a", "b", "c", "d"],
-                    "all": ["a", "b", "c", "d", "e", "f"]}
+    assert sets == {"pool_hard": ["a", "b"], "warm_start_hard": ["b", "c", "e"], "warm_start_hard_pooled": ["b", "c"],
+                    "warm_start_hard_unpooled": ["e"], "pooled": ["a", "b", "c", "d"], "all": ["a", "b", "c", "d", "e", "f"]}
     grpo_end = {"train_greedy": {"a": 0.0, "b": 1.0, "c": 1.0, "d": 0.0, "e": 1.0, "f": 1.0}}
     assert rc.accuracy_on(exgrpo_end, sets["warm_start_hard"]) == pytest.approx(1 / 3)
     assert rc.accuracy_on(grpo_end, sets["warm_start_hard"]) == pytest.approx(1.0)
