@@ -279,7 +279,10 @@ _EXPERIENCE = [
        "beta of the policy shaping f(w) = w / (w + beta) (official 0.1)."),
     _f("remove_clip_in_mixed_mode", True, boolean,
        "Drop the PPO clip on fresh tokens once mixed mode is on (official loss_remove_clip: True)."),
-    _f("retire_solved", True, boolean, "Retire questions solved G/G: out of the pool and of the fresh data."),
+    _f("retire_solved", True, boolean,
+       "Retire questions solved G/G: out of the pool and of the fresh data (official). On a small "
+       "training set met many times, one G/G group retires a question for good and it can be "
+       "forgotten; False keeps it in the fresh data."),
     _f("retire_before_start", True, boolean,
        "Retire questions solved G/G from the first step, also before the delayed start while "
        "training is on-policy (official: True)."),
