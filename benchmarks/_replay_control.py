@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 
 from rllib_exgrpo.core.columns import QUESTION_ID
+
+import experience_testbed as tb
 
 #: A question is "hard" when it is solved in at most this many of G = 8 samples.
 HARD_MAX_CORRECT = 3
@@ -95,3 +97,26 @@ def accuracy_on(end: dict, questions: List[str]) -> float:
     verifier scores 0 or 1); nan for an empty set."""
     greedy = end["train_greedy"]
     return float(np.mean([greedy[q] for q in questions])) if questions else float("nan")
+
+
+def compare_at_end(grpo_end: dict, exgrpo_end: dict, sets: Dict[str, List[str]], names: Sequence[str],
+                   diffs: Dict[str, List[float]]) -> str:
+    """One seed of the control: appends ExGRPO - GRPO accuracy on each set in ``names`` to
+    ``diffs[name]`` and returns the seed's cells, ``"name (size) GRPO / ExGRPO | ..."``."""
+    cells = []
+    for k in names:
+        a, b = accuracy_on(grpo_end, sets[k]), accuracy_on(exgrpo_end, sets[k])
+        diffs[k].append(b - a)
+        cells.append(f"{k} ({len(sets[k])}) {a:.3f} / {b:.3f}")
+    return " | ".join(cells)
+
+
+def difference_lines(diffs: Dict[str, List[float]]) -> List[str]:
+    """Per set, the paired ExGRPO - GRPO difference over seeds in points (mean ± 95% t,
+    seeds with an empty set left out) and each seed's."""
+    lines = []
+    for k, ds in diffs.items():
+        m, h, n = tb.ci95([d for d in ds if d == d])
+        lines.append(f"ExGRPO - GRPO on {k}: {m * 100:+.1f} ± {h * 100:.1f} points (95% t, n={n}), per seed "
+                     + " ".join(f"{d * 100:+.1f}" for d in ds))
+    return lines

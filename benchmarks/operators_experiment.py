@@ -225,20 +225,11 @@ def positive_lines(grpo_runs: List[dict], exgrpo_runs: List[dict], budgets: Dict
     lines = [f"positive control on {spec}: greedy accuracy at the end on training questions, GRPO / ExGRPO"]
     diffs: Dict[str, List[float]] = {k: [] for k in names}
     for g, e in zip(grpo_runs, exgrpo_runs):
-        sets = rc.control_sets(e["end"], counts)
-        cells = []
-        for k in names:
-            a, b = rc.accuracy_on(g["end"], sets[k]), rc.accuracy_on(e["end"], sets[k])
-            diffs[k].append(b - a)
-            cells.append(f"{k} ({len(sets[k])}) {a:.3f} / {b:.3f}")
+        cells = rc.compare_at_end(g["end"], e["end"], rc.control_sets(e["end"], counts), names, diffs)
         test = (tb.at_budget(g, None, "test"), tb.at_budget(e, budgets[e["seed"]], "test"))
-        lines.append(f"  seed {e['seed']}: " + " | ".join(cells) + f" | held-out test {test[0]:.3f} / {test[1]:.3f}")
-    means = {}
-    for k in names:
-        means[k], h, n = tb.ci95(diffs[k])
-        lines.append(f"  ExGRPO - GRPO on {k}: {means[k] * 100:+.1f} ± {h * 100:.1f} points (95% t, n={n}), per seed "
-                     + " ".join(f"{d * 100:+.1f}" for d in diffs[k]))
-    return lines, means["warm_start_hard"]
+        lines.append(f"  seed {e['seed']}: " + cells + f" | held-out test {test[0]:.3f} / {test[1]:.3f}")
+    lines += ["  " + line for line in rc.difference_lines(diffs)]
+    return lines, tb.ci95(diffs["warm_start_hard"])[0]
 
 
 def search_variants() -> Dict[str, tuple]:

@@ -37,21 +37,20 @@ import _replay_control as rc
 import experience_testbed as tb
 
 DEFAULT_TRAIN_DATASET = "arithmetic:levels=1-4,n=1280"
-#: The training set of both arms (``--train-dataset``).
-TRAIN_DATASET = DEFAULT_TRAIN_DATASET
 PICKS = {"grpo_finite": {"lr": 1e-4}, "exgrpo_finite": {"lr": 5e-5, "experience_ratio": 0.25}}
 
 
-def warm_start_solve_counts(seed: int, out: Path) -> Dict[str, int]:
-    """The warm start's correct answers in 8 samples of each training question, per seed."""
-    tag = "" if TRAIN_DATASET == DEFAULT_TRAIN_DATASET else "-" + TRAIN_DATASET.replace(":", "_").replace(",", "_")
+def warm_start_solve_counts(seed: int, out: Path, dataset: str) -> Dict[str, int]:
+    """The warm start's correct answers in 8 samples of each training question, per seed
+    (the default training set keeps its cache name without a dataset tag)."""
+    tag = "" if dataset == DEFAULT_TRAIN_DATASET else "-" + dataset.replace(":", "_").replace(",", "_")
     path = out / f"warm_start_counts-seed{seed}-{_runs.model_build('grpo_finite')}{tag}.json"
-    overrides = {**PICKS["grpo_finite"], "env_config": {"dataset": TRAIN_DATASET}}
+    overrides = {**PICKS["grpo_finite"], "env_config": {"dataset": dataset}}
     return rc.warm_start_solve_counts(path, lambda: _runs.build("grpo_finite", seed, overrides)[1])
 
 
-def run(name: str, seed: int, budget, out: Path) -> dict:
-    overrides = {**PICKS[name], "env_config": {"dataset": TRAIN_DATASET}}
+def run(name: str, seed: int, budget, out: Path, dataset: str) -> dict:
+    overrides = {**PICKS[name], "env_config": {"dataset": dataset}}
     return _runs.train_run(name, seed, iterations=80, token_budget=budget, eval_interval=20, overrides=overrides,
                            out=out, key_extra=rc.CONTROL_KEY, end_eval=rc.end_eval)
 
@@ -66,32 +65,22 @@ def main() -> None:
     ap.add_argument("--train-dataset", default=DEFAULT_TRAIN_DATASET,
                     help="the training set of both arms; a smaller one replays each pooled question more often")
     args = ap.parse_args()
-    global TRAIN_DATASET
-    TRAIN_DATASET = args.train_dataset
     if args.exgrpo:
         PICKS["exgrpo_finite"] = json.loads(args.exgrpo)
     start_ray()
     names = ("warm_start_hard", "warm_start_hard_pooled", "warm_start_hard_unpooled", "pool_hard", "pooled", "all")
     diffs: Dict[str, list] = {k: [] for k in names}
     for seed in args.seeds:
-        g = run("grpo_finite", seed, None, args.out)
+        g = run("grpo_finite", seed, None, args.out, args.train_dataset)
         budget = g["steps"][79]["tokens"]  # GRPO's tokens after its 80 steps
-        e = run("exgrpo_finite", seed, budget, args.out)
-        sets = rc.control_sets(e["end"], warm_start_solve_counts(seed, args.out))
-        cells = []
-        for k in names:
-            a, b = rc.accuracy_on(g["end"], sets[k]), rc.accuracy_on(e["end"], sets[k])
-            diffs[k].append(b - a)
-            cells.append(f"{k} ({len(sets[k])}) {a:.3f} / {b:.3f}")
+        e = run("exgrpo_finite", seed, budget, args.out, args.train_dataset)
+        sets = rc.control_sets(e["end"], warm_start_solve_counts(seed, args.out, args.train_dataset))
+        cells = rc.compare_at_end(g["end"], e["end"], sets, names, diffs)
         test = (tb.at_budget(g, None, "accuracy"), tb.at_budget(e, budget, "accuracy"))
-        print(f"seed {seed}, greedy accuracy GRPO / ExGRPO: " + " | ".join(cells)
-              + f" | held-out test {test[0]:.3f} / {test[1]:.3f}", flush=True)
-    for k in names:
-        m, h, n = tb.ci95([d for d in diffs[k] if d == d])
-        print(f"ExGRPO - GRPO on {k}: {m * 100:+.1f} ± {h * 100:.1f} points (95% t, n={n}), per seed "
-              + " ".join(f"{d * 100:+.1f}" for d in diffs[k]))
-    m, _, _ = tb.ci95(diffs["warm_start_hard"])
-    print(f"warm_start_hard_gain={m:.4f}")
+        print(f"seed {seed}, greedy accuracy GRPO / ExGRPO: {cells} | held-out test {test[0]:.3f} / {test[1]:.3f}",
+              flush=True)
+    print("\n".join(rc.difference_lines(diffs)))
+    print(f"warm_start_hard_gain={tb.ci95(diffs['warm_start_hard'])[0]:.4f}")
 
 
 if __name__ == "__main__":
