@@ -249,7 +249,9 @@ _EXPERIENCE = [
        "filling at the switch)."),
     _f("bucket_weighting", "gaussian", one_of(BUCKET_WEIGHTINGS),
        "How pooled questions are drawn: 'gaussian' over correctness buckets (official), "
-       "'uniform' over questions (ablation), 'uniform_buckets'."),
+       "'uniform' over questions (ablation), 'uniform_buckets'. On a small pool 'gaussian' "
+       "spends most replays on the few half-solved questions; 'uniform' spreads them over "
+       "the pool, which is where rarely solved questions sit."),
     _f("replay_cooldown_steps", 0, integer(0),
        "Not in the papers: a question replayed at step t is not replayed again before step "
        "t + this + 1 (0: official, no wait). For small pools, where the Gaussian draw would "
