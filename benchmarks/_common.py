@@ -15,6 +15,8 @@ RECIPES = {
     "exgrpo": ("exgrpo_stream_tiny.yaml", {}),
     "xrpo": ("xrpo_tiny.yaml", {}),
     "exgrpo_xrpo": ("exgrpo_xrpo_tiny.yaml", {}),
+    "grpo_ops": ("grpo_operators_tiny.yaml", {}),
+    "exgrpo_ops": ("exgrpo_operators_tiny.yaml", {}),
 }
 
 

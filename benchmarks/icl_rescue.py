@@ -41,7 +41,6 @@ from _common import ROOT, start_ray
 import _runs
 
 _common.RECIPES.setdefault("grpo_finite", ("grpo_finite_tiny.yaml", {}))
-_common.RECIPES.setdefault("grpo_ops", ("grpo_operators_tiny.yaml", {}))
 #: The GRPO recipe whose sampling settings (group size, response length) a dataset is
 #: measured with, by the dataset's kind.
 RECIPE_FOR = {"arithmetic": "grpo_finite", "operators": "grpo_ops"}

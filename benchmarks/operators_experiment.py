@@ -8,6 +8,10 @@ over (docs/experience.md, "The hidden-operator task", where the protocol is decl
     python benchmarks/operators_experiment.py --phase positive [--task-seed 0] [--shuffled] --seeds 5 6 7 --best '{...}'
     python benchmarks/operators_experiment.py --variants '{"name": ["grpo", {"lr": 1e-4}], ...}'
 
+``--workers 2`` trains the runs two at a time, each in a child process pinned to one core
+(``_parallel_runs``: every seed's GRPO reference first, the runs that spend its tokens after
+it), then reports from the cache as a one-process run does, with the whole phase's wall time.
+
 Recipes: ``tuned_examples/grpo_operators_tiny.yaml`` and ``exgrpo_operators_tiny.yaml``
 (twins), the operators warm start ``tiny:task=operators,...`` (format and arithmetic, every
 meaning guessed). ``--task-seed`` draws the family tables (and questions): the search runs
@@ -59,13 +63,12 @@ from typing import Dict, List, Optional
 import numpy as np
 
 import _common
+import _parallel_runs
 from _common import ROOT, start_ray
 import _replay_control as rc
 import _runs
 import experience_testbed as tb
 
-_common.RECIPES.setdefault("grpo_ops", ("grpo_operators_tiny.yaml", {}))
-_common.RECIPES.setdefault("exgrpo_ops", ("exgrpo_operators_tiny.yaml", {}))
 
 #: Bumped when what a run records changes.
 OPS_FORMAT = 1
@@ -247,6 +250,28 @@ def final_variants(best: dict) -> Dict[str, tuple]:
             "grpo_shuffled": (G, g, True), "exgrpo_shuffled": (E, e, True)}
 
 
+def parallel_jobs(args, variants: Dict[str, tuple], ref: str) -> List["_parallel_runs.Job"]:
+    """One job per (variant, seed) for ``--workers``: this script on that one run (the
+    reference of each seed first, every other variant after its seed's reference)."""
+    common = ["--task-seed", str(args.task_seed), "--iterations", str(args.iterations),
+              "--eval-interval", str(args.eval_interval), "--out", str(args.out)]
+    for flag, value in (("--phase", args.phase), ("--variants", args.variants), ("--best", args.best),
+                        ("--task-options", args.task_options)):
+        if value:
+            common += [flag, value]
+    if args.shuffled:
+        common.append("--shuffled")
+    logs = args.out / "_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+
+    def job(name: str, seed: int, after: Optional[str]) -> _parallel_runs.Job:
+        argv = _parallel_runs.python_argv(Path(__file__).resolve(), ["--seeds", str(seed), "--only", name, *common])
+        return _parallel_runs.Job(f"{name}:{seed}", argv, after=after, log=logs / f"{name}-seed{seed}.log")
+
+    refs = [job(ref, s, None) for s in args.seeds]
+    return refs + [job(name, s, f"{ref}:{s}") for s in args.seeds for name in variants if name != ref]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phase", choices=("search", "final", "ablate", "xrpo", "positive"), default=None)
@@ -261,10 +286,13 @@ def main():
     ap.add_argument("--task-options", default="",
                     help='extra options of the operators dataset for every run, e.g. "families=4"')
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "operators")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="runs at once, one process pinned to each core (_parallel_runs); 1: one after another here")
     args = ap.parse_args()
+    if args.workers < 1:
+        raise SystemExit(f"--workers {args.workers}: must be at least 1")
     global TASK_OPTIONS
     TASK_OPTIONS = args.task_options
-    start_ray()
 
     if args.variants:
         raw = json.loads(args.variants)
@@ -299,6 +327,13 @@ def main():
 
     positive = args.phase == "positive"
     t0 = time.time()
+    if args.workers > 1:
+        # The runs train in child processes, one per core; the pass below then reads them
+        # all from the cache and reports as a one-process run would.
+        seconds = _parallel_runs.run_jobs(parallel_jobs(args, variants, ref), args.workers)
+        print(f"{len(seconds)} runs on {args.workers} workers: {time.time() - t0:.0f} s wall,"
+              f" {sum(seconds.values()):.0f} s of runs", flush=True)
+    start_ray()  # (after the children: an idle Ray instance here would share their cores)
     budgets: Dict[int, float] = {}
     runs: Dict[str, List[dict]] = {k: [] for k in variants}
     for seed in args.seeds:

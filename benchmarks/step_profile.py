@@ -1,6 +1,9 @@
 """Where a training step's time goes, on the embedded default (tiny model, arithmetic).
 
-    python benchmarks/step_profile.py [--iterations 6] [--warmup 2] [--algos grpo exgrpo]
+    python benchmarks/step_profile.py [--iterations 6] [--warmup 2] [--algos grpo exgrpo] [--overrides JSON]
+
+``--algos`` takes the names of ``_common.RECIPES`` (``grpo_ops`` / ``exgrpo_ops``:
+the hidden-operator twins).
 
 Prints, per algorithm, the mean seconds and share of each stage of a step: generation,
 scoring (verifier), the learner update, weight sync, ExGRPO's replay choice (entropy
@@ -14,6 +17,7 @@ is off: it is not part of a training step.
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 
@@ -58,9 +62,13 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--algos", nargs="+", default=["grpo", "exgrpo"])
     parser.add_argument("--questions", type=int, default=None, help="override questions_per_step")
+    parser.add_argument("--overrides", default="{}", help='JSON config overrides of every algorithm, e.g.'
+                        ' \'{"learner_micro_batch_tokens": null}\'')
     args = parser.parse_args()
     start_ray()
-    overrides = {"questions_per_step": args.questions} if args.questions else {}
+    overrides = json.loads(args.overrides)
+    if args.questions:
+        overrides["questions_per_step"] = args.questions
     profiles = {a: profile(a, args.iterations, args.warmup, overrides) for a in args.algos}
     for name, p in profiles.items():
         print(f"\n{name}: {p['wall']:.2f} s per step (mean of {args.iterations}), replayed rows {p['replayed_fraction']:.0%}")

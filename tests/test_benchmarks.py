@@ -248,3 +248,92 @@ def test_format_rate_measure_end_to_end_counts_are_consistent(ray_local, quick_t
     assert 0.0 <= r["groups_with_success"] <= 1.0
     per_step = _common.recipe_config("grpo_finite").completions_per_step
     assert abs(r["successes_per_step"] - r["expected_reward_per_answer"] * per_step) < 1e-9
+
+
+def test_parallel_runs_take_references_first_and_dependents_once_their_reference_is_done():
+    """The scheduler's rule (``_parallel_runs.pick_next``): the first queued job whose
+    reference has finished; with two cores and runs of equal length, five seeds take five
+    run lengths (references 0+1, 2+3, then 4 beside the first dependent, ...)."""
+    import _parallel_runs as pr
+
+    queue = [pr.Job(f"g:{s}", []) for s in range(5)] + [pr.Job(f"e:{s}", [], after=f"g:{s}") for s in range(5)]
+    assert pr.pick_next(queue, set()).name == "g:0"
+    assert pr.pick_next(queue[5:], set()) is None
+    assert pr.pick_next(queue[5:], {"g:3"}).name == "e:3"
+    # simulate two cores, every run one unit long
+    pending, finished, rounds = list(queue), set(), []
+    while pending:
+        now = []
+        for _ in range(2):
+            job = pr.pick_next(pending, finished)
+            if job is None:
+                break
+            pending.remove(job)
+            now.append(job.name)
+        finished |= set(now)
+        rounds.append(now)
+    assert rounds == [["g:0", "g:1"], ["g:2", "g:3"], ["g:4", "e:0"], ["e:1", "e:2"], ["e:3", "e:4"]]
+
+
+def test_parallel_runs_pin_each_child_to_one_core_and_wait_for_the_reference(tmp_path):
+    """Real child processes: each sees one core and one thread; a dependent starts only
+    after its reference wrote its result; a failing child stops the schedule, named."""
+    import os
+
+    import _parallel_runs as pr
+
+    workers = min(2, len(os.sched_getaffinity(0)))
+    child = (
+        "import os, sys, time, json, pathlib\n"
+        "out = pathlib.Path(sys.argv[1]); name = sys.argv[2]; after = sys.argv[3]\n"
+        "if after != '-': assert (out / (after + '.json')).exists(), 'reference not done'\n"
+        "t0 = time.time(); time.sleep(0.3)\n"
+        "(out / (name + '.json')).write_text(json.dumps({'cores': sorted(os.sched_getaffinity(0)),"
+        " 'omp': os.environ.get('OMP_NUM_THREADS'), 'start': t0, 'end': time.time()}))\n"
+    )
+    script = tmp_path / "child.py"
+    script.write_text(child)
+
+    def job(name, after=None):
+        return pr.Job(name, pr.python_argv(script, [str(tmp_path), name, after or "-"]), after=after,
+                      log=tmp_path / f"{name}.log")
+
+    jobs = [job("g0"), job("g1"), job("e0", "g0"), job("e1", "g1")]
+    seconds = pr.run_jobs(jobs, workers, log=lambda *_: None)
+    assert set(seconds) == {"g0", "g1", "e0", "e1"}
+    rec = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in seconds}
+    for name, r in rec.items():
+        assert len(r["cores"]) == 1 and r["omp"] == "1", name
+    assert rec["e0"]["start"] >= rec["g0"]["end"] and rec["e1"]["start"] >= rec["g1"]["end"]
+    if workers == 2:  # the two references ran at once, on different cores
+        assert rec["g0"]["cores"] != rec["g1"]["cores"]
+        assert rec["g1"]["start"] < rec["g0"]["end"]
+
+    failing = pr.Job("bad", pr.python_argv(script, [str(tmp_path / "missing"), "bad", "-"]),
+                     log=tmp_path / "bad.log")
+    with pytest.raises(SystemExit, match="run bad failed; its log: .*bad.log"):
+        pr.run_jobs([failing, job("after_bad", "bad")], workers, log=lambda *_: None)
+    with pytest.raises(ValueError, match="unknown jobs: \\['nope'\\]"):
+        pr.run_jobs([job("x", "nope")], workers, log=lambda *_: None)
+
+
+def test_operators_parallel_jobs_run_one_run_each_after_its_seeds_reference(tmp_path):
+    """``--workers``: one child per (variant, seed), the reference's first, every other
+    variant after its own seed's reference, each with the phase's own arguments."""
+    import argparse
+
+    import operators_experiment as oe
+
+    args = argparse.Namespace(task_seed=1, iterations=160, eval_interval=160, out=tmp_path, phase="final",
+                              variants=None, best='{"grpo": {}, "exgrpo": {}}', task_options="", shuffled=False,
+                              seeds=[15, 16])
+    variants = {"grpo": (oe.G, {}, False), "exgrpo": (oe.E, {}, False)}
+    jobs = oe.parallel_jobs(args, variants, "grpo")
+    assert [(j.name, j.after) for j in jobs] == [
+        ("grpo:15", None), ("grpo:16", None), ("exgrpo:15", "grpo:15"), ("exgrpo:16", "grpo:16")]
+    argv = jobs[2].argv
+    assert argv[1].endswith("operators_experiment.py")
+    flags = dict(zip(argv[2::2], argv[3::2]))
+    assert flags["--seeds"] == "15" and flags["--only"] == "exgrpo" and flags["--task-seed"] == "1"
+    assert flags["--phase"] == "final" and flags["--best"] == args.best and flags["--out"] == str(tmp_path)
+    assert jobs[2].log.parent == tmp_path / "_logs"
