@@ -138,6 +138,9 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
     path = _cache_path(out, key)
     if path.exists():
         return json.loads(path.read_text())
+    from _common import start_ray
+
+    start_ray()  # only for a run to train: reading cached runs needs no Ray instance
     max_iterations = max_iterations or 3 * iterations
     config, algo = build(name, seed, overrides, model, heldout_dataset)
     max_tokens = int(config.model_config.get("max_response_tokens", 0)) if is_ppo(name) else int(config.max_response_tokens)

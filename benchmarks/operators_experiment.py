@@ -61,10 +61,11 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
+import yaml
 
 import _common
 import _parallel_runs
-from _common import ROOT, start_ray
+from _common import ROOT
 import _replay_control as rc
 import _runs
 import experience_testbed as tb
@@ -72,11 +73,6 @@ import experience_testbed as tb
 
 #: Bumped when what a run records changes.
 OPS_FORMAT = 1
-#: The recipe texts (sha1, first 12 hex digits) that runs were cached with before a recipe's
-#: text joined the run key. A run whose recipe file still reads so keeps its old key (those
-#: runs stay valid); any other text adds its digest, so an edited recipe (a changed default)
-#: never reuses a run of the old one.
-KEYLESS_RECIPE_TEXTS = {"grpo_ops": "fba511d83bce", "exgrpo_ops": "4f606712fe3e"}
 G, E = "grpo_ops", "exgrpo_ops"
 SEARCH_LRS = (1e-4, 5e-5, 2e-4)
 SEARCH_RHOS = (0.25, 0.5)
@@ -118,11 +114,12 @@ def split_eval(algo, split: str, max_new_tokens: int) -> dict:
 
 
 def recipe_key(recipe: str) -> dict:
-    """What a run's cache key adds for its recipe file: nothing for a text in
-    :data:`KEYLESS_RECIPE_TEXTS`, else ``{"recipe_text": <its digest>}``."""
-    text = (ROOT / "tuned_examples" / _common.RECIPES[recipe][0]).read_bytes()
-    digest = hashlib.sha1(text).hexdigest()[:12]
-    return {} if KEYLESS_RECIPE_TEXTS.get(recipe) == digest else {"recipe_text": digest}
+    """What a run's cache key adds for its recipe file: the digest of its parsed settings, so
+    that a changed value never reuses a run of the old recipe while an edited comment (or
+    reordered keys) keeps every cached run."""
+    settings = yaml.safe_load((ROOT / "tuned_examples" / _common.RECIPES[recipe][0]).read_text())
+    canonical = json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()
+    return {"recipe_settings": hashlib.sha1(canonical).hexdigest()[:12]}
 
 
 def train_run(variant: str, recipe: str, overrides: dict, seed: int, *, task_seed: int, shuffled: bool,
@@ -333,7 +330,6 @@ def main():
         seconds = _parallel_runs.run_jobs(parallel_jobs(args, variants, ref), args.workers)
         print(f"{len(seconds)} runs on {args.workers} workers: {time.time() - t0:.0f} s wall,"
               f" {sum(seconds.values()):.0f} s of runs", flush=True)
-    start_ray()  # (after the children: an idle Ray instance here would share their cores)
     budgets: Dict[int, float] = {}
     runs: Dict[str, List[dict]] = {k: [] for k in variants}
     for seed in args.seeds:

@@ -151,31 +151,27 @@ def test_main_job_levels_scores_the_final_set_by_level_without_validation():
     assert s["final"] == (200 / 250 + 0.5) / 2
 
 
-def test_operators_run_key_names_an_edited_recipe(tmp_path, monkeypatch):
-    """An operators run's cache key keeps its old form for the recipe texts the cached runs
-    were made with, and carries the text's digest once the recipe file is edited, so a
-    changed recipe default never reuses a run of the old one."""
-    import hashlib
-
+def test_operators_run_key_follows_the_recipes_settings_not_its_text(tmp_path, monkeypatch):
+    """An operators run's cache key carries a digest of its recipe's parsed settings: a
+    changed value gives a new key (never reusing a run of the old recipe), while an edited
+    comment or reordered keys keep the key, so cached runs stay valid."""
     import _common
     import operators_experiment as oe
 
-    for recipe in ("grpo_ops", "exgrpo_ops"):
-        text = (oe.ROOT / "tuned_examples" / _common.RECIPES[recipe][0]).read_bytes()
-        digest = hashlib.sha1(text).hexdigest()[:12]
-        expected = {} if oe.KEYLESS_RECIPE_TEXTS[recipe] == digest else {"recipe_text": digest}
-        assert oe.recipe_key(recipe) == expected
+    keys = {recipe: oe.recipe_key(recipe) for recipe in ("grpo_ops", "exgrpo_ops")}
+    assert all(set(k) == {"recipe_settings"} and len(k["recipe_settings"]) == 12 for k in keys.values())
+    assert keys["grpo_ops"] != keys["exgrpo_ops"]
 
-    # an edited copy of a keyless recipe: its key gains the new text's digest
+    original = (oe.ROOT / "tuned_examples" / _common.RECIPES["grpo_ops"][0]).read_text()
+    assert "lr: 0.0001\n" in original
     (tmp_path / "tuned_examples").mkdir()
-    original = (oe.ROOT / "tuned_examples" / "grpo_operators_tiny.yaml").read_bytes()
-    (tmp_path / "tuned_examples" / "grpo_operators_tiny.yaml").write_bytes(original + b"# edited\n")
+    copy = tmp_path / "tuned_examples" / _common.RECIPES["grpo_ops"][0]
     monkeypatch.setattr(oe, "ROOT", tmp_path)
-    monkeypatch.setitem(oe.KEYLESS_RECIPE_TEXTS, "grpo_ops", hashlib.sha1(original).hexdigest()[:12])
-    edited = oe.recipe_key("grpo_ops")
-    assert edited == {"recipe_text": hashlib.sha1(original + b"# edited\n").hexdigest()[:12]}
-    (tmp_path / "tuned_examples" / "grpo_operators_tiny.yaml").write_bytes(original)
-    assert oe.recipe_key("grpo_ops") == {}
+
+    copy.write_text("# a new comment line\n" + original.replace("lr: 0.0001\n", "lr: 0.0001  # same value\n"))
+    assert oe.recipe_key("grpo_ops") == keys["grpo_ops"]
+    copy.write_text(original.replace("lr: 0.0001\n", "lr: 0.0002\n"))
+    assert oe.recipe_key("grpo_ops") != keys["grpo_ops"]
 
 
 def test_replay_control_sets_and_accuracies_on_hand_made_records():
