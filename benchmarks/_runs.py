@@ -196,11 +196,11 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
 
 
 def collect_from_command_line(description: str, default_algos: Sequence[str]):
-    """Parse the options shared by compare.py and learning_curves.py, start Ray, collect
+    """Parse the options shared by compare.py and learning_curves.py and collect
     the runs. Returns ``(args, out_dir, runs)``."""
     import argparse
 
-    from _common import ROOT, start_ray
+    from _common import ROOT
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algos", nargs="+", default=list(default_algos))
@@ -213,7 +213,6 @@ def collect_from_command_line(description: str, default_algos: Sequence[str]):
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    start_ray()
     runs = collect(args.algos, args.seeds, iterations=args.iterations, eval_interval=args.eval_interval,
                    overrides=json.loads(args.config), out=out, model=args.model)
     return args, out, runs

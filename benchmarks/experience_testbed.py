@@ -50,7 +50,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 import _common
-from _common import ROOT, start_ray
+from _common import ROOT
 import _runs
 
 _common.RECIPES.setdefault("grpo_finite", ("grpo_finite_tiny.yaml", {}))
@@ -573,7 +573,6 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     equal_steps = args.equal_steps or args.phase == "weak"
     final_set = (args.final_set or ("on" if args.phase == "final" else "off")) == "on"
-    start_ray()
     runs: Dict[str, List[dict]] = {k: [] for k in order}
     budgets: Dict[int, float] = {}
     for seed in args.seeds:
