@@ -354,7 +354,7 @@ def main():
              "family-blind answers on test by chain length: " + " ".join(f"L{k} {v:.3f}" for k, v in blind.items())]
     lines += report(runs, budgets)
     last = None
-    if "exgrpo" in runs and "grpo" in runs and len(args.seeds) > 1:
+    if len(args.seeds) > 1:  # each pair present, e.g. the shuffled pair run on its own
         lines.append("")
         for a, b in (("exgrpo", "grpo"), ("exgrpo", "exgrpo_prompt"), ("exgrpo_shuffled", "grpo_shuffled"),
                      ("xrpo", "grpo"), ("exgrpo_xrpo", "grpo")):
