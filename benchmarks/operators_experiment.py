@@ -357,7 +357,7 @@ def main():
     if len(args.seeds) > 1:  # each pair present, e.g. the shuffled pair run on its own
         lines.append("")
         for a, b in (("exgrpo", "grpo"), ("exgrpo", "exgrpo_prompt"), ("exgrpo_shuffled", "grpo_shuffled"),
-                     ("xrpo", "grpo"), ("exgrpo_xrpo", "grpo")):
+                     ("xrpo", "grpo"), ("exgrpo_xrpo", "grpo"), ("exgrpo_xrpo", "exgrpo")):
             if a in runs and b in runs:
                 line, m = paired_lines(runs, budgets, a, b)
                 lines.append(line)
