@@ -253,7 +253,8 @@ def run_metrics(run: dict, upto: Optional[int] = None, last: int = 30) -> Dict[s
     window = steps[-last:]
 
     def m(section, k):
-        v = [s[section].get(k) for s in window if s[section].get(k) is not None]
+        # NaN: a step with no such tokens (replay ratios on a step that replayed nothing)
+        v = [x for x in (s[section].get(k) for s in window) if x is not None and not math.isnan(x)]
         return float(np.mean(v)) if v else math.nan
 
     last_exp = steps[-1]["experience"]

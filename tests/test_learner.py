@@ -89,6 +89,36 @@ def test_replayed_rows_are_shaped_and_the_ablation_turns_shaping_off(quick_tiny_
     assert _loss(learner, learner.config, batch) == pytest.approx(-1.2, abs=1e-4)
 
 
+def test_replay_ratio_over_an_iterations_minibatches_is_the_replayed_tokens_own(quick_tiny_model):
+    """The algorithm aggregates one learner result per minibatch (``_update_learners``). A
+    minibatch with no replayed row must not pull the replayed tokens' mean ratio and shaping
+    towards 0: the iteration reports those of the minibatches that held replayed tokens, and
+    NaN when none did."""
+    from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
+    group, learner, _ = _learner(quick_tiny_model)
+    learner.set_mixed_mode(True)
+    # replayed row and fresh row, behaviour log-probs 1 nat below the current ones: w = e
+    mixed = _batch(learner, advantages=[1.0, -1.0], replayed=[True, False], old_logp_shift=1.0)
+    logger = MetricsLogger(root=True)  # as the algorithm's
+    logger.aggregate(group.update(batch=to_multi_agent_batch(mixed)), key="learners")
+    fresh_only = _batch(learner, advantages=[1.0, -1.0], replayed=[False, False])
+    logger.aggregate(group.update(batch=to_multi_agent_batch(fresh_only)), key="learners")
+    out = logger.reduce()["learners"][DEFAULT_MODULE_ID]
+    w = math.e
+    assert _value(out["replay_ratio_mean"]) == pytest.approx(w, rel=1e-4)
+    assert _value(out["replay_shaping_mean"]) == pytest.approx(w / (w + 0.1), rel=1e-4)
+    assert 0.0 < _value(out["replayed_token_fraction"]) < 0.5  # the batch shares are still averaged
+
+    group2, learner2, _ = _learner(quick_tiny_model)  # an iteration with no replayed token at all
+    logger2 = MetricsLogger(root=True)
+    logger2.aggregate(group2.update(batch=to_multi_agent_batch(_batch(learner2, advantages=[1.0, -1.0],
+                                                                       replayed=[False, False]))), key="learners")
+    out2 = logger2.reduce()["learners"][DEFAULT_MODULE_ID]
+    assert math.isnan(_value(out2.get("replay_ratio_mean", float("nan"))))
+    assert _value(out2["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
+
+
 def test_kl_reference_is_the_frozen_initial_policy(quick_tiny_model):
     group, learner, _ = _learner(quick_tiny_model, kl_coeff=0.5)
     reference = learner._reference_models[DEFAULT_MODULE_ID]
@@ -295,7 +325,10 @@ def _assert_same_update(results, grads):
     scale = max(float(g.abs().max()) for g in grads[0])
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-5 * scale, rtol=1e-4)
-    for key in ("policy_loss", "total_loss", "grad_norm_preclip", "ratio_max", "entropy"):
+    # the ratio statistics too: each weighted by the tokens it is taken over (a pass with no
+    # replayed token leaves the replayed ratios out rather than adding a 0)
+    for key in ("policy_loss", "total_loss", "grad_norm_preclip", "ratio_max", "ratio_min", "ratio_mean",
+                "clip_fraction", "replay_ratio_mean", "replay_shaping_mean", "replayed_token_fraction", "entropy"):
         assert _value(cut[key]) == pytest.approx(_value(one[key]), rel=1e-4, abs=1e-6), key
     return one, cut
 

@@ -52,6 +52,8 @@ __all__ = [
     "token_logprobs_from_logits",
     "k3_kl",
     "mixed_policy_loss",
+    "FRESH_TOKEN_STATS",
+    "REPLAY_TOKEN_STATS",
     "novelty_sharpened_advantages",
 ]
 
@@ -841,6 +843,14 @@ def mixed_policy_loss(
     adv_tok = _broadcast_adv(advantages.detach(), logp).expand_as(m)
     metrics["zero_advantage_fraction"] = masked_mean((adv_tok == 0).to(m.dtype), m)
     return loss, metrics
+
+
+#: Metrics of :func:`mixed_policy_loss` taken over the fresh tokens only, and over the
+#: replayed tokens only. Each is 0 where its token set is empty, so whoever combines the
+#: metrics of several (micro-/mini-)batches weights them by that set's tokens, not the
+#: batch's, and leaves out a batch that has none (rllib/learner.py).
+FRESH_TOKEN_STATS = ("clip_fraction", "trust_region_violation_fraction", "ratio_mean", "ratio_max", "ratio_min")
+REPLAY_TOKEN_STATS = ("replay_ratio_mean", "replay_shaping_mean")
 
 
 def _token_share_metrics(fresh_stats, rep_stats, m: Tensor, fresh_tok: Tensor, rep_tok: Tensor) -> Dict[str, Tensor]:

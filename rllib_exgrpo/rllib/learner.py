@@ -29,7 +29,11 @@ the *minibatch's* counts (``losses.agg_totals``), so the slices' gradients add u
 one-pass gradient; data-parallel learners all-reduce once, on the last slice
 (``no_sync`` before it). The guards, the gradient norm and the optimiser step then run
 once, as without micro-batches. Metrics of the slices are combined: losses summed, ``*_max``
-/ ``*_min`` as max / min, the rest weighted by each slice's valid tokens.
+/ ``*_min`` as max / min, the rest weighted by each slice's valid tokens; the ratio statistics
+of fresh and of replayed tokens by the slice's tokens of that kind, leaving out a slice with
+none (``losses.FRESH_TOKEN_STATS`` / ``REPLAY_TOKEN_STATS``). An update with no replayed
+token does not log the replayed ones at all: the algorithm averages its minibatch updates,
+and a 0 there would stand for "none" and halve the mean.
 
 Token-budget passes (``learner_micro_batch_tokens``, as verl's ``ppo_max_token_len_per_gpu``):
 the learner's rows are packed into passes of at most that many tokens, laid end to end
@@ -55,7 +59,7 @@ import torch.distributed as dist
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
 from rllib_exgrpo.core import columns as C
-from rllib_exgrpo.core.losses import agg_totals, mixed_policy_loss
+from rllib_exgrpo.core.losses import FRESH_TOKEN_STATS, REPLAY_TOKEN_STATS, agg_totals, mixed_policy_loss
 from rllib_exgrpo.core.minibatches import trim_padding
 from rllib_exgrpo.core.scoring import score_learner_batch
 
@@ -167,8 +171,17 @@ class ExGRPOTorchLearner(TorchLearner):
         return loss
 
     def _log_loss_metrics(self, module_id, values: Dict[str, float]) -> None:
+        # A ratio statistic of an update without such tokens is not logged: RLlib averages
+        # the values of an iteration's minibatch updates, and a 0 standing for "no replayed
+        # token in this minibatch" would halve the replayed tokens' mean ratio. An iteration
+        # with none at all reports NaN for it.
+        absent = set()
+        if values.get("fresh_token_fraction", 1.0) == 0.0:
+            absent.update(FRESH_TOKEN_STATS)
+        if values.get("replayed_token_fraction", 1.0) == 0.0:
+            absent.update(REPLAY_TOKEN_STATS)
         for key, value in values.items():
-            if not key.startswith("_"):
+            if not key.startswith("_") and key not in absent:
                 self.metrics.log_value((module_id, key), value, window=1)
         self.metrics.log_value(
             (module_id, "zero_advantage_updates"), float(values["zero_advantage_fraction"] == 1.0), reduce="sum"
@@ -312,19 +325,25 @@ class ExGRPOTorchLearner(TorchLearner):
         for module_id, parts in by_module.items():
             # Empty passes (_empty_pass: no completion token) carry no statistic.
             parts = [p for p in parts if p["_tokens"] > 0] or parts
-            tokens = [p["_tokens"] for p in parts]
-            weight = sum(tokens) or 1.0
             combined: Dict[str, float] = {}
             for key in parts[0]:
-                vals = [p[key] for p in parts]
+                # Each statistic weighted by the tokens it is taken over: the fresh ratios by
+                # the passes' fresh tokens, the replayed ones by their replayed tokens (a pass
+                # without any leaves it out), the rest by all of each pass's tokens.
+                share = ("fresh_token_fraction" if key in FRESH_TOKEN_STATS
+                         else "replayed_token_fraction" if key in REPLAY_TOKEN_STATS else None)
+                tokens = [p["_tokens"] * (p[share] if share else 1.0) for p in parts]
+                mine = [(p[key], t) for p, t in zip(parts, tokens) if t > 0 or share is None]
                 if key in ("policy_loss", "total_loss"):
-                    combined[key] = sum(vals)
+                    combined[key] = sum(p[key] for p in parts)
+                elif not mine:  # no pass holds such a token: left out by _log_loss_metrics
+                    combined[key] = 0.0
                 elif key.endswith("_max"):
-                    combined[key] = max(vals)
+                    combined[key] = max(v for v, _ in mine)
                 elif key.endswith("_min"):
-                    combined[key] = min(vals)
+                    combined[key] = min(v for v, _ in mine)
                 else:
-                    combined[key] = sum(v * t for v, t in zip(vals, tokens)) / weight
+                    combined[key] = sum(v * t for v, t in mine) / (sum(t for _, t in mine) or 1.0)
             self._log_loss_metrics(module_id, combined)
 
     def _no_sync(self, on: bool) -> contextlib.ExitStack:
