@@ -52,8 +52,7 @@ __all__ = [
     "token_logprobs_from_logits",
     "k3_kl",
     "mixed_policy_loss",
-    "FRESH_TOKEN_STATS",
-    "REPLAY_TOKEN_STATS",
+    "STAT_TOKEN_SHARE",
     "novelty_sharpened_advantages",
 ]
 
@@ -845,12 +844,16 @@ def mixed_policy_loss(
     return loss, metrics
 
 
-#: Metrics of :func:`mixed_policy_loss` taken over the fresh tokens only, and over the
-#: replayed tokens only. Each is 0 where its token set is empty, so whoever combines the
-#: metrics of several (micro-/mini-)batches weights them by that set's tokens, not the
-#: batch's, and leaves out a batch that has none (rllib/learner.py).
-FRESH_TOKEN_STATS = ("clip_fraction", "trust_region_violation_fraction", "ratio_mean", "ratio_max", "ratio_min")
-REPLAY_TOKEN_STATS = ("replay_ratio_mean", "replay_shaping_mean")
+#: Metrics of :func:`mixed_policy_loss` taken over the fresh tokens only or the replayed
+#: tokens only, each with the metric that gives that token set's share of the batch. Each
+#: is 0 where its token set is empty, so whoever combines the metrics of several
+#: (micro-/mini-)batches weights them by that set's tokens, not the batch's, and leaves out
+#: a batch that has none (rllib/learner.py).
+STAT_TOKEN_SHARE = {
+    **dict.fromkeys(("clip_fraction", "trust_region_violation_fraction", "ratio_mean", "ratio_max", "ratio_min"),
+                    "fresh_token_fraction"),
+    **dict.fromkeys(("replay_ratio_mean", "replay_shaping_mean"), "replayed_token_fraction"),
+}
 
 
 def _token_share_metrics(fresh_stats, rep_stats, m: Tensor, fresh_tok: Tensor, rep_tok: Tensor) -> Dict[str, Tensor]:

@@ -31,7 +31,7 @@ one-pass gradient; data-parallel learners all-reduce once, on the last slice
 once, as without micro-batches. Metrics of the slices are combined: losses summed, ``*_max``
 / ``*_min`` as max / min, the rest weighted by each slice's valid tokens; the ratio statistics
 of fresh and of replayed tokens by the slice's tokens of that kind, leaving out a slice with
-none (``losses.FRESH_TOKEN_STATS`` / ``REPLAY_TOKEN_STATS``). An update with no replayed
+none (``losses.STAT_TOKEN_SHARE``). An update with no replayed
 token does not log the replayed ones at all: the algorithm averages its minibatch updates,
 and a 0 there would stand for "none" and halve the mean.
 
@@ -59,7 +59,7 @@ import torch.distributed as dist
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
 from rllib_exgrpo.core import columns as C
-from rllib_exgrpo.core.losses import FRESH_TOKEN_STATS, REPLAY_TOKEN_STATS, agg_totals, mixed_policy_loss
+from rllib_exgrpo.core.losses import STAT_TOKEN_SHARE, agg_totals, mixed_policy_loss
 from rllib_exgrpo.core.minibatches import trim_padding
 from rllib_exgrpo.core.scoring import score_learner_batch
 
@@ -175,11 +175,7 @@ class ExGRPOTorchLearner(TorchLearner):
         # the values of an iteration's minibatch updates, and a 0 standing for "no replayed
         # token in this minibatch" would halve the replayed tokens' mean ratio. An iteration
         # with none at all reports NaN for it.
-        absent = set()
-        if values.get("fresh_token_fraction", 1.0) == 0.0:
-            absent.update(FRESH_TOKEN_STATS)
-        if values.get("replayed_token_fraction", 1.0) == 0.0:
-            absent.update(REPLAY_TOKEN_STATS)
+        absent = {key for key, share in STAT_TOKEN_SHARE.items() if values.get(share, 1.0) == 0.0}
         for key, value in values.items():
             if not key.startswith("_") and key not in absent:
                 self.metrics.log_value((module_id, key), value, window=1)
@@ -330,8 +326,7 @@ class ExGRPOTorchLearner(TorchLearner):
                 # Each statistic weighted by the tokens it is taken over: the fresh ratios by
                 # the passes' fresh tokens, the replayed ones by their replayed tokens (a pass
                 # without any leaves it out), the rest by all of each pass's tokens.
-                share = ("fresh_token_fraction" if key in FRESH_TOKEN_STATS
-                         else "replayed_token_fraction" if key in REPLAY_TOKEN_STATS else None)
+                share = STAT_TOKEN_SHARE.get(key)
                 tokens = [p["_tokens"] * (p[share] if share else 1.0) for p in parts]
                 mine = [(p[key], t) for p, t in zip(parts, tokens) if t > 0 or share is None]
                 if key in ("policy_loss", "total_loss"):
