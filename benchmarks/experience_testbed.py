@@ -414,6 +414,24 @@ def half_budget_lines(runs: Dict[str, List[dict]], budgets, ref: str) -> List[st
     return lines
 
 
+def takeoff_lines(runs: Dict[str, List[dict]], threshold: float = 0.1) -> List[str]:
+    """When each weak-start run found its first success and when it left its start.
+
+    Per run: the first training step with a non-zero solve rate (its first rewarded
+    answer), and the first evaluation whose test accuracy reaches ``threshold`` ("never"
+    when none does). From a format-weak start the first success decides when any arm can
+    leave, so the half-budget reading is read next to it."""
+    lines = [f"first success (training step) and first evaluation with test >= {threshold:g}, per run:"]
+    for name, mine in runs.items():
+        for r in sorted(mine, key=lambda r: r["seed"]):
+            first = next((s["step"] for s in r["steps"] if s.get("solve_rate", 0.0) > 0), None)
+            leave = next((e["step"] for e in r["evals"] if e["accuracy"] >= threshold), None)
+            lines.append(f"  {name:<18} seed {r['seed']:<3} first success "
+                         f"{'never' if first is None else f'step {first}'}, test >= {threshold:g} "
+                         f"{'never' if leave is None else f'at step {leave}'}")
+    return lines
+
+
 def final_set_levels() -> np.ndarray:
     """The level of each final-set question, in ``final_bits`` order."""
     from envs.datasets import load_problems
@@ -601,7 +619,7 @@ def main():
         for name in order[1:]:
             lines += [paired(runs, budgets, name, ref), paired(runs, budgets, name, ref, "val")]
         if args.phase == "weak_format":
-            lines += [""] + half_budget_lines(runs, budgets, ref)
+            lines += [""] + half_budget_lines(runs, budgets, ref) + [""] + takeoff_lines(runs)
         if final_set:
             levels = final_set_levels()
             lines.append("")

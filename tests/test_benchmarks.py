@@ -84,6 +84,14 @@ def test_testbed_reading_report_and_plot_on_hand_made_runs(tmp_path):
     assert "start 0.300  test 0.425" in half[1] and "change from start +0.125" in half[1]  # (0.4 + 0.45) / 2
     assert "start 0.300  test 0.500" in half[2]
     assert "exgrpo - grpo (test at half the budget" in half[3] and "+0.075" in half[3] and "n=2" in half[3]
+    # when each run found its first success and left its start (test >= 0.1)
+    late = _synthetic_run(2, [0.0, 0.0, 0.3], 0.0)
+    for s in late["steps"]:
+        s["solve_rate"] = 0.05 if s["step"] >= 7 else 0.0
+    never = _synthetic_run(3, [0.0, 0.0, 0.05], 0.0)
+    takeoff = tb.takeoff_lines({"grpo": [late, never]})
+    assert "seed 2   first success step 7, test >= 0.1 at step 20" in takeoff[1]
+    assert "seed 3   first success never, test >= 0.1 never" in takeoff[2]
     png = tmp_path / "plot.png"
     tb.plot(runs, budgets, png, "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
