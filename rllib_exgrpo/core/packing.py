@@ -4,14 +4,15 @@ A padded pass computes ``rows x (longest prompt + longest completion)`` token po
 whatever the rows' own lengths (``columns.py``: prompts left-padded, completions right-
 padded); with long-tailed completion lengths most of them are padding. A packed pass lays
 the rows' real tokens end to end, ``[p0 c0 | p1 c1 | ...]``, with positions restarting at 0
-for each row. Given ``position_ids`` and no attention mask, transformers' masking finds the
-row boundaries from the restarts and attends within a row only (a block-diagonal causal
-mask; flash-attention's variable-length kernel on GPUs), so each row is scored exactly as
-in its padded layout, and the pass computes only real tokens. This is verl's
-"remove padding" and OpenRLHF's packed samples.
+for each row. A variable-length attention kernel (``core/attention.py``: flash-attention's
+on GPUs, or this project's ``sdpa_varlen``) gets the row boundaries and attends within a
+row only, so each row is scored exactly as in its padded layout, and the pass computes
+only real tokens. This is verl's "remove padding" and OpenRLHF's packed samples. Under
+any other kernel transformers would build a dense block-diagonal ``[T, T]`` mask; the
+learner then does not pack (``ExGRPOTorchLearner._kernel_packs_rows``).
 
-Only the positions that predict a completion token are turned into vocabulary logits
-(``logits_to_keep`` as an index tensor), and the per-token results are scattered back into
+Only the positions that predict a completion token go through the LM head, a chunk of them
+at a time (``chunked_logprobs.py``), and the per-token results are scattered back into
 the ``[N, R]`` layout the loss reads (zeros where the response mask is 0).
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from rllib_exgrpo.core import columns as C
-from rllib_exgrpo.core.losses import streamed_entropy, token_logprobs_from_logits
+from rllib_exgrpo.core.chunked_logprobs import logprobs_entropy_from_hidden, split_causal_lm
+from rllib_exgrpo.core.attention import cu_seq_lens, model_kernel, packs_rows
 
 
 def pack_rows(columns: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -56,27 +58,39 @@ def is_packed(batch: Dict[str, Any]) -> bool:
 
 
 def score_packed(
-    model, batch: Dict[str, Any], *, temperature: float = 1.0, with_entropy: bool = True
+    model, batch: Dict[str, Any], *, temperature: float = 1.0, with_entropy: bool = True,
+    chunk_tokens: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(logp [N, R], entropy [N, R] or None)`` of a packed pass (``pack_rows``' columns
-    plus ``response_mask [N, R]``); the same values as the padded scoring of the rows."""
-    out = model(
-        input_ids=batch[C.PACKED_INPUT_IDS],
-        position_ids=batch[C.PACKED_POSITION_IDS],
-        logits_to_keep=batch[C.PACKED_LOGIT_INDEX],
-        use_cache=False,
-    )
-    logits = out.logits[0]  # [K, V], in the order of PACKED_LOGIT_INDEX
-    if temperature != 1.0:
-        logits = logits / temperature
-    targets = batch[C.PACKED_INPUT_IDS][0, batch[C.PACKED_LOGIT_INDEX] + 1]
+    plus ``response_mask [N, R]``); the same values as the padded scoring of the rows.
+
+    The decoder runs over the packed sequence; the ``K`` positions that predict completion
+    tokens go through the LM head ``chunk_tokens`` at a time (``chunked_logprobs.py``), so
+    the pass never holds a whole ``[K, V]`` logits tensor."""
+    inputs = dict(input_ids=batch[C.PACKED_INPUT_IDS], position_ids=batch[C.PACKED_POSITION_IDS])
+    if packs_rows(model_kernel(model), batch[C.PACKED_INPUT_IDS].device.type):
+        # The row boundaries, for flash-attention's variable-length kernel (and ours): it
+        # reads them as given instead of finding them in the positions at every layer.
+        bounds = cu_seq_lens(batch[C.PACKED_POSITION_IDS])
+        longest = int((bounds[1:] - bounds[:-1]).max())
+        inputs.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
+    index = batch[C.PACKED_LOGIT_INDEX]
+    targets = batch[C.PACKED_INPUT_IDS][0, index + 1]
+    parts = split_causal_lm(model)
+    if parts is not None:
+        decoder, head = parts
+        hidden = decoder(**inputs, use_cache=False).last_hidden_state[0]  # [T, H]
+        scored, head_fn = hidden.index_select(0, index), head  # [K, H]
+    else:
+        scored = model(**inputs, logits_to_keep=index, use_cache=False).logits[0]  # [K, V]
+        head_fn = torch.nn.Identity()
+    token_logp, token_entropy = logprobs_entropy_from_hidden(
+        scored, head_fn, targets, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
     shape = batch[C.RESPONSE_MASK].shape
     where = (batch[C.PACKED_TARGET_ROW], batch[C.PACKED_TARGET_COL])
-    token_logp = token_logprobs_from_logits(logits.unsqueeze(0), targets.unsqueeze(0))[0]
     logp = torch.zeros(shape, dtype=token_logp.dtype, device=token_logp.device).index_put(where, token_logp)
     entropy = None
     if with_entropy:
-        token_entropy = streamed_entropy(logits.unsqueeze(0))[0]
         entropy = torch.zeros(shape, dtype=token_entropy.dtype, device=token_entropy.device).index_put(
             where, token_entropy)
     return logp, entropy

@@ -21,16 +21,23 @@ def load_causal_lm(model_config: Dict[str, Any]):
     """Load the HF causal LM described by a module ``model_config`` dict.
 
     Keys: ``model`` (hub name, local path, or ``"tiny"`` / ``"smollm2"`` for the embedded
-    models), ``dtype``, ``gradient_checkpointing``, ``attn_implementation``.
+    models), ``dtype``, ``gradient_checkpointing``, ``attn_implementation`` (default and
+    ``"auto"``: :func:`rllib_exgrpo.core.attention.resolve_attn_implementation`).
     """
     from transformers import AutoModelForCausalLM
 
     from rllib_exgrpo.models import resolve_model_path
 
+    from rllib_exgrpo.core.attention import register_kernels, resolve_attn_implementation
+
     path = resolve_model_path(model_config["model"])
     kwargs = {"dtype": resolve_dtype(model_config.get("dtype", "float32"))}
-    if model_config.get("attn_implementation"):
-        kwargs["attn_implementation"] = model_config["attn_implementation"]
+    # "auto" is resolved here, in the process that runs the model: a learner on a GPU and
+    # an env runner on a CPU may get different kernels.
+    register_kernels()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    kwargs["attn_implementation"] = resolve_attn_implementation(
+        model_config.get("attn_implementation") or "auto", device_type)
     with _no_progress_bars():  # a bar per load would be a log line per actor
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if model_config.get("gradient_checkpointing"):

@@ -129,6 +129,8 @@ class ExGRPOConfig(AlgorithmConfig):
             "dtype": self.model_dtype,
             "master_dtype": "float32" if mixed else None,
             "gradient_checkpointing": self.gradient_checkpointing,
+            "attn_implementation": self.attn_implementation,
+            "logit_chunk_tokens": self.logit_chunk_tokens,
             "temperature": self.temperature,
         }
 

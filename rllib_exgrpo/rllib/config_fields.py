@@ -27,6 +27,8 @@ from rllib_exgrpo.core.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, RATIO
 from rllib_exgrpo.core.minibatches import MINIBATCH_SHUFFLES
 from rllib_exgrpo.exgrpo.buffer import BUCKET_WEIGHTINGS, LOGP_DTYPES, REPLAY_CONTENTS, TRAJECTORY_SELECTIONS
 from rllib_exgrpo.generation.base import GENERATION_BACKENDS, HF_DECODERS
+from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
+from rllib_exgrpo.core.attention import ATTN_IMPLEMENTATIONS
 from rllib_exgrpo.models.loading import MODEL_DTYPES
 
 BEHAVIOUR_LOGPROBS = ("recompute", "engine")
@@ -161,6 +163,15 @@ _MODEL = [
        "needs learner_backend deepspeed, which scales the loss); DeepSpeed keeps its fp32 master "
        "copy in the optimiser."),
     _f("gradient_checkpointing", False, boolean, "Recompute activations in the backward pass (less memory)."),
+    _f("attn_implementation", "auto", one_of(ATTN_IMPLEMENTATIONS),
+       "Attention kernel of the policy on learners and HF env runners (transformers' "
+       "attn_implementation; printed at start). 'auto': flash_attention_2 on CUDA where the "
+       "flash-attn package imports (the 'gpu' extra), else 'sdpa_varlen' (this project's "
+       "variable-length kernel: PyTorch SDPA once per packed row, no [T, T] mask; "
+       "core/attention.py). Packed learner passes (learner_sequence_packing) run only under "
+       "a variable-length kernel (flash_attention_2/3, sdpa_varlen, flex_attention on CUDA); "
+       "under 'sdpa' or 'eager' the learner uses sorted-and-trimmed padded passes and says so "
+       "once."),
 ]
 _SECTION = "sampling"
 _SAMPLING = [
@@ -370,8 +381,16 @@ _LEARNERS = [
        "With learner_micro_batch_tokens: lay a pass's rows end to end without padding, "
        "positions restarting per row (transformers attends within a row only: a block-diagonal "
        "mask, or flash-attention's variable-length kernel), so a pass computes only real "
-       "tokens (verl's remove-padding). False: padded passes of length-sorted rows, each "
-       "trimmed to its longest row (for attention implementations without packed sequences)."),
+       "tokens (verl's remove-padding). Needs a variable-length attention kernel "
+       "(attn_implementation); without one the learner falls back to False's passes. False: "
+       "padded passes of length-sorted rows, each trimmed to its longest row."),
+    _f("logit_chunk_tokens", DEFAULT_CHUNK_TOKENS, integer(),
+       "Positions whose vocabulary logits exist at once when log-probs and entropies are "
+       "computed on the learners (HF env runners' no-grad scoring uses the default): the LM head, log-softmax, picked log-prob and "
+       "entropy run this many tokens at a time and are recomputed in the backward pass "
+       "(core/chunked_logprobs.py, as Liger-Kernel's fused linear cross-entropy), so a pass "
+       "never holds its whole [tokens x vocabulary] logits: at vocabulary 152,064 a chunk of "
+       "512 is 297 MiB in float32. Same values and gradients at any size."),
     _f("learner_backend", "ddp", one_of(LEARNER_BACKENDS),
        "How num_learners >= 2 learners share the work: 'ddp' (RLlib's DistributedDataParallel, "
        "every learner a full copy of model and AdamW state) or 'deepspeed' (one DeepSpeed ZeRO "

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -62,6 +63,8 @@ from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.losses import STAT_TOKEN_SHARE, agg_totals, mixed_policy_loss
 from rllib_exgrpo.core.minibatches import trim_padding
 from rllib_exgrpo.core.scoring import score_learner_batch
+
+logger = logging.getLogger(__name__)
 
 
 class ExGRPOTorchLearner(TorchLearner):
@@ -123,7 +126,8 @@ class ExGRPOTorchLearner(TorchLearner):
         if config.kl_coeff > 0:
             with torch.no_grad(), self.module[module_id].unwrapped().autocast():
                 ref_logp, _ = score_learner_batch(
-                    self._reference_models[module_id], batch, temperature=config.temperature, with_entropy=False
+                    self._reference_models[module_id], batch, temperature=config.temperature, with_entropy=False,
+                    chunk_tokens=config.logit_chunk_tokens,
                 )
         loss, metrics = mixed_policy_loss(
             fwd_out[C.LOGP],
@@ -261,7 +265,7 @@ class ExGRPOTorchLearner(TorchLearner):
 
         max_rows = getattr(self.config, "learner_micro_batch_rows", None)
         max_tokens = getattr(self.config, "learner_micro_batch_tokens", None)
-        packed = bool(max_tokens) and bool(getattr(self.config, "learner_sequence_packing", True))
+        packed = bool(max_tokens) and bool(self.config.learner_sequence_packing) and self._kernel_packs_rows()
         rows = {mid: int(b[C.RESPONSE_MASK].shape[0]) for mid, b in batch.items() if C.RESPONSE_MASK in b}
         if not (max_rows or max_tokens) or not rows:
             return None
@@ -292,6 +296,32 @@ class ExGRPOTorchLearner(TorchLearner):
             chunk = {mid: take(batch[mid], rows[mid], plans[mid][i]) for mid in rows if i < len(plans[mid])}
             passes.append(chunk or self._empty_pass(batch, rows))
         return passes
+
+    def _kernel_packs_rows(self) -> bool:
+        """Whether every module's attention kernel runs packed passes without a dense
+        ``[T, T]`` mask (``core/attention.py``). Where one does not, packing is off for
+        this learner, said once: padded passes of length-sorted rows cost padding, a dense
+        mask over a packed pass costs ``T^2``."""
+        from rllib_exgrpo.core.attention import model_kernel, packs_rows
+
+        cached = getattr(self, "_packs_rows", None)
+        if cached is not None:
+            return cached
+        kernels = {}
+        for mid in self.module.keys():
+            module = self.module[mid]
+            module = module.unwrapped() if hasattr(module, "unwrapped") else module
+            model = getattr(module, "model", None)
+            device = next(model.parameters()).device.type if model is not None else "cpu"
+            kernels[mid] = (model_kernel(model), device)
+        self._packs_rows = all(packs_rows(kernel, device) for kernel, device in kernels.values())
+        if not self._packs_rows:
+            logger.warning(
+                "learner_sequence_packing: attention kernel %s has no variable-length path (a packed pass "
+                "would build a dense [T, T] mask); using sorted-and-trimmed padded passes. Set "
+                "attn_implementation to 'auto', 'sdpa_varlen' or 'flash_attention_2' to pack.",
+                sorted({k for k, _ in kernels.values()}, key=str))
+        return self._packs_rows
 
     def _empty_pass(self, batch: Dict[str, Any], rows: Dict[str, int]) -> Dict[str, Any]:
         """One row of ``batch`` with its completion mask zeroed: a forward and backward whose

@@ -102,6 +102,9 @@ class LLMTorchRLModule(TorchRLModule):
             AdamW step at lr 1e-6 rounds away on most bf16 weights). Env runners, which only
             sample, build the model in ``dtype``.
         gradient_checkpointing: trade compute for activation memory in the learner.
+        attn_implementation: the attention kernel (``core/attention.py``; "auto" resolves
+            per process: flash-attention 2 on CUDA where installed, else "sdpa_varlen").
+        logit_chunk_tokens: positions per chunk of the vocabulary-sized scoring.
         temperature: sampling temperature; log-probs are computed at this temperature
             so that importance ratios compare like with like.
     """
@@ -116,6 +119,8 @@ class LLMTorchRLModule(TorchRLModule):
             model_config["dtype"] = master
         self.model = load_causal_lm(model_config)
         self.temperature = float(self.model_config.get("temperature", 1.0))
+        #: Positions per chunk of the vocabulary-sized scoring (core/chunked_logprobs.py).
+        self.logit_chunk_tokens = self.model_config.get("logit_chunk_tokens")
 
     def autocast(self):
         """Mixed precision around a forward (a no-op without a master copy)."""
@@ -177,5 +182,6 @@ class LLMTorchRLModule(TorchRLModule):
 
     def _forward_train(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
         with self.autocast():  # a padded or a packed pass (core/packing.py)
-            logp, entropy = score_learner_batch(self.model, batch, temperature=self.temperature)
+            logp, entropy = score_learner_batch(self.model, batch, temperature=self.temperature,
+                                                chunk_tokens=self.logit_chunk_tokens)
         return {C.LOGP: logp, C.ENTROPY: entropy}
