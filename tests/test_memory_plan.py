@@ -245,8 +245,15 @@ def test_activation_formulas_scale_as_they_should():
     b = learner_activation_breakdown(Q7, 4, 5120, gradient_checkpointing=True, response_tokens=4096)
     # checkpointed: one [T, h] bf16 input per layer
     assert b["layers"] == 28 * 4 * 5120 * 3584 * 2
-    # the bf16 logits of 4 x 4097 positions and one fp32 copy of the 4 x 4096 scored ones
-    assert b["logits"] == 2 * 4 * 4097 * 152064 + 4 * 4 * 4096 * 152064
+    # no logits outlive their chunk; the chunk phase holds one chunk of 512 positions
+    # (bf16 logits, their float32 copy and the softmax: 10 bytes a logit) beside the head's
+    # [V, h] bf16 gradients and the scored hidden states' gradient
+    assert b["logits"] == 0 and b["chunk_tokens"] == 512
+    assert b["logit_chunks"] == 10 * 512 * 152064 + 2 * 2 * 152064 * 3584 + 4 * 4096 * 3584 * 2
+    # a packed pass of the same tokens under a variable-length kernel has no [S, S] masks
+    packed = learner_activation_breakdown(Q7, 1, 4 * 5120, gradient_checkpointing=True, response_tokens=4 * 4096,
+                                          dense_mask=False)
+    assert packed["layers"] == b["layers"] and packed["outside"] == b["outside"] - 4 * 5120 * 5120
     no = learner_activation_bytes(Q7, 4, 5120, gradient_checkpointing=False, response_tokens=4096)
     assert no > b["peak"] * 5  # 28 layers' saved activations dwarf the logits
     assert learner_activation_bytes(Q7, 4, 5120, gradient_checkpointing=True) > b["peak"]  # all positions scored

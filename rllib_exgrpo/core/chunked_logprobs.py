@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-#: Positions per chunk by default. At V = 152,064 one float32 chunk of logits is 297 MiB
-#: (and a bf16 one 149 MiB); the backward's peak is about three of them
+#: Positions per chunk by default. At V = 152,064 one float32 chunk of logits is 297 MiB;
+#: a pass's peak is about 4.5 of them, 1.3 GiB whatever the pass's length
 #: (benchmarks/logprob_memory.py). 512 rows of a [512 x H] @ [H x V] product keep a GPU's
 #: matrix units busy (H >= 896 for every shipped recipe).
 DEFAULT_CHUNK_TOKENS = 512
@@ -52,10 +52,12 @@ class _PickedLogpEntropy(torch.autograd.Function):
         logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
         if with_entropy:
             log_q = z.sub_(lse.unsqueeze(-1)) if z is not logits else z - lse.unsqueeze(-1)
-            q = torch.exp(log_q)
-            # p log p with 0 log 0 = 0 (a -inf logit: masked vocabulary).
-            entropy = -(q * log_q).masked_fill_(q == 0, 0.0).sum(-1)
-            del log_q, q
+            # q log q in q's memory; 0 log 0 (a -inf logit: masked vocabulary) is NaN there
+            # and counts 0. Peak: the logits, log q and q (three float32 [C, V] for float32
+            # logits; for bf16 ones, a half plus two).
+            q_log_q = torch.exp(log_q).mul_(log_q).nan_to_num_(nan=0.0)
+            entropy = -q_log_q.sum(-1)
+            del log_q, q_log_q
         else:
             entropy = torch.zeros_like(lse)
         ctx.inv_temperature = inv_temperature
@@ -71,15 +73,22 @@ class _PickedLogpEntropy(torch.autograd.Function):
             z = z * ctx.inv_temperature
         log_q = z.sub_(lse.unsqueeze(-1)) if z is not logits else z - lse.unsqueeze(-1)
         q = torch.exp(log_q)
-        grad = torch.zeros_like(q)
+        # The gradient is built in the memory of log q (or of q): the backward holds the
+        # logits, log q and q, as the forward.
         if ctx.with_entropy and grad_entropy is not None:
-            # -g_H * q * (log q + H), built in log_q's memory; 0 where q = 0.
+            # -g_H * q * (log q + H); 0 where q = 0 (NaN there).
             grad = log_q.add_(entropy.unsqueeze(-1)).mul_(q).mul_(-grad_entropy.unsqueeze(-1))
-            grad.masked_fill_(q == 0, 0.0)
-        if grad_logp is not None:
-            grad.sub_(q.mul_(grad_logp.unsqueeze(-1)))
-            grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
+            grad.nan_to_num_(nan=0.0)
+            if grad_logp is not None:
+                grad.sub_(q.mul_(grad_logp.unsqueeze(-1)))
+        elif grad_logp is not None:
+            del log_q
+            grad = q.mul_(-grad_logp.unsqueeze(-1))
+        else:
+            grad = torch.zeros_like(q)
         del q
+        if grad_logp is not None:
+            grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
         if ctx.inv_temperature != 1.0:
             grad.mul_(ctx.inv_temperature)
         return grad.to(logits.dtype), None, None, None

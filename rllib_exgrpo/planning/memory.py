@@ -43,6 +43,16 @@ VLLM_DEFAULT_UTILIZATION = 0.9
 #: Per GPU process, not counted by torch's allocator: CUDA context, cuBLAS / NCCL workspaces.
 #: An assumption (typically 0.5-1 GiB), printed as such.
 PROCESS_OVERHEAD_BYTES = 1 << 30
+#: The share of a card the plan leaves unused: an "80 GB" H100 / A100 reports 79.2-79.6 GiB
+#: to torch (up to 0.8 GiB under a nominal ``gpu_memory_gb: 80``), and the caching
+#: allocator loses some to fragmentation between passes of different sizes (less with
+#: ``expandable_segments``, which every actor sets: ``rllib/resources.py``). 3%: 2.4 GiB of 80.
+CARD_RESERVE_FRACTION = 0.03
+
+
+def usable_memory(total: int) -> int:
+    """What the plan lets one GPU's actors use: ``total`` less :data:`CARD_RESERVE_FRACTION`."""
+    return int(total * (1.0 - CARD_RESERVE_FRACTION))
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -51,12 +61,11 @@ def dtype_bytes(name: str) -> int:
     return _DTYPE_BYTES.get(str(name), 4)
 
 
-def _entropy_chunk_rows() -> int:
-    try:
-        from rllib_exgrpo.core.losses import ENTROPY_CHUNK_ROWS
-    except Exception:  # noqa: BLE001 - core needs torch
-        return 256
-    return int(ENTROPY_CHUNK_ROWS)
+def _default_chunk() -> int:
+    """``logit_chunk_tokens``' default (``core/chunked_logprobs.py``)."""
+    from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
+
+    return int(DEFAULT_CHUNK_TOKENS)
 
 
 # ------------------------------------------------------------------ model states
@@ -172,14 +181,15 @@ def _mode(dtype_bytes: int, autocast: bool) -> str:
     return "fp32" if int(dtype_bytes) >= 4 else "half"
 
 
-def layer_saved_bytes(shape: ModelShape, rows: int, tokens: int, mode: str) -> int:
+def layer_saved_bytes(shape: ModelShape, rows: int, tokens: int, mode: str, *, dense_mask: bool = True) -> int:
     """What autograd keeps of one decoder layer for the backward (no checkpointing).
 
     Per token: the RMSNorms' fp32 inputs and outputs, the projections' inputs, q and k, v
     repeated to every head plus the attention output, its log-sum-exp, the MLP's gate, up,
-    activation and product; per row, SDPA's float mask ``[S, S]``. Counted tensor by tensor
-    with ``saved_tensors_hooks`` (bytes per token, h hidden, ad = heads x head dim, i
-    intermediate, a heads)::
+    activation and product; per row, SDPA's float mask ``[S, S]`` when the pass is padded
+    (``dense_mask``; a packed pass under a variable-length kernel has none). Counted tensor
+    by tensor with ``saved_tensors_hooks`` (bytes per token, h hidden, ad = heads x head
+    dim, i intermediate, a heads)::
 
         bf16 (DeepSpeed)        16h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row
         fp32                    24h + 16ad + 16i + 4a + 8,   mask 4 S^2 per row
@@ -188,38 +198,36 @@ def layer_saved_bytes(shape: ModelShape, rows: int, tokens: int, mode: str) -> i
     h, ad, i, a = shape.hidden_size, shape.attention_width, shape.intermediate_size, shape.num_attention_heads
     t = rows * tokens
     coef = {"half": (16, 8, 8, 2), "fp32": (24, 16, 16, 4), "autocast": (26, 8, 8, 2)}[mode]
-    return t * (coef[0] * h + coef[1] * ad + coef[2] * i + 4 * a + 8) + coef[3] * rows * tokens * tokens
+    mask = coef[3] * rows * tokens * tokens if dense_mask else 0
+    return t * (coef[0] * h + coef[1] * ad + coef[2] * i + 4 * a + 8) + mask
 
 
-def _entropy_chunk_peak(rows: int, r: int, fresh: int) -> float:
-    """Positions' worth of fp32 ``[positions, V]`` temporaries at the peak of the streamed
-    entropy's backward (``core/losses._StreamedEntropy``), chunk by chunk of at most
-    ``ENTROPY_CHUNK_ROWS`` positions of one row: computing a chunk's ``p`` and ``log p``
-    makes ``fresh`` of them (the fp32 copy when the logits are bf16, log p, p, p log p, the
-    masked product) while the previous chunk's p, log p and gradient are still referenced;
-    its gradient ``-p (log p + H)`` then makes three more next to p, log p and the previous
-    gradient. Plus the boolean ``p > 0`` (a quarter of an fp32 chunk)."""
-    step = _entropy_chunk_rows()
-    sizes = [step] * (r // step) + ([r % step] if r % step else [])
-    if not sizes:
-        return 0
-    pairs = [(0, sizes[0])] + list(zip(sizes, sizes[1:]))
-    if rows > 1:
-        pairs.append((sizes[-1], sizes[0]))
-    return max(max(3 * prev + fresh * cur, prev + 5 * cur) + cur / 4 for prev, cur in pairs)
+def logit_chunk_bytes(vocab: int, chunk: int, *, half: bool) -> int:
+    """Peak of one chunk of the vocabulary-sized scoring (``core/chunked_logprobs.py``),
+    forward or backward: the chunk's logits, log q and q. Float32 logits: three float32
+    ``[C, V]``; bf16 logits (bf16 weights, or autocast): the bf16 logits, their float32
+    copy (turned into log q in place) and q; in the backward the gradient is built in
+    log q's memory and cast to bf16 (a half more) after q is freed."""
+    c, v = int(chunk), int(vocab)
+    return (2 + 4 + 4) * c * v if half else 3 * 4 * c * v
 
 
 def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, gradient_checkpointing: bool,
                                  dtype_bytes: int = 2, response_tokens: Optional[int] = None,
-                                 autocast: bool = False) -> Dict[str, int]:
+                                 autocast: bool = False, dense_mask: bool = True,
+                                 chunk_tokens: Optional[int] = None) -> Dict[str, int]:
     """The parts of :func:`learner_activation_bytes` (bytes): ``layers`` (saved by the
     decoder layers, or their inputs with checkpointing), ``outside`` (embedding ids, rotary
-    tables, final norm, the lm_head's input), ``logits`` (the kept logits and the log-prob
-    path's copies), the backward phases ``entropy_backward`` / ``logprob_backward`` (the
-    logits' gradient, the entropy's chunk temporaries, log-sum-exp's temporaries),
-    ``lm_head_backward`` / ``embedding_backward`` (the ``[V, h]`` weight gradients),
-    ``layer_backward`` (recomputing / differentiating one layer), ``forward_end``, and
-    ``peak`` with ``peak_phase``, the largest of the phases (all beyond the model states)."""
+    tables, final norm, the scored positions' hidden states), ``logits`` (0: no logits
+    outlive their chunk), ``logit_chunks`` (the chunk phase beyond what is saved: one
+    chunk's logits and softmax, the LM head's weight gradients, the scored hidden states'
+    gradient), ``layer_backward`` (recomputing / differentiating one layer),
+    ``embedding_backward`` (the ``[V, h]`` weight gradients at the end), ``forward_end``,
+    and ``peak`` with ``peak_phase``, the largest of the phases (all beyond the model
+    states). ``dense_mask``: the pass is padded (SDPA's ``[S, S]`` mask per row); a packed
+    pass under a variable-length kernel is ``rows=1, tokens=`` its length, without.
+    ``chunk_tokens``: ``logit_chunk_tokens`` (None: its default)."""
+    chunk_tokens = _default_chunk() if chunk_tokens is None else int(chunk_tokens)
     rows, tokens = int(rows), int(tokens)
     r = int(tokens if response_tokens is None else min(int(response_tokens), tokens))
     mode = _mode(dtype_bytes, autocast)
@@ -228,68 +236,60 @@ def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, g
     half = mode in ("half", "autocast")
     compute = 2 if half else 4            # logits, lm_head input
     residual = 2 if mode == "half" else 4  # the residual stream (a layer's checkpointed input)
-    per_layer = layer_saved_bytes(shape, rows, tokens, mode)
+    per_layer = layer_saved_bytes(shape, rows, tokens, mode, dense_mask=dense_mask)
     # Outside the layers: ids, the rotary tables, the final RMSNorm (fp32 input + output),
-    # the lm_head's input copy. With checkpointing the layers keep only their inputs, and
-    # the boolean mask and rotary tables live on in the checkpoints' closures.
+    # the scored positions' hidden states (the head's input, gathered). With checkpointing
+    # the layers keep only their inputs, and the boolean mask and rotary tables live on in
+    # the checkpoints' closures.
     final_norm = 6 * t * h if mode == "half" else 8 * t * h
     rope = 2 * t * d * (2 if mode == "half" else 4)
-    outside = 8 * t + final_norm + 4 * t + rows * (r + 1) * h * compute + rope
+    outside = 8 * t + final_norm + 4 * t + rows * r * h * compute + rope
     if gradient_checkpointing:
         layers = n_layers * t * h * residual
-        outside += rows * tokens * tokens
+        outside += rows * tokens * tokens if dense_mask else 0
     else:
         layers = n_layers * per_layer
-    kept = rows * (r + 1) * v  # logits_to_keep = response + 1 positions
-    scored = rows * r * v
-    if half:
-        # bf16 logits kept by the entropy; one fp32 copy per row kept by log-sum-exp
-        logits = 2 * kept + 4 * scored
-        entropy_bwd = 2 * scored + int(4 * v * _entropy_chunk_peak(rows, r, 5))  # bf16 gradient + chunks
-        # after the entropy's backward the bf16 logits are gone; log-sum-exp's backward of
-        # one row holds three fp32 [R, V] temporaries
-        logprob_bwd = 2 * scored + 3 * 4 * r * v - 2 * kept
-    else:
-        logits = 4 * kept
-        entropy_bwd = 4 * scored + int(4 * v * _entropy_chunk_peak(rows, r, 4))
-        logprob_bwd = 4 * scored + 3 * 4 * scored        # log-sum-exp's backward over [N, R, V]
-    saved = layers + outside + logits
-    # Backward through the layers, logits gone: the MLP's two [T, i] input gradients and the
-    # hidden state's gradient on top of what is saved, and with checkpointing the
-    # recomputed layer's saved activations.
+    scored = rows * r  # positions whose logits are computed, a chunk at a time
+    c = min(int(chunk_tokens), max(1, scored))
+    chunk_peak = logit_chunk_bytes(v, c, half=half)
+    saved = layers + outside
+    # Backward through the layers: the MLP's two [T, i] input gradients and the hidden
+    # state's gradient on top of what is saved, and with checkpointing the recomputed
+    # layer's saved activations.
     layer_bwd = 2 * t * shape.intermediate_size * compute + 4 * t * h
     if gradient_checkpointing:
         layer_bwd += per_layer
-    # The embedding matrix's gradient (a new [V, h] tensor in the parameters' dtype) made by
-    # the lm_head's backward; with tied embeddings it waits in autograd's input buffer for
-    # the embedding's own [V, h] gradient (and their sum) at the very end of the backward.
+    # The LM head's weight gradient ([V, h] in the parameters' dtype): every chunk's
+    # backward makes one, added into the running sum autograd keeps; with tied embeddings
+    # that sum waits for the embedding's own [V, h] gradient at the very end.
     vh = v * h
     grad_bytes = 2 if mode == "half" else 4
     head_grad = vh * grad_bytes + (2 * vh if mode == "autocast" else 0)  # autocast: bf16, then fp32
-    lm_head_bwd = kept * compute + head_grad
+    # The chunk phase: a chunk's recomputed logits and their softmax, the head's running
+    # and new weight gradients, the gradient of the scored hidden states ([K, h]).
+    logits_bwd = chunk_peak + 2 * head_grad + scored * h * compute
     if shape.tie_word_embeddings:
         layer_bwd += vh * grad_bytes
         embedding_bwd = 3 * vh * grad_bytes
     else:
         embedding_bwd = vh * grad_bytes
+    logits = 0  # nothing vocabulary-sized outlives its chunk
     peaks = {
         "forward_end": saved,
-        "entropy_backward": saved + entropy_bwd,
-        "logprob_backward": saved + logprob_bwd,
-        "lm_head_backward": layers + outside + lm_head_bwd,
+        "logit_chunks": saved + logits_bwd,
         "layer_backward": layers + outside + layer_bwd,
         "embedding_backward": embedding_bwd + 8 * t,
     }
     peak = max(peaks.values())
-    return dict(layers=int(layers), outside=int(outside), logits=int(logits), entropy_backward=int(entropy_bwd),
-                logprob_backward=int(logprob_bwd), lm_head_backward=int(lm_head_bwd), layer_backward=int(layer_bwd),
-                embedding_backward=int(embedding_bwd), forward_end=int(saved), peak=int(peak),
-                peak_phase=max(peaks, key=peaks.get))
+    return dict(layers=int(layers), outside=int(outside), logits=int(logits), logit_chunks=int(logits_bwd),
+                chunk_tokens=int(c), layer_backward=int(layer_bwd), embedding_backward=int(embedding_bwd),
+                forward_end=int(saved), peak=int(peak), peak_phase=max(peaks, key=peaks.get))
 
 
 def learner_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, gradient_checkpointing: bool,
                              dtype_bytes: int = 2, response_tokens: Optional[int] = None,
-                             autocast: bool = False) -> int:
+                             autocast: bool = False, dense_mask: bool = True,
+                             chunk_tokens: Optional[int] = None) -> int:
     """Peak activation + logits / log-prob buffers of one forward + backward pass of
     ``rows x tokens`` in this project's learner (``completion_logprobs_and_entropy`` with
     the entropy, then ``mixed_policy_loss``), beyond the model states.
@@ -303,20 +303,22 @@ def learner_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, gradi
     """
     return learner_activation_breakdown(shape, rows, tokens, gradient_checkpointing=gradient_checkpointing,
                                         dtype_bytes=dtype_bytes, response_tokens=response_tokens,
-                                        autocast=autocast)["peak"]
+                                        autocast=autocast, dense_mask=dense_mask,
+                                        chunk_tokens=chunk_tokens)["peak"]
 
 
 def scoring_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, response_tokens: Optional[int] = None,
-                             dtype_bytes: int = 2, with_entropy: bool = True) -> int:
+                             dtype_bytes: int = 2, with_entropy: bool = True, dense_mask: bool = True,
+                             chunk_tokens: Optional[int] = None) -> int:
     """Peak of one scoring pass without gradients (``torch.no_grad``) over ``rows x
     tokens``: an env runner's behaviour log-probs / lowest-entropy scoring of one
     ``generation_batch_size`` chunk, or the learner's frozen KL reference.
 
     The larger of the layer phase (the boolean mask and the input embeddings for the whole
     forward; in the attention q, k and v, both repeated to every head, the float mask and
-    the output; in the MLP the activation, up and their product) and the logits phase (the
-    kept logits; with bf16 logits one fp32 row copy and log-sum-exp's temporary, with fp32
-    logits log-sum-exp's temporary over all of them; the entropy's chunk temporaries).
+    the output; in the MLP the activation, up and their product) and the logit phase (the
+    final hidden states and the scored positions' copy, one chunk's logits and softmax:
+    :func:`logit_chunk_bytes`). ``dense_mask`` False: a packed pass, no ``[S, S]`` mask.
     """
     rows, tokens = int(rows), int(tokens)
     r = int(tokens if response_tokens is None else min(int(response_tokens), tokens))
@@ -324,20 +326,14 @@ def scoring_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, respo
     h, ad, kd, i, v, d = (shape.hidden_size, shape.attention_width, shape.kv_width, shape.intermediate_size,
                           shape.vocab_size, shape.head_dim)
     t = rows * tokens
-    base = 8 * t + 2 * t * d * b + rows * tokens * tokens + t * h * b
-    attention = base + 2 * t * h * b + t * b * (4 * ad + 2 * kd) + b * rows * tokens * tokens
+    masks = rows * tokens * tokens if dense_mask else 0
+    base = 8 * t + 2 * t * d * b + masks + t * h * b
+    attention = base + 2 * t * h * b + t * b * (4 * ad + 2 * kd) + b * masks
     mlp = base + 3 * t * h * b + 3 * t * i * b
     norm = base + 2 * t * h * b + (2 * 4 * t * h if b == 2 else 0)
-    kept = rows * (r + 1) * v
-    chunk = min(_entropy_chunk_rows(), r) * v
-    if b == 2:
-        logits = 2 * kept + 2 * 4 * r * v
-        entropy = 2 * kept + 5 * 4 * chunk
-    else:
-        logits = 4 * kept + 4 * rows * r * v
-        entropy = 4 * kept + 4 * 4 * chunk
-    phases = [attention, mlp, norm, logits] + ([entropy] if with_entropy else [])
-    return int(max(phases))
+    chunk = min(_default_chunk() if chunk_tokens is None else int(chunk_tokens), max(1, rows * r))
+    logits = t * h * b + rows * r * h * b + logit_chunk_bytes(v, chunk, half=b == 2)
+    return int(max(attention, mlp, norm, logits))
 
 
 # ------------------------------------------------------------------ the plan
@@ -411,8 +407,12 @@ class MemoryPlan:
             return "\n".join(lines)
         lines.append(f"{indent}shape: {self.shape.describe()}")
         lines.append(f"{indent}       from {self.shape.source}")
-        gpu = _gib(self.gpu_memory) if self.gpu_memory is not None else "unknown"
-        lines.append(f"{indent}GPU memory: {gpu} ({self.gpu_memory_source})")
+        if self.gpu_memory is None:
+            lines.append(f"{indent}GPU memory: unknown ({self.gpu_memory_source})")
+        else:
+            lines.append(f"{indent}GPU memory: {_gib(self.gpu_memory)} ({self.gpu_memory_source}); the plan uses "
+                         f"{_gib(usable_memory(self.gpu_memory))} (a {CARD_RESERVE_FRACTION:.0%} reserve: what torch "
+                         f"cannot allocate of a nominal size, allocator fragmentation)")
         for note in self.notes:
             lines.append(f"{indent}note: {note}")
         for a in self.actors:
@@ -551,6 +551,59 @@ def _learner_rows(config: Any, tokens: int) -> int:
     return rows
 
 
+@dataclass
+class LearnerPass:
+    """The largest forward/backward pass a learner runs. Packed (``learner_micro_batch_tokens``
+    with ``learner_sequence_packing`` under a variable-length kernel): one sequence of the
+    budget's tokens (or one row longer than it), every position possibly scored, no
+    ``[S, S]`` mask. Padded: ``rows`` rows of the longest row's width, a mask per row."""
+
+    rows: int
+    tokens: int
+    response: int
+    packed: bool
+    kernel: str
+    #: The longest row (prompt + completion): a pass holds at least one.
+    row_tokens: int = 0
+
+    def describe(self) -> str:
+        if self.packed:
+            return f"one packed pass of {self.tokens} tokens ({self.kernel}, no [T, T] mask)"
+        return f"{self.rows} rows x {self.tokens} tokens (padded, {self.kernel})"
+
+
+def planned_kernel(config: Any) -> str:
+    """The attention kernel a GPU learner gets for ``attn_implementation``: "auto" is
+    flash_attention_2 where flash-attn is installed, else sdpa_varlen; both are variable-
+    length kernels, so the plan is the same for either (named "auto" here)."""
+    name = str(_get(config, "attn_implementation", "auto"))
+    return "flash_attention_2 or sdpa_varlen" if name == "auto" else name
+
+
+def learner_pass(config: Any, prompt: int, response: int, *, budget: Optional[int] = None) -> LearnerPass:
+    """The largest pass of the config (``budget`` overrides ``learner_micro_batch_tokens``)."""
+    from rllib_exgrpo.core.attention import packs_rows
+
+    tokens = prompt + response
+    budget = budget if budget is not None else getattr(config, "learner_micro_batch_tokens", None)
+    name = str(_get(config, "attn_implementation", "auto"))
+    kernel = planned_kernel(config)
+    packing = bool(_get(config, "learner_sequence_packing", True))
+    if budget and packing and (name == "auto" or packs_rows(name, "cuda")):
+        length = max(int(budget), tokens)
+        return LearnerPass(1, length, length, True, kernel, tokens)
+    rows = _learner_rows(config, tokens) if budget is None or budget == getattr(
+        config, "learner_micro_batch_tokens", None) else max(1, -(-int(budget) // tokens))
+    return LearnerPass(rows, tokens, response, False, kernel, tokens)
+
+
+def _pass_activations(shape: ModelShape, lp: LearnerPass, *, ckpt: bool, mode_bytes: int, autocast: bool,
+                      chunk: Optional[int], rows: Optional[int] = None) -> Dict[str, int]:
+    return learner_activation_breakdown(shape, rows or lp.rows, lp.tokens, gradient_checkpointing=ckpt,
+                                        dtype_bytes=mode_bytes, response_tokens=lp.response, autocast=autocast,
+                                        dense_mask=not lp.packed, chunk_tokens=chunk)
+
+
 def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int) -> ActorPlan:
     backend = _get(config, "learner_backend", "ddp")
     stage = int(_get(config, "deepspeed_zero_stage", 2))
@@ -598,16 +651,20 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
                               f"{what}optimizer state and the step's fp32 gradients; this plan {_gib(ours)} "
                               f"({(ours - ds) / ds:+.0%})")
     tokens = prompt + response
-    rows = _learner_rows(config, tokens)
-    act = learner_activation_breakdown(shape, rows, tokens, gradient_checkpointing=ckpt, dtype_bytes=mode_bytes,
-                                       response_tokens=response, autocast=autocast)
+    chunk = getattr(config, "logit_chunk_tokens", None)
+    lp = learner_pass(config, prompt, response)
+    act = _pass_activations(shape, lp, ckpt=ckpt, mode_bytes=mode_bytes, autocast=autocast, chunk=chunk)
     how = "checkpointed layer inputs" if ckpt else "saved per layer"
-    it(Item("activations", act["layers"] + act["outside"], f"{rows} rows x {tokens} tokens, {how}"))
-    it(Item("logits / log-prob buffers", act["peak"] - act["layers"] - act["outside"],
-            f"at the {act['peak_phase'].replace('_', ' ')} peak: {rows} x {response + 1} x vocab {shape.vocab_size}"))
+    it(Item("activations", act["layers"] + act["outside"], f"{lp.describe()}, {how}"))
+    it(Item("backward working set", act["peak"] - act["layers"] - act["outside"],
+            f"at the {act['peak_phase'].replace('_', ' ')} peak; log-prob chunks of {act['chunk_tokens']} positions x "
+            f"vocab {shape.vocab_size}, recomputed in backward: {_gib(act['logit_chunks'])}"))
     if _get(config, "scoring_on", "runners") == "learners":
-        # Before the update, with the same passes: nothing of the update is held yet.
-        scoring = scoring_activation_bytes(shape, rows, tokens, response_tokens=response, dtype_bytes=mode_bytes)
+        # Before the update: padded passes of length-sorted rows under the same budget
+        # (rows come back in place); nothing of the update is held yet.
+        rows = _learner_rows(config, tokens)
+        scoring = scoring_activation_bytes(shape, rows, tokens, response_tokens=response, dtype_bytes=mode_bytes,
+                                           chunk_tokens=chunk)
         if scoring > act["peak"]:
             it(Item("scoring pass", scoring - act["peak"], "scoring_on: learners: no-grad pass beyond the update's"))
         else:
@@ -617,8 +674,9 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     if kl:
         ref_bytes = p * (4 if backend == "ddp" else 2)
         it(Item("KL reference model", ref_bytes, "frozen copy of the policy (kl_coeff > 0)"))
-        ref_pass = scoring_activation_bytes(shape, rows, tokens, response_tokens=response, dtype_bytes=mode_bytes,
-                                            with_entropy=False)
+        ref_pass = scoring_activation_bytes(shape, lp.rows, lp.tokens, response_tokens=lp.response,
+                                            dtype_bytes=mode_bytes, with_entropy=False, dense_mask=not lp.packed,
+                                            chunk_tokens=chunk)
         extra = max(0, act["forward_end"] + ref_pass - act["peak"])
         if extra:
             it(Item("KL reference pass", extra, "no-grad scoring of the pass on top of the saved activations"))
@@ -629,28 +687,31 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
         it(Item("optimizer step extra", step_extra, "fp32 temporaries of the step beyond the pass's activations"))
     it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
     if gpu is not None and per > 0:
-        plan.budget = int(min(1.0, per) * gpu)
+        plan.budget = int(min(1.0, per) * usable_memory(gpu))
         if plan.fits is False:
-            _learner_advice(plan, config, shape, states, act, prompt, response, mode_bytes, autocast)
+            _learner_advice(plan, config, shape, states, act, lp, mode_bytes, autocast)
     return plan
 
 
 def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dict[str, int], act: Dict[str, int],
-                    prompt: int, response: int, mode_bytes: int, autocast: bool) -> None:
+                    lp: LearnerPass, mode_bytes: int, autocast: bool) -> None:
     """The one key to change, and to what."""
     backend = _get(config, "learner_backend", "ddp")
     stage = int(_get(config, "deepspeed_zero_stage", 2))
     nl = max(1, int(_get(config, "num_learners", 0)))
     ckpt = bool(_get(config, "gradient_checkpointing", False))
+    chunk = getattr(config, "logit_chunk_tokens", None)
     fixed = plan.total - act["peak"] - max(0, states["step_extra"] - states["autocast_copies"] - act["peak"])
     room = plan.budget - fixed
 
+    def act_of(c: bool, rows: Optional[int] = None, pass_: Optional[LearnerPass] = None, half: int = mode_bytes,
+               ac: bool = autocast) -> int:
+        return _pass_activations(shape, pass_ or lp, ckpt=c, mode_bytes=half, autocast=ac, chunk=chunk,
+                                 rows=rows)["peak"]
+
     def stage_fits(s: int) -> bool:
         st = model_state_bytes(shape, backend="deepspeed", zero_stage=s, num_learners=nl, model_dtype="bfloat16")
-        a = learner_activation_bytes(shape, _learner_rows(config, prompt + response), prompt + response,
-                                     gradient_checkpointing=ckpt,
-                                     dtype_bytes=2, response_tokens=response)
-        return st["total"] + a + PROCESS_OVERHEAD_BYTES <= plan.budget
+        return st["total"] + act_of(ckpt, half=2, ac=False) + PROCESS_OVERHEAD_BYTES <= plan.budget
 
     if room <= 0 or states["total"] > plan.budget // 2:
         if backend == "ddp":
@@ -665,37 +726,42 @@ def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dic
             plan.advice = (f"ZeRO-{stage} keeps {_gib(states['total'])} of model states per learner; "
                            f"deepspeed_zero_stage: 3 shards the weights too")
             return
-    tokens = prompt + response
-    rows = _learner_rows(config, tokens)
-
-    def act_of(r: int, c: bool) -> int:
-        return learner_activation_bytes(shape, r, tokens, gradient_checkpointing=c, dtype_bytes=mode_bytes,
-                                        response_tokens=response, autocast=autocast)
-
-    if not ckpt and act_of(rows, True) <= room:
+    if not ckpt and act_of(True) <= room:
         plan.key = "gradient_checkpointing"
-        plan.advice = (f"activations of {rows} rows x {tokens} tokens take {_gib(act['peak'])}; with "
-                       f"gradient_checkpointing: true {_gib(act_of(rows, True))}")
+        plan.advice = (f"activations of {lp.describe()} take {_gib(act['peak'])}; with "
+                       f"gradient_checkpointing: true {_gib(act_of(True))}")
         return
-    fit = [r for r in range(rows - 1, 0, -1) if act_of(r, ckpt) <= room]
-    if fit:
-        more = "" if ckpt else " (gradient_checkpointing: true allows more)"
-        if getattr(config, "learner_micro_batch_tokens", None):
+    more = "" if ckpt else " (gradient_checkpointing: true allows more)"
+    row = lp.row_tokens
+    if lp.packed:
+        budgets = [b for b in range(lp.tokens - 1024, row - 1, -1024) if b > 0]
+        fit = [b for b in budgets if act_of(ckpt, pass_=LearnerPass(1, b, b, True, lp.kernel, row)) <= room]
+        if fit:
             plan.key = "learner_micro_batch_tokens"
-            plan.advice = (f"passes of {rows * tokens} tokens need {_gib(act['peak'])} of activations, "
-                           f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0] * tokens} fits{more}")
+            plan.advice = (f"a packed pass of {lp.tokens} tokens needs {_gib(act['peak'])} of activations, "
+                           f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0]} fits{more}")
             return
-        plan.key = "learner_micro_batch_rows"
-        plan.advice = (f"passes of {rows} rows x {tokens} tokens need {_gib(act['peak'])} of activations, "
-                       f"{_gib(max(room, 0))} are left: learner_micro_batch_rows: {fit[0]} fits{more}")
-        return
-    if not ckpt and act_of(1, True) <= room:
+    else:
+        fit = [r for r in range(lp.rows - 1, 0, -1) if act_of(ckpt, rows=r) <= room]
+        if fit:
+            if getattr(config, "learner_micro_batch_tokens", None):
+                plan.key = "learner_micro_batch_tokens"
+                plan.advice = (f"passes of {lp.rows * lp.tokens} tokens need {_gib(act['peak'])} of activations, "
+                               f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0] * lp.tokens} "
+                               f"fits{more}")
+                return
+            plan.key = "learner_micro_batch_rows"
+            plan.advice = (f"passes of {lp.describe()} need {_gib(act['peak'])} of activations, "
+                           f"{_gib(max(room, 0))} are left: learner_micro_batch_rows: {fit[0]} fits{more}")
+            return
+    one_row = LearnerPass(1, row, row if lp.packed else lp.response, lp.packed, lp.kernel, row)
+    if not ckpt and act_of(True, pass_=one_row) <= room:
         plan.key = "gradient_checkpointing"
         plan.advice = "even one row does not fit without it: gradient_checkpointing: true and fewer rows per pass"
         return
     plan.key = "max_response_tokens"
-    plan.advice = (f"one row of {tokens} tokens needs {_gib(act_of(1, ckpt))} of activations, {_gib(max(room, 0))} "
-                   "are left: shorter completions, or more learners to shard the model states")
+    plan.advice = (f"one row of {row} tokens needs {_gib(act_of(ckpt, pass_=one_row))} of activations, "
+                   f"{_gib(max(room, 0))} are left: shorter completions, or more learners to shard the model states")
 
 
 def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int,
@@ -753,7 +819,7 @@ def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int
         it(Item("scoring pass", score, f"{what}: generation_batch_size {chunk} rows x {tokens} tokens, no grad"))
     it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
     if gpu is not None and per > 0:
-        plan.budget = int(min(1.0, per) * gpu)
+        plan.budget = int(min(1.0, per) * usable_memory(gpu))
         if not plan.failed and plan.fits is False:
             others = plan.total - (vllm_share or 0)
             if vllm_share is not None and score < plan.budget // 4:
