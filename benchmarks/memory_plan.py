@@ -22,8 +22,19 @@ paths (DeepSpeed: bf16 weights; DDP with ``model_dtype: bfloat16``: fp32 weights
 autocast) on ``qwen2-probe``, a narrow model, because bf16 matrix products on a CPU without
 AVX-512 BF16 run ~80x slower than fp32. Each shape runs in its own subprocess.
 
-Prints estimate vs measured per configuration; the last line is
-``activation_error_max=X`` (the worst |estimate / measured - 1|).
+Prints estimate vs measured per configuration and ``activation_error_max=X`` (the worst
+|estimate / measured - 1|).
+
+Then the learner step at the real vocabulary (``--packed``, on by default): ``qwen2-vocab``,
+a Qwen2 that is narrow and shallow (hidden 64, 2 layers) with Qwen2.5's vocabulary of
+152,064 and tied embeddings, in float32 (the DDP learner's CPU path), takes one packed pass
+of 16 rows x (64 + 448) tokens (``learner_micro_batch_tokens: 8192``, ``sdpa_varlen``, log-probs
+in chunks of ``logit_chunk_tokens``), its GRPO loss, backward and AdamW step, after a warm-up
+step (gradients and AdamW state exist, as in a learner's steady state). Measured: the peak
+of live tensor bytes over the step, beyond the weights (gradients, AdamW state, the pass's
+activations and the step's temporaries); planned: the learner's plan for the same config
+(``planning.memory``'s learner items) less its weights and the assumed CUDA context. The
+last line is ``measured_over_planned=X``.
 """
 from __future__ import annotations
 
@@ -198,10 +209,96 @@ def measure_shape(shape_name: str, configs: list) -> list:
     return out
 
 
+#: The real-vocabulary check: shape and pass.
+VOCAB_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=256, vocab_size=152064, tie_word_embeddings=True)
+PACKED_ROWS, PACKED_PROMPT, PACKED_RESPONSE = 16, 64, 448
+
+
+def _vocab_config():
+    """What the plan reads of the learner: a DDP learner in float32, packed passes."""
+    import types
+
+    from rllib_exgrpo.rllib.config_fields import field_defaults
+
+    fields = field_defaults()
+    fields.update(model_name_or_path="qwen2-vocab", model_dtype="float32", learner_backend="ddp", num_learners=0,
+                  num_gpus_per_learner=1, gradient_checkpointing=False, minibatch_size=PACKED_ROWS,
+                  learner_micro_batch_tokens=PACKED_ROWS * (PACKED_PROMPT + PACKED_RESPONSE),
+                  attn_implementation="sdpa_varlen", max_prompt_tokens=PACKED_PROMPT,
+                  max_response_tokens=PACKED_RESPONSE, generation_backend="hf", scoring_on="runners", kl_coeff=0.0)
+    return types.SimpleNamespace(**fields)
+
+
+def planned_packed_step() -> dict:
+    from rllib_exgrpo.planning.memory import PROCESS_OVERHEAD_BYTES, _learner_plan
+    from rllib_exgrpo.planning.shapes import ModelShape
+
+    c = VOCAB_SHAPE
+    shape = ModelShape(hidden_size=c["hidden_size"], num_hidden_layers=c["num_hidden_layers"],
+                       num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
+                       head_dim=c["hidden_size"] // c["num_attention_heads"], intermediate_size=c["intermediate_size"],
+                       vocab_size=c["vocab_size"], tie_word_embeddings=True, max_position_embeddings=4096,
+                       model_type="qwen2", source="benchmarks/memory_plan.py qwen2-vocab")
+    plan = _learner_plan(_vocab_config(), shape, None, PACKED_PROMPT, PACKED_RESPONSE)
+    items = {it.what: it.bytes for it in plan.items}
+    beyond = plan.total - items["weights"] - PROCESS_OVERHEAD_BYTES
+    return {"planned_bytes": int(beyond), "items": items, "parameters": shape.num_parameters}
+
+
+def measure_packed_step() -> dict:
+    """The steady-state learner step's peak beyond the weights (see the module doc)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rllib_exgrpo.core import columns as C
+    from rllib_exgrpo.core.attention import register_kernels
+    from rllib_exgrpo.core.losses import mixed_policy_loss
+    from rllib_exgrpo.core.packing import pack_rows, score_packed
+
+    register_kernels()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**VOCAB_SHAPE, max_position_embeddings=4096),
+                                             dtype=torch.float32, attn_implementation="sdpa_varlen")
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+    chunk = _vocab_config().logit_chunk_tokens
+
+    def batch(rows, prompt, response, seed):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, VOCAB_SHAPE["vocab_size"], (rows, prompt + response), generator=g)
+        mask = torch.ones_like(ids)
+        cols = {C.INPUT_IDS: ids, C.ATTENTION_MASK: mask, C.RESPONSE_MASK: mask[:, prompt:].float()}
+        return {**cols, **pack_rows(cols)}, torch.randn(rows, generator=g), torch.arange(rows) % 2 == 1
+
+    def step(cols, adv, off):
+        logp, ent = score_packed(model, cols, chunk_tokens=chunk)
+        loss, _ = mixed_policy_loss(logp, logp.detach(), adv, cols[C.RESPONSE_MASK], off, clip_fresh=False,
+                                    beta=0.1, agg_mode="seq-mean-token-sum-norm-official",
+                                    max_len=cols[C.RESPONSE_MASK].shape[1], micro_batch_rows=64, entropy=ent,
+                                    entropy_coeff=0.001)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    step(*batch(2, 8, 8, 0))  # warm-up: gradients and AdamW state exist
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = 3 * weights  # gradients + AdamW's two moments, resident at the start of a step
+    cols, adv, off = batch(PACKED_ROWS, PACKED_PROMPT, PACKED_RESPONSE, 1)
+    t = time.perf_counter()
+    peak = _peak_of(lambda: step(cols, adv, off))
+    return {"measured_bytes": int(held + peak), "pass_peak_bytes": int(peak), "held_bytes": int(held),
+            "weights_bytes": int(weights), "seconds": round(time.perf_counter() - t, 1),
+            "tokens": int(cols[C.PACKED_INPUT_IDS].shape[1]), "chunk_tokens": int(chunk)}
+
+
 def _child(args) -> int:
     import torch
 
     torch.set_num_threads(max(1, args.threads))
+    if args.child == "packed":
+        print(json.dumps(measure_packed_step()), flush=True)
+        return 0
     configs = [tuple(c) for c in json.loads(args.child_configs)]
     print(json.dumps(measure_shape(args.child, configs)), flush=True)
     return 0
@@ -215,6 +312,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few small configurations only (tests)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--no-packed", dest="packed", action="store_false",
+                        help="skip the learner step at the real vocabulary")
+    parser.add_argument("--packed-only", action="store_true", help="only the learner step at the real vocabulary")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-configs", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -222,7 +322,7 @@ def main(argv=None) -> int:
         return _child(args)
 
     t0 = time.perf_counter()
-    configs = QUICK if args.quick else CONFIGS
+    configs = [] if args.packed_only else (QUICK if args.quick else CONFIGS)
     rows = []
     for shape_name in dict.fromkeys(c[0] for c in configs):
         mine = [c for c in configs if c[0] == shape_name]
@@ -244,6 +344,20 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
+    packed = None
+    if args.packed:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        proc = subprocess.run([sys.executable, __file__, "--child", "packed", "--threads", str(args.threads)],
+                              capture_output=True, text=True, env=env, cwd=ROOT)
+        if proc.returncode != 0:
+            print(proc.stdout + proc.stderr, file=sys.stderr)
+            return proc.returncode
+        packed = json.loads(proc.stdout.strip().splitlines()[-1])
+        packed.update(planned_packed_step())
+        packed["measured_over_planned"] = packed["measured_bytes"] / packed["planned_bytes"]
+    if not rows:
+        return _report_packed(packed, args, t0)
+
     head = (f"{'shape':<12}{'params':>8} {'mode':<9}{'pass':<8}{'rows x (prompt+resp)':<22}{'ckpt':<6}"
             f"{'estimate MiB':>13}{'measured MiB':>14}{'error':>8}  peak phase")
     print()
@@ -255,14 +369,32 @@ def main(argv=None) -> int:
               f"{'on' if m['gradient_checkpointing'] else 'off':<6}{m['estimated_bytes'] / MIB:>13.1f}"
               f"{m['measured_bytes'] / MIB:>14.1f}{m['error']:>+8.1%}  {m['phase']}")
     worst = max(abs(m["error"]) for m in rows)
-    result = {"configs": rows, "activation_error_max": worst, "torch": torch.__version__,
-              "transformers": transformers.__version__, "machine": platform.processor() or platform.machine(),
-              "threads": args.threads, "total_s": round(time.perf_counter() - t0, 1),
+    print(f"activation_error_max={worst:.3f}")
+    return _report_packed(packed, args, t0, configs=rows, activation_error_max=worst)
+
+
+def _report_packed(packed, args, t0, **extra) -> int:
+    import torch
+    import transformers
+
+    result = {**extra, "packed_step": packed, "torch": torch.__version__, "transformers": transformers.__version__,
+              "machine": platform.processor() or platform.machine(), "threads": args.threads,
+              "total_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d"),
               "method": "torch.profiler memory events: peak live CPU tensor bytes during the pass"}
+    if packed:
+        print(f"\nlearner step at the real vocabulary: qwen2-vocab ({packed['parameters'] / 1e6:.1f} M parameters, "
+              f"vocab {VOCAB_SHAPE['vocab_size']}, tied), one packed pass of {packed['tokens']} tokens, chunks of "
+              f"{packed['chunk_tokens']}, float32, {packed['seconds']:.0f} s")
+        print(f"  measured beyond the weights: {packed['measured_bytes'] / MIB:9.1f} MiB (gradients + AdamW state "
+              f"{packed['held_bytes'] / MIB:.1f}, step peak {packed['pass_peak_bytes'] / MIB:.1f})")
+        print(f"  planned beyond the weights:  {packed['planned_bytes'] / MIB:9.1f} MiB  "
+              + ", ".join(f"{k} {v / MIB:.1f}" for k, v in packed["items"].items()
+                          if k not in ("weights", "CUDA context, workspaces")))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ntotal {result['total_s']:.1f} s; wrote {args.out}")
-    print(f"activation_error_max={worst:.3f}")
+    if packed:
+        print(f"measured_over_planned={packed['measured_over_planned']:.3f}")
     return 0
 
 

@@ -246,10 +246,13 @@ def test_activation_formulas_scale_as_they_should():
     # checkpointed: one [T, h] bf16 input per layer
     assert b["layers"] == 28 * 4 * 5120 * 3584 * 2
     # no logits outlive their chunk; the chunk phase holds one chunk of 512 positions
-    # (bf16 logits, their float32 copy and the softmax: 10 bytes a logit) beside the head's
-    # [V, h] bf16 gradients and the scored hidden states' gradient
+    # (bf16 logits, their float32 copy and the softmax: 10 bytes a logit) beside the running
+    # sum of the head's [V, h] bf16 gradients; then the chunk's logit gradient with the new
+    # and the summed head gradient; and the scored hidden states' gradient throughout
     assert b["logits"] == 0 and b["chunk_tokens"] == 512
-    assert b["logit_chunks"] == 10 * 512 * 152064 + 2 * 2 * 152064 * 3584 + 4 * 4096 * 3584 * 2
+    head = 2 * 152064 * 3584  # one bf16 [V, h] gradient of the untied LM head
+    chunk, logit_grad = 10 * 512 * 152064, 2 * 512 * 152064
+    assert b["logit_chunks"] == max(chunk + head, logit_grad + 2 * head) + 4 * 4096 * 3584 * 2
     # a packed pass of the same tokens under a variable-length kernel has no [S, S] masks
     packed = learner_activation_breakdown(Q7, 1, 4 * 5120, gradient_checkpointing=True, response_tokens=4 * 4096,
                                           dense_mask=False)

@@ -59,7 +59,8 @@ def test_a_gpu_recipe_keeps_its_structure_and_swaps_what_a_cpu_cannot_hold():
                 "learner_micro_batch_rows", "behaviour_logprobs", "group_size"):
         assert c[key] == GPU_SPEC["config"][key], key
         assert key not in swaps
-    assert c["model_name_or_path"] == "rehearsal:qwen2"
+    # The vocabulary and tying of the recipe's model are kept (published shapes table).
+    assert c["model_name_or_path"] == "rehearsal:qwen2:vocab=152064,untied"
     assert c["num_gpus_per_env_runner"] == c["num_gpus_per_learner"] == 0
     assert c["max_prompt_tokens"] == TOKEN_CAPS["max_prompt_tokens"]
     assert c["max_response_tokens"] == TOKEN_CAPS["max_response_tokens"]
@@ -85,7 +86,11 @@ def test_a_gpu_recipe_keeps_its_structure_and_swaps_what_a_cpu_cannot_hold():
     assert t_spec["config"]["minibatch_size"] >= 2 * (budget // (128 + 16))
     # One line per swap, naming the key, the values and why.
     line = swaps["model_name_or_path"].line()
-    assert "Qwen/Qwen2.5-Math-7B" in line and "rehearsal:qwen2" in line and "no download" in line
+    assert "Qwen/Qwen2.5-Math-7B" in line and "rehearsal:qwen2:vocab=152064,untied" in line and "no download" in line
+    assert "vocabulary of 152,064 and untied embeddings kept" in line
+    tied, _ = _one({**GPU_SPEC, "config": {**GPU_SPEC["config"], "model_name_or_path": "Qwen/Qwen2.5-Math-1.5B"}},
+                   vllm=False)
+    assert tied["config"]["model_name_or_path"] == "rehearsal:qwen2:vocab=151936,tied"
 
 
 def test_with_vllm_installed_the_engine_stays_and_its_cache_is_sized_in_bytes():

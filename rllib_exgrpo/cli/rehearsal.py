@@ -172,12 +172,31 @@ def _set(settings: Dict[str, Any], where: str, key: str, now: Any, why: str, fou
 
 
 def _swap_model(settings, where, key, model, found) -> None:
-    from rllib_exgrpo.models.rehearsal import architecture_family, is_rehearsal_spec
+    from rllib_exgrpo.models.rehearsal import architecture_family, is_rehearsal_spec, rehearsal_spec
+    from rllib_exgrpo.planning.shapes import model_shape
 
     if _is_space(model) or is_rehearsal_spec(model):
         return
     family, source = architecture_family(str(model))
-    _set(settings, where, key, f"rehearsal:{family}", f"a random {family} at tiny width (family from {source}); "
+    # The recipe model's vocabulary and tying are kept, so every vocabulary-sized buffer
+    # runs at its real width; the shape comes from its config.json or the published table.
+    name = str(model)
+    if name == "tiny" or name.startswith("tiny:"):
+        shape = None  # the rehearsal tokenizer is the tiny model's own: its vocabulary already
+    else:
+        try:
+            shape = model_shape(name)
+        except Exception:  # noqa: BLE001 - an unknown model keeps the tiny tokenizer's vocabulary
+            shape = None
+    if shape is not None:
+        spec = rehearsal_spec(family, shape.vocab_size, shape.tie_word_embeddings)
+        vocab = (f"its vocabulary of {shape.vocab_size:,} and {'tied' if shape.tie_word_embeddings else 'untied'} "
+                 f"embeddings kept")
+    else:
+        spec = rehearsal_spec(family)
+        vocab = ("the tiny tokenizer's vocabulary" if name.startswith("tiny") else
+                 "its vocabulary unknown here: the tiny tokenizer's")
+    _set(settings, where, key, spec, f"a random {family} at tiny width (family from {source}), {vocab}; "
          "no download", found)
 
 

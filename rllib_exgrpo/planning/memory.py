@@ -265,9 +265,14 @@ def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, g
     vh = v * h
     grad_bytes = 2 if mode == "half" else 4
     head_grad = vh * grad_bytes + (2 * vh if mode == "autocast" else 0)  # autocast: bf16, then fp32
-    # The chunk phase: a chunk's recomputed logits and their softmax, the head's running
-    # and new weight gradients, the gradient of the scored hidden states ([K, h]).
-    logits_bwd = chunk_peak + 2 * head_grad + scored * h * compute
+    # The chunk phase: a chunk's recomputed logits and their softmax (beside, after the
+    # first chunk, the running sum autograd keeps of the head's weight gradients); then,
+    # those freed, the chunk's logit gradient, the head's new weight gradient and that sum;
+    # and the scored hidden states' gradient ([K, h]) throughout.
+    chunks = -(-scored // c)
+    running = head_grad if chunks > 1 else 0
+    logit_grad = (2 if half else 4) * c * v
+    logits_bwd = max(chunk_peak + running, logit_grad + head_grad + running) + scored * h * compute
     if shape.tie_word_embeddings:
         layer_bwd += vh * grad_bytes
         embedding_bwd = 3 * vh * grad_bytes

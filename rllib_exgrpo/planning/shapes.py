@@ -232,9 +232,12 @@ def embedded_model_folder(name: str, cache_dir: Optional[str] = None) -> Optiona
         built = sorted(p.parent for p in root.glob(f"smollm2-135m-instruct-*/{EXPORT_MARKER}"))
         return built[0] if built else None
     if name.startswith("rehearsal:"):
-        from rllib_exgrpo.models.rehearsal import MARKER, VERSION
+        from rllib_exgrpo.models.rehearsal import MARKER, cache_name
 
-        folder = root / f"rehearsal-{name.partition(':')[2].strip()}-v{VERSION}"
+        try:
+            folder = root / cache_name(name)
+        except ValueError:
+            return None
         return folder if (folder / MARKER).is_file() else None
     return None
 
