@@ -42,6 +42,11 @@ setup(
         # Same string as SUPPORTED_VLLM in rllib_exgrpo/generation/vllm.py (a test checks).
         "vllm": ["vllm>=0.32,<0.33"],
         "deepspeed": ["deepspeed>=0.19,<0.20"],
+        # A GPU node: vLLM, DeepSpeed, and flash-attention's variable-length kernel, which
+        # attn_implementation "auto" picks for packed learner passes where it imports (else
+        # the project's sdpa_varlen). flash-attn compiles against the installed torch and
+        # CUDA: pip install 'rllib-exgrpo[gpu]' --no-build-isolation.
+        "gpu": ["vllm>=0.32,<0.33", "deepspeed>=0.19,<0.20", "flash-attn>=2.7"],
         "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6"],
     },

@@ -318,8 +318,11 @@ def test_plan_of_the_recipes_names_the_key_when_it_does_not_fit():
     assert unknown.fits is None and not unknown.problems() and "fit not checked" in unknown.render()
 
 
-def _dry_run(monkeypatch, capsys, tmp_path, extra: dict):
-    from rllib_exgrpo.cli import main, preflight
+def _dry_run(monkeypatch, capsys, tmp_path, extra: dict, recipe: str = QWEN):
+    """``--dry-run --ray-num-gpus 8`` of a GPU recipe with the data swapped for the built-in
+    set: on this machine, without vLLM (a dry run plans without it) or the model (its shape
+    comes from the published table)."""
+    from rllib_exgrpo.cli import main
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "RAY_ADDRESS"):
@@ -330,10 +333,8 @@ def _dry_run(monkeypatch, capsys, tmp_path, extra: dict):
 
     if ray.is_initialized():
         ray.shutdown()
-    real_find = preflight._find
-    monkeypatch.setattr(preflight, "_find", lambda m: True if m == "vllm" else real_find(m))  # as on a GPU node
     overrides = {"env_config": {"dataset": "arithmetic"}, "heldout_dataset": None, **extra}
-    rc = main.main(["train", "file", QWEN, "--dry-run", "--ray-num-gpus", "8", "--storage-path", str(tmp_path / "r"),
+    rc = main.main(["train", "file", recipe, "--dry-run", "--ray-num-gpus", "8", "--storage-path", str(tmp_path / "r"),
                     "--config", json.dumps(overrides)])
     out, err = capsys.readouterr()
     return rc, out, err
@@ -341,13 +342,18 @@ def _dry_run(monkeypatch, capsys, tmp_path, extra: dict):
 
 def test_dry_run_prints_the_plan_and_fails_in_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(REPO)
-    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path, {"gpu_memory_gb": 80})
-    assert rc == 0, out + err
-    assert "memory plan: Qwen/Qwen2.5-Math-7B" in out and "learner x4 (1 GPU each)" in out
-    assert "env runner x4 (1 GPU each)" in out and out.count(": fits") == 2, out
-    assert "published config.json of Qwen/Qwen2.5-Math-7B" in out or "Hugging Face cache" in out
-    with capsys.disabled():
-        print("\n" + out[out.index("  memory plan"):])
+    for recipe, model in ((QWEN, "Qwen/Qwen2.5-Math-7B"), (QWEN15, "Qwen/Qwen2.5-Math-1.5B")):
+        rc, out, err = _dry_run(monkeypatch, capsys, tmp_path, {"gpu_memory_gb": 80}, recipe)
+        assert rc == 0, out + err
+        assert f"memory plan: {model}" in out and "learner x4 (1 GPU each)" in out
+        assert "env runner x4 (1 GPU each)" in out and out.count(": fits") == 2, out
+        assert f"published config.json of {model}" in out or "Hugging Face cache" in out
+        # What runs: packed passes under a variable-length kernel, log-probs in chunks, a
+        # card less its reserve.
+        assert "one packed pass of 32768 tokens" in out and "log-prob chunks of 512 positions" in out, out
+        assert "the plan uses 77.6 GiB (a 3% reserve" in out, out
+        with capsys.disabled():
+            print("\n" + out[out.index("  memory plan"):])
 
     rc, out, err = _dry_run(monkeypatch, capsys, tmp_path,
                             {"gpu_memory_gb": 80, "learner_micro_batch_tokens": 64 * 9216,

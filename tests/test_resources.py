@@ -1,9 +1,12 @@
 """CPUs/GPUs fitted to the cluster before start; torch threads follow the CPUs held."""
+import os
+
 import pytest
 import torch
 
 from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 from rllib_exgrpo.rllib.resources import (
+    CUDA_ALLOC_CONF,
     runner_device,
     ClusterResources,
     ResourceError,
@@ -103,6 +106,9 @@ def test_env_runner_and_learner_actors_use_their_cpus(quick_tiny_model):
         assert algo.env_runner_group.foreach_env_runner(
             lambda r: torch.get_num_threads(), local_env_runner=False
         ) == [2]
+        assert algo.env_runner_group.foreach_env_runner(
+            lambda r: os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), local_env_runner=False
+        ) == [CUDA_ALLOC_CONF]
         algo.train()
     finally:
         algo.stop()
@@ -115,6 +121,8 @@ def test_env_runner_and_learner_actors_use_their_cpus(quick_tiny_model):
     try:
         results = algo.learner_group.foreach_learner(lambda learner: torch.get_num_threads())
         assert [r.get() for r in results] == [2]
+        results = algo.learner_group.foreach_learner(lambda learner: os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        assert [r.get() for r in results] == [CUDA_ALLOC_CONF]
         algo.train()
     finally:
         algo.stop()
@@ -126,3 +134,13 @@ def test_a_runner_given_a_gpu_keeps_its_module_there():
     cfg.env_runners(num_gpus_per_env_runner=1)
     assert runner_device(cfg, cuda_available=True) == torch.device("cuda", 0)
     assert runner_device(cfg, cuda_available=False).type == "cpu"  # asked, but no CUDA here
+
+
+def test_the_cuda_allocator_default_yields_to_the_users_setting(monkeypatch):
+    """Every process of a run sets expandable segments, unless the user chose otherwise."""
+    from rllib_exgrpo.rllib.resources import set_cuda_allocator_default
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert set_cuda_allocator_default() == CUDA_ALLOC_CONF == os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert set_cuda_allocator_default() == "max_split_size_mb:128"

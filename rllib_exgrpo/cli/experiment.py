@@ -258,6 +258,7 @@ def build_experiments(
     ray_address: Optional[str] = None,
     ray_num_gpus: Optional[int] = None,
     source_name: Optional[str] = None,
+    dry_run: bool = False,
 ) -> List[Experiment]:
     """Parse and check an experiment file (path) or an already-loaded mapping.
 
@@ -270,7 +271,9 @@ def build_experiments(
     once); ``validate`` adds ``AlgorithmConfig.validate()`` to them. GPUs are checked
     against the running Ray cluster, else ``ray_num_gpus``, else this machine; not at all
     when ``ray_address`` (or ``RAY_ADDRESS``) names a cluster to join (``tune_runner``
-    checks it after joining). ``source_name`` names a mapping's origin in messages. Raises :class:`CliConfigError` with one line per problem of
+    checks it after joining). ``dry_run``: nothing will start here, so a package only the GPU
+    nodes need (vLLM) that is missing here is a note, not an error. ``source_name`` names a
+    mapping's origin in messages. Raises :class:`CliConfigError` with one line per problem of
     every experiment, each ``<file>: experiment '<name>': <key>: <problem>``.
     """
     src_name: Optional[str] = source_name
@@ -314,6 +317,7 @@ def build_experiments(
                     checkpoint_at_end=checkpoint_at_end,
                     validate=validate,
                     cluster=cluster,
+                    dry_run=dry_run,
                 )
             )
         except CliConfigError as e:
@@ -386,6 +390,7 @@ def _build_checked(
     checkpoint_at_end: Optional[bool],
     validate: bool,
     cluster: Optional[preflight.Cluster],
+    dry_run: bool = False,
 ) -> Experiment:
     # Long because it is the experiment's whole check in order, collecting what it can:
     # keys, algorithm, run settings (stop, samples, storage, checkpoints, MLflow), then the
@@ -458,7 +463,7 @@ def _build_checked(
         raise _Invalid(errors + ["the config switches RLlib's new API stack off; this command runs the new API stack only."])
     variant_errors, variant_notes = preflight.check_variants(
         algo_cls, user_config, env, found, apply_config=apply_config, validate=validate, cluster=cluster,
-        stop={k: stop_dict[k] for k in metric_names}, score_attribute=score_attribute,
+        stop={k: stop_dict[k] for k in metric_names}, score_attribute=score_attribute, dry_run=dry_run,
     )
     errors += variant_errors
     if scheduler and isinstance(scheduler.get("metric"), str):

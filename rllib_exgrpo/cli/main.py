@@ -228,6 +228,7 @@ def run_train(args: argparse.Namespace) -> int:
             validate=not args.no_validate,
             ray_address=args.ray_address,
             ray_num_gpus=args.ray_num_gpus,
+            dry_run=bool(args.dry_run),
         )
     except CliConfigError as e:
         print(f"{PROG} train: error: {e}", file=sys.stderr)

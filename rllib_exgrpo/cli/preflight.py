@@ -832,13 +832,16 @@ _MEMORY_KEYS = {
     "num_gpus_per_learner", "num_env_runners", "num_gpus_per_env_runner", "learner_micro_batch_rows",
     "minibatch_size", "max_prompt_tokens", "max_response_tokens", "gradient_checkpointing", "generation_backend",
     "vllm_kwargs", "generation_batch_size", "kl_coeff", "gpu_memory_gb", "torch_ddp_kwargs",
+    "learner_micro_batch_tokens", "learner_sequence_packing", "attn_implementation", "logit_chunk_tokens",
+    "scoring_on",
 }
 
 
 def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cluster],
                      stop: Mapping[str, Any], algo_cls: type,
-                     score_attribute: Optional[str] = None) -> Tuple[List[str], List[str]]:
-    """(errors, notes) of one fully resolved config (see the module doc)."""
+                     score_attribute: Optional[str] = None, dry_run: bool = False) -> Tuple[List[str], List[str]]:
+    """(errors, notes) of one fully resolved config (see the module doc). ``dry_run``: a
+    vLLM missing here is a note (the GPU nodes need it; the plan does not)."""
     errors: List[str] = []
     notes: List[str] = []
 
@@ -876,8 +879,12 @@ def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cl
         model_key = "model_name_or_path" if settings.from_config_fields else "model"
         run(model_problems, settings.model_name_or_path, prefix + model_key)
         if settings.generation_backend == "vllm" and not _find("vllm"):
-            errors.append(f"{prefix}generation_backend: 'vllm' needs the vllm package, which is not installed "
-                          "(pip install -e .[vllm], on a GPU machine).")
+            missing = (f"{prefix}generation_backend: 'vllm' needs the vllm package, which is not installed "
+                       "(pip install -e .[vllm], on a GPU machine)")
+            if dry_run:
+                notes.append(missing + "; a dry run plans without it.")
+            else:
+                errors.append(missing + ".")
         elif settings.generation_backend == "vllm":
             run(vllm_version_problems, prefix)
     before = len(errors)
@@ -898,7 +905,7 @@ def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cl
 
 def check_variants(algo_cls: type, user_config: Dict[str, Any], env: Any, found: Mapping[str, Any], *,
                    apply_config: Any, validate: bool, cluster: Optional[Cluster], stop: Mapping[str, Any],
-                   score_attribute: Optional[str] = None) -> Tuple[List[str], List[str]]:
+                   score_attribute: Optional[str] = None, dry_run: bool = False) -> Tuple[List[str], List[str]]:
     """(errors, notes) over the variants of the search space, one line per distinct problem."""
     per_variant: List[Tuple[Tuple[Tuple[str, Any], ...], List[str]]] = []
     notes: List[str] = []
@@ -909,7 +916,8 @@ def check_variants(algo_cls: type, user_config: Dict[str, Any], env: Any, found:
             if variant_env is not None:
                 cfg.env = variant_env
             more, more_notes = variant_problems(cfg, variant_env, validate=validate, cluster=cluster, stop=stop,
-                                                algo_cls=algo_cls, score_attribute=score_attribute)
+                                                algo_cls=algo_cls, score_attribute=score_attribute,
+                                                dry_run=dry_run)
             errs += more
             notes += [n for n in more_notes if n not in notes]
         per_variant.append((assignment, errs))
