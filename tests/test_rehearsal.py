@@ -116,7 +116,7 @@ def test_rllib_ppo_on_the_llm_runner_and_a_non_llm_recipe():
     ppo = yaml.safe_load((REPO / "tuned_examples" / "ppo_tiny.yaml").read_text())["ppo-tiny"]
     spec, swaps = _one(ppo, vllm=False)
     c = spec["config"]
-    assert c["model_config"]["model"] == "rehearsal:qwen2"
+    assert c["model_config"]["model"] == "rehearsal:qwen2:tied"  # the tiny model's own tokenizer and tying
     assert c["model_config"]["max_response_tokens"] == TOKEN_CAPS["max_response_tokens"]
     assert c["train_batch_size_per_learner"] == ROWS_PER_ITERATION
     assert c["minibatch_size"] == 128  # 256 -> 128 with the batch: the same 1 step per iteration

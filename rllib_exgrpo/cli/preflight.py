@@ -641,9 +641,14 @@ def model_problems(value: Any, key: str) -> Tuple[List[str], List[str]]:
     name = value.strip()
     if name == "tiny" or name.startswith("tiny:"):
         return _tiny_problems(name, key)
-    if name.startswith("rehearsal:"):  # built in about a second from transformers' own classes
-        return ([f"{key}: {name!r} names no architecture family (e.g. rehearsal:qwen2)."]
-                if not name.partition(":")[2].strip() else []), []
+    if name.startswith("rehearsal:"):  # built in seconds from transformers' own classes
+        from rllib_exgrpo.models.rehearsal import parse_rehearsal_spec
+
+        try:
+            parse_rehearsal_spec(name)
+        except ValueError as e:
+            return [f"{key}: {e} (e.g. rehearsal:qwen2 or rehearsal:qwen2:vocab=152064,untied)."], []
+        return [], []
     if name.lower() in _SMOLLM2_NAMES:
         from rllib_exgrpo.models.smollm2 import INSTALL_HINT, smollm2_available
 

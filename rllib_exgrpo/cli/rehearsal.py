@@ -181,7 +181,8 @@ def _swap_model(settings, where, key, model, found) -> None:
     # The recipe model's vocabulary and tying are kept, so every vocabulary-sized buffer
     # runs at its real width; the shape comes from its config.json or the published table.
     name = str(model)
-    if name == "tiny" or name.startswith("tiny:"):
+    tiny = name == "tiny" or name.startswith("tiny:")
+    if tiny:
         shape = None  # the rehearsal tokenizer is the tiny model's own: its vocabulary already
     else:
         try:
@@ -192,10 +193,14 @@ def _swap_model(settings, where, key, model, found) -> None:
         spec = rehearsal_spec(family, shape.vocab_size, shape.tie_word_embeddings)
         vocab = (f"its vocabulary of {shape.vocab_size:,} and {'tied' if shape.tie_word_embeddings else 'untied'} "
                  f"embeddings kept")
+    elif tiny:
+        from rllib_exgrpo.models.tiny import tiny_recipe
+
+        tied = bool(tiny_recipe()["model"]["tie_word_embeddings"])
+        spec = rehearsal_spec(family, None, tied)
+        vocab = f"its own tokenizer's vocabulary and {'tied' if tied else 'untied'} embeddings"
     else:
-        spec = rehearsal_spec(family)
-        vocab = ("the tiny tokenizer's vocabulary" if name.startswith("tiny") else
-                 "its vocabulary unknown here: the tiny tokenizer's")
+        spec, vocab = rehearsal_spec(family), "its vocabulary unknown here: the tiny tokenizer's"
     _set(settings, where, key, spec, f"a random {family} at tiny width (family from {source}), {vocab}; "
          "no download", found)
 
