@@ -2,7 +2,7 @@
 what one GPU can settle for the 7B recipe, in bf16.
 
     python benchmarks/gpu_check.py [--shape qwen2.5-1.5b|tiny] [--device auto|cuda|cpu]
-                                   [--stages learner,drift,slice,transfer,generation]
+                                   [--stages learner,packed,drift,slice,transfer,generation]
                                    [--steps 5] [--slice-layers 2,4] [--transfer-gb 15.2]
                                    [--transfer-chunk-mb 512] [--budget-s 420]
                                    [--out benchmarks/out/gpu_check.json]
@@ -17,8 +17,9 @@ subset):
    official 1.5B recipe: 8 rows x (1024 prompt + 1024 or 3072 response) tokens, i.e.
    16k / 32k tokens, the official run's ``ppo_max_token_len_per_gpu`` of 32768
    (ExGRPO/exp_scripts/run_exgrpo.sh). A step is what ``ExGRPOTorchLearner`` does:
-   ``core.scoring.completion_logprobs_and_entropy`` (log-probs + streamed entropy of the
-   completion tokens), ``core.losses.mixed_policy_loss`` as in mixed mode (half the rows
+   ``core.scoring.score_learner_batch`` (log-probs + entropy of the completion tokens,
+   through the LM head in chunks of ``logit_chunk_tokens``' default, 512 positions),
+   ``core.losses.mixed_policy_loss`` as in mixed mode (half the rows
    replayed and shaped, fresh rows unclipped, the official aggregation, entropy 0.001),
    backward, grad-norm clip 1.0, AdamW (lr 1e-6, weight decay 0.01). Prompts are
    left-padded and responses right-padded to random lengths (one row full), as the
@@ -28,14 +29,34 @@ subset):
    at this dtype (bf16 weights round most such updates away: the learner needs fp32
    master weights). The no-grad scoring pass (what an env runner does to recompute
    behaviour log-probs or to pick the lowest-entropy replay trajectory) is timed on the
-   same batch.
-2. ``drift``: bf16 log-prob drift. The same rows (4 x (1024 + 8192), the 7B recipe's
+   same batch. These passes are padded (``--attn``, sdpa by default); the packed pass
+   the learner runs under ``learner_micro_batch_tokens`` is the next stage.
+2. ``packed``: one packed learner pass at the real vocabulary on a Qwen2.5-Math-1.5B-shaped
+   slice (hidden 1536, 12 heads, 2 kv heads, intermediate 8960, vocab 151936, tied
+   embeddings) with 2 of its 28 decoder layers, bf16 weights, gradient checkpointing as
+   tuned_examples/exgrpo_qwen1.5b.yaml has it: its ``learner_micro_batch_tokens`` (32768)
+   as 8 rows x (1024 + 3072) tokens laid end to end (``core.packing.pack_rows``), positions
+   restarting per row, under the kernel the learner resolves
+   (``core.attention.resolve_attn_implementation("auto", device)`` after
+   ``register_kernels()``: flash_attention_2 where ``flash_attn`` imports, else the
+   project's ``sdpa_varlen``; whether ``flash_attn`` imported is reported), scored by
+   ``core.packing.score_packed`` (log-probs + entropy in chunks of the default 512
+   positions, recomputed in backward), ``mixed_policy_loss`` as the learner stage,
+   backward (gradients already allocated, as under gradient accumulation). The peak beyond
+   what was allocated before the pass (``torch.cuda.max_memory_allocated`` after
+   ``reset_peak_memory_stats`` minus ``memory_allocated`` before; on CPU the peak of live
+   tensor bytes from ``torch.profiler``'s memory events, as benchmarks/memory_plan.py) is
+   set against the memory plan's ``learner_activation_breakdown(...)["peak"]`` for the
+   same pass (rows 1, its tokens, its scored positions, ``dense_mask=False``, bf16,
+   checkpointing, default chunk): ``measured_over_planned``; pass time (the second, warm
+   pass; the first is reported too) and tokens/s.
+3. ``drift``: bf16 log-prob drift. The same rows (4 x (1024 + 8192), the 7B recipe's
    micro-batch) scored in other batch compositions than the learner's padded batch: the
    same batch again, each row alone without padding, rows reversed with wider padding.
    Max and mean |delta log p| over the real completion tokens, and max |exp(delta) - 1|:
    the error it puts into ExGRPO's unclipped importance ratio of fresh rows in mixed mode.
    Run on the full-depth 1.5B model and on the deepest 7B slice below.
-3. ``slice``: a bf16 learner step of a Qwen2.5-Math-7B-shaped slice (hidden 3584, 28
+4. ``slice``: a bf16 learner step of a Qwen2.5-Math-7B-shaped slice (hidden 3584, 28
    heads, 4 kv heads, intermediate 18944, vocab 152064, untied embeddings) with only 2 and
    4 of its 28 decoder layers, at the 7B recipe's micro-batch (``learner_micro_batch_rows``
    4 x (1024 + 8192) tokens, tuned_examples/exgrpo_qwen.yaml), gradient checkpointing on.
@@ -53,25 +74,28 @@ subset):
    set next to the measurement at each depth, at 28 layers, and per GPU as the recipe
    runs (its learner backend, ZeRO stage and learner count); ``plan: unavailable (...)``
    where that module cannot be imported.
-4. ``transfer``: host <-> GPU copies of 7B-sized bf16 state (15.2 GB: 7.6 G parameters
+5. ``transfer``: host <-> GPU copies of 7B-sized bf16 state (15.2 GB: 7.6 G parameters
    x 2 bytes) in 512 MB chunks, from pinned and from pageable host memory, both
    directions: seconds, GB/s, bytes moved, a round-trip check of the data, and seconds
    per 15.2 GB. Sized down to 40% of the free host RAM and 80% of the free GPU memory,
    to what the budget allows (predicted from one probed chunk), and on a CPU run (host to
    host, pageable only) to 0.25 GB.
-5. ``generation``: ``model.generate`` under the HF backend's neutral sampling config
+6. ``generation``: ``model.generate`` under the HF backend's neutral sampling config
    (temperature 1, top-p 1, no top-k) and the backend's own ``pruned_decode`` loop,
    batch 64 and 256 x (256 prompt + 512 new tokens), no stop token (every row runs to
    512). New tokens/s and peak memory.
 
 Every stage is timed and printed; a stage whose predicted time (from what the earlier
-stages measured: the learner's FLOP rate and scoring rate, a probe chunk, a short
-generation) would exceed the budget (``--budget-s``, 420 s: the whole check stays under 8
-minutes on one H200) is skipped with the reason, or cut to fewer steps / fewer bytes.
+stages measured: the learner's FLOP rate and scoring rate, the packed stage's no-grad
+pass, a probe chunk, a short generation) would exceed the budget (``--budget-s``, 420 s:
+the whole check stays under 8 minutes on one H200) is skipped with the reason, or cut to
+fewer steps / fewer passes / fewer bytes.
 The JSON (``--out``) is rewritten after every stage, so a killed run still leaves what it
 measured. ``--shape tiny`` runs every stage at a tiny shape on CPU (tests): a 2-layer
-model, a 1- and 2-layer slice of a 28-layer untied toy, 16 MB transferred; its numbers
-are CPU numbers (memory there is the process's peak RSS, not per stage), not GPU figures.
+model (vocabulary 512), a packed pass of 6 x (32 + 96) tokens at that shape, a 1- and
+2-layer slice of a 28-layer untied toy, 16 MB transferred; its numbers are CPU numbers
+(memory there is the process's peak RSS, not per stage, except the packed stage's
+profiler figure), not GPU figures.
 """
 from __future__ import annotations
 
@@ -90,6 +114,7 @@ if str(ROOT) not in sys.path:
 
 DEFAULT_OUT = ROOT / "benchmarks" / "out" / "gpu_check.json"
 RECIPE_7B = ROOT / "tuned_examples" / "exgrpo_qwen.yaml"
+RECIPE_1_5B = ROOT / "tuned_examples" / "exgrpo_qwen1.5b.yaml"
 HEAVY = ("ray", "vllm", "deepspeed")
 
 #: Model shapes (Qwen2Config fields) and workloads.
@@ -125,6 +150,11 @@ SHAPES["qwen2.5-1.5b"].update(
            "response": 8192, "steps": 3},
     transfer_gb=15.2,  # Qwen2.5-Math-7B's bf16 weights: 7.6 G parameters x 2 bytes
     transfer_chunk_mb=512,
+    # The 1.5B recipe's packed pass: learner_micro_batch_tokens (read from the recipe;
+    # 32768 when it was written) as rows of 1024 prompt + 3072 completion tokens (the
+    # backbone's 4096 positions), on 2 of the 28 decoder layers.
+    packed={"name": "qwen2.5-math-1.5b", "config": SHAPES["qwen2.5-1.5b"]["config"], "layers": 2,
+            "prompt": 1024, "response": 3072, "tokens": 32768, "recipe": RECIPE_1_5B, "max_len": 8192},
 )
 SHAPES["tiny"].update(
     drift={"rows": 4, "prompt": 16, "response": 48},
@@ -134,8 +164,10 @@ SHAPES["tiny"].update(
                           max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6)},
     transfer_gb=0.016,
     transfer_chunk_mb=4,
+    packed={"name": "tiny", "config": SHAPES["tiny"]["config"], "layers": 2, "prompt": 32, "response": 96,
+            "tokens": 768, "recipe": None, "max_len": 8192},
 )
-STAGES = ("learner", "drift", "slice", "transfer", "generation")  # run in this order
+STAGES = ("learner", "packed", "drift", "slice", "transfer", "generation")  # run in this order
 CPU_TRANSFER_CAP_GB = 0.25  # host-to-host "transfers" on a CPU run are sized down to this
 GIB = float(1 << 30)
 
@@ -150,10 +182,17 @@ def import_project() -> dict:
     report = {}
     before = set(sys.modules)
     from rllib_exgrpo.core.losses import mixed_policy_loss  # noqa: F401
-    from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy  # noqa: F401
+    from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy, score_learner_batch  # noqa: F401
 
     new = set(sys.modules) - before
     report["rllib_exgrpo.core.scoring+losses"] = sorted({m.split(".")[0] for m in new if m.split(".")[0] in HEAVY})
+    before = set(sys.modules)
+    from rllib_exgrpo.core.attention import register_kernels, resolve_attn_implementation  # noqa: F401
+    from rllib_exgrpo.core.packing import pack_rows, score_packed  # noqa: F401
+
+    new = set(sys.modules) - before
+    report["rllib_exgrpo.core.packing+attention"] = sorted(
+        {m.split(".")[0] for m in new if m.split(".")[0] in HEAVY})
     before = set(sys.modules)
     try:
         from rllib_exgrpo.generation.hf import HFGenerationBackend, pruned_decode  # noqa: F401
@@ -299,12 +338,13 @@ def learner_batch(rows: int, prompt: int, response: int, vocab: int, device, see
 def learner_forward_backward(model, batch, response: int, max_len: int) -> float:
     """The learner's pass over one micro-batch, mixed mode (official settings): scoring,
     ``mixed_policy_loss``, backward (gradients accumulate in the parameters' ``.grad``)."""
+    from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
     from rllib_exgrpo.core.losses import mixed_policy_loss
-    from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
+    from rllib_exgrpo.core.scoring import score_learner_batch
 
-    logp, entropy = completion_logprobs_and_entropy(
-        model, batch["input_ids"], batch["attention_mask"], response, temperature=1.0
-    )
+    assert batch["response_mask"].shape[1] == response
+    # what the learner's module calls (rllib/module.py), logit_chunk_tokens at its default
+    logp, entropy = score_learner_batch(model, batch, temperature=1.0, chunk_tokens=DEFAULT_CHUNK_TOKENS)
     loss, _ = mixed_policy_loss(
         logp, batch["old_logp"], batch["advantages"], batch["response_mask"], batch["off_policy"],
         eps_low=0.2, eps_high=0.2, clip_fresh=False, beta=0.1,
@@ -374,11 +414,13 @@ class MasterWeightAdamW:
 def score_nograd(model, batch, response: int):
     import torch
 
+    from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
     from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
 
     with torch.no_grad():
         return completion_logprobs_and_entropy(
-            model, batch["input_ids"], batch["attention_mask"], response, temperature=1.0
+            model, batch["input_ids"], batch["attention_mask"], response, temperature=1.0,
+            chunk_tokens=DEFAULT_CHUNK_TOKENS,
         )
 
 
@@ -568,6 +610,247 @@ def run_learner(model, shape, device, steps: int, clock: Clock) -> list:
     model.zero_grad(set_to_none=True)
     free_memory(device)
     return out
+
+
+def flash_attn_status() -> dict:
+    """Whether the ``flash_attn`` package imports here (what ``resolve_attn_implementation``
+    asks on CUDA), with its version or the import error."""
+    try:
+        import flash_attn
+    except Exception as e:  # ImportError, or a wheel built against another torch
+        return {"importable": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    return {"importable": True, "version": str(getattr(flash_attn, "__version__", "unknown"))}
+
+
+def cpu_peak_bytes(fn) -> int:
+    """Peak live torch CPU tensor bytes while ``fn`` runs, relative to its start, from the
+    allocator's records (``torch.profiler`` memory events; benchmarks/memory_plan.py's
+    ``_peak_of``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def packed_pass_spec(spec: dict) -> dict:
+    """The packed stage's pass: the recipe's ``learner_micro_batch_tokens`` and
+    ``gradient_checkpointing`` where the shape names a recipe (else the shape's own), as
+    whole rows of ``prompt + response`` tokens."""
+    out = {"tokens_budget": int(spec["tokens"]), "gradient_checkpointing": True, "max_len": int(spec["max_len"])}
+    if spec.get("recipe") is not None:
+        recipe = read_recipe(Path(spec["recipe"]))
+        out["recipe"] = {k: recipe[k] for k in ("file", "learner_micro_batch_tokens", "gradient_checkpointing",
+                                                "max_response_tokens", "read_error") if k in recipe}
+        if recipe.get("learner_micro_batch_tokens"):
+            out["tokens_budget"] = int(recipe["learner_micro_batch_tokens"])
+        out["gradient_checkpointing"] = bool(recipe.get("gradient_checkpointing", True))
+        out["max_len"] = int(recipe.get("max_response_tokens", out["max_len"]))
+    width = spec["prompt"] + spec["response"]
+    out["rows"] = max(1, out["tokens_budget"] // width)
+    out["tokens"] = out["rows"] * width
+    out["scored_tokens"] = out["rows"] * spec["response"]
+    return out
+
+
+def packed_plan(cfg: dict, tokens: int, scored: int, checkpointing: bool) -> dict:
+    """The memory plan's activation peak of one packed pass (``rows=1``, no dense mask, bf16,
+    the default log-prob chunk), or ``status: unavailable (...)``."""
+    try:
+        from transformers import Qwen2Config
+
+        from rllib_exgrpo.planning.memory import learner_activation_breakdown
+        from rllib_exgrpo.planning.shapes import ModelShape
+    except ImportError as e:
+        return {"status": f"unavailable ({type(e).__name__}: {e})"}
+    shape = ModelShape.from_hf_config(Qwen2Config(**cfg))
+    args = dict(gradient_checkpointing=checkpointing, dtype_bytes=2, autocast=False, dense_mask=False,
+                chunk_tokens=None)
+    parts = learner_activation_breakdown(shape, 1, tokens, response_tokens=scored, **args)
+    # The planner's own pass under a token budget scores every position (its worst case).
+    every = learner_activation_breakdown(shape, 1, tokens, response_tokens=tokens, **args)
+    return {"status": "ok", "source": "rllib_exgrpo.planning.memory.learner_activation_breakdown",
+            "args": f"rows 1, tokens {tokens}, response_tokens {scored}, gradient_checkpointing {checkpointing}, "
+                    "dtype_bytes 2, dense_mask False, chunk_tokens default",
+            "planned_bytes": int(parts["peak"]), "peak_phase": parts["peak_phase"], "breakdown": parts,
+            "planned_every_position_scored_bytes": int(every["peak"])}
+
+
+def run_packed(spec: dict, device, clock: Clock, flops_rate=None) -> dict:
+    """One packed learner pass at the real vocabulary on a few decoder layers of the model
+    (module doc, stage 2): its peak beyond what was allocated before it, against the plan."""
+    import torch
+
+    from rllib_exgrpo.core import columns as C
+    from rllib_exgrpo.core.attention import SDPA_VARLEN, register_kernels, resolve_attn_implementation
+    from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
+    from rllib_exgrpo.core.losses import mixed_policy_loss
+    from rllib_exgrpo.core.packing import pack_rows, score_packed
+
+    cuda = device.type == "cuda"
+    cfg = {**spec["config"], "num_hidden_layers": spec["layers"]}
+    pp = packed_pass_spec(spec)
+    rows, prompt, response, tokens = pp["rows"], spec["prompt"], spec["response"], pp["tokens"]
+    ckpt = pp["gradient_checkpointing"]
+    fa = flash_attn_status()
+    register_kernels()
+    kernel = resolve_attn_implementation("auto", device.type)
+    name = (f"packed {spec['name']} {spec['layers']}/{spec['config']['num_hidden_layers']} layers "
+            f"{rows}x({prompt}+{response})={tokens} tok {'ckpt' if ckpt else 'no-ckpt'}")
+    entry = {"name": name, "model": spec["name"], "layers": spec["layers"],
+             "full_layers": spec["config"]["num_hidden_layers"], "model_config": cfg, "rows": rows,
+             "prompt": prompt, "response": response, "tokens": tokens, "scored_tokens": pp["scored_tokens"],
+             "tokens_budget": pp["tokens_budget"], "gradient_checkpointing": ckpt, "dtype": "bfloat16",
+             "chunk_tokens": int(DEFAULT_CHUNK_TOKENS), "kernel_requested": kernel, "kernel": kernel,
+             "flash_attn_importable": fa["importable"], "flash_attn": fa, "loss_max_len": pp["max_len"],
+             "memory_source": ("torch.cuda.max_memory_allocated after reset_peak_memory_stats minus "
+                               "memory_allocated before the pass" if cuda else
+                               "torch.profiler memory events: peak live CPU tensor bytes during the pass"),
+             "before_pass": "weights and their (zeroed) gradients allocated, as under gradient accumulation"}
+    if "recipe" in pp:
+        entry["recipe"] = pp["recipe"]
+    clock.results["packed"] = entry
+    t = time.perf_counter()
+
+    def done(note: str) -> dict:
+        clock.stage(name, time.perf_counter() - t, note)
+        return entry
+
+    # build + warm-up + no-grad pass + two passes, from the learner stage's FLOP rate
+    predicted = (4 * step_flops(cfg, spec["layers"], rows, prompt + response, response, ckpt) / flops_rate * 1.5
+                 if flops_rate else None)
+    if predicted is not None:
+        entry["predicted_s"] = predicted
+    if predicted is not None and predicted > clock.left():
+        entry.update(status="skipped", why=f"predicted {predicted:.0f} s > {clock.left():.0f} s left")
+        return done(f"skipped ({entry['why']})")
+
+    model = batch = None
+    free_memory(device)
+    try:
+        torch.manual_seed(spec["layers"])
+        try:
+            model = build_model({"config": cfg}, device, torch.bfloat16, kernel)
+        except Exception as e:  # e.g. a flash_attn wheel transformers refuses: the learner's fallback kernel
+            if is_oom(e) or kernel == SDPA_VARLEN:
+                raise
+            entry["kernel_fallback"] = f"{kernel} failed at build ({type(e).__name__}: {str(e)[:200]}); {SDPA_VARLEN}"
+            kernel = SDPA_VARLEN
+            model = build_model({"config": cfg}, device, torch.bfloat16, kernel)
+        entry["kernel"] = getattr(model.config, "_attn_implementation", kernel)
+        entry["params"] = sum(p.numel() for p in model.parameters())
+        set_checkpointing(model, ckpt)
+        model.config.use_cache = False
+        model.train()
+        vocab = cfg["vocab_size"]
+
+        def packed_batch(n, p, r, seed):
+            g = torch.Generator().manual_seed(seed)
+            ids = torch.randint(1, vocab, (n, p + r), generator=g).to(device)
+            mask = torch.ones_like(ids)
+            cols = {C.INPUT_IDS: ids, C.ATTENTION_MASK: mask, C.RESPONSE_MASK: mask[:, p:].float()}
+            cols.update(pack_rows(cols))
+            cols["advantages"] = torch.randn(n, generator=g).to(device)
+            cols["off_policy"] = (torch.arange(n) % 2 == 1).to(device)  # half replayed (rho = 0.5)
+            return cols
+
+        def learner_pass(b):
+            logp, entropy = score_packed(model, b, temperature=1.0, chunk_tokens=DEFAULT_CHUNK_TOKENS)
+            loss, _ = mixed_policy_loss(
+                logp, b["old_logp"], b["advantages"], b[C.RESPONSE_MASK], b["off_policy"],
+                eps_low=0.2, eps_high=0.2, clip_fresh=False, beta=0.1,
+                agg_mode="seq-mean-token-sum-norm-official", max_len=pp["max_len"], micro_batch_rows=64,
+                entropy=entropy, entropy_coeff=0.001,
+            )
+            loss.backward()
+            return float(loss.detach())
+
+        # warm-up on a small packed batch: every parameter's gradient exists from here on
+        warm = packed_batch(2, 8, 8, seed=0)
+        with torch.no_grad():
+            warm["old_logp"] = score_packed(model, warm, chunk_tokens=DEFAULT_CHUNK_TOKENS)[0]
+        learner_pass(warm)
+        for p_ in model.parameters():
+            if p_.grad is not None:
+                p_.grad.zero_()
+        warm = None
+        entry["build_s"] = time.perf_counter() - t
+
+        batch = packed_batch(rows, prompt, response, seed=1)
+        assert int(batch[C.PACKED_INPUT_IDS].shape[1]) == tokens
+        sync(device)
+        t1 = time.perf_counter()
+        with torch.no_grad():  # the behaviour log-probs (and the forward kernels warmed at full size)
+            batch["old_logp"] = score_packed(model, batch, chunk_tokens=DEFAULT_CHUNK_TOKENS)[0]
+        sync(device)
+        entry["score_nograd_s"] = time.perf_counter() - t1
+        # a checkpointed pass: forward, the layers' and the chunks' recomputation, backward
+        predicted_pass = entry["score_nograd_s"] * (4 if ckpt else 3) * 1.5
+        if predicted_pass > clock.left():
+            entry.update(status="skipped", why=f"predicted {predicted_pass:.0f} s > {clock.left():.0f} s left")
+            return done(f"skipped ({entry['why']})")
+
+        def one_pass(measure: bool):
+            free_memory(device)
+            sync(device)
+            before = allocated_bytes(device)
+            reset_peak(device)
+            t2 = time.perf_counter()
+            if measure and not cuda:
+                box = {}
+                peak = cpu_peak_bytes(lambda: box.setdefault("loss", learner_pass(batch)))
+                loss = box["loss"]
+            else:
+                loss = learner_pass(batch)
+            sync(device)
+            seconds = time.perf_counter() - t2
+            if cuda:
+                peak = int(torch.cuda.max_memory_allocated(device)) - before
+            return seconds, (peak if measure else None), loss, before
+
+        passes = [one_pass(True)]
+        # a second pass, warm (on CPU not under the profiler: its time is the figure)
+        if passes[0][0] * 1.5 < clock.left():
+            passes.append(one_pass(cuda))
+        else:
+            entry["passes_cut_by_budget"] = True
+        peaks = [p_[1] for p_ in passes if p_[1] is not None]
+        seconds = passes[-1][0]
+        entry.update(status="ok", passes=len(passes), first_pass_s=passes[0][0], pass_s=seconds,
+                     tokens_per_s=tokens / seconds, loss=passes[-1][2], allocated_before_bytes=passes[0][3],
+                     measured_bytes=max(peaks), measured_gib=max(peaks) / GIB, measured_per_pass_bytes=peaks)
+        plan = packed_plan(cfg, tokens, pp["scored_tokens"], ckpt)
+        entry["plan"] = plan
+        if plan["status"] == "ok":
+            entry["planned_bytes"] = plan["planned_bytes"]
+            entry["planned_gib"] = plan["planned_bytes"] / GIB
+            entry["measured_over_planned"] = entry["measured_bytes"] / max(plan["planned_bytes"], 1)
+    except Exception as e:  # OOM is a result; any other failure is reported and the check goes on
+        import traceback
+
+        entry.update(status="oom" if is_oom(e) else "error",
+                     error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        if entry["status"] == "error":
+            entry["traceback"] = traceback.format_exc()[-3000:]
+            print(entry["traceback"], file=sys.stderr, flush=True)
+    model = batch = None
+    free_memory(device)
+    fa_note = f"flash_attn {'importable' if fa['importable'] else 'not importable'}"
+    if entry["status"] == "ok":
+        ratio = entry.get("measured_over_planned")
+        note = (f"kernel {entry['kernel']} ({fa_note}), {entry['pass_s']:.2f} s/pass, {entry['tokens_per_s']:,.0f} "
+                f"tok/s, peak {entry['measured_gib']:.3f} GiB, plan "
+                + (f"{entry['planned_gib']:.3f} GiB, measured_over_planned={ratio:.3f}" if ratio is not None
+                   else entry["plan"]["status"]))
+    else:
+        note = f"{entry['status']} ({entry.get('why', entry.get('error', ''))}); kernel {entry['kernel']}, {fa_note}"
+    return done(note)
 
 
 def run_generation(model, shape, device, clock: Clock) -> list:
@@ -1110,6 +1393,30 @@ def print_table(results: dict) -> None:
                       f"{e['valid_tokens_per_s']:>12,.0f}{e['peak_gib']:>10.2f}{e['score_nograd_s']:>17.2f}")
             else:
                 print(f"{e['name']:<40}{e.get('status', 'not run'):>8}  {e.get('error', '')[:80]}")
+    pk = results.get("packed")
+    if isinstance(pk, dict):
+        print()
+        if pk.get("status") == "ok":
+            fa = "importable" if pk["flash_attn_importable"] else "not importable"
+            print(f"packed learner pass: {pk['model']}, {pk['layers']} of {pk['full_layers']} layers "
+                  f"({pk['params'] / 1e6:,.1f} M params), bf16, {pk['rows']} rows x ({pk['prompt']} + "
+                  f"{pk['response']}) = {pk['tokens']} tokens packed, "
+                  f"{'checkpointing' if pk['gradient_checkpointing'] else 'no checkpointing'}, log-prob chunks of "
+                  f"{pk['chunk_tokens']}; kernel {pk['kernel']} (flash_attn {fa})")
+            print(f"  {pk['pass_s']:.3f} s/pass (first {pk['first_pass_s']:.3f}), {pk['tokens_per_s']:,.0f} tok/s; "
+                  f"no-grad scoring {pk['score_nograd_s']:.3f} s")
+            plan = pk.get("plan", {})
+            if "measured_over_planned" in pk:
+                print(f"  peak beyond the pass's start: measured {pk['measured_gib']:.3f} GiB, planned "
+                      f"{pk['planned_gib']:.3f} GiB ({plan['peak_phase'].replace('_', ' ')}): "
+                      f"measured_over_planned={pk['measured_over_planned']:.3f}")
+            else:
+                print(f"  peak beyond the pass's start: measured {pk['measured_gib']:.3f} GiB; "
+                      f"plan: {plan.get('status')}")
+            if not str(pk.get("memory_source", "")).startswith("torch.cuda"):
+                print(f"  memory: {pk['memory_source']}")
+        else:
+            print(f"packed learner pass: {pk.get('status')} ({pk.get('why', pk.get('error', ''))})")
     sl = results.get("slice")
     if isinstance(sl, dict) and "depths" in sl:
         print()
@@ -1270,6 +1577,7 @@ def main(argv=None) -> int:
         "python": platform.python_version(),
         "imports": imports,
         "imports_pull_in_ray": any(isinstance(v, list) and "ray" in v for v in imports.values()),
+        "flash_attn": flash_attn_status(),
         "peak_memory": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "process peak RSS (ru_maxrss)",
         "model_config": shape["config"],
         "stages": stages,
@@ -1283,6 +1591,9 @@ def main(argv=None) -> int:
     for module, pulled in imports.items():
         print(f"  import {module}: " + (("pulls in " + ", ".join(pulled)) if isinstance(pulled, list) and pulled
                                         else pulled if isinstance(pulled, str) else "no ray/vllm/deepspeed"))
+    fa = results["flash_attn"]
+    print("  flash_attn: " + (f"importable ({fa['version']})" if fa["importable"]
+                              else f"not importable ({fa['error']})"), flush=True)
     clock.stage("startup (torch, CUDA, imports)", time.perf_counter() - t_start)
 
     model = None
@@ -1299,6 +1610,12 @@ def main(argv=None) -> int:
 
     if "learner" in stages:
         run_learner(model, shape, device, args.steps, clock)
+    if "packed" in stages:
+        if clock.left() > 0:
+            run_packed(shape["packed"], device, clock, flops_rate=learner_flops_rate(results, shape["config"]))
+        else:
+            results["packed"] = {"status": "skipped", "why": "no budget left"}
+            clock.save()
     vocab = shape["config"]["vocab_size"]
     if "drift" in stages:
         run_drift(model, args.shape, shape["drift"], vocab, device, clock, tokens_per_s=nograd_token_rate(results))

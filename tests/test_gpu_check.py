@@ -45,6 +45,7 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert res["shape"] == "tiny" and res["device"] == "cpu" and res["param_dtype"] == "bfloat16"
     assert res["imports_pull_in_ray"] is False
     assert res["imports"]["rllib_exgrpo.core.scoring+losses"] == []
+    assert res["imports"]["rllib_exgrpo.core.packing+attention"] == []
     assert _positive(res["params"]) and _positive(res["total_s"])
     # bf16 weights without an fp32 master copy: an lr 1e-6 AdamW step leaves most unchanged
     assert 0.0 <= res["param_update_fraction"] < 0.5
@@ -61,7 +62,9 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         assert e["steps"] == 1
         assert e["valid_tokens_per_step"] < e["tokens_per_step"]  # padded like a learner batch
 
-    assert res["stages"] == ["learner", "drift", "slice", "transfer", "generation"]
+    assert res["stages"] == ["learner", "packed", "drift", "slice", "transfer", "generation"]
+    _check_packed(res)
+    assert "packed learner pass" in proc.stdout and "measured_over_planned=" in proc.stdout
 
     # drift: the tiny model and the last slice depth, three compositions each
     assert [e["model"] for e in res["drift"]] == ["tiny", "tiny-untied-2-layers"]
@@ -121,6 +124,60 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
             assert _positive(e[key]), (e["name"], key, e.get(key))
 
 
+def _check_packed(res):
+    """The packed stage's figures: one packed pass of the tiny shape under sdpa_varlen (CPU),
+    its measured peak next to the plan's."""
+    pk = res["packed"]
+    assert pk["status"] == "ok", pk
+    assert pk["kernel"] == "sdpa_varlen" and pk["kernel_requested"] == "sdpa_varlen"  # resolve("auto", "cpu")
+    assert isinstance(pk["flash_attn_importable"], bool)
+    assert pk["flash_attn_importable"] == res["flash_attn"]["importable"]
+    assert (pk["rows"], pk["prompt"], pk["response"]) == (6, 32, 96)
+    assert pk["tokens"] == 6 * 128 == pk["tokens_budget"] and pk["scored_tokens"] == 6 * 96
+    assert pk["gradient_checkpointing"] is True and pk["dtype"] == "bfloat16" and pk["chunk_tokens"] == 512
+    assert pk["model_config"]["vocab_size"] == 512 and pk["layers"] == 2
+    for key in ("pass_s", "first_pass_s", "tokens_per_s", "score_nograd_s", "measured_bytes", "measured_gib",
+                "planned_bytes", "planned_gib", "measured_over_planned", "params"):
+        assert _positive(pk[key]), (key, pk.get(key))
+    assert math.isclose(pk["tokens_per_s"], pk["tokens"] / pk["pass_s"])
+    assert math.isclose(pk["measured_over_planned"], pk["measured_bytes"] / pk["planned_bytes"])
+    # the CPU measurement is the profiler's exact tensor bytes: the plan holds it within 25%
+    assert 0.75 < pk["measured_over_planned"] < 1.25, pk["measured_over_planned"]
+    plan = pk["plan"]
+    assert plan["status"] == "ok" and "dense_mask False" in plan["args"]
+    assert plan["planned_bytes"] == plan["breakdown"]["peak"] == pk["planned_bytes"]
+    assert math.isfinite(pk["loss"])
+
+
+def test_gpu_check_packed_stage_alone_on_cpu(tmp_path):
+    """``--stages packed``: no learner stage before it (no FLOP rate, no main model)."""
+    out = tmp_path / "packed.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.relative_to(REPO)), "--shape", "tiny", "--device", "cpu", "--stages", "packed",
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["stages"] == ["packed"] and "learner" not in res and "params" not in res
+    _check_packed(res)
+    assert "flash_attn" in proc.stdout and "measured_over_planned=" in proc.stdout
+
+
+def test_packed_pass_reads_the_1_5b_recipe(gpu_check):
+    spec = gpu_check.SHAPES["qwen2.5-1.5b"]["packed"]
+    cfg = spec["config"]
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"],
+            cfg["vocab_size"], cfg["tie_word_embeddings"]) == (1536, 12, 2, 8960, 151936, True)
+    assert spec["layers"] == 2 and cfg["num_hidden_layers"] == 28
+    pp = gpu_check.packed_pass_spec(spec)
+    assert "read_error" not in pp["recipe"], pp
+    assert pp["tokens_budget"] == 32768 and pp["gradient_checkpointing"] is True
+    assert (pp["rows"], pp["tokens"], pp["scored_tokens"]) == (8, 32768, 8 * 3072)
+    plan = gpu_check.packed_plan({**cfg, "num_hidden_layers": 2}, pp["tokens"], pp["scored_tokens"], True)
+    assert plan["status"] == "ok" and plan["planned_bytes"] > 0
+
+
 def test_gpu_check_full_shape_without_cuda_says_so_in_one_line(tmp_path):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -149,7 +206,7 @@ def test_gpu_check_help_lists_stages_and_flags():
     proc = subprocess.run([sys.executable, str(SCRIPT.relative_to(REPO)), "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for word in ("learner", "drift", "slice", "transfer", "generation", "--stages", "--slice-layers",
+    for word in ("learner", "packed", "drift", "slice", "transfer", "generation", "--stages", "--slice-layers",
                  "--transfer-gb", "--transfer-chunk-mb", "--budget-s", "--shape"):
         assert word in proc.stdout, word
 
@@ -228,6 +285,8 @@ def test_stages_over_budget_are_skipped_with_a_reason(gpu_check, tmp_path):
     res = gpu_check.run_slice(spec, torch.device("cpu"), "sdpa", 1, clock, flops_rate=1.0)
     assert [d["status"] for d in res["depths"]] == ["skipped", "skipped"]
     assert res["full_depth"]["status"].startswith("not extrapolated")
+    e = gpu_check.run_packed(gpu_check.SHAPES["tiny"]["packed"], torch.device("cpu"), clock, flops_rate=1.0)
+    assert e["status"] == "skipped" and "predicted" in e["why"] and "measured_bytes" not in e
 
 
 def test_plan_comparison_wiring(gpu_check, monkeypatch):
