@@ -163,8 +163,10 @@ def test_two_zero_learners_match_one_learner_and_the_runner(quick_tiny_model, st
     gradients accumulated under DeepSpeed's boundary), against the same one-pass reference."""
     # "rows+tokens": at most 4 rows and 100 padded positions a pass; the learners' pass
     # counts differ and are agreed on (every ZeRO-3 forward gathers parameters from all ranks).
-    fields = {"learner_micro_batch_rows": 4, "learner_micro_batch_tokens": 100} if micro == "rows+tokens" else {
-        "learner_micro_batch_rows": micro}
+    # Its log-probs go in chunks of 5 positions: the LM head (tied) is called, and recomputed
+    # in the backward, once a chunk under ZeRO-3's parameter hooks.
+    fields = {"learner_micro_batch_rows": 4, "learner_micro_batch_tokens": 100, "logit_chunk_tokens": 5} \
+        if micro == "rows+tokens" else {"learner_micro_batch_rows": micro}
     training = ds_training(stage, **fields)
     t_build = time.perf_counter()
     algo = two_learner_config(quick_tiny_model, **training).build_algo()
