@@ -183,3 +183,25 @@ def test_model_without_standard_head_uses_full_forward():
     logp, entropy, _ = score_completions(model, ids, mask, 4, chunk_tokens=3)
     ref_logp, ref_entropy = _reference_scores(model, ids, mask, 4, 1.0)
     torch.testing.assert_close(logp * resp, ref_logp * resp, atol=1e-5, rtol=1e-5)
+
+
+def test_min_chunks_calls_the_head_as_often_in_forward_and_backward():
+    """``min_chunks``: extra head calls on no positions, in the forward and in the backward's
+    recomputation alike (ZeRO-3 ranks must make the same number of head calls); the values
+    and gradients are those without them."""
+    torch.manual_seed(4)
+    head = torch.nn.Linear(8, 13, bias=False)
+    calls = []
+    head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    hidden = torch.randn(10, 8, requires_grad=True)
+    targets = torch.randint(0, 13, (10,))
+    logp, entropy = logprobs_entropy_from_hidden(hidden, head, targets, chunk_tokens=4, min_chunks=5)
+    assert calls == [4, 4, 2, 0, 0]
+    (logp.sum() + entropy.sum()).backward()
+    assert sorted(calls[5:]) == [0, 0, 2, 4, 4]  # each chunk recomputed once
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    ref_logp, ref_entropy = logprobs_entropy_from_hidden(hidden, head, targets, chunk_tokens=4)
+    (ref_logp.sum() + ref_entropy.sum()).backward()
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(grad, hidden.grad)

@@ -120,6 +120,7 @@ def logprobs_entropy_from_hidden(
     temperature: float = 1.0,
     with_entropy: bool = True,
     chunk_tokens: Optional[int] = None,
+    min_chunks: int = 0,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Log-probs (and entropies) of ``targets`` under ``head(hidden)``, chunk by chunk.
 
@@ -129,6 +130,12 @@ def logprobs_entropy_from_hidden(
     after the forward and recomputed in the backward, so the pass's peak beyond the
     hidden states is one chunk's, whatever ``M`` is. ``chunk_tokens`` None:
     :data:`DEFAULT_CHUNK_TOKENS`.
+
+    ``min_chunks``: call the head at least this many times, the extra calls on no positions
+    (and recomputed in the backward like the others). Under DeepSpeed ZeRO-3 every head call
+    gathers the head's parameters from all ranks, so data-parallel ranks whose passes score
+    different numbers of positions must make the same number of calls (the learner agrees
+    on it, ``columns.MIN_LOGIT_CHUNKS``).
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [M, H] and targets [M]; got {tuple(hidden.shape)} and "
@@ -139,7 +146,9 @@ def logprobs_entropy_from_hidden(
     targets = targets.long()
     grad = torch.is_grad_enabled() and (hidden.requires_grad or _head_has_trainable(head))
     logps, entropies = [], []
-    for start in range(0, hidden.shape[0], step):
+    starts = list(range(0, hidden.shape[0], step))
+    starts += [hidden.shape[0]] * max(0, int(min_chunks) - len(starts))  # empty chunks
+    for start in starts:
         h, t = hidden[start:start + step], targets[start:start + step]
         if grad:
             logp, entropy = checkpoint(_chunk, head, h, t, temperature, with_entropy, use_reentrant=False)

@@ -32,3 +32,7 @@ PACKED_POSITION_IDS = "packed_position_ids"  # int64 [1, T]
 PACKED_LOGIT_INDEX = "packed_logit_index"  # int64 [K]: positions whose logits predict completion tokens
 PACKED_TARGET_ROW = "packed_target_row"  # int64 [K]: row of each predicted token in the [N, R] layout
 PACKED_TARGET_COL = "packed_target_col"  # int64 [K]: its completion column
+
+# A pass's scalar set by the learner: the LM-head calls (log-prob chunks) the pass makes at
+# least, the same on every ZeRO-3 rank (each call gathers the head's parameters).
+MIN_LOGIT_CHUNKS = "min_logit_chunks"  # int

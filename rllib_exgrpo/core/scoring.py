@@ -29,6 +29,7 @@ def completion_logprobs_and_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
     chunk_tokens: Optional[int] = None,
+    min_chunks: int = 0,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Score the last ``response_len`` tokens of every row.
 
@@ -38,7 +39,7 @@ def completion_logprobs_and_entropy(
     """
     logp, entropy, _ = score_completions(
         model, input_ids, attention_mask, response_len, temperature=temperature, with_entropy=with_entropy,
-        chunk_tokens=chunk_tokens,
+        chunk_tokens=chunk_tokens, min_chunks=min_chunks,
     )
     return logp, entropy
 
@@ -62,6 +63,7 @@ def score_completions(
     with_entropy: bool = True,
     with_hidden: bool = False,
     chunk_tokens: Optional[int] = None,
+    min_chunks: int = 0,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """:func:`completion_logprobs_and_entropy`, plus (``with_hidden``) the final hidden
     state of every position, ``[N, P + R, H]`` (what the LM head reads; a value head can
@@ -77,7 +79,8 @@ def score_completions(
         # Position t predicts token t + 1: the R positions before the last one.
         scored = hidden[:, -(r + 1):-1, :].reshape(n * r, hidden.shape[-1])
         logp, entropy = logprobs_entropy_from_hidden(
-            scored, head, targets, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens)
+            scored, head, targets, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+            min_chunks=min_chunks)
     else:
         out = model(**inputs, logits_to_keep=r + 1, use_cache=False, output_hidden_states=with_hidden)
         logits = out.logits[:, :-1, :].reshape(n * r, -1)
@@ -95,13 +98,31 @@ def score_learner_batch(
     model, batch: dict, *, temperature: float = 1.0, with_entropy: bool = True, chunk_tokens: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(logp [N, R], entropy [N, R] or None)`` of a learner pass, padded (``columns.py``)
-    or packed without padding (``packing.py``, when the pass carries packed columns)."""
+    or packed without padding (``packing.py``, when the pass carries packed columns); at
+    least ``batch[MIN_LOGIT_CHUNKS]`` LM-head calls where the learner set it."""
+    from rllib_exgrpo.core.columns import MIN_LOGIT_CHUNKS
     from rllib_exgrpo.core.packing import is_packed, score_packed
 
+    min_chunks = int(batch.get(MIN_LOGIT_CHUNKS, 0) or 0)
     if is_packed(batch):
         return score_packed(model, batch, temperature=temperature, with_entropy=with_entropy,
-                            chunk_tokens=chunk_tokens)
+                            chunk_tokens=chunk_tokens, min_chunks=min_chunks)
     return completion_logprobs_and_entropy(
         model, batch["input_ids"], batch["attention_mask"], batch["response_mask"].shape[1],
-        temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
+        temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens, min_chunks=min_chunks,
     )
+
+
+def logit_chunks(batch: dict, chunk_tokens: Optional[int] = None) -> int:
+    """LM-head calls a learner pass makes: its scored positions (the packed logit index,
+    or rows x completion width) in chunks of ``chunk_tokens``."""
+    from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
+    from rllib_exgrpo.core.columns import PACKED_LOGIT_INDEX
+
+    step = int(chunk_tokens or DEFAULT_CHUNK_TOKENS)
+    if PACKED_LOGIT_INDEX in batch:
+        scored = int(batch[PACKED_LOGIT_INDEX].numel())
+    else:
+        rows, width = batch["response_mask"].shape
+        scored = int(rows) * int(width)
+    return -(-scored // step)

@@ -510,6 +510,13 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, _DeepSpeedStep):
                     engine.step()
         return fwd_out, loss_per_module, {}
 
+    def _head_calls_are_collective(self) -> bool:
+        """ZeRO-3 with two or more learners: each LM-head call gathers its parameters."""
+        import torch.distributed as dist
+
+        return (int(self.config.deepspeed_zero_stage) == 3 and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() > 1)
+
     def _score_forward(self, module_id, chunk):
         """Through the engine: under ZeRO-3 its hooks gather the parameters (every rank runs
         the same number of scoring passes: ``score_rows`` agrees on it)."""

@@ -86,6 +86,24 @@ class ExGRPOTorchLearner(TorchLearner):
                 for p in ref.parameters():
                     p.requires_grad_(False)
                 self._reference_models[mid] = ref
+        self._say_attention()
+
+    def _say_attention(self) -> None:
+        """Print, once per learner group (the first learner), the attention kernel the
+        policy runs here and whether the learner packs its passes: ``attn_implementation:
+        auto`` resolves per process, so this is where the choice is known."""
+        from rllib_exgrpo.core.attention import model_kernel
+
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return
+        kernels = sorted({str(model_kernel(getattr(self.module[mid], "model", None))) for mid in self.module.keys()})
+        budget = self.config.learner_micro_batch_tokens
+        if budget and self.config.learner_sequence_packing:
+            packing = "packed passes" if self._kernel_packs_rows() else "padded passes (no variable-length kernel)"
+        else:
+            packing = "padded passes"
+        print(f"learner: attention {', '.join(kernels)} (attn_implementation: {self.config.attn_implementation}); "
+              f"{packing}; log-probs in chunks of {self.config.logit_chunk_tokens} positions", flush=True)
 
     def configure_optimizers_for_module(self, module_id, config=None) -> None:
         """AdamW with ``weight_decay`` (official ExGRPO: 0.01) instead of RLlib's plain Adam;
@@ -233,7 +251,7 @@ class ExGRPOTorchLearner(TorchLearner):
             ids, mask, resp = prompt_completion_batch(ps, cs, pad_id)
             chunk = {C.INPUT_IDS: ids.to(device), C.ATTENTION_MASK: mask.to(device),
                      C.RESPONSE_MASK: resp.to(device=device, dtype=torch.float32)}
-            out = self._score_forward(module_id, chunk)
+            out = self._score_forward(module_id, self._agree_logit_chunks({module_id: chunk})[module_id])
             lp = out[C.LOGP].float().cpu().numpy()
             en = out[C.ENTROPY].float().cpu().numpy()
             for r, j in enumerate(rows):
@@ -334,6 +352,29 @@ class ExGRPOTorchLearner(TorchLearner):
             out[mid] = trim_padding(one)
         return out
 
+    def _head_calls_are_collective(self) -> bool:
+        """Whether every call of the LM head is a collective across the data-parallel
+        learners (DeepSpeed ZeRO-3 gathers its parameters; overridden there)."""
+        return False
+
+    def _agree_logit_chunks(self, batch: Dict[str, Any]) -> Dict[str, Any]:
+        """``batch`` (module id -> a pass's columns) with ``MIN_LOGIT_CHUNKS`` set to the
+        most LM-head calls any learner's pass makes, where head calls are collectives:
+        log-probs go in chunks of ``logit_chunk_tokens`` positions, and learners whose
+        passes score different numbers of positions would otherwise call the head a
+        different number of times and wait for each other forever."""
+        if not self._head_calls_are_collective():
+            return batch
+        from rllib_exgrpo.core.scoring import logit_chunks
+
+        out = {}
+        for mid, columns in batch.items():
+            if isinstance(columns, dict) and C.RESPONSE_MASK in columns:
+                count = self._agreed_pass_count(logit_chunks(columns, self.config.logit_chunk_tokens))
+                columns = {**columns, C.MIN_LOGIT_CHUNKS: count}
+            out[mid] = columns
+        return out
+
     def _agreed_pass_count(self, count: int) -> int:
         """The most passes any data-parallel learner needs (``count`` alone)."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -400,6 +441,7 @@ class ExGRPOTorchLearner(TorchLearner):
         passes = chunks or [batch]
         try:
             for i, chunk in enumerate(passes):
+                chunk = self._agree_logit_chunks(chunk)
                 with pass_context(i == len(passes) - 1):
                     fwd_out = forward(chunk)
                     loss_per_module = self.compute_losses(fwd_out=fwd_out, batch=chunk)
