@@ -55,6 +55,7 @@ from rllib_exgrpo.rllib.config_fields import (
 from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
 from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
 from rllib_exgrpo.rllib.module import LLMTorchRLModule
+from rllib_exgrpo.rllib.weight_broadcast import WeightBroadcaster, WeightSyncFailed, chosen_path
 
 logger = logging.getLogger(__name__)
 
@@ -221,10 +222,14 @@ class ExGRPO(Algorithm):
         local = self.env_runner_group.local_env_runner
         if isinstance(local, LLMEnvRunner):
             local.weights_source = self._learner_module_state
-        # Remote runners build their module lazily; give them the learner's weights now.
-        self.env_runner_group.sync_weights(
-            from_worker_or_learner_group=self.learner_group, inference_only=True
+        # weight_sync: a collective broadcast to the remote runners, or RLlib's object store.
+        path, line = chosen_path(cfg)
+        self._weight_broadcaster = (
+            WeightBroadcaster(cfg.weight_sync_bucket_mb) if path == "collective" else None
         )
+        print(line, flush=True)
+        # Remote runners build their module lazily; give them the learner's weights now.
+        self._sync_runner_weights()
 
     def _learner_module_state(self) -> dict:
         """The learner's weights as a weight sync ships them (inference-only)."""
@@ -266,9 +271,7 @@ class ExGRPO(Algorithm):
             self._observe_step(step, switch_learner_mode=True)
 
         with self._stage(SYNCH_WORKER_WEIGHTS_TIMER):
-            self.env_runner_group.sync_weights(
-                from_worker_or_learner_group=self.learner_group, inference_only=True
-            )
+            self._sync_runner_weights()
 
         done = self.iteration + 1
         if self._heldout_ids and cfg.heldout_interval > 0 and done % cfg.heldout_interval == 0:
@@ -594,13 +597,61 @@ class ExGRPO(Algorithm):
 
     def _restart_failed_runners(self) -> None:
         """Bring dead runners back (RLlib restarts the actors) and give them the current
-        weights before they sample again."""
-        restored = self.restore_env_runners(self.env_runner_group)
-        if restored:
+        weights before they sample again (:meth:`restore_env_runners`)."""
+        self.restore_env_runners(self.env_runner_group)
+
+    def restore_env_runners(self, env_runner_group) -> List[int]:
+        """RLlib's restore (called by its training loop and by :meth:`_sample`), then the
+        current weights to the restored runners before they sample: over the object store to
+        those alone, or, with ``weight_sync: collective``, a new weight group with every
+        healthy runner (a restarted runner and the others rejoin together) and a broadcast."""
+        restored = super().restore_env_runners(env_runner_group)
+        if restored and env_runner_group is self.env_runner_group and hasattr(self, "_weight_broadcaster"):
+            if self._weight_broadcaster is not None:
+                self._weight_broadcaster.invalidate()
+            self._sync_runner_weights(to_worker_indices=restored, timeout_seconds=None)
+        return restored
+
+    def _sync_runner_weights(self, to_worker_indices=None, timeout_seconds: Optional[float] = 0.0) -> None:
+        """The learners' weights to the env runners (``weight_sync``). ``object_store``:
+        RLlib's ``sync_weights`` (to ``to_worker_indices``, waiting ``timeout_seconds``; 0 is
+        RLlib's fire-and-forget). ``collective``: a broadcast to every healthy remote runner
+        (``rllib/weight_broadcast.py``), which returns once every runner holds the weights;
+        when a runner fails in it, the failed runners are restored and the group rebuilt, once."""
+        broadcaster = self._weight_broadcaster
+        if broadcaster is None:
             self.env_runner_group.sync_weights(
-                from_worker_or_learner_group=self.learner_group, to_worker_indices=restored,
-                inference_only=True, timeout_seconds=None,
+                from_worker_or_learner_group=self.learner_group, inference_only=True,
+                to_worker_indices=to_worker_indices, timeout_seconds=timeout_seconds,
             )
+            return
+        try:
+            sent = broadcaster.sync(self.learner_group, self.env_runner_group)
+        except WeightSyncFailed as e:
+            logger.warning("%s; restoring the failed env runner(s) and building the weight group again", e)
+            super().restore_env_runners(self.env_runner_group)  # RLlib's alone: the sync below follows
+            broadcaster.invalidate()
+            sent = broadcaster.sync(self.learner_group, self.env_runner_group)
+        # The local runner (no module while remote runners sample) keeps no copy; it
+        # fetches the current weights if it is ever asked to sample or score.
+        local = self.env_runner_group.local_env_runner
+        if isinstance(local, LLMEnvRunner):
+            local.mark_weights_stale()
+        if sent.get("runners"):
+            self.metrics.log_value(("weight_sync", "seconds"), sent.get("seconds", 0.0), window=1)
+            self.metrics.log_value(("weight_sync", "bytes_per_runner"), sent.get("bytes", 0), window=1)
+            self.metrics.log_value(("weight_sync", "group_generation"), sent["generation"], window=1)
+
+    def cleanup(self) -> None:
+        """Drop the weight group (the root's store lives in the first learner, which may be
+        this process) before RLlib stops the actors."""
+        broadcaster = getattr(self, "_weight_broadcaster", None)
+        if broadcaster is not None and getattr(self, "learner_group", None) is not None:
+            try:
+                broadcaster.close(self.learner_group)
+            except Exception as e:  # best effort: the learners may be gone already
+                logger.debug("closing the weight group: %r", e)
+        super().cleanup()
 
     def _sample_trajectories(self, question_ids, num_samples, prefixes=None) -> List[Trajectory]:
         """Generate + score on the runners; runner metrics go into ``env_runners/``."""

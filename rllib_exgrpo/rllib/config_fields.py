@@ -407,6 +407,25 @@ _LEARNERS = [
        "minibatch_size."),
 ]
 
+_SECTION = "weight sync (docs/scaling.md)"
+#: Values of ``weight_sync`` (``rllib/weight_broadcast.py`` implements the first).
+WEIGHT_SYNCS = ("collective", "object_store")
+_WEIGHT_SYNC = [
+    _f("weight_sync", "collective", one_of(WEIGHT_SYNCS),
+       "How the learners' weights reach the env runners after each update: 'collective' (the "
+       "remote env runners and the first learner form a process group, gloo on CPU and NCCL "
+       "between GPUs, and the learner broadcasts the weights in buckets, as OpenRLHF and verl "
+       "do: nothing goes through Ray's object store) or 'object_store' (RLlib's sync_weights: "
+       "the full state put into Ray's object store and read by every runner). Without remote "
+       "env runners (num_env_runners 0) the local runner takes the weights in its own process "
+       "either way."),
+    _f("weight_sync_bucket_mb", 512, number(0, low_open=True),
+       "Size of one broadcast bucket of weight_sync 'collective', in MiB (OpenRLHF / verl: 512 "
+       "to 1024): each bucket's tensors are cast to the runners' dtype into one flat buffer per "
+       "dtype and broadcast at once; a runner holds one bucket besides its model, and under "
+       "ZeRO-3 the learners gather one bucket's parameters at a time."),
+]
+
 _SECTION = "GPU memory plan (docs/memory_plan.md)"
 _MEMORY = [
     _f("gpu_memory_gb", None, optional(number(0, low_open=True)),
@@ -419,7 +438,7 @@ _MEMORY = [
 
 #: Every field this project adds, in documentation order.
 FIELDS: Tuple[Field, ...] = tuple(_MODEL + _SAMPLING + _OBJECTIVE + _EXPERIENCE + _XRPO + _HELDOUT + _LEARNERS
-                                  + _MEMORY)
+                                  + _WEIGHT_SYNC + _MEMORY)
 FIELDS_BY_NAME: Dict[str, Field] = {f.name: f for f in FIELDS}
 assert len(FIELDS_BY_NAME) == len(FIELDS), "a field is defined twice"
 

@@ -24,7 +24,10 @@ generation backend takes them from the module's own tensors; the local runner of
 algorithm with remote runners, which has no module, keeps nothing: if it is ever asked to
 sample, it builds its module then and fetches the current weights from its
 ``weights_source`` (set by ``ExGRPO``; without one it keeps the last synced state, as
-RLlib's runners do).
+RLlib's runners do). With ``weight_sync: collective`` (the default) the remote runners
+receive the weights over a broadcast instead (:meth:`LLMEnvRunner.receive_weights`,
+``rllib/weight_broadcast.py``), straight into the module's parameters; the local runner is
+then only marked stale and fetches them from ``weights_source`` if it is ever used.
 
 Settings: the runner reads its LLM settings (model, G, token limits, sampling) through
 :class:`RunnerSettings`, so that it serves ``ExGRPOConfig`` (whose fields they are) and any
@@ -287,6 +290,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def _ensure_module(self):
         if self.backend is None:
             self.make_module()
+        elif self._weights_dropped and self.weights_source is not None:
+            # A collective sync went to the remote runners only (mark_weights_stale): the
+            # current weights are fetched now that this runner's module is needed.
+            self._weights_dropped = False
+            self._load_module_state(self.weights_source())
 
     @property
     def stop_token_ids(self) -> tuple:
@@ -555,6 +563,57 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.module.set_state(module_state)
         if self.backend is not None:
             self.backend.load_weights(self.module.state_dict())
+
+    # ---- weights over a collective (weight_sync: collective; rllib/weight_broadcast.py) ----
+    def weight_receive_device(self) -> str:
+        """Where this runner receives broadcast weights (``"cpu"`` / ``"cuda"``), its module
+        (or vLLM backend) built first: a member of the weight group needs somewhere to put them."""
+        self._ensure_module()
+        return runner_device(self.config).type
+
+    def join_weight_group(self, address, rank: int) -> dict:
+        """Join a generation of the weight group as ``rank`` (blocks until every member has);
+        ``{"ok": ...}``, never raises (an exception would end this actor)."""
+        from rllib_exgrpo.rllib import weight_broadcast
+
+        self._ensure_module()
+        names = list(self.module.state_dict()) if self.module is not None else []
+        _, status = weight_broadcast.runner_join(self, address, rank, runner_device(self.config), names)
+        return status
+
+    def receive_weights(self, generation: int, sync: int) -> dict:
+        """One collective sync: the broadcast buckets straight into the module's parameters
+        (then the generation backend loads from the module's tensors: a no-op for HF), or,
+        without a module (vLLM engine only), collected and pushed into the engine through
+        ``load_weights``. ``{"ok": ...}``, never raises."""
+        from rllib_exgrpo.rllib import weight_broadcast
+
+        targets = self.module.state_dict() if self.module is not None else None
+        seq_no, collected, status = weight_broadcast.runner_receive(self, generation, sync, targets)
+        if not status["ok"]:
+            return status
+        try:
+            if collected is not None:
+                self.backend.load_weights(collected)
+                del collected
+            elif self.backend is not None:
+                self.backend.load_weights(self.module.state_dict())
+        except Exception as e:
+            logger.exception("loading the broadcast weights into the generation backend failed")
+            return {"ok": False, "error": repr(e)}
+        self._pending_module_state, self._weights_dropped = None, False
+        if seq_no > 0:
+            self._weights_seq_no = seq_no
+        return status
+
+    def mark_weights_stale(self) -> None:
+        """The learners' weights moved on without passing through this runner (a collective
+        sync reaches the remote runners only): keep no copy, and fetch the current ones from
+        :attr:`weights_source` if this runner's module is ever needed (without a source it
+        keeps what it has, as RLlib's runners do)."""
+        if self.weights_source is not None:
+            self._pending_module_state = None
+            self._weights_dropped = True
 
     def get_ctor_args_and_kwargs(self):
         return ((), {"config": self.config})
