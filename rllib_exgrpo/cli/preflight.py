@@ -159,6 +159,8 @@ _PROJECT_TOP = (
     "num_completions", "unscored_completions", "optimizer_steps", "minibatch_rows_min",
     "minibatch_rows_max", "env_runner_failures", "resampled_questions", "num_env_steps_sampled_lifetime",
     "num_training_step_calls_per_iteration", "async_batch_staleness", "learner_scored_completions",
+    # ExGRPO._sync_runner_weights with weight_sync: collective
+    "weight_sync/seconds", "weight_sync/bytes_per_runner", "weight_sync/group_generation",
 )
 
 
