@@ -624,19 +624,14 @@ def flash_attn_status() -> dict:
 
 def cpu_peak_bytes(fn) -> int:
     """Peak live torch CPU tensor bytes while ``fn`` runs, relative to its start, from the
-    allocator's records (``torch.profiler`` memory events; benchmarks/memory_plan.py's
-    ``_peak_of``)."""
-    from torch.profiler import ProfilerActivity, profile
+    allocator's records (``torch.profiler`` memory events): benchmarks/memory_plan.py's
+    ``_peak_of`` (standard library imports only, as this script needs)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from memory_plan import _peak_of
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return _peak_of(fn)
 
 
 def packed_pass_spec(spec: dict) -> dict:
