@@ -8,18 +8,18 @@ comes from and the measured check, ``benchmarks/memory_plan.py``):
   and ZeRO stage;
 * :func:`learner_activation_bytes` / :func:`learner_activation_breakdown`: the peak of one
   forward + backward pass of the learner (``core/scoring.py`` + ``core/losses.py``) on
-  ``rows x tokens``: the activations autograd saves per layer (or the layer inputs with
-  gradient checkpointing), the logits and log-prob buffers at the vocabulary size, and the
-  backward's temporaries; :func:`scoring_activation_bytes`: the same pass without gradients
+  ``rows x tokens`` (or one packed sequence): the activations autograd saves per layer (or
+  the layer inputs with gradient checkpointing), one chunk of log-prob logits at the
+  vocabulary size (``core/chunked_logprobs.py``), and the backward's temporaries; :func:`scoring_activation_bytes`: the same pass without gradients
   (an env runner's behaviour log-probs and lowest-entropy scoring, the KL reference);
 * :func:`plan_memory`: both for an ``ExGRPOConfig``, per actor kind, against the GPU's
   memory (``gpu_memory_gb``, else detected with ``torch.cuda``), with one line per actor
   that does not fit, naming the config key to change.
 
-Activations are counted for Hugging Face's Qwen2 / Llama modelling code with
-``attn_implementation="sdpa"`` and a padding mask (the learner batch is left/right padded):
-torch's SDPA then gets a boolean mask, which it turns into a float mask of the query's
-dtype in every layer and keeps for the backward. Exact per-tensor counts were read off
+Activations are counted for Hugging Face's Qwen2 / Llama modelling code. A padded pass
+gives SDPA a boolean mask, which it turns into a float mask of the query's dtype in every
+layer and keeps for the backward; a packed pass under a variable-length kernel
+(``core/attention.py``) has no mask. Exact per-tensor counts were read off
 autograd's saved tensors (``torch.autograd.graph.saved_tensors_hooks``) and the peaks off
 the allocator's own records (``torch.profiler`` memory events); see the doc.
 """
