@@ -13,7 +13,7 @@ setup(
         "Programming Language :: Python :: 3",
     ],
     python_requires=">=3.10",
-    packages=find_packages(include=["rllib_exgrpo", "rllib_exgrpo.*", "envs", "envs.*"]),
+    packages=find_packages(include=["rllib_exgrpo", "rllib_exgrpo.*"]),
     # The default tiny model, built once by the pinned build and shipped (models/shipped.py).
     package_data={"rllib_exgrpo": ["py.typed", "models/prebuilt/*/*"]},
     install_requires=[

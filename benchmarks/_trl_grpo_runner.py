@@ -97,13 +97,13 @@ def _settings(given: dict | None) -> dict:
 
 
 def _import_project_rewards(repo_root: str | None):
-    """``envs.rewards`` of the repository (stdlib only at import; no ray, no gymnasium)."""
+    """``rllib_exgrpo.envs.rewards`` of the repository (stdlib only at import; no ray, no gymnasium)."""
     root = Path(repo_root) if repo_root else HERE.parents[1]
-    if not (root / "envs" / "rewards.py").is_file():
-        raise FileNotFoundError(f"no envs/rewards.py under the repository root {root}")
+    if not (root / "rllib_exgrpo" / "envs" / "rewards.py").is_file():
+        raise FileNotFoundError(f"no rllib_exgrpo/envs/rewards.py under the repository root {root}")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    import envs.rewards as rewards  # envs/__init__ resolves its exports lazily
+    import rllib_exgrpo.envs.rewards as rewards  # envs/__init__ resolves its exports lazily
 
     return rewards
 

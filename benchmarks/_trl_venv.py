@@ -130,7 +130,7 @@ def trl_inputs(seed: int = 0, iterations: int = 40, *, model: str = "tiny", outp
     ``settings``: overrides of the runner's ``DEFAULT_SETTINGS`` (stored as given).
     """
     sys.path.insert(0, str(ROOT))
-    from envs.reasoning_env import ReasoningEnv
+    from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
     from rllib_exgrpo.models import resolve_model_path
     from rllib_exgrpo.core.question_sampler import QuestionSampler
 
@@ -194,7 +194,7 @@ def reward_parity(python: Optional[str] = None, *, n_questions: int = 16, seed: 
     """Score the same completions with the project's ``ReasoningEnv.score`` (here, the project
     venv) and with the runner's reward in the TRL venv (``--score``); report any difference."""
     sys.path.insert(0, str(ROOT))
-    from envs.reasoning_env import ReasoningEnv
+    from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
     from rllib_exgrpo.models import resolve_model_path
 
     python = python or ensure_trl_venv()

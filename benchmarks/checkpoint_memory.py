@@ -158,7 +158,7 @@ def main() -> None:
         overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if args.stage == 3 else {}
         config = (
             ExGRPOConfig()
-            .environment("envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
+            .environment("rllib_exgrpo.envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
             .training(model_name_or_path=str(work / "model"), questions_per_step=2, group_size=2,
                       max_prompt_tokens=32, max_response_tokens=4, minibatch_size=2 * args.learners, lr=1e-4,
                       learner_backend="deepspeed", deepspeed_zero_stage=args.stage, deepspeed=overrides)

@@ -434,7 +434,7 @@ def takeoff_lines(runs: Dict[str, List[dict]], threshold: float = 0.1) -> List[s
 
 def final_set_levels() -> np.ndarray:
     """The level of each final-set question, in ``final_bits`` order."""
-    from envs.datasets import load_problems
+    from rllib_exgrpo.envs.datasets import load_problems
 
     return np.array([p.difficulty for p in final_set_questions(list(load_problems(FINAL_SET_DATASET, split="test")))])
 

@@ -346,7 +346,7 @@ def main():
             runs[name].append(train_run(name, r, o, seed, task_seed=args.task_seed, shuffled=sh,
                                         iterations=args.iterations, token_budget=budget,
                                         eval_interval=args.eval_interval, out=args.out, train_end_eval=positive))
-    from envs.operators import family_blind_accuracy
+    from rllib_exgrpo.envs.operators import family_blind_accuracy
 
     blind = family_blind_accuracy(task_spec(args.task_seed))
     lines = [f"operators experiment, phase {args.phase or 'variants'}, task {task_spec(args.task_seed)}, seeds {args.seeds}"

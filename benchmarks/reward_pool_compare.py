@@ -4,7 +4,7 @@ A review asked whether ``pebble.ProcessPool`` (per-task ``timeout``; an overrunn
 worker is terminated and replaced) could replace the hand-written pool in
 ``envs/rewards.py``. This script answers by measurement. The pebble candidate
 (:class:`PebblePool`) is plugged in *behind the same caller code* (answer extraction,
-exact-match fast path, de-duplication, stats, :class:`envs.rewards.RewardResult`), so
+exact-match fast path, de-duplication, stats, :class:`rllib_exgrpo.envs.rewards.RewardResult`), so
 only the process pool differs between backends:
 
 * ``current``          -- envs/rewards.py as it is (subprocess workers).
@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from envs import rewards  # noqa: E402
+from rllib_exgrpo.envs import rewards  # noqa: E402
 
 HANG = "\\boxed{9^{9^{9^{9^9}}}}"
 CASES = [  # (completion, ground truth, expected score), through math-verify
@@ -78,7 +78,7 @@ _VERIFY = None
 
 
 def _pebble_init(parent_pid: Optional[int], stock: bool) -> None:
-    """Worker initializer: what envs.rewards._worker_main does before its loop."""
+    """Worker initializer: what rllib_exgrpo.envs.rewards._worker_main does before its loop."""
     global _VERIFY
     if not stock:
         # pebble's worker installs a Python SIGTERM handler; a worker stuck in sympy's C
@@ -144,7 +144,7 @@ def _stop_pebble(pp, owner_pid: int) -> None:
 
 
 class PebblePool:
-    """Drop-in for ``envs.rewards._Pool`` (size, pid, grow_to, warm, run, close) on pebble."""
+    """Drop-in for ``rllib_exgrpo.envs.rewards._Pool`` (size, pid, grow_to, warm, run, close) on pebble."""
 
     method = "fork"
     stock = False
@@ -154,7 +154,7 @@ class PebblePool:
 
         self.size = size
         self.pid = os.getpid()
-        self._all: tuple = ()  # envs.rewards._after_fork_in_child iterates this
+        self._all: tuple = ()  # rllib_exgrpo.envs.rewards._after_fork_in_child iterates this
         self._lock = threading.Lock()
         self._pp = None
         self._pp_size = 0
@@ -266,7 +266,7 @@ _CURRENT_POOL = rewards._Pool
 
 
 def install(backend: str) -> None:
-    """Make ``envs.rewards`` use ``backend`` for every later call in this process."""
+    """Make ``rllib_exgrpo.envs.rewards`` use ``backend`` for every later call in this process."""
     if backend == "current":
         rewards.shutdown_workers()
         rewards._Pool = _CURRENT_POOL
@@ -335,8 +335,8 @@ def sc_throughput(backend: str, limit: int) -> dict:
 
 def _workloads(limit: int) -> dict:
     """The workloads of benchmarks/reward_throughput.py: name -> (calls, answers)."""
-    from envs import arithmetic
-    from envs.datasets import load_problems
+    from rllib_exgrpo.envs import arithmetic
+    from rllib_exgrpo.envs.datasets import load_problems
 
     out = {}
     math500 = REPO.parent / "shared" / "data" / "simplerl_eval" / "math500_test.jsonl"
@@ -442,17 +442,17 @@ def sc_ray(backend: str) -> dict:
             self.c = c
 
         def score(self, completions, truths):
-            from envs.rewards import score_batch
+            from rllib_exgrpo.envs.rewards import score_batch
 
             return [r.score for r in score_batch(completions, truths, fast_path=False)]
 
         def one(self, completion, truth):
-            from envs.rewards import math_reward
+            from rllib_exgrpo.envs.rewards import math_reward
 
             return math_reward(completion, truth, fast_path=False).score
 
         def timed(self, completions, truths, timeout_s):
-            from envs.rewards import score_batch
+            from rllib_exgrpo.envs.rewards import score_batch
 
             start = time.monotonic()
             out = score_batch(completions, truths, timeout_s=timeout_s)
@@ -571,7 +571,7 @@ import sys, threading, time
 sys.path.insert(0, {repo!r})
 from benchmarks import reward_pool_compare as c
 c.install({backend!r})
-from envs import rewards
+from rllib_exgrpo.envs import rewards
 rewards.warm_up()
 threading.Thread(target=rewards.score_batch, args=([{hang!r}], ['5']), kwargs={{'timeout_s': 600}}, daemon=True).start()
 time.sleep(1.0)

@@ -18,9 +18,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from envs import arithmetic  # noqa: E402
-from envs import rewards  # noqa: E402
-from envs.datasets import load_problems  # noqa: E402
+from rllib_exgrpo.envs import arithmetic  # noqa: E402
+from rllib_exgrpo.envs import rewards  # noqa: E402
+from rllib_exgrpo.envs.datasets import load_problems  # noqa: E402
 
 
 def _rate(n: int, seconds: float) -> str:

@@ -212,7 +212,7 @@ def main() -> None:
 
         config = (
             ExGRPOConfig()
-            .environment("envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
+            .environment("rllib_exgrpo.envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
             .training(model_name_or_path=str(work / "model"), model_dtype="bfloat16", questions_per_step=2,
                       group_size=2, max_prompt_tokens=64, max_response_tokens=4, minibatch_size=4,
                       weight_sync="collective", weight_sync_bucket_mb=args.bucket_mb)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from envs import arithmetic
-from envs.rewards import last_boxed, math_reward, score_batch
+from rllib_exgrpo.envs import arithmetic
+from rllib_exgrpo.envs.rewards import last_boxed, math_reward, score_batch
 
 
 def test_deterministic_from_seed():

@@ -23,7 +23,7 @@ def bf16_config(model, **overrides):
     return (
         # The env as every YAML file names it: a class path string.
         ExGRPOConfig()
-        .environment("envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
+        .environment("rllib_exgrpo.envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
         .training(**training)
     )
 

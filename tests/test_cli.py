@@ -332,6 +332,25 @@ def test_dotted_env_path_is_imported_and_registered():
         build_experiments({"e": {"run": "PPO", "env": "CartPole-v1", "config": {"env": "Pendulum-v1"}}})
 
 
+def test_builtin_env_name_and_the_old_top_level_path():
+    """``env: ReasoningEnv`` is a built-in name (the env runner builds it without Tune's
+    registry); a path under the old top-level ``envs`` package fails in one line naming
+    what to write, in the CLI and in ``import_object`` (reward functions)."""
+    from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
+    from rllib_exgrpo.rllib.env_creator import env_creator, import_object
+
+    assert resolve_env("ReasoningEnv") == "ReasoningEnv"
+    assert env_creator("ReasoningEnv") is ReasoningEnv
+    with pytest.raises(CliConfigError) as e:
+        resolve_env("envs.reasoning_env:ReasoningEnv")
+    assert str(e.value) == ("env: 'envs.reasoning_env:ReasoningEnv' moved into the package: write "
+                            "'ReasoningEnv' (or 'rllib_exgrpo.envs.reasoning_env:ReasoningEnv').")
+    with pytest.raises(ImportError, match="^'envs.reward_examples:exact_match' moved into the package: "
+                                          "write 'rllib_exgrpo.envs.reward_examples:exact_match'$"):
+        import_object("envs.reward_examples:exact_match")
+    assert import_object("rllib_exgrpo.envs.reward_examples:exact_match").__name__ == "exact_match"
+
+
 def test_dry_run_prints_and_starts_nothing(tmp_path, capsys):
     f = tmp_path / "x.yaml"
     f.write_text("x:\n  run: PPO\n  env: CartPole-v1\n  config:\n    lr: {grid_search: [0.1, 0.2]}\n")

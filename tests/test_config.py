@@ -51,7 +51,7 @@ def test_unknown_training_keyword_is_rejected():
 def test_yaml_with_misspelled_key_fails_before_anything_starts(tmp_path):
     path = tmp_path / "x.yaml"
     path.write_text(
-        "x:\n  run: ExGRPO\n  env: envs.reasoning_env:ReasoningEnv\n"
+        "x:\n  run: ExGRPO\n  env: rllib_exgrpo.envs.reasoning_env:ReasoningEnv\n"
         "  config:\n    experince_ratio: 0.3\n    model_name_or_path: tiny\n"
     )
     with pytest.raises(CliConfigError) as err:

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from envs import reward_examples as ex
-from envs.problem import Problem
-from envs.reasoning_env import ReasoningEnv, validate_config
-from envs.rewards import (
+from rllib_exgrpo.envs import reward_examples as ex
+from rllib_exgrpo.envs.problem import Problem
+from rllib_exgrpo.envs.reasoning_env import ReasoningEnv, validate_config
+from rllib_exgrpo.envs.rewards import (
     extract_choice,
     format_reward,
     load_reward_fn,
@@ -147,12 +147,12 @@ def test_format_reward(text, think, expected):
 def test_labels_and_loading():
     assert reward_labels(["math", "a.b:exact_match", "c:exact_match", "m:Cls.score"]) == [
         "math", "exact_match", "exact_match_2", "score"]
-    fn, accepted = load_reward_fn("envs.reward_examples:keyword_match")
+    fn, accepted = load_reward_fn("rllib_exgrpo.envs.reward_examples:keyword_match")
     assert fn is ex.keyword_match and accepted == {"completion", "ground_truth", "keywords"}
     assert load_reward_fn("format")[1] is None  # **kwargs: everything is passed
     for bad, why in [("nocolon", "package.module:function"), ("no_such_mod:f", "ModuleNotFoundError"),
-                     ("envs.rewards:nope", "no attribute 'nope'"), ("envs.rewards:CHOICE_LETTERS", "not a function"),
-                     ("envs.rewards:last_boxed", "no 'completion' keyword")]:
+                     ("rllib_exgrpo.envs.rewards:nope", "no attribute 'nope'"), ("rllib_exgrpo.envs.rewards:CHOICE_LETTERS", "not a function"),
+                     ("rllib_exgrpo.envs.rewards:last_boxed", "no 'completion' keyword")]:
         with pytest.raises(ValueError, match=why):
             load_reward_fn(bad)
 
@@ -193,7 +193,7 @@ def test_a_bad_reward_fn_is_one_cli_error_line_before_anything_starts(tmp_path, 
     f.write_text(textwrap.dedent("""
         bad:
           run: GRPO
-          env: envs.reasoning_env:ReasoningEnv
+          env: rllib_exgrpo.envs.reasoning_env:ReasoningEnv
           stop: {training_iteration: 1}
           config:
             env_config: {dataset: arithmetic, reward_fn: "no_such_package.rewards:score"}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.datasets import DataFormatError, ProblemList, load_problems
-from envs.problem import Problem
+from rllib_exgrpo.envs.datasets import DataFormatError, ProblemList, load_problems
+from rllib_exgrpo.envs.problem import Problem
 
 
 def _write_jsonl(path: Path, rows) -> Path:
@@ -49,13 +49,13 @@ def test_strict_names_file_line_and_reason(tmp_path):
 
 
 def test_non_strict_skips_warns_and_counts(messy, caplog):
-    with caplog.at_level(logging.WARNING, logger="envs.datasets"):
+    with caplog.at_level(logging.WARNING, logger="rllib_exgrpo.envs.datasets"):
         problems = load_problems(messy)
     assert isinstance(problems, ProblemList)
     assert [p.ground_truth for p in problems] == ["2", "8"]
     assert problems.skipped == len(BAD_ROWS)
     assert [e.line for e in problems.errors] == list(range(2, 2 + len(BAD_ROWS)))
-    row_warnings = [r for r in caplog.records if r.name == "envs.datasets" and r.getMessage().startswith("skipping malformed row")]
+    row_warnings = [r for r in caplog.records if r.name == "rllib_exgrpo.envs.datasets" and r.getMessage().startswith("skipping malformed row")]
     assert len(row_warnings) == len(BAD_ROWS)
     assert any(f"skipped {len(BAD_ROWS)} malformed" in r.getMessage() for r in caplog.records)
 

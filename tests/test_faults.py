@@ -23,7 +23,7 @@ pytestmark = pytest.mark.faults
 RESUME_YAML = """
 resume-check:
   run: ExGRPO
-  env: envs.reasoning_env:ReasoningEnv
+  env: rllib_exgrpo.envs.reasoning_env:ReasoningEnv
   stop:
     training_iteration: 7
   checkpoint_config:
@@ -260,7 +260,7 @@ def test_malformed_rows_hanging_and_crashing_verifier_do_not_stop_the_step(
     import logging
     import threading
 
-    from envs import rewards
+    from rllib_exgrpo.envs import rewards
     from rllib_exgrpo import ExGRPOConfig
 
     data = tmp_path / "train.jsonl"
@@ -289,7 +289,7 @@ def test_malformed_rows_hanging_and_crashing_verifier_do_not_stop_the_step(
                         w.proc.kill()
                 return
 
-    with caplog.at_level(logging.WARNING, logger="envs.datasets"):
+    with caplog.at_level(logging.WARNING, logger="rllib_exgrpo.envs.datasets"):
         algo = cfg.build_algo()
     killer = threading.Thread(target=kill_verifier_workers, daemon=True)
     try:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from envs import arithmetic
-from envs.prompting import DEFAULT_INSTRUCTION, render_prompt
+from rllib_exgrpo.envs import arithmetic
+from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION, render_prompt
 from rllib_exgrpo.models import (
     build_tiny_model,
     parse_tiny_spec,
@@ -269,7 +269,7 @@ def test_failed_build_leaves_nothing(tmp_path):
 
 
 def test_icl_recipe_keeps_the_default_key_and_prefixes_hold_similar_solved_examples():
-    from envs import arithmetic
+    from rllib_exgrpo.envs import arithmetic
 
     plain = tiny_recipe(max_steps=6)
     # icl_fraction 0 adds nothing to the recipe: the default model's cache key is unchanged
@@ -460,7 +460,7 @@ def test_operators_recipe_keeps_the_default_key_and_differs_where_it_should():
 
 
 def test_operators_warm_start_draws_new_meanings_every_time_an_example_is_drawn():
-    from envs import operators
+    from rllib_exgrpo.envs import operators
 
     recipe = tiny_recipe(task="operators")
     problems = operators.generate(50, split="train", seed=0)
@@ -482,7 +482,7 @@ def test_operators_known_families_show_true_meanings_and_the_task_families_never
     """``known=N``: N extra families (tags after the task's) always show their true meanings,
     so the warm start learns to read a meaning off family and symbol; the task's own families
     keep guessed meanings in every draw, and held-out checks use the task's families only."""
-    from envs import operators
+    from rllib_exgrpo.envs import operators
 
     recipe = tiny_recipe(**parse_tiny_spec("tiny:task=operators,known=24"))
     assert recipe["task"]["known_families"] == 24
@@ -512,7 +512,7 @@ def test_operators_tag_tokens_give_each_family_tag_one_token_that_survives_a_rel
     """``tags=token``: every family tag ``[F00]``..``[F99]`` encodes as one token of its own
     (not the operands' digit tokens), decodes back, and the saved tokenizer reloads
     unchanged through AutoTokenizer; without it a tag is spelled with digit tokens."""
-    from envs import operators
+    from rllib_exgrpo.envs import operators
 
     recipe = tiny_recipe(**parse_tiny_spec("tiny:task=operators,known=24,tags=token"))
     assert recipe["task"]["tag_tokens"] is True
@@ -541,7 +541,7 @@ def test_operators_tag_tokens_give_each_family_tag_one_token_that_survives_a_rel
 
 
 def test_operators_warm_start_figures_on_hand_made_completions():
-    from envs import operators
+    from rllib_exgrpo.envs import operators
 
     q = operators.generate(3, split="test", seed=0, lengths=(2,))
     right = operators.worked_solution(operators.parse_question(q[0].question), ("x", "+"))
@@ -636,7 +636,7 @@ def test_operators_icl_prefix_shows_the_meanings_its_solution_uses_drawn_anew_ea
     at each (symbol, position) it shares with the question, the meaning the question's own
     solution uses; every draw has a new table, so the true tables never leak, and the
     prompt ids the warm start trains on are exactly prefix + rendered prompt."""
-    from envs import operators
+    from rllib_exgrpo.envs import operators
 
     recipe = tiny_recipe(**parse_tiny_spec("tiny:task=operators,known=24,tags=token,icl=0.5"))
     problems = tiny_mod._task_problems(recipe, "train", 400)

@@ -56,7 +56,6 @@ def drive(address: str, model: str) -> dict:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     import rllib_exgrpo
-    import envs
 
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
@@ -64,7 +63,7 @@ def drive(address: str, model: str) -> dict:
         address=address, log_to_driver=False,
         # Ship the code to every node through the cluster (what a real cluster without the
         # checkout needs); an installed copy on the nodes would do as well.
-        runtime_env={"py_modules": [os.path.dirname(rllib_exgrpo.__file__), os.path.dirname(envs.__file__)]},
+        runtime_env={"py_modules": [os.path.dirname(rllib_exgrpo.__file__)]},
     )
     try:
         nodes = _wait_alive(ray, count=2)
@@ -356,7 +355,7 @@ if __name__ != "__main__":
 CLUSTER_YAML = """\
 exgrpo-cluster:
   run: ExGRPO
-  env: envs.reasoning_env:ReasoningEnv
+  env: rllib_exgrpo.envs.reasoning_env:ReasoningEnv
   stop: {{training_iteration: {iterations}}}
   storage_path: {storage}
   checkpoint_config: {{checkpoint_frequency: 1}}

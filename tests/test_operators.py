@@ -7,9 +7,9 @@ from collections import defaultdict
 
 import pytest
 
-from envs import operators as ops
-from envs.datasets import load_problems
-from envs.rewards import last_boxed, math_reward, score_batch
+from rllib_exgrpo.envs import operators as ops
+from rllib_exgrpo.envs.datasets import load_problems
+from rllib_exgrpo.envs.rewards import last_boxed, math_reward, score_batch
 
 SPEC = "operators:seed=3,families=8"
 
@@ -189,7 +189,7 @@ def test_one_operation_questions_run_out_into_longer_chains():
 
 
 def test_reasoning_env_and_preflight_accept_the_spec():
-    from envs.reasoning_env import ReasoningEnv
+    from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
     from rllib_exgrpo.cli.preflight import dataset_problems
     from rllib_exgrpo.evaluation.data import load_eval_problems
 

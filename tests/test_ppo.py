@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from envs.reasoning_env import ReasoningEnv
-from envs.rewards import RewardResult
+from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
+from rllib_exgrpo.envs.rewards import RewardResult
 from ray.rllib.core.columns import Columns
 from rllib_exgrpo.rllib.ppo_module import (
     ACTIONS_LEN,
@@ -235,7 +235,7 @@ def _ppo_spec(**config):
         "num_env_runners": 0,
     }
     base.update(config)
-    return {"e": {"run": "PPO", "env": "envs.reasoning_env:ReasoningEnv", "config": base}}
+    return {"e": {"run": "PPO", "env": "rllib_exgrpo.envs.reasoning_env:ReasoningEnv", "config": base}}
 
 
 def test_yaml_names_the_module_class_and_learner_connector():

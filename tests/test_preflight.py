@@ -69,7 +69,7 @@ def _check_failed_before_ray(proc, path, keys, storage):
 EXGRPO_HEAD = """\
 bad:
   run: GRPO
-  env: envs.reasoning_env:ReasoningEnv
+  env: rllib_exgrpo.envs.reasoning_env:ReasoningEnv
   stop: {training_iteration: 1}
   config:
     model_name_or_path: tiny

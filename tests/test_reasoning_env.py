@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from envs import ReasoningEnv, arithmetic, render_prompt
-from envs.prompting import DEFAULT_INSTRUCTION
-from envs.rewards import RewardResult
+from rllib_exgrpo.envs import ReasoningEnv, arithmetic, render_prompt
+from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION
+from rllib_exgrpo.envs.rewards import RewardResult
 
 SMALL = "arithmetic:n=40,n_test=10,seed=0"
 STEP_INFO_KEYS = {"question_id", "data_source", "parsed", "timed_out", "format_ok", "error", "correct",

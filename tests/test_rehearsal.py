@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from envs.rewards import rehearsal_score
+from rllib_exgrpo.envs.rewards import rehearsal_score
 from rllib_exgrpo.cli.rehearsal import (
     DEFAULT_ITERATIONS,
     ROWS_PER_ITERATION,
@@ -36,7 +36,7 @@ def _one(spec, **kw):
 
 GPU_SPEC = {
     "run": "ExGRPO",
-    "env": "envs.reasoning_env:ReasoningEnv",
+    "env": "rllib_exgrpo.envs.reasoning_env:ReasoningEnv",
     "stop": {"training_iteration": 701},
     "config": {
         "env_config": {"dataset": "/no/such/train.parquet"},
@@ -190,7 +190,7 @@ def test_every_recipe_rehearses_checkpoints_and_resumes(recipe, tmp_path, capsys
 UNWRITTEN = {
     "llama-zero1": {
         "run": "ExGRPO",
-        "env": "envs.reasoning_env:ReasoningEnv",
+        "env": "rllib_exgrpo.envs.reasoning_env:ReasoningEnv",
         "stop": {"training_iteration": 500},
         "checkpoint_config": {"checkpoint_frequency": 1},
         "config": {

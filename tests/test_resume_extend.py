@@ -13,7 +13,7 @@ import pytest
 RECIPE = """
 resume-extend:
   run: ExGRPO
-  env: envs.reasoning_env:ReasoningEnv
+  env: rllib_exgrpo.envs.reasoning_env:ReasoningEnv
   stop:
     training_iteration: 80
   config:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from envs import rewards
-from envs.datasets import load_problems
-from envs.rewards import RewardResult, last_boxed, math_reward, score_batch
+from rllib_exgrpo.envs import rewards
+from rllib_exgrpo.envs.datasets import load_problems
+from rllib_exgrpo.envs.rewards import RewardResult, last_boxed, math_reward, score_batch
 
 HANG = "\\boxed{9^{9^{9^{9^9}}}}"
 #: Seconds a cut hang may take beyond its timeout: a verifier worker booting on a loaded
@@ -153,7 +153,7 @@ def test_worker_killed_from_outside_is_replaced():
 
 
 def _child_score(queue):
-    from envs.rewards import score_batch as sb
+    from rllib_exgrpo.envs.rewards import score_batch as sb
 
     queue.put([r.score for r in sb(["\\boxed{0.5}", "\\boxed{2}", HANG], ["\\frac{1}{2}", "3", "1"],
                                    timeout_s=1.0, fast_path=False)])
@@ -176,7 +176,7 @@ def test_scores_inside_multiprocessing_children(method):
 
 
 def test_scores_in_a_plain_subprocess():
-    code = ("from envs.rewards import score_batch\n"
+    code = ("from rllib_exgrpo.envs.rewards import score_batch\n"
             "print([r.score for r in score_batch(['\\\\boxed{0.5}', '\\\\boxed{3}'], ['1/2', '4'], fast_path=False)])\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -197,7 +197,7 @@ def test_hung_worker_dies_with_its_parent():
     """A trainer that crashes must not leave a verifier spinning on 9^9^9^9^9 forever."""
     code = (
         "import threading, time\n"
-        "from envs import rewards\n"
+        "from rllib_exgrpo.envs import rewards\n"
         "rewards.warm_up(1)\n"
         f"threading.Thread(target=rewards.score_batch, args=([{HANG!r}], ['5']), kwargs={{'timeout_s': 600}},"
         " daemon=True).start()\n"
@@ -295,19 +295,19 @@ def test_same_scores_from_ray_actor_with_concurrency(ray_local):
     @ray.remote(max_concurrency=4)
     class Scorer:
         def score(self, completions, truths, timeout_s=5.0):
-            from envs.rewards import score_batch as sb
+            from rllib_exgrpo.envs.rewards import score_batch as sb
 
             return [r.score for r in sb(completions, truths, timeout_s=timeout_s, fast_path=False)]
 
         def one(self, completion, truth):
-            from envs.rewards import math_reward as mr
+            from rllib_exgrpo.envs.rewards import math_reward as mr
 
             return mr(completion, truth, fast_path=False).score
 
         def timed(self, completions, truths, timeout_s):
             import time as t
 
-            from envs.rewards import score_batch as sb
+            from rllib_exgrpo.envs.rewards import score_batch as sb
 
             start = t.monotonic()
             out = sb(completions, truths, timeout_s=timeout_s)

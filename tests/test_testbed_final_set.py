@@ -11,8 +11,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import experience_testbed as tb  # noqa: E402
-from envs.datasets import load_problems  # noqa: E402
-from envs.problem import Problem  # noqa: E402
+from rllib_exgrpo.envs.datasets import load_problems  # noqa: E402
+from rllib_exgrpo.envs.problem import Problem  # noqa: E402
 
 
 def test_final_set_is_the_test_split_outside_validation():

@@ -10,7 +10,7 @@ sys.path.insert(0, str(BENCH))
 import _common  # noqa: E402
 import _runs  # noqa: E402
 import experience_testbed as tb  # noqa: E402
-from envs.datasets import load_problems  # noqa: E402
+from rllib_exgrpo.envs.datasets import load_problems  # noqa: E402
 
 LARGE = "arithmetic:levels=1-4,n=5000"
 

@@ -52,7 +52,7 @@ def test_local_runner_keeps_no_weights_and_remote_runner_gets_bf16(quick_tiny_mo
 
     config = (
         ExGRPOConfig()
-        .environment("envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
+        .environment("rllib_exgrpo.envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
         .training(model_name_or_path=quick_tiny_model, model_dtype="bfloat16", questions_per_step=2,
                   group_size=2, max_prompt_tokens=64, max_response_tokens=4, minibatch_size=4)
         .env_runners(num_env_runners=1, num_cpus_per_env_runner=1)

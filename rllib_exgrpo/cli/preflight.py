@@ -467,7 +467,7 @@ def _find(module: str) -> bool:
 
 def _is_arithmetic(value: Any) -> bool:
     """A spec of an embedded family (``arithmetic[:opts]``, ``operators[:opts]``)."""
-    from envs.datasets import builtin_source
+    from rllib_exgrpo.envs.datasets import builtin_source
 
     return builtin_source(value) is not None
 
@@ -483,8 +483,8 @@ def dataset_problems(value: Any, key: str, *, split: Any = "train", split_key: s
     not load, as lines naming ``key``."""
     if value is None or not isinstance(value, (str, os.PathLike)):
         return []  # the field's own type check reports it
-    from envs import arithmetic
-    from envs.datasets import (BUILTIN_SOURCES, SUPPORTED_SUFFIXES, builtin_source, builtin_splits, load_problems,
+    from rllib_exgrpo.envs import arithmetic
+    from rllib_exgrpo.envs.datasets import (BUILTIN_SOURCES, SUPPORTED_SUFFIXES, builtin_source, builtin_splits, load_problems,
                                parse_builtin_spec)
 
     text = os.fspath(value)
@@ -523,7 +523,7 @@ def dataset_problems(value: Any, key: str, *, split: Any = "train", split_key: s
         return _parquet_problems(path, key, field_map)
     if os.path.getsize(path) > _MAX_JSON_PEEK_BYTES and suffix == ".json":
         return []  # a whole-file parse: too slow for a preflight
-    data_logger = logging.getLogger("envs.datasets")
+    data_logger = logging.getLogger("rllib_exgrpo.envs.datasets")
     old = data_logger.level
     data_logger.setLevel(logging.ERROR)
     try:
@@ -557,7 +557,7 @@ def _parquet_problems(path: str, key: str, field_map: Any) -> List[str]:
 
 def env_config_problems(env_config: Any, where: str = "config.env_config") -> List[str]:
     """``ReasoningEnv``'s own check of ``env_config`` (unknown keys with "did you mean")."""
-    from envs.reasoning_env import DEFAULT_CONFIG, validate_config
+    from rllib_exgrpo.envs.reasoning_env import DEFAULT_CONFIG, validate_config
 
     if env_config is None:
         env_config = {}
@@ -703,6 +703,9 @@ def _tiny_problems(spec: str, key: str) -> Tuple[List[str], List[str]]:
 def _env_class(env: Any) -> Optional[type]:
     if isinstance(env, type):
         return env
+    from rllib_exgrpo.rllib.env_creator import BUILTIN_ENVS
+
+    env = BUILTIN_ENVS.get(env, env) if isinstance(env, str) else env
     if isinstance(env, str) and (":" in env or "." in env):
         from rllib_exgrpo.cli.registry import import_object
 
@@ -716,7 +719,7 @@ def _env_class(env: Any) -> Optional[type]:
 
 def _is_reasoning_env(env: Any) -> bool:
     cls = _env_class(env)
-    mod = sys.modules.get("envs.reasoning_env")
+    mod = sys.modules.get("rllib_exgrpo.envs.reasoning_env")
     return bool(cls is not None and mod is not None and issubclass(cls, mod.ReasoningEnv))
 
 

@@ -31,7 +31,7 @@ import functools
 import importlib
 from typing import Any, Callable, Dict, List, Union
 
-from rllib_exgrpo.rllib.env_creator import import_object  # noqa: F401  (re-exported: callers import it from here)
+from rllib_exgrpo.rllib.env_creator import BUILTIN_ENVS, import_object, moved_path_hint  # noqa: F401  (import_object re-exported: callers import it from here)
 
 __all__ = [
     "ALGORITHMS",
@@ -187,7 +187,7 @@ def resolve_env(env: Any, *, register: bool = True) -> Any:
     if not env:
         raise CliConfigError("env: must not be empty.")
 
-    if _tune_registered(env):
+    if _tune_registered(env) or env in BUILTIN_ENVS:
         return env
     import gymnasium as gym
 
@@ -206,6 +206,8 @@ def resolve_env(env: Any, *, register: bool = True) -> Any:
         try:
             obj = import_object(env)
         except (ImportError, AttributeError) as e:
+            if moved_path_hint(env):
+                raise CliConfigError(f"env: {moved_path_hint(env)}.") from None
             raise CliConfigError(
                 f"env: {env!r} is neither a registered env nor a gymnasium id, and could not "
                 f"be imported as 'pkg.mod:Class': {type(e).__name__}: {e}"

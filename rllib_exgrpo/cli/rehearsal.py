@@ -19,7 +19,7 @@ what a CPU cannot hold, one printed line per swap (``rehearsal: <key>: <was> -> 
   has no GPU memory to take a fraction of), else the HF backend;
 * a data file that does not exist here -> the built-in ``arithmetic`` set;
 * the reward -> ``env_config.rehearsal_reward`` (the verifier still runs; the score is
-  ``envs.rewards.rehearsal_score``, varied per question and completion), because a random
+  ``rllib_exgrpo.envs.rewards.rehearsal_score``, varied per question and completion), because a random
   model never answers correctly and replay, buckets and the delayed start would never run;
 * the evaluator -> at most :data:`HELDOUT_QUESTIONS` questions, every
   :data:`HELDOUT_INTERVAL` iterations;
@@ -300,7 +300,7 @@ def _rehearse_data(config, found) -> None:
         _set(env_config, "env_config.", "dataset", REHEARSAL_DATASET, "no such file here: the built-in set", found)
     if not env_config.get("rehearsal_reward"):
         _set(env_config, "env_config.", "rehearsal_reward", True, "a random model never answers correctly: "
-             "rewards drawn per question and completion (envs.rewards.rehearsal_score), so that groups vary, "
+             "rewards drawn per question and completion (rllib_exgrpo.envs.rewards.rehearsal_score), so that groups vary, "
              "buckets fill, the delayed start fires and replay runs", found)
     config["env_config"] = env_config
     if _is_missing_file(config.get("heldout_dataset")):

@@ -25,7 +25,7 @@ import hashlib
 import random
 from typing import Callable, Iterable, Optional, Sequence
 
-from envs.problem import Problem
+from rllib_exgrpo.envs.problem import Problem
 
 DATA_SOURCE = "arithmetic"
 LEVELS = (1, 2, 3, 4, 5, 6)

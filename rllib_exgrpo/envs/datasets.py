@@ -1,12 +1,12 @@
-"""Turn a data source into a list of :class:`~envs.problem.Problem`, loudly.
+"""Turn a data source into a list of :class:`~rllib_exgrpo.envs.problem.Problem`, loudly.
 
 Sources:
 
 * ``"arithmetic"`` or ``"arithmetic:levels=1-4,n=5000,n_test=500,seed=0"``: the embedded
-  family (:mod:`envs.arithmetic`); ``split`` picks ``"train"`` (``n``, default 5000) or
+  family (:mod:`rllib_exgrpo.envs.arithmetic`); ``split`` picks ``"train"`` (``n``, default 5000) or
   ``"test"`` (``n_test``, default 500), levels 1-4 by default.
 * ``"operators"`` or ``"operators:seed=0,families=24,lengths=1-3,n=3000"``: the embedded
-  hidden-operator family (:mod:`envs.operators`); ``split`` picks ``"train"`` (``n``,
+  hidden-operator family (:mod:`rllib_exgrpo.envs.operators`); ``split`` picks ``"train"`` (``n``,
   default 3000), ``"validation"`` (``n_validation``, 300) or ``"test"`` (``n_test``, 500).
 * A ``.jsonl``, ``.json`` (a JSON array of rows, or JSON lines) or ``.parquet`` file.
   A file is one split: ``split`` is ignored for files.
@@ -28,7 +28,7 @@ a repeated id gets ``#2``, ``#3``... appended (the ExGRPO valid file repeats AIM
 
 Bad rows (bad JSON, missing or empty question/answer, wrong type): with ``strict=True`` a
 :class:`DataFormatError` naming file, line and reason; otherwise a warning on logger
-``envs.datasets`` per bad row and the row is skipped. The returned list is a
+``rllib_exgrpo.envs.datasets`` per bad row and the row is skipped. The returned list is a
 :class:`ProblemList` whose ``skipped`` attribute counts the skipped rows and whose
 ``errors`` holds their :class:`DataFormatError` s, so no skip goes unnoticed.
 """
@@ -43,10 +43,10 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-from envs import arithmetic, operators
-from envs.problem import Problem
+from rllib_exgrpo.envs import arithmetic, operators
+from rllib_exgrpo.envs.problem import Problem
 
-logger = logging.getLogger("envs.datasets")
+logger = logging.getLogger("rllib_exgrpo.envs.datasets")
 
 FIELD_MAP_KEYS = ("question", "ground_truth", "id", "data_source", "solution", "difficulty")
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")

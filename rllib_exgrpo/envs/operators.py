@@ -91,7 +91,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from envs.problem import Problem
+from rllib_exgrpo.envs.problem import Problem
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """ReasoningEnv: one question per episode, one completion per step, a verifier reward.
 
-``reset()`` shows a rendered prompt (through :func:`envs.prompting.render_prompt`, the
+``reset()`` shows a rendered prompt (through :func:`rllib_exgrpo.envs.prompting.render_prompt`, the
 one renderer of the project); ``step(completion)`` scores the completion with
-:func:`envs.rewards.math_reward` (or, with ``reward_fn`` / ``reward_fns``, the weighted sum
-of reward functions run by :func:`envs.rewards.score_with_fns`; see ``docs/rewards.md``)
+:func:`rllib_exgrpo.envs.rewards.math_reward` (or, with ``reward_fn`` / ``reward_fns``, the weighted sum
+of reward functions run by :func:`rllib_exgrpo.envs.rewards.score_with_fns`; see ``docs/rewards.md``)
 and ends the episode. The ground truth never leaves the env: not in observations, not in
 infos.
 
@@ -29,10 +29,10 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from envs.datasets import load_problems
-from envs.problem import Problem
-from envs.prompting import DEFAULT_INSTRUCTION, render_prompt
-from envs.rewards import (
+from rllib_exgrpo.envs.datasets import load_problems
+from rllib_exgrpo.envs.problem import Problem
+from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION, render_prompt
+from rllib_exgrpo.envs.rewards import (
     BUILTIN_REWARDS,
     RewardResult,
     load_reward_fn,
@@ -70,7 +70,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "reward_fns": None,
     "reward_weights": None,
     # Rehearsal only (``rllib train --rehearse``): the verifier still runs, but the reward is
-    # envs.rewards.rehearsal_score (random models never answer correctly).
+    # rllib_exgrpo.envs.rewards.rehearsal_score (random models never answer correctly).
     "rehearsal_reward": False,
 }
 
@@ -107,7 +107,7 @@ def validate_config(config: Optional[dict]) -> dict:
         _check(_is_int(cfg[key]) and cfg[key] > 0, key, "a positive int", cfg[key])
     p = cfg["problems"]
     _check(p is None or (isinstance(p, (list, tuple)) and all(isinstance(x, Problem) for x in p)),
-           "problems", "a list of envs.problem.Problem or None", type(p).__name__ if p is not None else p)
+           "problems", "a list of rllib_exgrpo.envs.problem.Problem or None", type(p).__name__ if p is not None else p)
     _validate_rewards(cfg)
     return cfg
 

@@ -1,6 +1,6 @@
 """Small, real reward functions to use as they are or to copy (see ``docs/rewards.md``).
 
-Use one with ``env_config.reward_fn: envs.reward_examples:exact_match``, or several with
+Use one with ``env_config.reward_fn: rllib_exgrpo.envs.reward_examples:exact_match``, or several with
 ``reward_fns`` and ``reward_weights``. Each is called in a verifier worker process with
 keyword arguments: ``completion`` (the generated text), ``ground_truth`` (the row's
 answer) and the row's other fields; a function receives only the keywords it names
@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from envs.rewards import last_boxed
+from rllib_exgrpo.envs.rewards import last_boxed
 
 _SPACES = re.compile(r"\s+")
 _LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

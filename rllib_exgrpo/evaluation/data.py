@@ -11,7 +11,7 @@ logger = logging.getLogger(__name__)
 
 class EvalDataError(ValueError):
     """A benchmark source that cannot be loaded; the message is one line (for a malformed
-    row: ``path:line: reason``, as :class:`envs.DataFormatError`)."""
+    row: ``path:line: reason``, as :class:`rllib_exgrpo.envs.DataFormatError`)."""
 
 
 @dataclass
@@ -32,7 +32,7 @@ def load_eval_problems(sources: Sequence[Union[str, os.PathLike]], *, limit: Opt
     :class:`EvalDataError` with a one-line message (``path:line: reason`` for a malformed
     row).
     """
-    from envs.datasets import DataFormatError, builtin_source, load_problems
+    from rllib_exgrpo.envs.datasets import DataFormatError, builtin_source, load_problems
 
     if not sources:
         raise EvalDataError("no benchmark given")

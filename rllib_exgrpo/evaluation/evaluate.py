@@ -14,9 +14,9 @@ What is evaluated (``model=``):
   ``checkpoint_*``), or the module folder itself. See :func:`load_policy_from_checkpoint`;
 - an already loaded ``(model, tokenizer)`` pair.
 
-Prompts are rendered by :class:`envs.ReasoningEnv` (the renderer the policy was trained
+Prompts are rendered by :class:`rllib_exgrpo.envs.ReasoningEnv` (the renderer the policy was trained
 with) and completions scored by its verifier (``ReasoningEnv.score`` ->
-``envs.rewards.score_batch``); generation uses :class:`HFGenerationBackend`, the
+``rllib_exgrpo.envs.rewards.score_batch``); generation uses :class:`HFGenerationBackend`, the
 backend of the training env runners.
 
 Metrics and the report: ``metrics.py``; checkpoints: ``checkpoints.py``; data: ``data.py``.
@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
-from envs.prompting import DEFAULT_INSTRUCTION
+from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION
 from rllib_exgrpo.evaluation.checkpoints import (
     CheckpointInfo,
     is_checkpoint,
@@ -235,7 +235,7 @@ class _SourceRun:
     def evaluate_source(self, src, k, k_used: Dict[str, int], out: List[QuestionResult]) -> set:
         """Append one :class:`QuestionResult` per question of ``src`` to ``out``; returns
         the data sources it held."""
-        from envs.reasoning_env import ReasoningEnv
+        from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
         from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score
 
         env = ReasoningEnv({**self.env_config, "problems": src.problems, "tokenizer": self.tokenizer,

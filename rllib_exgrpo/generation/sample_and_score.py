@@ -43,7 +43,7 @@ class ScoredCompletion:
     prompt_index: int
     completion: Completion
     text: str
-    result: Any  # envs.rewards.RewardResult
+    result: Any  # rllib_exgrpo.envs.rewards.RewardResult
 
 
 @dataclass

@@ -55,13 +55,11 @@ PINNED_CAPABILITY = "AVX2"
 
 
 def _import_roots() -> list[str]:
-    """Folders the child needs on its path to import this package and ``envs`` as the parent
+    """Folders the child needs on its path to import this package as the parent
     does (a source checkout run without installation included)."""
-    import envs
     import rllib_exgrpo
 
-    roots = [str(Path(m.__file__).resolve().parent.parent) for m in (rllib_exgrpo, envs)]
-    return list(dict.fromkeys(roots))
+    return [str(Path(rllib_exgrpo.__file__).resolve().parent.parent)]
 
 
 def pinned_environment(base: dict | None = None) -> dict:

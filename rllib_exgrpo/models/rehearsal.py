@@ -140,7 +140,7 @@ def _build_into(folder: Path, model_type: str, vocab_size: Optional[int] = None,
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from envs import arithmetic
+    from rllib_exgrpo.envs import arithmetic
     from rllib_exgrpo.models.tiny import check_tokenizer_stable, corpus_texts, tiny_recipe, train_tokenizer
 
     recipe = tiny_recipe()

@@ -128,7 +128,7 @@ def read_final_answer(text: str) -> tuple[Optional[str], bool]:
     """``(answer, boxed)`` of a completion in either format of the format-weak warm start:
     the last ``\\boxed{N}``, else the number after the last ``Answer:``; ``(None, False)``
     when neither is there."""
-    from envs.rewards import last_boxed
+    from rllib_exgrpo.envs.rewards import last_boxed
 
     boxed = last_boxed(text)
     if boxed is not None:
@@ -205,7 +205,7 @@ def tiny_recipe(
     """The full, JSON-serialisable recipe of a tiny model (what the cache key hashes).
 
     ``task`` is the family the warm start learns: ``"arithmetic"`` (the default model), or
-    ``"operators"`` (:mod:`envs.operators`: format and arithmetic with every meaning
+    ``"operators"`` (:mod:`rllib_exgrpo.envs.operators`: format and arithmetic with every meaning
     guessed, see :data:`OPERATORS_TASK`; ``levels`` are then chain lengths, default 1-3).
     ``known_families`` > 0 (operators only) adds that many *other* families, tagged after
     the task's own, whose solutions always show their true meanings: the warm start then
@@ -238,7 +238,7 @@ def tiny_recipe(
     (``icl``) costs a few hundred steps, where a from-scratch build with them pays for the
     longer rows on all of its steps.
     """
-    from envs.prompting import DEFAULT_INSTRUCTION
+    from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION
 
     if not 0.0 < target_pass1 <= 1.0:
         raise ValueError(f"target_pass1 must be in (0, 1], got {target_pass1}")
@@ -256,7 +256,7 @@ def tiny_recipe(
         raise ValueError(f"known_families applies to task='operators' only, got task={task!r}")
     if tag_tokens and task != "operators":
         raise ValueError(f"tag_tokens applies to task='operators' only, got task={task!r}")
-    from envs.operators import MAX_FAMILIES
+    from rllib_exgrpo.envs.operators import MAX_FAMILIES
 
     most_known = MAX_FAMILIES - OPERATORS_TASK["families"]  # the tags F00-F99 shared with the task's
     if not 0 <= known_families <= most_known:
@@ -320,10 +320,10 @@ def _task_problems(recipe: dict, split: str, n: int) -> list:
     seed = recipe["seed"] if split == "train" else recipe["eval"]["eval_seed"]
     task = recipe.get("task")
     if task is None:
-        from envs import arithmetic
+        from rllib_exgrpo.envs import arithmetic
 
         return arithmetic.generate(n, split=split, seed=seed, levels=tuple(recipe["levels"]))
-    from envs import operators
+    from rllib_exgrpo.envs import operators
 
     families = task["families"] + (task.get("known_families", 0) if split == "train" else 0)
     return operators.generate(n, split=split, seed=seed, families=families, lengths=tuple(recipe["levels"]))
@@ -334,7 +334,7 @@ def _whole_words(recipe: dict) -> list[str]:
     operators task's family tags ``[F00]`` .. ``[F99]``, otherwise none."""
     if not recipe.get("task", {}).get("tag_tokens"):
         return []
-    from envs.operators import MAX_FAMILIES, family_tag
+    from rllib_exgrpo.envs.operators import MAX_FAMILIES, family_tag
 
     return [family_tag(f) for f in range(MAX_FAMILIES)]
 
@@ -456,7 +456,7 @@ def _base_vocab() -> dict[str, int]:
 
 def corpus_texts(problems: Sequence[Any], instruction: str) -> list[str]:
     """The warm-start corpus: each rendered prompt followed by its solution and eos."""
-    from envs.prompting import render_prompt
+    from rllib_exgrpo.envs.prompting import render_prompt
 
     renderer = _wrap(_base_vocab(), [])  # chat template only; ids unused
     return [
@@ -577,8 +577,8 @@ def evaluate_pass1(
     """
     import torch
 
-    from envs.prompting import DEFAULT_INSTRUCTION
-    from envs.reasoning_env import ReasoningEnv
+    from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION
+    from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
     from rllib_exgrpo.generation.base import SamplingParams
     from rllib_exgrpo.generation.hf import HFGenerationBackend
     from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
@@ -715,7 +715,7 @@ def _operators_icl_draw(problems, i: int, shown: Sequence[int], recipe: dict, rn
     example of the family needs. Known families (``known=N``) show their true meanings, as
     everywhere in the warm start.
     """
-    from envs import operators
+    from rllib_exgrpo.envs import operators
     from rllib_exgrpo.xrpo.icl import Example, format_examples
 
     tables: dict[int, dict[tuple[str, int], str]] = {}
@@ -742,7 +742,7 @@ def _operators_icl_resampler(problems: Sequence[Any], tokenizer, recipe: dict,
     (:func:`_operators_icl_draw`); ``None`` for any other recipe."""
     if "task" not in recipe or not recipe.get("icl"):
         return None
-    from envs.prompting import render_prompt
+    from rllib_exgrpo.envs.prompting import render_prompt
 
     chosen = _icl_examples(problems, recipe) if chosen is None else chosen
     rng = random.Random(f"tiny-operators-icl:{recipe['seed']}")
@@ -768,7 +768,7 @@ def _operators_icl_resampler(problems: Sequence[Any], tokenizer, recipe: dict,
 
 
 def _encode_examples(tokenizer, problems, instruction: str, prefixes: Optional[Sequence[str]] = None):
-    from envs.prompting import render_prompt
+    from rllib_exgrpo.envs.prompting import render_prompt
 
     prompts = [render_prompt(p.question, tokenizer=tokenizer, instruction=instruction) for p in problems]
     if prefixes is not None:
@@ -1091,7 +1091,7 @@ def operators_warm_start_figures(problems: Sequence[Any], completions: Sequence[
     arithmetic under their own meanings), ``meaning_shares`` (how often each meaning was
     chosen among them: uniform guessing gives 1/3 each), and the exact uniform-guessing
     pass@1 by chain length (``guessing_pass1``), the level pass@1 should sit at."""
-    from envs import operators
+    from rllib_exgrpo.envs import operators
 
     consistent, chosen = 0, {m: 0 for m in operators.MEANINGS}
     guess: dict[str, list[float]] = {}
@@ -1117,7 +1117,7 @@ def _tokenizer_corpus(problems: Sequence[Any], recipe: dict) -> list:
     import dataclasses
 
     if "task" in recipe:
-        from envs import operators
+        from rllib_exgrpo.envs import operators
 
         rng = random.Random(f"tiny-operators-corpus:{recipe['seed']}")
         problems = [p if _shows_true_meanings(p, recipe) else
@@ -1137,7 +1137,7 @@ def _solution_resampler(problems: Sequence[Any], tokenizer, recipe: dict):
     task's solutions are fixed)."""
     if "task" not in recipe and "answer_format" not in recipe:
         return None
-    from envs import operators
+    from rllib_exgrpo.envs import operators
 
     rng = random.Random(f"tiny-operators-solutions:{recipe['seed']}")
     format_rng = random.Random(f"tiny-answer-format:{recipe['seed']}")

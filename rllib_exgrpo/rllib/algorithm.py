@@ -43,7 +43,7 @@ from rllib_exgrpo.core.minibatches import plan_minibatches, shard_by_tokens, tak
 from rllib_exgrpo.core.question_sampler import QuestionSampler
 from rllib_exgrpo.rllib.resources import apply_threads_for, fit_resources
 from rllib_exgrpo.xrpo.steps import AdaptiveRollouts, InContextSeeder, sharpen_advantages
-from envs.reasoning_env import ReasoningEnv
+from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
 from rllib_exgrpo.rllib.config_fields import (
     FIELDS_BY_NAME,
     RLLIB_FIELD_DEFAULTS,
@@ -195,7 +195,7 @@ class ExGRPO(Algorithm):
                 logger.warning("%s", note)
         apply_threads_for(self.config, "main")
         super().setup(config)
-        from envs.reasoning_env import ReasoningEnv
+        from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
 
         cfg = self.config
         train_env = ReasoningEnv({k: v for k, v in cfg.env_config.items() if k != "tokenizer"})

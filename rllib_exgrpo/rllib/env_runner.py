@@ -192,7 +192,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self._heldout_envs: dict = {}
         # Start the verifier's worker processes now, so their start-up is not charged to
         # the first verification's timeout.
-        from envs.rewards import warm_up
+        from rllib_exgrpo.envs.rewards import warm_up
 
         warm_up()
         self.module = None
