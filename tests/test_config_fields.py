@@ -63,3 +63,37 @@ def test_docs_config_md_is_generated_from_the_table():
     text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
     assert text == markdown_table(), "regenerate: python -m rllib_exgrpo.rllib.config_fields > docs/config.md"
     assert len(FIELDS_BY_NAME) == len(FIELDS)
+
+
+def test_no_declared_field_default_is_repeated_outside_the_table():
+    """``getattr(config, "<declared field>", <default>)`` repeats (and can contradict) the
+    field's default: the package reads ``config.<field>``, or ``field_value`` where the config
+    may be RLlib's own."""
+    import ast
+    from pathlib import Path
+
+    import rllib_exgrpo
+    from rllib_exgrpo.rllib.config_fields import FIELDS
+
+    names = {f.name for f in FIELDS}
+    found = []
+    root = Path(rllib_exgrpo.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                    and len(node.args) == 3 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in names):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.args[1].value}")
+    assert not found, "declared fields read with a literal default:\n" + "\n".join(found)
+
+
+def test_field_value_reads_the_config_or_the_table_default():
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    from rllib_exgrpo import ExGRPOConfig
+    from rllib_exgrpo.rllib.config_fields import field_value
+
+    assert field_value(PPOConfig(), "skip_update_grad_norm") == ExGRPOConfig().skip_update_grad_norm
+    assert field_value(ExGRPOConfig().training(group_size=3), "group_size") == 3
+    with pytest.raises(KeyError, match="not an ExGRPOConfig field"):
+        field_value(PPOConfig(), "no_such_field")

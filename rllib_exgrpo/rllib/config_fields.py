@@ -469,6 +469,23 @@ def field_defaults() -> Dict[str, Any]:
     return {f.name: copy.deepcopy(f.default) for f in FIELDS}
 
 
+def field_value(config: Any, name: str) -> Any:
+    """``config.<name>`` where the config carries the field (an ``ExGRPOConfig``), else the
+    field's default from :data:`FIELDS` -- for code that also serves RLlib's own configs
+    (PPO, a bare ``AlgorithmConfig``). The one place a declared field's default is read
+    outside the table: ``getattr(config, "<field>", <literal>)`` is not written anywhere
+    (``tests/test_config_fields.py`` checks)."""
+    try:
+        field = FIELDS_BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not an ExGRPOConfig field") from None
+    if hasattr(config, name):
+        return getattr(config, name)
+    import copy
+
+    return copy.deepcopy(field.default)
+
+
 def field_errors(config: Any) -> Iterator[str]:
     """One message per field whose value fails its check, then the cross-field rules."""
     for f in FIELDS:
@@ -491,15 +508,15 @@ def cross_field_errors(config: Any) -> Iterator[str]:
     if _is_int(cap) and _is_int(config.group_size) and cap < config.group_size:
         yield "planner_max_per_question must be None or >= group_size (else the budget cannot be spent)"
     # (RLlib's evaluation copy of a config has its own runner count: not checked there.)
-    if getattr(config, "async_rollouts", False) and not getattr(config, "in_evaluation", False) and not (
+    if config.async_rollouts and not getattr(config, "in_evaluation", False) and not (
             _is_int(config.num_env_runners) and config.num_env_runners >= 1):
         yield ("async_rollouts: needs num_env_runners >= 1 (with none, the main process samples and "
                "trains, so nothing overlaps)")
-    if getattr(config, "scoring_on", "runners") == "learners" and getattr(config, "async_rollouts", False):
+    if config.scoring_on == "learners" and config.async_rollouts:
         yield ("scoring_on: 'learners' does not go with async_rollouts: the learners train on step t while "
                "step t+1 is sampled, so they hold neither the weights it was sampled with nor time to score "
                "it; use scoring_on: runners with async_rollouts")
-    if config.model_dtype == "float16" and getattr(config, "learner_backend", "ddp") == "ddp":
+    if config.model_dtype == "float16" and config.learner_backend == "ddp":
         # The DDP learner's mixed precision keeps fp32 master weights but scales no loss:
         # fp16 gradients underflow without it. bf16 needs no scaling; DeepSpeed scales fp16.
         yield ("learner_backend: 'ddp' has no fp16 loss scaling: set model_dtype: bfloat16, or "
