@@ -124,7 +124,7 @@ class ExGRPOConfig(AlgorithmConfig):
         """What the RLModule needs to build the policy network. The DDP learner keeps fp32
         master weights of a bf16 model and computes under autocast (``master_dtype``);
         DeepSpeed keeps its own fp32 master copy in the optimiser, so its module is bf16."""
-        mixed = self.model_dtype != "float32" and getattr(self, "learner_backend", "ddp") == "ddp"
+        mixed = self.model_dtype != "float32" and self.learner_backend == "ddp"
         return {
             "model": self.model_name_or_path,
             "dtype": self.model_dtype,
@@ -140,7 +140,7 @@ class ExGRPOConfig(AlgorithmConfig):
         ``learner_backend="deepspeed"`` the same learner on DeepSpeed ZeRO engines
         (``rllib/deepspeed_learner.py``; its config is checked here, in the driver,
         before RLlib starts a learner)."""
-        if getattr(self, "learner_backend", "ddp") == "deepspeed":
+        if self.learner_backend == "deepspeed":
             from rllib_exgrpo.rllib.deepspeed_learner import DeepSpeedExGRPOLearner, check_deepspeed_config
 
             check_deepspeed_config(self)

@@ -66,6 +66,7 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
+from rllib_exgrpo.rllib.config_fields import field_value
 from rllib_exgrpo.rllib import checkpointing, zero3_weights
 from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
 from rllib_exgrpo.rllib.module import ShippedBF16, shippable
@@ -107,8 +108,8 @@ def _merged(base: Dict[str, Any], overrides: Dict[str, Any]) -> Dict[str, Any]:
 def deepspeed_config_errors(config) -> List[str]:
     """What is wrong with a config that asks for the DeepSpeed learner (empty when fine)."""
     errors = []
-    overrides = getattr(config, "deepspeed", None) or {}
-    stage = getattr(config, "deepspeed_zero_stage", 2)
+    overrides = field_value(config, "deepspeed") or {}
+    stage = field_value(config, "deepspeed_zero_stage")
     for key, why in _OWNED_KEYS.items():
         if key in overrides:
             errors.append(f"deepspeed[{key!r}] cannot be set: {why}")
@@ -159,7 +160,7 @@ def build_deepspeed_config(config, device: torch.device, num_parameters: Optiona
     float16 ask for bf16 / fp16 anywhere); ``grad_clip``; buckets no larger than the model;
     then ``deepspeed`` merged in."""
     on_gpu = device.type == "cuda"
-    dtype = getattr(config, "model_dtype", "float32")
+    dtype = field_value(config, "model_dtype")
     # ZeRO-1/2 allocate a reduce bucket of reduce_bucket_size elements every step (5e8 by
     # default: 2 GB in fp32, seconds per step on CPU for a 1M-parameter model).
     bucket = int(min(DEFAULT_BUCKET, max(num_parameters or DEFAULT_BUCKET, 1_000_000)))
@@ -181,7 +182,7 @@ def build_deepspeed_config(config, device: torch.device, num_parameters: Optiona
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    return _merged(base, dict(getattr(config, "deepspeed", None) or {}))
+    return _merged(base, dict(field_value(config, "deepspeed") or {}))
 
 
 # --- the process group DeepSpeed needs ------------------------------------------------------

@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
+from rllib_exgrpo.rllib.config_fields import field_value
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.losses import STAT_TOKEN_SHARE, agg_totals, mixed_policy_loss
 from rllib_exgrpo.core.minibatches import trim_padding
@@ -234,8 +235,8 @@ class ExGRPOTorchLearner(TorchLearner):
         mine = (shards[rank] if rank < len(shards) else []) if world > 1 else list(range(len(lengths)))
         p_len = np.asarray([len(prompts[i]) for i in mine], dtype=np.int64)
         c_len = np.asarray([len(completions[i]) for i in mine], dtype=np.int64)
-        max_rows = getattr(self.config, "learner_micro_batch_rows", None)
-        max_tokens = getattr(self.config, "learner_micro_batch_tokens", None)
+        max_rows = field_value(self.config, "learner_micro_batch_rows")
+        max_tokens = field_value(self.config, "learner_micro_batch_tokens")
         if len(mine) and (max_rows or max_tokens):
             plan = plan_micro_batches(p_len, c_len, max_rows=max_rows, max_tokens=max_tokens, packed=False)
         else:
@@ -281,8 +282,8 @@ class ExGRPOTorchLearner(TorchLearner):
 
         from rllib_exgrpo.core.packing import pack_rows
 
-        max_rows = getattr(self.config, "learner_micro_batch_rows", None)
-        max_tokens = getattr(self.config, "learner_micro_batch_tokens", None)
+        max_rows = field_value(self.config, "learner_micro_batch_rows")
+        max_tokens = field_value(self.config, "learner_micro_batch_tokens")
         packed = bool(max_tokens) and bool(self.config.learner_sequence_packing) and self._kernel_packs_rows()
         rows = {mid: int(b[C.RESPONSE_MASK].shape[0]) for mid, b in batch.items() if C.RESPONSE_MASK in b}
         if not (max_rows or max_tokens) or not rows:
@@ -498,7 +499,7 @@ class ExGRPOTorchLearner(TorchLearner):
         return bool(flags[0].item()), bool(flags[1].item())
 
     def postprocess_gradients_for_module(self, *, module_id, config=None, module_gradients_dict):
-        threshold = getattr(config, "skip_update_grad_norm", None)
+        threshold = field_value(config, "skip_update_grad_norm")
         grads = [g for g in module_gradients_dict.values() if g is not None]
         if grads:
             norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))

@@ -80,8 +80,8 @@ def chosen_path(config) -> Tuple[str, str]:
     """``(path, line to print)``: ``"collective"`` when asked for and there are remote env
     runners to broadcast to, else ``"object_store"`` (RLlib's sync)."""
     runners = int(getattr(config, "num_env_runners", 0) or 0)
-    asked = getattr(config, "weight_sync", "collective")
-    bucket = getattr(config, "weight_sync_bucket_mb", 512)
+    asked = field_value(config, "weight_sync")
+    bucket = field_value(config, "weight_sync_bucket_mb")
     if asked == "collective" and runners > 0:
         return "collective", (f"weight sync: collective (broadcast from learner 0 to {runners} env runner(s) in "
                               f"buckets of {bucket:g} MiB; gloo on CPU, NCCL between GPUs; nothing in Ray's object store)")
