@@ -1,5 +1,5 @@
 """The hidden-operator experiment: GRPO against ExGRPO where replayed successes should carry
-over (docs/experience.md, "The hidden-operator task", where the protocol is declared).
+over (docs/experience/operators_task.md, where the protocol is declared).
 
     python benchmarks/operators_experiment.py --phase search  [--task-seed 0]
     python benchmarks/operators_experiment.py --phase final   [--task-seed 0] --seeds 0 1 2 3 4 --best '{...}'

@@ -9,7 +9,7 @@ same sampled tokens; at the end both answer every training question greedily. Th
 set of a seed is the *pooled hard* questions of its ExGRPO run: those in the pool at the
 end (partly solved) whose last group solved at most 3 of 8. GRPO trained on the same
 questions as fresh ones, so if replaying their successes does anything, ExGRPO's greedy
-accuracy on that set is above GRPO's. Declared before its runs (docs/experience.md); if it
+accuracy on that set is above GRPO's. Declared before its runs (docs/experience/positive_control.md); if it
 is not above, a bug is looked for before anything else is read.
 
 That set is chosen by the ExGRPO run's own last samples, so it leans towards the questions

@@ -27,7 +27,7 @@ def test_final_set_is_the_test_split_outside_validation():
     # never a training question of the testbed's finite set
     train = {p.question for p in load_problems("arithmetic:levels=1-4,n=600", split="train")}
     assert not train & {p.question for p in chosen}
-    # the level counts docs/experience.md declares (all level-1/3 questions there are)
+    # the level counts docs/experience/testbed.md declares (all level-1/3 questions there are)
     counts = {k: int(n) for k, n in zip(*np.unique(tb.final_set_levels(), return_counts=True))}
     assert counts == {1: 29, 2: 699, 3: 59, 4: 1413}
     with pytest.raises(ValueError, match="needs 2400"):
