@@ -61,7 +61,7 @@ def test_number_and_choice_rules():
 
 def test_docs_config_md_is_generated_from_the_table():
     text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
-    assert text == markdown_table(), "regenerate: python -m rllib_exgrpo.rllib.config_fields > docs/config.md"
+    assert text == markdown_table(), "regenerate: python -m rllib_exgrpo.rllib.config_fields"
     assert len(FIELDS_BY_NAME) == len(FIELDS)
 
 
@@ -97,3 +97,24 @@ def test_field_value_reads_the_config_or_the_table_default():
     assert field_value(ExGRPOConfig().training(group_size=3), "group_size") == 3
     with pytest.raises(KeyError, match="not an ExGRPOConfig field"):
         field_value(PPOConfig(), "no_such_field")
+
+
+def test_config_attributes_module_is_generated_from_the_table():
+    """``rllib/config_attributes.py`` (the fields' types for type checkers) is what the table
+    generates, and ``ExGRPOConfig`` inherits its annotations, one per field, no defaults."""
+    import typing
+
+    import rllib_exgrpo.rllib.config_attributes as generated
+    from rllib_exgrpo import ExGRPOConfig
+    from rllib_exgrpo.rllib.config_fields import attributes_module
+
+    text = Path(generated.__file__).read_text(encoding="utf-8")
+    assert text == attributes_module(), "regenerate: python -m rllib_exgrpo.rllib.config_fields"
+    hints = typing.get_type_hints(generated.ExGRPOConfigFields)
+    assert list(hints) == [f.name for f in FIELDS]
+    assert not any(f.name in vars(generated.ExGRPOConfigFields) for f in FIELDS), "annotations only, no defaults"
+    assert issubclass(ExGRPOConfig, generated.ExGRPOConfigFields)
+    assert hints["group_size"] is int and hints["heldout_dataset"] == typing.Optional[str]
+    config = ExGRPOConfig()
+    for f in FIELDS:
+        assert f.error(getattr(config, f.name)) is None

@@ -44,6 +44,7 @@ from rllib_exgrpo.core.question_sampler import QuestionSampler
 from rllib_exgrpo.rllib.resources import apply_threads_for, fit_resources
 from rllib_exgrpo.xrpo.steps import AdaptiveRollouts, InContextSeeder, sharpen_advantages
 from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
+from rllib_exgrpo.rllib.config_attributes import ExGRPOConfigFields
 from rllib_exgrpo.rllib.config_fields import (
     FIELDS_BY_NAME,
     RLLIB_FIELD_DEFAULTS,
@@ -75,7 +76,7 @@ STATE_KEY = "exgrpo"
 _SAMPLE_ATTEMPTS = 3
 
 
-class ExGRPOConfig(AlgorithmConfig):
+class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
     """Configuration of :class:`ExGRPO`: RLlib's fields plus those of ``config_fields.FIELDS``.
 
     Defaults follow ``docs/ALGORITHMS.md``: where the official ExGRPO code and the paper
@@ -84,7 +85,8 @@ class ExGRPOConfig(AlgorithmConfig):
     ``minibatch_size`` (completions, i.e. learner rows, per learner and optimiser step: an
     iteration of N rows makes ``num_epochs x round(N / (minibatch_size x max(1,
     num_learners)))`` optimiser steps, every row once per epoch; ``core/minibatches.py``).
-    Every field with its default and rule: ``docs/config.md``.
+    Every field with its default and rule: ``docs/config.md``; their types come from
+    :class:`~rllib_exgrpo.rllib.config_attributes.ExGRPOConfigFields` (generated).
 
     Example::
 

@@ -11,7 +11,8 @@ check, and its documentation. Everything else is derived from this table:
 * ``ExGRPOConfig.validate`` runs the checks (:func:`field_errors`), plus the few rules that
   relate two fields (:func:`cross_field_errors`);
 * the ``rllib`` command's key check accepts exactly these names on top of RLlib's own;
-* ``docs/config.md`` is generated from it (``python -m rllib_exgrpo.rllib.config_fields``).
+* ``docs/config.md`` and ``rllib/config_attributes.py`` (the fields' types, for type
+  checkers and IDEs) are generated from it (``python -m rllib_exgrpo.rllib.config_fields``).
 
 This module imports no RLlib code, so the env runner can read the defaults without
 building a config (no import cycle).
@@ -56,6 +57,7 @@ def integer(min_value: int = 1, why: str = "") -> Check:
         return None if _is_int(v) and v >= min_value else what
 
     check.describe = what
+    check.annotation = "int"
     return check
 
 
@@ -82,6 +84,7 @@ def number(low: Optional[float] = None, high: Optional[float] = None, *, low_ope
         return None
 
     check.describe = what
+    check.annotation = "float"
     return check
 
 
@@ -93,6 +96,7 @@ def one_of(choices: Sequence[Any]) -> Check:
         return None if v in choices else what
 
     check.describe = what
+    check.annotation = f"Literal[{', '.join(repr(c) for c in choices)}]"
     return check
 
 
@@ -104,6 +108,7 @@ def optional(inner: Check) -> Check:
         return None if v is None or inner(v) is None else what
 
     check.describe = what
+    check.annotation = f"Optional[{inner.annotation}]"
     return check
 
 
@@ -112,6 +117,7 @@ def boolean(v: Any) -> Optional[str]:
 
 
 boolean.describe = "True or False"
+boolean.annotation = "bool"
 
 
 def non_empty_string(v: Any) -> Optional[str]:
@@ -119,6 +125,7 @@ def non_empty_string(v: Any) -> Optional[str]:
 
 
 non_empty_string.describe = "a non-empty string"
+non_empty_string.annotation = "str"
 
 
 def mapping(v: Any) -> Optional[str]:
@@ -126,6 +133,7 @@ def mapping(v: Any) -> Optional[str]:
 
 
 mapping.describe = "a dict"
+mapping.annotation = "Dict[str, Any]"
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,11 @@ class Field:
     check: Check
     doc: str
     section: str
+
+    @property
+    def annotation(self) -> str:
+        """The field's type as an annotation (from its check), e.g. ``"Optional[int]"``."""
+        return self.check.annotation
 
     def error(self, value: Any) -> Optional[str]:
         """``"<name> must be <rule>, got <value>"`` or None."""
@@ -556,7 +569,7 @@ def markdown_table() -> str:
     """``docs/config.md``: every field by section with default, rule and meaning."""
     out = ["# Config fields", "",
            "Generated from `rllib_exgrpo/rllib/config_fields.py` "
-           "(`python -m rllib_exgrpo.rllib.config_fields > docs/config.md`); RLlib's own fields",
+           "(`python -m rllib_exgrpo.rllib.config_fields`); RLlib's own fields",
            "(`lr`, `minibatch_size`, ...) keep RLlib's meaning, with these defaults: "
            + ", ".join(f"`{k}={v!r}`" for k, v in RLLIB_FIELD_DEFAULTS.items()) + ".", ""]
     section = None
@@ -569,5 +582,47 @@ def markdown_table() -> str:
     return "\n".join(out) + "\n"
 
 
+ATTRIBUTES_CLASS = "ExGRPOConfigFields"
+
+
+def attributes_module() -> str:
+    """``rllib/config_attributes.py``: one bare annotation per field (its type, no default:
+    the defaults live in :data:`FIELDS` alone) on a class ``ExGRPOConfig`` inherits, so type
+    checkers and IDEs see the fields that ``ExGRPOConfig.__init__`` sets from the table."""
+    out = ['"""The types of ``ExGRPOConfig``\'s own fields, for type checkers and IDEs.',
+           "",
+           "Generated from ``rllib_exgrpo/rllib/config_fields.py`` (``python -m",
+           "rllib_exgrpo.rllib.config_fields``); do not edit. Annotations only: the defaults,",
+           "checks and documentation are in ``config_fields.FIELDS``.",
+           '"""',
+           "from __future__ import annotations",
+           "",
+           "from typing import Any, Dict, Literal, Optional",
+           "",
+           "",
+           f"class {ATTRIBUTES_CLASS}:",
+           '    """The fields ``ExGRPOConfig`` adds to RLlib\'s ``AlgorithmConfig`` (``docs/config.md``)."""',
+           ""]
+    section = None
+    for f in FIELDS:
+        if f.section != section:
+            if section is not None:
+                out.append("")
+            section = f.section
+            out.append(f"    # {section}")
+        out.append(f"    {f.name}: {f.annotation}")
+    return "\n".join(out) + "\n"
+
+
+def generated_files() -> Dict[str, str]:
+    """Repository-relative path -> the text the table generates for it."""
+    return {"docs/config.md": markdown_table(), "rllib_exgrpo/rllib/config_attributes.py": attributes_module()}
+
+
 if __name__ == "__main__":
-    print(markdown_table(), end="")
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for relative, text in generated_files().items():
+        (root / relative).write_text(text, encoding="utf-8")
+        print(f"wrote {relative}")
