@@ -56,6 +56,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rllib_exgrpo.rllib.config_fields import field_value
+
 logger = logging.getLogger(__name__)
 
 #: Seconds a member waits for the others (joining, or inside a broadcast) before giving up.
