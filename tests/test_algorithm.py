@@ -137,7 +137,7 @@ def test_remote_env_runners_and_xrpo(quick_tiny_model):
 
 
 def test_replay_scoring_shards_are_sorted_and_balanced_by_tokens():
-    from rllib_exgrpo.rllib.algorithm import shard_by_tokens
+    from rllib_exgrpo.core.minibatches import shard_by_tokens
 
     lengths = [5, 100, 7, 50, 6, 52]
     shards = shard_by_tokens(lengths, 2)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -39,7 +38,7 @@ from rllib_exgrpo.core.groups import (
     trajectories_from_episodes,
 )
 from rllib_exgrpo.exgrpo.experience import ExperienceManager
-from rllib_exgrpo.core.minibatches import plan_minibatches, shard_by_tokens, take_rows
+from rllib_exgrpo.core.minibatches import plan_minibatches, take_rows
 from rllib_exgrpo.core.question_sampler import QuestionSampler
 from rllib_exgrpo.rllib.resources import apply_threads_for, fit_resources
 from rllib_exgrpo.xrpo.steps import AdaptiveRollouts, InContextSeeder, sharpen_advantages
@@ -54,8 +53,10 @@ from rllib_exgrpo.rllib.config_fields import (
     training_signature,
 )
 from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
+from rllib_exgrpo.rllib.heldout import HeldoutEvaluator
 from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
 from rllib_exgrpo.rllib.module import LLMTorchRLModule
+from rllib_exgrpo.rllib.rollouts import RolloutCoordinator, score_on_learners
 from rllib_exgrpo.rllib.weight_broadcast import WeightBroadcaster, WeightSyncFailed, chosen_path
 
 logger = logging.getLogger(__name__)
@@ -70,10 +71,7 @@ SAMPLE_TIMER = "sample"
 LEARNER_SCORING_TIMER = "learner_scoring"
 ADVANTAGE_TIMER = "advantages"
 HELDOUT_TIMER = "heldout_eval"
-HELDOUT = "heldout"
 STATE_KEY = "exgrpo"
-#: Sampling rounds per call before a step gives up on runners that keep dying.
-_SAMPLE_ATTEMPTS = 3
 
 
 class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
@@ -213,11 +211,8 @@ class ExGRPO(Algorithm):
             # The learner update runs in a thread next to the collection: RLlib's logger
             # takes a real lock then (as APPO / IMPALA do).
             self.metrics._threading_lock = threading.RLock()
-        self._heldout_ids: Optional[List[str]] = None
-        self._initial_heldout: Optional[float] = None
-        if cfg.heldout_dataset:
-            heldout_env = ReasoningEnv(self._heldout_env_config())
-            self._heldout_ids = [p.id for p in heldout_env.problems][: cfg.heldout_num_questions]
+        self.coordinator = RolloutCoordinator(self.env_runner_group, self.metrics, self._restart_failed_runners)
+        self.heldout = HeldoutEvaluator(cfg, self._sample)
         self._pad_id = self._tokenizer_pad_id()
         # The local runner keeps no copy of synced weights while it has no module: it
         # fetches them from the learners if it ever needs one (LLMEnvRunner.weights_source).
@@ -242,12 +237,6 @@ class ExGRPO(Algorithm):
         )
         return state[COMPONENT_LEARNER]
 
-    def _heldout_env_config(self) -> dict:
-        cfg = self.config
-        env_config = {k: v for k, v in cfg.env_config.items() if k not in ("tokenizer", "problems")}
-        env_config.update(dataset=cfg.heldout_dataset, split=cfg.heldout_split)
-        return env_config
-
     def _tokenizer_pad_id(self) -> int:
         from rllib_exgrpo.models.loading import load_tokenizer
 
@@ -261,7 +250,7 @@ class ExGRPO(Algorithm):
         With ``async_rollouts`` the runners collect step t+1 with the weights of step t
         while the learners train on step t (:meth:`_overlapped_step`)."""
         cfg = self.config
-        if self._heldout_ids and self.iteration == 0:
+        if self.iteration == 0 and self.heldout.due(0):
             self._evaluate_heldout(after_iteration=0)  # the starting point
 
         if cfg.async_rollouts:
@@ -276,7 +265,7 @@ class ExGRPO(Algorithm):
             self._sync_runner_weights()
 
         done = self.iteration + 1
-        if self._heldout_ids and cfg.heldout_interval > 0 and done % cfg.heldout_interval == 0:
+        if self.heldout.due(done):
             self._evaluate_heldout(after_iteration=done)
 
     def _overlapped_step(self) -> None:
@@ -457,60 +446,15 @@ class ExGRPO(Algorithm):
         self.learner_group.foreach_learner(lambda learner: learner.set_mixed_mode(mixed))
 
     def _score_trajectories(self, prompts, completions):
-        """Re-score stored trajectories where the current weights live, on every healthy
-        runner at once: sorted by length (each runner's rows of similar length, little
-        padding) and cut into contiguous shards of about equal tokens, one per runner.
-        A shard whose runner dies is scored again on the local runner. Logs
-        ``experience/replay_scoring_runners``."""
+        """Re-score stored trajectories where the current weights live: on the runners
+        (``RolloutCoordinator.score_on_runners``) or, with ``scoring_on: learners``, on the
+        learners (``rollouts.score_on_learners``)."""
         if self.config.scoring_on == "learners":
             return self._score_on_learners(prompts, completions)
-        group = self.env_runner_group
-        remote_ids = group.healthy_worker_ids() if group.num_remote_workers() > 0 else []
-        if not remote_ids or not prompts:
-            self.metrics.log_value((EXPERIENCE, "replay_scoring_runners"), 0, window=1)
-            return group.local_env_runner.score_trajectories(prompts, completions)
-        shards = shard_by_tokens([len(p) + len(c) for p, c in zip(prompts, completions)], len(remote_ids))
-        funcs = []
-        for k, rows in enumerate(shards):
-            ps, cs = [prompts[i] for i in rows], [completions[i] for i in rows]
-            funcs.append(lambda r, k=k, ps=ps, cs=cs: (k, r.score_trajectories(ps, cs)))
-        results = group.foreach_env_runner(
-            funcs, remote_worker_ids=remote_ids[: len(shards)], local_env_runner=False
-        )
-        scored = {k: out for k, out in results}
-        self.metrics.log_value((EXPERIENCE, "replay_scoring_runners"), len(scored), window=1)
-        logps: List[Any] = [None] * len(prompts)
-        entropies: List[Any] = [None] * len(prompts)
-        for k, rows in enumerate(shards):
-            if k not in scored:  # its runner died mid-call
-                logger.warning("an env runner failed while scoring replay candidates; scoring its shard locally")
-                scored[k] = group.local_env_runner.score_trajectories(
-                    [prompts[i] for i in rows], [completions[i] for i in rows])
-            for j, i in enumerate(rows):
-                logps[i], entropies[i] = scored[k][0][j], scored[k][1][j]
-        return logps, entropies
+        return self.coordinator.score_on_runners(prompts, completions)
 
     def _score_on_learners(self, prompts, completions):
-        """``scoring_on: learners``: log-probs and entropies of ``(prompt, completion)`` rows
-        under the learners' weights, each learner scoring its share
-        (``ExGRPOTorchLearner.score_rows``). Returns ``(logps, entropies)`` in row order."""
-        logps: List[Any] = [None] * len(prompts)
-        entropies: List[Any] = [None] * len(prompts)
-        if not prompts:
-            return logps, entropies
-        prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
-        completions = [np.asarray(c, dtype=np.int64) for c in completions]
-        results = self.learner_group.foreach_learner(
-            lambda learner, _p=prompts, _c=completions, _pad=self._pad_id: learner.score_rows(_p, _c, _pad)
-        )
-        for result in results:
-            rows, lp, en = result.get()
-            for j, i in enumerate(rows):
-                logps[i], entropies[i] = lp[j], en[j]
-        missing = [i for i, v in enumerate(logps) if v is None]
-        if missing:
-            raise RuntimeError(f"scoring on the learners returned no numbers for {len(missing)} of {len(prompts)} rows")
-        return logps, entropies
+        return score_on_learners(self.learner_group, prompts, completions, self._pad_id)
 
     def _fill_behaviour_logprobs(self, trajectories: List[Trajectory]) -> None:
         """``scoring_on: learners``: the behaviour log-probs the runners did not record
@@ -530,72 +474,11 @@ class ExGRPO(Algorithm):
         self.metrics.log_value("learner_scored_completions", len(todo), window=1)
 
     # ---- sampling across runners -----------------------------------------------------
-    def _sample(
-        self,
-        question_ids: Sequence[str],
-        num_samples: Sequence[int],
-        prompt_prefixes: Optional[Sequence[Optional[str]]] = None,
-        **sample_kwargs,
-    ):
-        """Spread questions over the healthy runners; a question's group stays together.
-
-        A runner that dies mid-call returns nothing, so its shard is neither lost nor
-        counted twice: the dead runner is restarted (RLlib's ``restart_failed_env_runners``,
-        then this step's weights are pushed to it) and its shard is sampled again on the
-        healthy runners, up to ``_SAMPLE_ATTEMPTS`` times (``env_runner_failures`` and
-        ``resampled_questions`` count it). With no remote runners the local one samples.
-        """
-        prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
-        group = self.env_runner_group
-        pending = list(zip(question_ids, num_samples, prefixes))
-        if group.num_remote_workers() == 0:
-            runner = group.local_env_runner
-            episodes = runner.sample(
-                question_ids=list(question_ids), num_samples=list(num_samples), prompt_prefixes=prefixes, **sample_kwargs
-            )
-            return episodes, [runner.get_metrics()]
-        episodes, metrics = [], []
-        for key in ("env_runner_failures", "resampled_questions"):  # reported as 0, not NaN
-            self.metrics.log_value(key, 0, reduce="sum")
-        for attempt in range(_SAMPLE_ATTEMPTS):
-            failed = self._sample_on_remote_runners(pending, sample_kwargs, episodes, metrics)
-            if not failed:
-                return episodes, metrics
-            self.metrics.log_value("env_runner_failures", len(failed), reduce="sum")
-            self.metrics.log_value("resampled_questions", sum(len(shard) for shard in failed), reduce="sum")
-            pending = [item for shard in failed for item in shard]
-            logger.warning("%d env runner(s) failed while sampling; restarting them and sampling their "
-                           "%d question(s) again", len(failed), len(pending))
-            self._restart_failed_runners()
-        raise RuntimeError(
-            f"env runners kept failing: {len(pending)} question(s) still unsampled after "
-            f"{_SAMPLE_ATTEMPTS} attempts (see the runners' logs for why they die)"
-        )
-
-    def _sample_on_remote_runners(self, items, sample_kwargs, episodes: list, metrics: list) -> List[list]:
-        """One sampling round over the healthy remote runners; returns the shards of the
-        runners that returned nothing (died); the others' episodes and metrics are appended."""
-        group = self.env_runner_group
-        remote_ids = group.healthy_worker_ids()
-        if not remote_ids:
-            return [items]
-        shards = [(wid, shard) for wid, shard in zip(remote_ids, _split_evenly(items, len(remote_ids))) if shard]
-        funcs = []
-        for _, shard in shards:
-            qs, ns, ps = ([x[i] for x in shard] for i in range(3))
-
-            def call(r, qs=qs, ns=ns, ps=ps):
-                eps = r.sample(question_ids=qs, num_samples=ns, prompt_prefixes=ps, **sample_kwargs)
-                return r.worker_index, eps, r.get_metrics()
-
-            funcs.append(call)
-        results = group.foreach_env_runner(funcs, remote_worker_ids=[w for w, _ in shards], local_env_runner=False)
-        returned = set()
-        for wid, eps, m in results:
-            returned.add(wid)
-            episodes += eps
-            metrics.append(m)
-        return [shard for wid, shard in shards if wid not in returned]
+    def _sample(self, question_ids: Sequence[str], num_samples: Sequence[int],
+                prompt_prefixes: Optional[Sequence[Optional[str]]] = None, **sample_kwargs):
+        """``RolloutCoordinator.sample``: a question's group stays on one runner; dead
+        runners are restored and their questions sampled again."""
+        return self.coordinator.sample(question_ids, num_samples, prompt_prefixes, **sample_kwargs)
 
     def _restart_failed_runners(self) -> None:
         """Bring dead runners back (RLlib restarts the actors) and give them the current
@@ -603,7 +486,7 @@ class ExGRPO(Algorithm):
         self.restore_env_runners(self.env_runner_group)
 
     def restore_env_runners(self, env_runner_group) -> List[int]:
-        """RLlib's restore (called by its training loop and by :meth:`_sample`), then the
+        """RLlib's restore (called by its training loop and by the rollout coordinator), then the
         current weights to the restored runners before they sample: over the object store to
         those alone, or, with ``weight_sync: collective``, a new weight group with every
         healthy runner (a restarted runner and the others rejoin together) and a broadcast."""
@@ -694,40 +577,15 @@ class ExGRPO(Algorithm):
 
     # ---- held-out evaluation ---------------------------------------------------------
     def evaluate_heldout(self) -> Dict[str, float]:
-        """Accuracy on the held-out questions under the current weights (avg@k)."""
-        cfg = self.config
-        if not self._heldout_ids:
-            raise ValueError("no held-out set: set heldout_dataset in the config")
-        episodes, _ = self._sample(
-            self._heldout_ids,
-            [cfg.heldout_samples] * len(self._heldout_ids),
-            heldout=True,
-            temperature=cfg.heldout_temperature,
-            max_new_tokens=cfg.heldout_max_response_tokens or cfg.max_response_tokens,
-            return_logprobs=False,
-        )
-        rewards = np.asarray([e.get_return() for e in episodes], dtype=np.float64)
-        return {
-            "accuracy": float(rewards.mean()) if len(rewards) else 0.0,
-            "num_questions": len(self._heldout_ids),
-            "samples_per_question": cfg.heldout_samples,
-        }
+        """Accuracy on the held-out questions under the current weights (avg@k;
+        ``rllib/heldout.py``)."""
+        return self.heldout.evaluate()
 
     def _evaluate_heldout(self, after_iteration: int) -> None:
-        """Evaluate, log ``heldout/accuracy`` (and the iteration it belongs to) and print it."""
+        """Evaluate, log ``heldout/accuracy`` (and the iteration it belongs to)."""
         with self._stage(HELDOUT_TIMER):
-            result = self.evaluate_heldout()
-        self.metrics.log_value((HELDOUT, "accuracy"), result["accuracy"], window=1)
-        self.metrics.log_value((HELDOUT, "after_iteration"), after_iteration, window=1)
-        if after_iteration == 0:
-            self._initial_heldout = result["accuracy"]
-        if self._initial_heldout is not None:
-            self.metrics.log_value((HELDOUT, "initial_accuracy"), self._initial_heldout, window=1)
-        # Logged, not printed: `rllib train`'s one line per iteration shows it already.
-        logger.info(
-            "held-out accuracy after %d iterations: %.3f (%d questions x %d)", after_iteration,
-            result["accuracy"], result["num_questions"], result["samples_per_question"],
-        )
+            result = self.heldout.evaluate()
+        self.heldout.record(self.metrics, result, after_iteration)
 
     # ---- checkpoints -----------------------------------------------------------------
     def save_to_path(self, path=None, *, state=None, filesystem=None, use_msgpack: bool = False) -> str:
@@ -735,21 +593,18 @@ class ExGRPO(Algorithm):
         and optimiser shards, env runner state, this algorithm's sampler, experience pool and
         RNG streams) goes into a temporary folder beside ``path`` that is renamed into place
         when complete, so a run killed mid-save keeps its previous checkpoint intact."""
-        from rllib_exgrpo.rllib.checkpointing import atomic_folder
+        from rllib_exgrpo.rllib.checkpointing import atomic_folder, local_checkpoint_path
 
-        local = path is not None and (filesystem is None or type(filesystem).__name__ == "LocalFileSystem")
-        if local and "://" in str(path):
-            local = str(path).startswith("file://")
-            path = str(path)[len("file://"):] if local else path
-        if not local:
+        local = local_checkpoint_path(path, filesystem)
+        if local is None:
             return super().save_to_path(path, state=state, filesystem=filesystem, use_msgpack=use_msgpack)
         self._set_learners_checkpointing(True)
         try:
-            with atomic_folder(path) as tmp:
+            with atomic_folder(local) as tmp:
                 super().save_to_path(str(tmp), state=state, filesystem=filesystem, use_msgpack=use_msgpack)
         finally:
             self._set_learners_checkpointing(False)
-        return str(path)
+        return local
 
     def _set_learners_checkpointing(self, on: bool) -> None:
         """Tell learners that shard their weights (DeepSpeed ZeRO-3) that a checkpoint is
@@ -765,7 +620,7 @@ class ExGRPO(Algorithm):
             "sampler": self.sampler.get_state(),
             "experience": self.experience.get_state(),
             "icl_corpus": self.seeder.get_state() if self.seeder is not None else None,
-            "initial_heldout": self._initial_heldout,
+            "initial_heldout": self.heldout.initial_accuracy,
             "rng": self._rng_states(),
         }
         return state
@@ -775,7 +630,7 @@ class ExGRPO(Algorithm):
         if STATE_KEY in state:
             self.sampler.set_state(state[STATE_KEY]["sampler"])
             self.experience.set_state(state[STATE_KEY]["experience"])
-            self._initial_heldout = state[STATE_KEY].get("initial_heldout")
+            self.heldout.initial_accuracy = state[STATE_KEY].get("initial_heldout")
             if self.seeder is not None and state[STATE_KEY].get("icl_corpus") is not None:
                 self.seeder.set_state(state[STATE_KEY]["icl_corpus"])
             if state[STATE_KEY].get("rng") is not None:
@@ -855,8 +710,3 @@ class _CollectedStep:
     groups: Any
     batch: Dict[str, np.ndarray]
     replay_metrics: Dict[str, float]
-
-
-def _split_evenly(items: list, parts: int) -> List[list]:
-    size = math.ceil(len(items) / parts) if parts else 0
-    return [items[i * size : (i + 1) * size] for i in range(parts)]

@@ -2,7 +2,8 @@
 
 * :func:`atomic_folder`: a folder written under a temporary name next to its final place
   and renamed into place when complete, so a crash mid-save (kill -9, node loss) leaves
-  the previous checkpoint or none, never a half-written one.
+  the previous checkpoint or none, never a half-written one (``ExGRPO.save_to_path``, on
+  the paths :func:`local_checkpoint_path` accepts).
 * :func:`save_shard` / :func:`load_shard`: one rank's optimiser state in one file
   (``torch.save`` of the live state: tensors are written from their own memory, one
   storage at a time, nothing is gathered or copied first), written to a temporary file and
@@ -75,6 +76,18 @@ def atomic_folder(final: PathLike) -> Iterator[pathlib.Path]:
     _fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def local_checkpoint_path(path: Optional[PathLike], filesystem=None) -> Optional[str]:
+    """``path`` as a local folder (a ``file://`` URI unwrapped) when a checkpoint there can
+    be written atomically (:func:`atomic_folder`), else None: no path, another filesystem
+    than pyarrow's local one, or a remote URI."""
+    if path is None or not (filesystem is None or type(filesystem).__name__ == "LocalFileSystem"):
+        return None
+    text = str(path)
+    if "://" in text:
+        return text[len("file://"):] if text.startswith("file://") else None
+    return text
 
 
 def save_shard(state: Any, path: PathLike) -> int:
