@@ -1,7 +1,6 @@
 """Shared helpers of the benchmark scripts: configs from the tuned examples, local Ray."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -21,7 +20,6 @@ RECIPES = {
 
 
 def start_ray():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     if not ray.is_initialized():

@@ -68,9 +68,6 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=80)
     ap.add_argument("--out", type=Path, default=None, help="write every arm's figures as JSON")
     args = ap.parse_args(argv)
-    import os
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,

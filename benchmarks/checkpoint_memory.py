@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -141,7 +140,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     work = Path(tempfile.mkdtemp(prefix="checkpoint_memory_"))

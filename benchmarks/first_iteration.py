@@ -90,7 +90,6 @@ def main(argv=None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="first-iteration-"))
     env = dict(os.environ, RLLIB_EXGRPO_CACHE=str(work / "cache"), PYTHONUNBUFFERED="1")
-    env.setdefault("RAY_AUTH_MODE", "disabled")
     if args.rebuild:
         env["RLLIB_EXGRPO_REBUILD_MODEL"] = "1"
     else:

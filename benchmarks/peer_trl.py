@@ -54,7 +54,6 @@ MAX_NEW_TOKENS = 48
 
 def _env() -> dict:
     env = dict(os.environ)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

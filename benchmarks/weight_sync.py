@@ -196,7 +196,6 @@ def main() -> None:
 
         ShippedBF16.__reduce_ex__ = lambda self, proto: self.as_subclass(torch.Tensor).__reduce_ex__(proto)
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     work = Path(tempfile.mkdtemp(prefix="weight_sync_"))

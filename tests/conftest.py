@@ -22,14 +22,50 @@ def shared_data() -> Path:
 QUICK_TINY = "tiny:max_steps=30,target_pass1=0.99"
 
 
+def _ensure_ray_auth_token() -> None:
+    """Token authentication stays on, as Ray 2.60 sets it up: every private Ray of the tests
+    and every ``rllib train`` they run uses ``~/.ray/auth_token``. Ray writes that file on
+    the first ``ray.init()`` that finds none, but not atomically: two pytest-xdist workers
+    starting Ray at the same moment both write it, each its own token, and a cluster may
+    keep the one that the file no longer holds. Written here once, before the workers
+    start (``pytest_configure`` runs in the controller first), without ever replacing a
+    token: a new file is linked into place only if none is there. Nothing to do where the
+    token comes from ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH``, or where the run opts
+    out with ``RAY_AUTH_MODE=disabled``."""
+    import os
+    import secrets
+    import tempfile
+
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    path = Path.home() / ".ray" / "auth_token"
+    if path.is_file() and path.stat().st_size:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".auth_token.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))  # Ray's own format: 256 random bits, hex
+        os.chmod(tmp, 0o600)
+        try:
+            os.link(tmp, path)  # fails if another process got there first: keep that one
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+
+
+def pytest_configure(config):
+    _ensure_ray_auth_token()
+
+
 #: Whether the session's private Ray (``ray_local``) was started and is still wanted.
 _SHARED_RAY = {"wanted": False}
 
 
 def _start_private_ray():
-    import os
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     if not ray.is_initialized():

@@ -2,8 +2,8 @@
 
 Fast tests use RLlib's built-in PPO (this project's algorithms are resolved lazily and
 need not exist). The end-to-end test runs ``python -m rllib_exgrpo.cli.main`` in a
-subprocess with a private local Ray (``RAY_AUTH_MODE=disabled``), results and MLflow
-store under ``tmp_path``.
+subprocess with a private local Ray (Ray's token authentication on, as by default),
+results and MLflow store under ``tmp_path``.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _env() -> dict:
     env = dict(os.environ)
-    env["RAY_AUTH_MODE"] = "disabled"
     env.pop("RAY_ADDRESS", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return env

@@ -162,7 +162,6 @@ def dry_run(text: str, tmp_path: Path, monkeypatch) -> tuple[int, str]:
 
     from rllib_exgrpo.cli import main, preflight
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.chdir(REPO)
     for var in ("RAY_ADDRESS", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
@@ -229,7 +228,6 @@ def tiny_world(monkeypatch, tmp_path, quick_tiny_model):
 
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.chdir(tmp_path)
 
     def private_ray():  # started when a snippet first builds or tunes, not before

@@ -51,7 +51,6 @@ resume-check:
 
 def _env(**extra: str) -> dict:
     env = dict(os.environ)
-    env["RAY_AUTH_MODE"] = "disabled"
     env.pop("RAY_ADDRESS", None)
     env.pop("EXGRPO_FAULT_PAUSE_MARKER", None)
     # tests/ for fault_callbacks.py, which the experiment file names

@@ -324,7 +324,6 @@ def _dry_run(monkeypatch, capsys, tmp_path, extra: dict, recipe: str = QWEN):
     comes from the published table)."""
     from rllib_exgrpo.cli import main
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "RAY_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
     # An earlier test in this process may have left Ray running; preflight would then check

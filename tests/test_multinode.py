@@ -16,6 +16,9 @@ all cross nodes. Two drivers join the same cluster, one after the other:
   (the commands of docs/cluster.md) with the same pinning in the YAML, through Tune:
   checkpoints under ``storage_path`` and an MLflow store.
 
+Authentication: Ray's token authentication is on across the cluster (``RAY_AUTH_MODE=token``
+for every ``ray start`` and driver, all with the machine's ``~/.ray/auth_token``).
+
 Isolation: the cluster has a private ``--temp-dir`` (its ``ray_current_cluster`` file is
 written there, so no other ``ray.init()`` on the machine finds it), free ports, and the
 driver is a separate process that joins it by its explicit address (``RAY_ADDRESS``
@@ -53,7 +56,6 @@ START_TIMEOUT, DRIVER_TIMEOUT, STOP_TIMEOUT = 90, 240, 30
 def drive(address: str, model: str) -> dict:
     """Join the cluster at ``address``, train ``ITERATIONS`` ExGRPO iterations with the
     runners on node 2 and the learner on the head, and report where everything ran."""
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     import rllib_exgrpo
 
@@ -156,7 +158,12 @@ def _clean_env() -> dict:
     the checkout on the nodes' path (the code comes through the runtime_env or the
     installed package)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env.update(RAY_USAGE_STATS_ENABLED="0")
+    # Token authentication on every node and driver, with the one token of this machine
+    # (~/.ray/auth_token, written before the tests start: conftest.py). `ray start --head`
+    # turns it on by itself when the token exists, but `ray start --address` and a driver
+    # given an explicit address do not: they are told. An explicit RAY_AUTH_MODE is kept.
+    env.setdefault("RAY_AUTH_MODE", "token")
     return env
 
 

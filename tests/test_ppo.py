@@ -277,7 +277,6 @@ def test_yaml_module_spec_and_connector_errors(config, needle):
 
 def _cli_env() -> dict:
     env = dict(os.environ)
-    env["RAY_AUTH_MODE"] = "disabled"
     env.pop("RAY_ADDRESS", None)
     # The repository (project packages) and tests/ (this module's ScriptedRewardEnv).
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), env.get("PYTHONPATH")) if p)

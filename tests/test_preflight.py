@@ -1,8 +1,8 @@
 """Preflight: every bad experiment file fails before Ray starts, in one line per problem.
 
 Each bad file kind goes through the real command (``rllib train file bad.yaml`` in a
-subprocess with ``RAY_AUTH_MODE=disabled``): exit code 2, the key and the file named on
-one line, no traceback, no Ray. The wall time of each run is printed (``pytest -s``).
+subprocess): exit code 2, the key and the file named on one line, no traceback, no
+Ray. The wall time of each run is printed (``pytest -s``).
 The rest are in-process checks of ``rllib_exgrpo.cli.preflight``.
 """
 from __future__ import annotations
@@ -28,7 +28,6 @@ QWEN = "tuned_examples/exgrpo_qwen.yaml"
 
 def _env(**extra: str) -> dict:
     env = dict(os.environ)
-    env["RAY_AUTH_MODE"] = "disabled"
     env.pop("RAY_ADDRESS", None)
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         env.pop(k, None)

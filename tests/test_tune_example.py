@@ -43,7 +43,7 @@ def test_tune_example_runs_four_trials_with_asha_and_mlflow_reads_them_back(tmp_
     db = tmp_path / "mlflow.db"
     small = {"model_name_or_path": quick_tiny_model, "questions_per_step": 4, "group_size": 4,
              "minibatch_size": 16, "max_response_tokens": 12, "heldout_num_questions": 8}
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "file", str(TUNE_YAML), "--config", json.dumps(small),
