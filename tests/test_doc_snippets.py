@@ -1,4 +1,4 @@
-"""Every code snippet of README.md and docs/*.md works as written.
+"""Every code snippet of README.md and docs/**/*.md works as written.
 
 * A ```python block is executed at a tiny size: ``ExGRPOConfig.build_algo`` and
   ``tune.Tuner`` are wrapped so that the config they get is shrunk (the quick tiny model,
@@ -19,6 +19,10 @@
   recipe is still dry-run, with ``--ray-num-gpus``.
 
 Blocks in other languages (bash, text) are not checked here.
+
+The README's GPU recipe is an exact excerpt of ``tuned_examples/exgrpo_qwen.yaml`` (its lines
+appear verbatim, in order, and every value it shows is the file's), and the README stays a
+product page (at most 250 lines, its "Results in brief" at most 25).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 BASE_RECIPE = REPO / "tuned_examples" / "exgrpo_tiny.yaml"
 QUICK_TINY = "tiny:max_steps=30,target_pass1=0.99"  # as tests/conftest.py
 
@@ -325,3 +329,46 @@ def test_misspelled_yaml_key_fails_the_check(tmp_path, monkeypatch):
     frag = "config:\n  env_config:\n    dataset: arithmetic\n    think_formatt: true\n"
     rc, log = dry_run(frag, tmp_path, monkeypatch)
     assert rc == 2 and "think_formatt" in log, log[-2000:]
+
+
+# ---------------------------------------------------------------------------------------
+# The README shows the GPU recipe as it is, and stays short
+# ---------------------------------------------------------------------------------------
+def _values_within(part: Any, whole: Any, where: str = "") -> List[str]:
+    """Where ``part`` (a parsed excerpt) differs from ``whole`` (the parsed file)."""
+    if isinstance(part, dict):
+        if not isinstance(whole, dict):
+            return [f"{where or '/'}: a mapping in the excerpt, {whole!r} in the file"]
+        out = []
+        for k, v in part.items():
+            if k not in whole:
+                out.append(f"{where}/{k}: not in the file")
+            else:
+                out.extend(_values_within(v, whole[k], f"{where}/{k}"))
+        return out
+    return [] if part == whole else [f"{where}: {part!r} in the excerpt, {whole!r} in the file"]
+
+
+def test_readme_gpu_recipe_is_an_exact_excerpt_of_its_file():
+    snippet = _readme_snippet("yaml", "exgrpo-qwen:")
+    recipe_path = REPO / "tuned_examples" / "exgrpo_qwen.yaml"
+    recipe = recipe_path.read_text(encoding="utf-8").splitlines()
+    at = 0
+    for line in snippet.text.splitlines():
+        if not line.strip():
+            continue
+        assert line in recipe[at:], (f"{snippet.id}: {line!r} is not a line of {recipe_path.name}"
+                                     f" (after line {at}): show the recipe's own lines")
+        at = recipe.index(line, at) + 1
+    diffs = _values_within(yaml.safe_load(snippet.text), yaml.safe_load("\n".join(recipe)))
+    assert not diffs, f"{snippet.id} differs from {recipe_path.name}: {diffs}"
+
+
+def test_readme_is_a_product_page_of_bounded_length():
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines (at most 250; details go to docs/)"
+    start = lines.index("## Results in brief")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    assert end - start <= 25, f"README's 'Results in brief' has {end - start} lines (at most 25)"
+    text = "\n".join(lines)
+    assert "RAY_AUTH_MODE" not in text, "the README's commands keep Ray's token authentication on"
