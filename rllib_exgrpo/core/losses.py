@@ -16,12 +16,15 @@ Shape letters used in the docstrings:
 A ``mask`` is ``[N, T]``, bool or float (1 = a real response token, 0 = padding). Per-row
 quantities (advantages, rewards) are ``[N]`` and are broadcast over the row's tokens.
 
-Registries (name -> function):
+Registries (name -> function, :class:`rllib_exgrpo.core.registry.Registry`), each with a
+decorator a user package can register more with (docs/ALGORITHMS.md, "Adding your own"):
 
-* :data:`ADVANTAGE_ESTIMATORS`: ``"mean_centered"``, ``"std_normalized"``;
-* :data:`LOSS_AGG_MODES`: ``"token-mean"``, ``"seq-mean-token-mean"``,
-  ``"seq-mean-token-sum-norm"``, ``"seq-mean-token-sum-norm-official"``;
-* :data:`RATIO_MODES`: ``"token"``, ``"sequence"`` (GSPO).
+* :data:`ADVANTAGE_ESTIMATORS` (:func:`register_advantage_estimator`):
+  ``"mean_centered"``, ``"std_normalized"``;
+* :data:`LOSS_AGG_MODES` (:func:`register_loss_agg_mode`): ``"token-mean"``,
+  ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"``,
+  ``"seq-mean-token-sum-norm-official"``;
+* :data:`RATIO_MODES` (:func:`register_ratio_mode`): ``"token"``, ``"sequence"`` (GSPO).
 """
 
 from __future__ import annotations
@@ -32,10 +35,15 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from rllib_exgrpo.core.registry import Registry
+
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
     "RATIO_MODES",
+    "register_advantage_estimator",
+    "register_loss_agg_mode",
+    "register_ratio_mode",
     "LOG_RATIO_CLAMP",
     "group_advantages",
     "zero_variance_group_mask",
@@ -55,6 +63,31 @@ __all__ = [
     "STAT_TOKEN_SHARE",
     "novelty_sharpened_advantages",
 ]
+
+
+# --------------------------------------------------------------------------------------
+# Registries
+# --------------------------------------------------------------------------------------
+
+#: name -> ``fn(rewards [N], group_index [N], eps: float) -> advantages [N]``; read by
+#: :func:`group_advantages` (config field ``advantage_estimator``).
+ADVANTAGE_ESTIMATORS: Registry[Callable[..., Tensor]] = Registry("advantage estimator")
+
+#: name -> ``fn(per_token_loss [N, T], mask [N, T], *, max_len, micro_batch_rows, totals)
+#: -> scalar``; read by :func:`agg_loss` (config field ``loss_agg_mode``).
+LOSS_AGG_MODES: Registry[Callable[..., Tensor]] = Registry("loss aggregation mode")
+
+#: name -> ``fn(logp [N, T], old_logp [N, T], mask [N, T] or None, log_ratio_clamp: float)
+#: -> ratio [N, T]`` (value and gradient of the importance weight of every token); read by
+#: :func:`clipped_surrogate` (config field ``ratio_mode``).
+RATIO_MODES: Registry[Callable[..., Tensor]] = Registry("ratio mode")
+
+#: ``@register_advantage_estimator("name")``: add an estimator to :data:`ADVANTAGE_ESTIMATORS`.
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
+#: ``@register_loss_agg_mode("name")``: add an aggregation to :data:`LOSS_AGG_MODES`.
+register_loss_agg_mode = LOSS_AGG_MODES.register
+#: ``@register_ratio_mode("name")``: add an importance-ratio form to :data:`RATIO_MODES`.
+register_ratio_mode = RATIO_MODES.register
 
 
 # --------------------------------------------------------------------------------------
@@ -128,6 +161,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
 # --------------------------------------------------------------------------------------
 
 
+@register_advantage_estimator("mean_centered")
 def _adv_mean_centered(rewards: Tensor, group_index: Tensor, eps: float = 1e-6) -> Tensor:
     """Dr.GRPO / official ExGRPO advantage: ``A_i = r_i - mean_{j in g(i)} r_j``.
 
@@ -144,6 +178,7 @@ def _adv_mean_centered(rewards: Tensor, group_index: Tensor, eps: float = 1e-6) 
     return _zero_where_no_variance(adv, r, inverse, k)
 
 
+@register_advantage_estimator("std_normalized")
 def _adv_std_normalized(rewards: Tensor, group_index: Tensor, eps: float = 1e-6) -> Tensor:
     """Classic GRPO advantage: ``A_i = (r_i - mean_g) / (std_g + eps)``.
 
@@ -177,13 +212,6 @@ def _zero_where_no_variance(adv: Tensor, r: Tensor, inverse: Tensor, num_groups:
     return torch.where(flat, torch.zeros_like(adv), adv)
 
 
-#: name -> fn(rewards [N], group_index [N], eps) -> advantages [N]
-ADVANTAGE_ESTIMATORS: Dict[str, Callable[..., Tensor]] = {
-    "mean_centered": _adv_mean_centered,
-    "std_normalized": _adv_std_normalized,
-}
-
-
 def group_advantages(
     rewards: Tensor,
     group_index: Tensor,
@@ -197,7 +225,8 @@ def group_advantages(
     (integer question/group id per completion; arbitrary ids, groups may have *different
     sizes*) -> ``advantages [N]``.
 
-    Modes (:data:`ADVANTAGE_ESTIMATORS`):
+    Modes (:data:`ADVANTAGE_ESTIMATORS`; an unknown one raises a ``ValueError`` naming
+    the registered ones):
 
     * ``"mean_centered"`` (default; Dr.GRPO and official ExGRPO):
       ``A_i = r_i - mean_{g(i)}(r)``.
@@ -210,12 +239,7 @@ def group_advantages(
     over groups). The result is not detached from ``rewards`` (rewards normally carry no
     graph anyway).
     """
-    try:
-        fn = ADVANTAGE_ESTIMATORS[mode]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage mode {mode!r}; choose from {sorted(ADVANTAGE_ESTIMATORS)}"
-        ) from None
+    fn = ADVANTAGE_ESTIMATORS.get(mode)
     if rewards.shape != group_index.shape or rewards.dim() != 1:
         raise ValueError(
             f"rewards and group_index must both be [N]; got {tuple(rewards.shape)} and "
@@ -286,8 +310,41 @@ def _sequence_log_ratio(lw: Tensor, mask: Tensor, clamp: float) -> Tuple[Tensor,
     return torch.clamp(raw, min=-clamp, max=clamp), (raw.abs() < clamp).detach()
 
 
-#: names of the importance-ratio granularities accepted by :func:`clipped_surrogate`
-RATIO_MODES = ("token", "sequence")
+@register_ratio_mode("token")
+def _token_ratio(logp: Tensor, old_logp: Tensor, mask: Optional[Tensor], log_ratio_clamp: float) -> Tensor:
+    """Token importance ratio (GRPO): ``w_t = exp(log_ratio(logp, old_logp))``.
+
+    Shapes: ``logp, old_logp [N, T]`` -> ``[N, T]``; ``mask`` is unused. The log ratio is
+    clamped to +-``log_ratio_clamp`` (20, as verl).
+    """
+    del mask
+    return torch.exp(log_ratio(logp, old_logp, clamp=log_ratio_clamp))
+
+
+@register_ratio_mode("sequence")
+def _sequence_ratio(logp: Tensor, old_logp: Tensor, mask: Optional[Tensor], log_ratio_clamp: float) -> Tensor:
+    """GSPO sequence ratio in its "GSPO-token" form (Zheng et al. 2025, arXiv 2507.18071;
+    verl ``gspo`` loss).
+
+    Shapes: ``logp, old_logp [N, T]``, ``mask [N, T]`` (``None`` = all tokens valid) ->
+    ``[N, T]``. ``s_i = exp(mean_{valid t} log w_t)`` over the row's *valid* tokens,
+    applied to every token as ``w_{i,t} = sg[s_i] * pi(t) / sg[pi(t)]``. Its *value* is
+    ``s_i`` on every token (so all tokens of a row are clipped together), and its gradient
+    is ``s_i * grad log pi(t)``; with a per-row advantage and ``seq-mean-token-mean``
+    aggregation this equals the GSPO sequence gradient ``s_i * A_i * mean_t grad log
+    pi(t)``. GSPO uses much smaller clip ranges (paper: 3e-4 / 4e-4); pass them via
+    ``eps_low`` / ``eps_high``. The sequence log-ratio is clamped to +-``log_ratio_clamp``
+    like the token one, and a row where the clamp acts gets no gradient (as the token ratio
+    outside its clamp, and verl's GSPO clamp of the whole straight-through log-ratio).
+    """
+    lw = log_ratio(logp, old_logp, clamp=log_ratio_clamp)
+    m = torch.ones_like(logp) if mask is None else mask
+    seq_lw, inside = _sequence_log_ratio(lw, m, log_ratio_clamp)  # [N], [N]
+    # value: sg[log s_i]; gradient: d logp_t (pi / sg[pi] in log space), none where
+    # the clamp acted. The where() leaves values (and inside rows' gradients) bit for bit.
+    logp_grad = torch.where(inside.unsqueeze(-1), logp, logp.detach())
+    log_w = seq_lw.detach().unsqueeze(-1) + logp_grad - logp.detach()
+    return torch.exp(log_w)
 
 
 def clipped_surrogate(
@@ -322,23 +379,12 @@ def clipped_surrogate(
     value is ``-min(w, C) * A`` and the gradient ``min(w, C) * A * grad log pi``, so a
     token above C keeps a gradient of bounded weight. With the clip on it does nothing.
 
-    Ratio modes (:data:`RATIO_MODES`):
+    ``w_t`` comes from the ratio mode (:data:`RATIO_MODES`): ``"token"``
+    (:func:`_token_ratio`, ``exp`` of the clamped per-token log ratio) or ``"sequence"``
+    (:func:`_sequence_ratio`, GSPO: ``exp(mean log w)`` of the row on every token), or one a
+    user registered with :func:`register_ratio_mode`.
 
-    * ``"token"``: ``w_t = exp(log_ratio(logp, old_logp))`` (log ratio clamped to
-      +-``log_ratio_clamp`` = 20, as verl).
-    * ``"sequence"`` (GSPO, Zheng et al. 2025, arXiv 2507.18071; verl ``gspo`` loss):
-      ``s_i = exp(mean_{valid t} log w_t)`` over the row's *valid* tokens, applied to
-      every token as ``w_{i,t} = sg[s_i] * pi(t) / sg[pi(t)]`` (the "GSPO-token" form).
-      Its *value* is ``s_i`` on every token (so all tokens of a row are clipped together),
-      and its gradient is ``s_i * grad log pi(t)``; with a per-row advantage and
-      ``seq-mean-token-mean`` aggregation this equals the GSPO sequence gradient
-      ``s_i * A_i * mean_t grad log pi(t)``. GSPO uses much smaller clip ranges (paper:
-      3e-4 / 4e-4); pass them via ``eps_low`` / ``eps_high``. The sequence log-ratio is
-      clamped to +-``log_ratio_clamp`` like the token one, and a row where the clamp acts
-      gets no gradient (as the token ratio outside its clamp, and verl's GSPO clamp of the
-      whole straight-through log-ratio).
-
-    Stats (all detached, ``[N, T]`` float):
+    Stats (all detached, ``[N, T]`` float, not masked: mask them when reducing):
 
     * ``"ratio"``: the ratio value ``w_t`` (``s_i`` broadcast in sequence mode);
     * ``"clipped"``: 1 where the clip is *active* (the clipped branch is strictly the
@@ -346,44 +392,38 @@ def clipped_surrogate(
       verl's ``pg_clipfrac``); all zeros when ``clip=False``;
     * ``"outside_trust_region"``: the same condition regardless of ``clip`` (what *would*
       be clipped) -- a useful off-policyness metric in ExGRPO's no-clip mixed mode.
-
-    Stats are not masked; mask them when reducing.
     """
-    if ratio_mode not in RATIO_MODES:
-        raise ValueError(f"unknown ratio_mode {ratio_mode!r}; choose from {RATIO_MODES}")
+    ratio_fn = RATIO_MODES.get(ratio_mode)
     adv = _broadcast_adv(advantages, logp).to(logp.dtype)
-    lw = log_ratio(logp, old_logp, clamp=log_ratio_clamp)
-    if ratio_mode == "token":
-        ratio = torch.exp(lw)
-    else:
-        m = torch.ones_like(logp) if mask is None else mask
-        seq_lw, inside = _sequence_log_ratio(lw, m, log_ratio_clamp)  # [N], [N]
-        # value: sg[log s_i]; gradient: d logp_t (pi / sg[pi] in log space), none where
-        # the clamp acted. The where() leaves values (and inside rows' gradients) bit for bit.
-        logp_grad = torch.where(inside.unsqueeze(-1), logp, logp.detach())
-        log_w = seq_lw.detach().unsqueeze(-1) + logp_grad - logp.detach()
-        ratio = torch.exp(log_w)
-
-    unclipped = -ratio * adv
-    clipped_ratio = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    clipped_loss = -clipped_ratio * adv
-    would_clip = (clipped_loss > unclipped).detach()
-    if clip:
-        per_token = torch.maximum(unclipped, clipped_loss)
-        active = would_clip
-    else:
-        if ratio_cap is None:
-            per_token = unclipped
-        else:
-            weight = torch.clamp(ratio, max=ratio_cap).detach()
-            per_token = -weight * adv * torch.exp(logp - logp.detach())
-        active = torch.zeros_like(would_clip)
+    ratio = ratio_fn(logp, old_logp, mask, log_ratio_clamp)
+    per_token, active, would_clip = _clip_or_cap(ratio, adv, logp, eps_low, eps_high, clip, ratio_cap)
     stats = {
         "ratio": ratio.detach(),
         "clipped": active.to(logp.dtype),
         "outside_trust_region": would_clip.to(logp.dtype),
     }
     return per_token, stats
+
+
+def _clip_or_cap(
+    ratio: Tensor, adv: Tensor, logp: Tensor, eps_low: float, eps_high: float, clip: bool,
+    ratio_cap: Optional[float],
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """The per-token loss of :func:`clipped_surrogate` from ``ratio, adv, logp [N, T]``:
+    ``(per_token_loss, active [N, T] bool, would_clip [N, T] bool)``, the last two detached
+    (the clip acting, and where it would act with ``clip=True``)."""
+    unclipped = -ratio * adv
+    clipped_ratio = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    clipped_loss = -clipped_ratio * adv
+    would_clip = (clipped_loss > unclipped).detach()
+    if clip:
+        return torch.maximum(unclipped, clipped_loss), would_clip, would_clip
+    if ratio_cap is None:
+        per_token = unclipped
+    else:
+        weight = torch.clamp(ratio, max=ratio_cap).detach()
+        per_token = -weight * adv * torch.exp(logp - logp.detach())
+    return per_token, torch.zeros_like(would_clip), would_clip
 
 
 def policy_shaping(w: Tensor, beta: float = 0.1) -> Tensor:
@@ -460,6 +500,7 @@ def agg_totals(mask: Tensor) -> AggTotals:
     return AggTotals(float(rows), m.sum().detach(), (m.sum(dim=-1) > 0).sum().to(m.dtype).detach())
 
 
+@register_loss_agg_mode("token-mean")
 def _agg_token_mean(
     per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
     totals: Optional[AggTotals] = None,
@@ -472,6 +513,7 @@ def _agg_token_mean(
     return lm.sum() / tokens.clamp_min(1e-8)
 
 
+@register_loss_agg_mode("seq-mean-token-mean")
 def _agg_seq_mean_token_mean(
     per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
     totals: Optional[AggTotals] = None,
@@ -496,6 +538,7 @@ def _rows(lm: Tensor, totals: Optional[AggTotals]) -> float:
     return lm.shape[0] if lm.dim() > 1 else 1
 
 
+@register_loss_agg_mode("seq-mean-token-sum-norm")
 def _agg_seq_mean_token_sum_norm(
     per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
     totals: Optional[AggTotals] = None,
@@ -508,6 +551,7 @@ def _agg_seq_mean_token_sum_norm(
     return lm.sum() / float(max(n_rows, 1) * max(L, 1))
 
 
+@register_loss_agg_mode("seq-mean-token-sum-norm-official")
 def _agg_seq_mean_token_sum_norm_official(
     per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
     totals: Optional[AggTotals] = None,
@@ -529,15 +573,6 @@ def _agg_seq_mean_token_sum_norm_official(
     return lm.sum() / (micro_batches * float(max(L, 1)))
 
 
-#: name -> fn(per_token_loss [N, T], mask [N, T], max_len, micro_batch_rows, totals) -> scalar
-LOSS_AGG_MODES: Dict[str, Callable[..., Tensor]] = {
-    "token-mean": _agg_token_mean,
-    "seq-mean-token-mean": _agg_seq_mean_token_mean,
-    "seq-mean-token-sum-norm": _agg_seq_mean_token_sum_norm,
-    "seq-mean-token-sum-norm-official": _agg_seq_mean_token_sum_norm_official,
-}
-
-
 def agg_loss(
     per_token_loss: Tensor,
     mask: Tensor,
@@ -550,7 +585,8 @@ def agg_loss(
     """Aggregate a per-token loss to a scalar (names as verl ``agg_loss``).
 
     Shapes: ``per_token_loss [N, T]``, ``mask [N, T]`` -> scalar. ``m`` = float mask,
-    ``n_i = sum_t m_{i,t}``.
+    ``n_i = sum_t m_{i,t}``. Modes (:data:`LOSS_AGG_MODES`; more with
+    :func:`register_loss_agg_mode`, an unknown one raises a ``ValueError`` naming them):
 
     * ``"token-mean"``: ``sum_{i,t} m l / sum_{i,t} m`` -- every valid token weighs the
       same (DAPO; verl default).
@@ -573,10 +609,7 @@ def agg_loss(
     would divide by (``N``, ``sum m``, rows with tokens): the slices' aggregates then add up
     to the whole batch's, which is how the learner accumulates micro-batch gradients.
     """
-    try:
-        fn = LOSS_AGG_MODES[mode]
-    except KeyError:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose from {sorted(LOSS_AGG_MODES)}") from None
+    fn = LOSS_AGG_MODES.get(mode)
     return fn(per_token_loss, mask, max_len=max_len, micro_batch_rows=micro_batch_rows, totals=totals)
 
 
@@ -737,26 +770,12 @@ def _masked_stat(x: Tensor, m: Tensor, how: str) -> Tensor:
 
 
 def mixed_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    off_policy: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    clip_fresh: bool = True,
-    beta: float = 0.1,
-    agg_mode: str = "token-mean",
-    max_len: Optional[int] = None,
-    micro_batch_rows: Optional[int] = None,
-    entropy: Optional[Tensor] = None,
-    entropy_coeff: float = 0.0,
-    ref_logp: Optional[Tensor] = None,
-    kl_coeff: float = 0.0,
-    ratio_mode: str = "token",
-    ratio_cap: Optional[float] = None,
-    totals: Optional[AggTotals] = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, off_policy: Tensor, *,
+    eps_low: float = 0.2, eps_high: float = 0.2, clip_fresh: bool = True, beta: float = 0.1,
+    agg_mode: str = "token-mean", max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
+    entropy: Optional[Tensor] = None, entropy_coeff: float = 0.0,
+    ref_logp: Optional[Tensor] = None, kl_coeff: float = 0.0,
+    ratio_mode: str = "token", ratio_cap: Optional[float] = None, totals: Optional[AggTotals] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """ExGRPO mixed-policy objective over one (mini/micro-)batch.
 
@@ -786,62 +805,74 @@ def mixed_policy_loss(
     divided by the mini-batch's counts, so the micro-batches' losses (and gradients) sum
     to the mini-batch's. The metrics stay this micro-batch's own.
 
-    Metrics: ``policy_loss``; ``clip_fraction`` (active clip over fresh valid tokens),
-    ``trust_region_violation_fraction`` (would-clip fraction over fresh tokens, meaningful
-    when ``clip_fresh=False``); ``ratio_mean/ratio_max/ratio_min`` (fresh tokens);
-    ``replay_ratio_mean``, ``replay_shaping_mean`` (mean f(w) on replayed tokens);
-    ``entropy`` (token mean, if given); ``kl`` (token mean of k3, if ``kl_coeff > 0``);
-    ``fresh_token_fraction`` / ``replayed_token_fraction`` (shares of the valid tokens);
-    ``zero_advantage_fraction`` (share of the valid tokens whose advantage is exactly 0:
-    1 when every group of the batch is all-correct or all-wrong, a step with no policy
-    gradient). A statistic over an empty token set is reported as 0.
-
-    Numerical guards: every importance log-ratio is clamped to +-:data:`LOG_RATIO_CLAMP`
-    before ``exp`` (fresh and replayed tokens, both ratio modes), every aggregation divides
-    by a count clamped away from 0 or a constant >= 1, so all-zero advantages give a finite
-    loss (0 from the surrogate) and a zero policy gradient. A NaN/inf in the inputs is not
-    hidden: it reaches the loss, and the learner drops the update.
+    The metrics are listed at :func:`_mixed_metrics`, the numerical guards at
+    :func:`_mixed_per_token_loss`.
     """
     if off_policy.dim() != 1 or off_policy.shape[0] != logp.shape[0]:
         raise ValueError(f"off_policy must be [N]={logp.shape[0]}, got {tuple(off_policy.shape)}")
     m = _float_mask(mask, logp)
-    rep = off_policy.to(torch.bool).unsqueeze(-1)  # [N, 1]
-    rep_tok = m * rep.to(m.dtype)
-    fresh_tok = m * (~rep).to(m.dtype)
-
-    fresh_loss, fresh_stats = clipped_surrogate(
-        logp, old_logp, advantages, m,
-        eps_low=eps_low, eps_high=eps_high, clip=clip_fresh, ratio_mode=ratio_mode,
-        ratio_cap=ratio_cap,
+    per_token, fresh_stats, rep_stats = _mixed_per_token_loss(
+        logp, old_logp, advantages, m, off_policy, eps_low=eps_low, eps_high=eps_high,
+        clip_fresh=clip_fresh, beta=beta, ratio_mode=ratio_mode, ratio_cap=ratio_cap,
     )
-    if bool(off_policy.any()):
-        rep_loss, rep_stats = shaped_surrogate(logp, old_logp, advantages, beta=beta)
-        per_token = torch.where(rep, rep_loss, fresh_loss)
-    else:
-        rep_stats = None
-        per_token = fresh_loss
-
     pg_loss = agg_loss(per_token, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows, totals=totals)
     loss = pg_loss
-
     metrics: Dict[str, Tensor] = {"policy_loss": pg_loss.detach()}
     if entropy is not None:
-        if entropy_coeff != 0.0:
-            # A token mean whatever agg_mode, as in the official code.
-            ent = masked_mean(entropy, m) if totals is None else agg_loss(entropy, m, "token-mean", totals=totals)
-            loss = loss - entropy_coeff * ent
-        metrics["entropy"] = masked_mean(entropy.detach(), m)
+        loss = _with_entropy_bonus(loss, entropy, entropy_coeff, m, totals, metrics)
     if ref_logp is not None and kl_coeff != 0.0:
         kl = k3_kl(logp, ref_logp)
         loss = loss + kl_coeff * agg_loss(
             kl, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows, totals=totals
         )
         metrics["kl"] = masked_mean(kl.detach(), m)
-
-    metrics.update(_token_share_metrics(fresh_stats, rep_stats, m, fresh_tok, rep_tok))
-    adv_tok = _broadcast_adv(advantages.detach(), logp).expand_as(m)
-    metrics["zero_advantage_fraction"] = masked_mean((adv_tok == 0).to(m.dtype), m)
+    metrics.update(_mixed_metrics(fresh_stats, rep_stats, m, off_policy, advantages, logp))
     return loss, metrics
+
+
+def _mixed_per_token_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, m: Tensor, off_policy: Tensor, *,
+    eps_low: float, eps_high: float, clip_fresh: bool, beta: float, ratio_mode: str,
+    ratio_cap: Optional[float],
+) -> Tuple[Tensor, Dict[str, Tensor], Optional[Dict[str, Tensor]]]:
+    """Per-token loss of :func:`mixed_policy_loss` before aggregation:
+    ``(per_token_loss [N, T], fresh stats, replayed stats or None)``.
+
+    ``logp, old_logp, m [N, T]`` (``m`` the float mask), ``advantages [N]`` or ``[N, T]``,
+    ``off_policy [N]``. Fresh rows take :func:`clipped_surrogate`, off-policy rows
+    :func:`shaped_surrogate` (stats ``None`` when there are none).
+
+    Numerical guards of the whole objective: every importance log-ratio is clamped to
+    +-:data:`LOG_RATIO_CLAMP` before ``exp`` (fresh and replayed tokens, both ratio
+    modes), every aggregation divides by a count clamped away from 0 or a constant >= 1,
+    so all-zero advantages give a finite loss (0 from the surrogate) and a zero policy
+    gradient. A NaN/inf in the inputs is not hidden: it reaches the loss, and the learner
+    drops the update.
+    """
+    fresh_loss, fresh_stats = clipped_surrogate(
+        logp, old_logp, advantages, m,
+        eps_low=eps_low, eps_high=eps_high, clip=clip_fresh, ratio_mode=ratio_mode,
+        ratio_cap=ratio_cap,
+    )
+    if not bool(off_policy.any()):
+        return fresh_loss, fresh_stats, None
+    rep = off_policy.to(torch.bool).unsqueeze(-1)  # [N, 1]
+    rep_loss, rep_stats = shaped_surrogate(logp, old_logp, advantages, beta=beta)
+    return torch.where(rep, rep_loss, fresh_loss), fresh_stats, rep_stats
+
+
+def _with_entropy_bonus(
+    loss: Tensor, entropy: Tensor, entropy_coeff: float, m: Tensor, totals: Optional[AggTotals],
+    metrics: Dict[str, Tensor],
+) -> Tensor:
+    """``loss - entropy_coeff * token_mean(entropy)`` (a token mean whatever ``agg_mode``,
+    as in the official code; over ``totals``' tokens when given); records the ``entropy``
+    metric (token mean of ``entropy [N, T]`` over ``m [N, T]``) into ``metrics``."""
+    if entropy_coeff != 0.0:
+        ent = masked_mean(entropy, m) if totals is None else agg_loss(entropy, m, "token-mean", totals=totals)
+        loss = loss - entropy_coeff * ent
+    metrics["entropy"] = masked_mean(entropy.detach(), m)
+    return loss
 
 
 #: Metrics of :func:`mixed_policy_loss` taken over the fresh tokens only or the replayed
@@ -854,6 +885,33 @@ STAT_TOKEN_SHARE = {
                     "fresh_token_fraction"),
     **dict.fromkeys(("replay_ratio_mean", "replay_shaping_mean"), "replayed_token_fraction"),
 }
+
+
+def _mixed_metrics(
+    fresh_stats: Dict[str, Tensor], rep_stats: Optional[Dict[str, Tensor]], m: Tensor, off_policy: Tensor,
+    advantages: Tensor, logp: Tensor,
+) -> Dict[str, Tensor]:
+    """The ratio, clip and token-share metrics of :func:`mixed_policy_loss` (0-d, detached).
+
+    ``m [N, T]`` float mask, ``off_policy [N]``, ``advantages [N]`` or ``[N, T]``, ``logp
+    [N, T]`` (for the shape). Besides ``policy_loss``, ``entropy`` (token mean, if given)
+    and ``kl`` (token mean of k3, if ``kl_coeff > 0``), :func:`mixed_policy_loss` reports:
+    ``clip_fraction`` (active clip over fresh valid tokens),
+    ``trust_region_violation_fraction`` (would-clip fraction over fresh tokens, meaningful
+    when ``clip_fresh=False``); ``ratio_mean/ratio_max/ratio_min`` (fresh tokens);
+    ``replay_ratio_mean``, ``replay_shaping_mean`` (mean f(w) on replayed tokens);
+    ``fresh_token_fraction`` / ``replayed_token_fraction`` (shares of the valid tokens);
+    ``zero_advantage_fraction`` (share of the valid tokens whose advantage is exactly 0:
+    1 when every group of the batch is all-correct or all-wrong, a step with no policy
+    gradient). A statistic over an empty token set is reported as 0.
+    """
+    rep = off_policy.to(torch.bool).unsqueeze(-1)  # [N, 1]
+    rep_tok = m * rep.to(m.dtype)
+    fresh_tok = m * (~rep).to(m.dtype)
+    metrics = _token_share_metrics(fresh_stats, rep_stats, m, fresh_tok, rep_tok)
+    adv_tok = _broadcast_adv(advantages.detach(), logp).expand_as(m)
+    metrics["zero_advantage_fraction"] = masked_mean((adv_tok == 0).to(m.dtype), m)
+    return metrics
 
 
 def _token_share_metrics(fresh_stats, rep_stats, m: Tensor, fresh_tok: Tensor, rep_tok: Tensor) -> Dict[str, Tensor]:

@@ -35,12 +35,12 @@ class ExGRPOConfigFields:
     async_rollouts: bool
 
     # GRPO objective
-    advantage_estimator: Literal['mean_centered', 'std_normalized']
+    advantage_estimator: str
     advantage_eps: float
     clip_eps_low: float
     clip_eps_high: float
-    ratio_mode: Literal['token', 'sequence']
-    loss_agg_mode: Literal['token-mean', 'seq-mean-token-mean', 'seq-mean-token-sum-norm', 'seq-mean-token-sum-norm-official']
+    ratio_mode: str
+    loss_agg_mode: str
     official_micro_batch_rows: int
     entropy_coeff: float
     weight_decay: float

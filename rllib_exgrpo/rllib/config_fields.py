@@ -228,16 +228,16 @@ _SAMPLING = [
 ]
 _SECTION = "GRPO objective"
 _OBJECTIVE = [
-    _f("advantage_estimator", "mean_centered", one_of(ADVANTAGE_ESTIMATORS),
+    _f("advantage_estimator", "mean_centered", ADVANTAGE_ESTIMATORS.choice_check(),
        "'mean_centered' (Dr.GRPO / official ExGRPO: r - mean) or 'std_normalized' (classic GRPO: "
        "(r - mean) / (std + eps))."),
     _f("advantage_eps", 1e-6, number(0, low_open=True), "eps of the std-normalised advantage (verl: 1e-6)."),
     _f("clip_eps_low", 0.2, number(0, 1, high_open=True), "Lower PPO clip range eps_low (official: 0.2)."),
     _f("clip_eps_high", 0.2, number(0, 1, high_open=True),
        "Upper PPO clip range eps_high (official 0.2; DAPO clip-higher: 0.28)."),
-    _f("ratio_mode", "token", one_of(RATIO_MODES),
+    _f("ratio_mode", "token", RATIO_MODES.choice_check(),
        "'token' importance ratios (GRPO) or 'sequence' (GSPO: exp(mean log w))."),
-    _f("loss_agg_mode", "seq-mean-token-sum-norm-official", one_of(LOSS_AGG_MODES),
+    _f("loss_agg_mode", "seq-mean-token-sum-norm-official", LOSS_AGG_MODES.choice_check(),
        "How token losses become one scalar: 'token-mean', 'seq-mean-token-mean', "
        "'seq-mean-token-sum-norm' (Dr.GRPO: sum/(N*L_max)) or 'seq-mean-token-sum-norm-official' "
        "(official ExGRPO: sum / ((N / M) * L_max), M = official_micro_batch_rows)."),
