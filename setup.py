@@ -1,18 +1,23 @@
 """rllib-exgrpo: experience-driven RL (ExGRPO, XRPO, GRPO) for LLM reasoning on Ray RLlib."""
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+README = Path(__file__).resolve().parent / "README.md"
 
 setup(
     name="rllib-exgrpo",
     version="0.1.0",
     description="ExGRPO / XRPO / GRPO for LLM reasoning as a Ray RLlib custom algorithm",
-    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description=README.read_text(encoding="utf-8") if README.is_file() else "",
     long_description_content_type="text/markdown",
-    license="Apache-2.0",
-    classifiers=[
-        "License :: OSI Approved :: Apache Software License",
-        "Programming Language :: Python :: 3",
-    ],
+    license="Apache-2.0",  # an SPDX expression (license classifiers are deprecated)
+    license_files=["LICENSE"],
+    classifiers=["Programming Language :: Python :: 3"],
     python_requires=">=3.10",
+    # Every folder of modules is a package with its __init__.py (find_packages skips a folder
+    # without one; tests/test_wheel.py checks the wheel against the checkout). The source
+    # distribution's other files: MANIFEST.in.
     packages=find_packages(include=["rllib_exgrpo", "rllib_exgrpo.*"]),
     # The default tiny model, built once by the pinned build and shipped (models/shipped.py).
     package_data={"rllib_exgrpo": ["py.typed", "models/prebuilt/*/*"]},
