@@ -19,6 +19,7 @@ from rllib_exgrpo.envs.rewards import (
     format_reward,
     load_reward_fn,
     multiple_choice_reward,
+    rehearsal_score,
     reset_reward_stats,
     reward_labels,
     reward_stats,
@@ -278,12 +279,24 @@ def test_crash_and_hang_are_counted_and_the_step_goes_on(fns_module):
     assert [r.score for r in e.score(["r-0"], ["c"])] == [0.25]
 
 
-def test_rehearsal_swaps_the_score_but_the_functions_still_run(fns_module):
-    e = env(reward_fn=f"{fns_module}:quarter", rehearsal_reward=True)
-    results = e.score(["r-0", "r-1"] * 4, [f"text {i}" for i in range(8)])
-    assert {r.score for r in results} <= {0.0, 1.0}
-    assert all(r.components == {"quarter": 0.25} for r in results)
-    assert e.reward_metrics() == {"reward_quarter_mean": 0.25}
+def test_rehearsal_reward_scores_while_the_functions_still_run(fns_module):
+    e = env(reward_fns=[f"{fns_module}:quarter", "rehearsal"], reward_weights=[0, 1])
+    completions = [f"text {i}" for i in range(8)]
+    results = e.score(["r-0", "r-1"] * 4, completions)
+    expected = [rehearsal_score(q, c) for q, c in zip(["r-0", "r-1"] * 4, completions)]
+    assert [r.score for r in results] == expected
+    assert all(r.components == {"quarter": 0.25, "rehearsal": x} for r, x in zip(results, expected))
+    assert e.reward_metrics() == {"reward_quarter_mean": 0.25, "reward_rehearsal_mean": sum(expected) / 8}
+    # The stand-in needs the row's question id: without rows the call is an error, not a score.
+    (direct,) = score_with_fns(["text"], ["1"], fns=["rehearsal"])
+    assert direct.score == 0.0 and "question_id" in direct.error
+
+
+def test_the_old_rehearsal_flag_says_what_to_write_instead():
+    for value in (True, False):
+        with pytest.raises(ValueError, match=r"'rehearsal_reward' is gone: .*reward_fns: \[math, rehearsal\] "
+                                             r"with reward_weights: \[0, 1\]"):
+            validate_config({"rehearsal_reward": value})
 
 
 def test_direct_score_with_fns_lengths():

@@ -67,7 +67,8 @@ def test_a_gpu_recipe_keeps_its_structure_and_swaps_what_a_cpu_cannot_hold():
     assert c["generation_backend"] == "hf" and "vllm_kwargs" not in c
     assert "not installed" in swaps["generation_backend"].why
     assert c["env_config"]["dataset"] == c["heldout_dataset"] == "arithmetic"
-    assert c["env_config"]["rehearsal_reward"] is True
+    # The stand-in reward is selected as any reward is; math-verify still runs, at weight 0.
+    assert c["env_config"]["reward_fns"] == ["math", "rehearsal"] and c["env_config"]["reward_weights"] == [0.0, 1.0]
     assert spec["stop"] == {"training_iteration": DEFAULT_ITERATIONS}
     assert spec["checkpoint_config"]["checkpoint_at_end"] is True
     # Fewer completions, the same optimiser steps per iteration and >= 2 passes per step.
@@ -124,6 +125,23 @@ def test_rllib_ppo_on_the_llm_runner_and_a_non_llm_recipe():
     spec, swaps = _one(cartpole, vllm=False)
     assert spec["config"] == {"num_gpus_per_learner": 0, "lr": 0.001}
     assert set(swaps) == {"num_gpus_per_learner", "checkpoint_config.checkpoint_at_end", "stop"}
+
+
+def test_the_recipes_own_rewards_keep_running_at_weight_zero():
+    from rllib_exgrpo.envs.reasoning_env import validate_config
+
+    for env_config, fns in [({"reward_fn": "multiple_choice"}, ["multiple_choice"]),
+                            ({"reward_fns": ["math", "format"], "reward_weights": [0.9, 0.1]}, ["math", "format"])]:
+        spec = {**GPU_SPEC, "config": {**GPU_SPEC["config"], "env_config": {"dataset": "arithmetic", **env_config}}}
+        rehearsed, swaps = _one(spec, vllm=False)
+        now = rehearsed["config"]["env_config"]
+        assert "reward_fn" not in now
+        assert now["reward_fns"] == fns + ["rehearsal"] and now["reward_weights"] == [0.0] * len(fns) + [1.0]
+        assert "rehearsal" in swaps["env_config.reward_fns"].why
+        validate_config(now)  # the env takes it as written
+    already = {**GPU_SPEC, "config": {**GPU_SPEC["config"], "env_config": {"reward_fn": "rehearsal"}}}
+    rehearsed, swaps = _one(already, vllm=False)
+    assert rehearsed["config"]["env_config"]["reward_fn"] == "rehearsal" and "env_config.reward_fns" not in swaps
 
 
 def test_rehearsal_reward_is_deterministic_and_varied():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rllib_exgrpo.envs import rewards
+from rllib_exgrpo.envs import rewards, verifier_pool
 from rllib_exgrpo.envs.datasets import load_problems
 from rllib_exgrpo.envs.rewards import RewardResult, last_boxed, math_reward, score_batch
 
@@ -141,7 +141,7 @@ def test_same_scores_from_threads_as_from_main_thread():
 
 def test_worker_killed_from_outside_is_replaced():
     rewards.warm_up()
-    pool = rewards._pool()
+    pool = verifier_pool._pool()
     with pool._lock:
         victims = [w.proc for w in pool._all]
     for proc in victims:
@@ -184,6 +184,22 @@ def test_scores_in_a_plain_subprocess():
     assert out.stdout.strip() == "[1.0, 0.0]"
 
 
+def test_pool_loads_as_a_bare_script_and_rewards_import_the_standard_library_only():
+    """Workers load verifier_pool.py by path; rewards.py (which the workers import for the
+    built-in reward functions, and the TRL benchmark imports without ray) pulls in no
+    third-party package at import."""
+    code = ("import sys, importlib.util as u\n"
+            f"s = u.spec_from_file_location('bare_pool', {str(REPO / 'rllib_exgrpo' / 'envs' / 'verifier_pool.py')!r})\n"
+            "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
+            "import rllib_exgrpo.envs.rewards\n"
+            "names = {n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names)\n"
+            "print(sorted(n for n in names if not n.startswith('_') and n != 'rllib_exgrpo'))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -197,12 +213,12 @@ def test_hung_worker_dies_with_its_parent():
     """A trainer that crashes must not leave a verifier spinning on 9^9^9^9^9 forever."""
     code = (
         "import threading, time\n"
-        "from rllib_exgrpo.envs import rewards\n"
+        "from rllib_exgrpo.envs import rewards, verifier_pool\n"
         "rewards.warm_up(1)\n"
         f"threading.Thread(target=rewards.score_batch, args=([{HANG!r}], ['5']), kwargs={{'timeout_s': 600}},"
         " daemon=True).start()\n"
         "time.sleep(1.0)\n"
-        "print(' '.join(str(w.proc.pid) for w in rewards._pool()._all), flush=True)\n"
+        "print(' '.join(str(w.proc.pid) for w in verifier_pool._pool()._all), flush=True)\n"
         "time.sleep(600)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,

@@ -18,9 +18,12 @@ what a CPU cannot hold, one printed line per swap (``rehearsal: <key>: <was> -> 
 * vLLM -> vLLM's CPU build where it is installed (its KV cache sized in bytes, since a CPU
   has no GPU memory to take a fraction of), else the HF backend;
 * a data file that does not exist here -> the built-in ``arithmetic`` set;
-* the reward -> ``env_config.rehearsal_reward`` (the verifier still runs; the score is
-  ``rllib_exgrpo.envs.rewards.rehearsal_score``, varied per question and completion), because a random
-  model never answers correctly and replay, buckets and the delayed start would never run;
+* the reward -> the built-in reward ``rehearsal`` (:func:`rllib_exgrpo.envs.rewards.rehearsal_reward`,
+  varied per question and completion), selected as any reward is: ``env_config.reward_fns``
+  is the recipe's rewards (``math`` when it sets none) at weight 0 followed by ``rehearsal``
+  at weight 1, so the verifier still runs on every completion while a random model, which
+  never answers correctly, still gets groups with variance, buckets, the delayed start and
+  replay;
 * the evaluator -> at most :data:`HELDOUT_QUESTIONS` questions, every
   :data:`HELDOUT_INTERVAL` iterations;
 * bookkeeping: the experiment (and its MLflow experiment) is named ``<name>-rehearsal`` so a
@@ -194,7 +197,7 @@ def _swap_model(settings, where, key, model, found) -> None:
         vocab = (f"its vocabulary of {shape.vocab_size:,} and {'tied' if shape.tie_word_embeddings else 'untied'} "
                  f"embeddings kept")
     elif tiny:
-        from rllib_exgrpo.models.tiny import tiny_recipe
+        from rllib_exgrpo.models.recipe import tiny_recipe
 
         tied = bool(tiny_recipe()["model"]["tie_word_embeddings"])
         spec = rehearsal_spec(family, None, tied)
@@ -298,13 +301,35 @@ def _rehearse_data(config, found) -> None:
     env_config = dict(env_config) if isinstance(env_config, dict) else {}
     if _is_missing_file(env_config.get("dataset")):
         _set(env_config, "env_config.", "dataset", REHEARSAL_DATASET, "no such file here: the built-in set", found)
-    if not env_config.get("rehearsal_reward"):
-        _set(env_config, "env_config.", "rehearsal_reward", True, "a random model never answers correctly: "
-             "rewards drawn per question and completion (rllib_exgrpo.envs.rewards.rehearsal_score), so that groups vary, "
-             "buckets fill, the delayed start fires and replay runs", found)
+    _rehearse_reward(env_config, found)
     config["env_config"] = env_config
     if _is_missing_file(config.get("heldout_dataset")):
         _set(config, "", "heldout_dataset", REHEARSAL_DATASET, "no such file here: the built-in set", found)
+
+
+def _recipe_rewards(env_config: Dict[str, Any]) -> List[str]:
+    """The reward specs the recipe selects (``math`` when it selects none here)."""
+    one, many = env_config.get("reward_fn"), env_config.get("reward_fns")
+    if isinstance(one, str):
+        return [one]
+    if isinstance(many, (list, tuple)) and many and all(isinstance(x, str) for x in many):
+        return list(many)
+    return ["math"]
+
+
+def _rehearse_reward(env_config: Dict[str, Any], found: List[Swap]) -> None:
+    """The recipe's rewards keep running at weight 0; the built-in ``rehearsal`` reward scores."""
+    kept = _recipe_rewards(env_config)
+    if "rehearsal" in kept:
+        return
+    if env_config.get("reward_fn") is not None:
+        found.append(Swap("env_config.reward_fn", env_config.pop("reward_fn"), None,
+                          "moved into reward_fns, at weight 0"))
+    _set(env_config, "env_config.", "reward_fns", kept + ["rehearsal"], "a random model never answers correctly: "
+         "the built-in reward 'rehearsal' draws rewards per question and completion, so that groups vary, "
+         "buckets fill, the delayed start fires and replay runs", found)
+    _set(env_config, "env_config.", "reward_weights", [0.0] * len(kept) + [1.0],
+         "the recipe's rewards still run on every completion (weight 0); the score is the stand-in", found)
 
 
 def _rehearse_heldout(config, defaults, found) -> None:

@@ -396,41 +396,62 @@ def generate(
     while len(problems) < n:
         length = rng.choice(live)
         if length == 1:
-            if not pool:
-                live.remove(1)
-                if not live:
-                    raise ValueError(
-                        f"lengths=1 with families={families} has only {len(problems)} {split} questions, "
-                        f"{n} asked for; add families or lengths, or ask for fewer")
-                logger.info("operators %s: all %d one-operation questions used; longer chains fill the rest",
-                            split, len(problems))
+            question = _pop_one_op(pool, live, split, families, n, len(problems))
+            if question is None:
                 continue
-            question = pool.pop()
         else:
-            for _ in range(_MAX_DRAWS):
-                question = _draw(rng, families, length)
-                if question.text not in seen and split_of(question.text) == split:
-                    break
-            else:
-                raise ValueError(
-                    f"families={families} with lengths={list(lengths)} cannot provide {n} distinct {split} "
-                    f"questions (stuck at {len(problems)}); add families or ask for fewer")
+            question = _draw_unseen(rng, seen, split, families, length, lengths, n, len(problems))
         seen.add(question.text)
-        true = question_meanings(question, seed=seed, shuffled=shuffled, tables=tables)
-        if meanings == "random":
-            shown = random_meanings(question.length, random.Random(f"operators-guess:{seed}:{question.text}"))
-        else:
-            shown = true
-        problems.append(Problem(
-            id=f"{DATA_SOURCE}-{split}-{len(problems)}",
-            question=question.text,
-            ground_truth=str(evaluate(question, true)),
-            data_source=DATA_SOURCE,
-            solution=worked_solution(question, shown),
-            difficulty=question.length,
-            extra={"family": question.family, "symbols": "".join(question.symbols), "meanings": "".join(true)},
-        ))
+        problems.append(_problem(question, f"{DATA_SOURCE}-{split}-{len(problems)}", seed=seed,
+                                 shuffled=shuffled, tables=tables, meanings=meanings))
     return problems
+
+
+def _pop_one_op(pool: list[Question], live: list[int], split: str, families: int, n: int,
+                made: int) -> Optional[Question]:
+    """The next unused one-operation question, or None when all are used: length 1 then
+    leaves ``live`` (an error when no length is left; ``made`` of ``n`` problems so far)."""
+    if pool:
+        return pool.pop()
+    live.remove(1)
+    if not live:
+        raise ValueError(
+            f"lengths=1 with families={families} has only {made} {split} questions, "
+            f"{n} asked for; add families or lengths, or ask for fewer")
+    logger.info("operators %s: all %d one-operation questions used; longer chains fill the rest", split, made)
+    return None
+
+
+def _draw_unseen(rng: random.Random, seen: set[str], split: str, families: int, length: int,
+                 lengths: Sequence[int], n: int, made: int) -> Question:
+    """A new question of ``length`` operations that belongs to ``split`` (at most
+    :data:`_MAX_DRAWS` draws; ``made`` of ``n`` problems so far)."""
+    for _ in range(_MAX_DRAWS):
+        question = _draw(rng, families, length)
+        if question.text not in seen and split_of(question.text) == split:
+            return question
+    raise ValueError(
+        f"families={families} with lengths={list(lengths)} cannot provide {n} distinct {split} "
+        f"questions (stuck at {made}); add families or ask for fewer")
+
+
+def _problem(question: Question, problem_id: str, *, seed: int, shuffled: bool, tables, meanings: str) -> Problem:
+    """The problem of a question: its true answer, and a worked solution with the true
+    meanings (``meanings="true"``) or with meanings drawn from the seed and the question."""
+    true = question_meanings(question, seed=seed, shuffled=shuffled, tables=tables)
+    if meanings == "random":
+        shown = random_meanings(question.length, random.Random(f"operators-guess:{seed}:{question.text}"))
+    else:
+        shown = true
+    return Problem(
+        id=problem_id,
+        question=question.text,
+        ground_truth=str(evaluate(question, true)),
+        data_source=DATA_SOURCE,
+        solution=worked_solution(question, shown),
+        difficulty=question.length,
+        extra={"family": question.family, "symbols": "".join(question.symbols), "meanings": "".join(true)},
+    )
 
 
 # --------------------------------------------------------------------------- spec

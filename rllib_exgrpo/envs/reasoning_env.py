@@ -19,7 +19,6 @@ charset and nothing here depends on it.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import string
@@ -37,7 +36,6 @@ from rllib_exgrpo.envs.rewards import (
     RewardResult,
     load_reward_fn,
     math_reward,
-    rehearsal_score,
     reward_labels,
     score_batch,
     score_with_fns,
@@ -63,15 +61,18 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "max_completion_chars": 16384,
     "problems": None,
     # Reward functions (docs/rewards.md): "math" (the default when neither is set),
-    # "multiple_choice", "format" or "package.module:function"; reward_fns with
-    # reward_weights (default 1.0 each) is a weighted sum. reward_fn and reward_fns exclude
-    # each other.
+    # "multiple_choice", "format", "rehearsal" or "package.module:function"; reward_fns
+    # with reward_weights (default 1.0 each) is a weighted sum. reward_fn and reward_fns
+    # exclude each other.
     "reward_fn": None,
     "reward_fns": None,
     "reward_weights": None,
-    # Rehearsal only (``rllib train --rehearse``): the verifier still runs, but the reward is
-    # rllib_exgrpo.envs.rewards.rehearsal_score (random models never answer correctly).
-    "rehearsal_reward": False,
+}
+
+#: Keys that are no longer read, with what to write instead.
+REMOVED_KEYS: dict[str, str] = {
+    "rehearsal_reward": "remove it; for the rehearsal's stand-in reward write reward_fns: [math, rehearsal] "
+                        "with reward_weights: [0, 1] (math-verify still runs, the score is the stand-in)",
 }
 
 
@@ -87,6 +88,9 @@ def _is_int(v: Any) -> bool:
 def validate_config(config: Optional[dict]) -> dict:
     """Defaults merged with ``config``, each value checked; unknown keys rejected."""
     config = dict(config or {})  # EnvContext is a dict subclass
+    removed = sorted(set(config) & set(REMOVED_KEYS))
+    if removed:
+        raise ValueError(f"ReasoningEnv config {removed[0]!r} is gone: {REMOVED_KEYS[removed[0]]}")
     unknown = sorted(set(config) - set(DEFAULT_CONFIG))
     if unknown:
         raise ValueError(f"unknown ReasoningEnv config key(s) {unknown}; known keys: {sorted(DEFAULT_CONFIG)}")
@@ -94,7 +98,7 @@ def validate_config(config: Optional[dict]) -> dict:
     _check(isinstance(cfg["dataset"], (str, os.PathLike)), "dataset", "a path or 'arithmetic[:opts]'", cfg["dataset"])
     _check(isinstance(cfg["split"], str), "split", "a string", cfg["split"])
     _check(cfg["field_map"] is None or isinstance(cfg["field_map"], dict), "field_map", "a dict or None", cfg["field_map"])
-    for key in ("strict", "think_format", "rehearsal_reward"):
+    for key in ("strict", "think_format"):
         _check(isinstance(cfg[key], bool), key, "a bool", cfg[key])
     _check(_is_int(cfg["skip"]) and cfg["skip"] >= 0, "skip", "a non-negative int", cfg["skip"])
     _check(cfg["limit"] is None or (_is_int(cfg["limit"]) and cfg["limit"] > 0), "limit", "a positive int or None", cfg["limit"])
@@ -185,6 +189,12 @@ class ReasoningEnv(gym.Env):
         self.max_prompt_chars: int = int(cfg["max_prompt_chars"])
         self.max_completion_chars: int = int(cfg["max_completion_chars"])
         self.tokenizer = _load_tokenizer(cfg["tokenizer"])
+        self._init_rewards(cfg)
+        self._init_problems(self._load(cfg), cfg["dataset"])
+        self._init_spaces()
+        self._init_sampler(cfg["seed"], config)
+
+    def _init_rewards(self, cfg: dict) -> None:
         self.reward_fns, self.reward_weights = reward_specs(cfg)
         #: The plain math reward (nothing set, or only "math" with weight 1): today's path.
         self._plain_math = self.reward_fns == ["math"] and self.reward_weights == [1.0]
@@ -193,6 +203,9 @@ class ReasoningEnv(gym.Env):
         self._component_rows = 0
         self._row_kwargs: dict[str, dict] = {}
 
+    def _load(self, cfg: dict) -> list[Problem]:
+        """The configured problems (given, or loaded from ``dataset``; sets :attr:`skipped_rows`);
+        ids must be unique."""
         if cfg["problems"] is not None:
             problems = list(cfg["problems"])[cfg["skip"]:][: cfg["limit"]]
             self.skipped_rows = 0
@@ -204,7 +217,10 @@ class ReasoningEnv(gym.Env):
         if len(set(ids)) != len(ids):
             dupes = sorted({i for i in ids if ids.count(i) > 1})[:5]
             raise ValueError(f"problem ids must be unique; repeated: {dupes}")
+        return problems
 
+    def _init_problems(self, problems: list[Problem], dataset: Any) -> None:
+        """Render every prompt; keep the problems whose prompt fits ``max_prompt_chars``."""
         self._prompts: dict[str, str] = {}
         self._too_long: set[str] = set()
         kept = []
@@ -220,11 +236,13 @@ class ReasoningEnv(gym.Env):
             logger.warning("dropped %d problem(s) whose prompt exceeds max_prompt_chars=%d",
                            len(self._too_long), self.max_prompt_chars)
         if not kept:
-            raise ValueError(f"no problems to serve from {cfg['dataset']!r} "
+            raise ValueError(f"no problems to serve from {dataset!r} "
                              f"({len(problems)} loaded, {len(self._too_long)} over max_prompt_chars)")
         self.problems: list[Problem] = kept
         self._by_id: dict[str, Problem] = {p.id: p for p in kept}
 
+    def _init_spaces(self) -> None:
+        """Text spaces over ``string.printable`` plus every character of the prompts."""
         charset = set(string.printable)
         for prompt in self._prompts.values():
             charset.update(prompt)
@@ -232,7 +250,8 @@ class ReasoningEnv(gym.Env):
         self.observation_space = spaces.Text(max_length=self.max_prompt_chars, min_length=1, charset=self.charset)
         self.action_space = spaces.Text(max_length=self.max_completion_chars, min_length=0, charset=self.charset)
 
-        seed = cfg["seed"]
+    def _init_sampler(self, seed: Optional[int], config: Any) -> None:
+        """The seeded question order; an ``EnvContext``'s worker and vector index are mixed in."""
         worker, vector = getattr(config, "worker_index", None), getattr(config, "vector_index", None)
         if seed is not None and (worker or vector):
             seed = int(np.random.SeedSequence([seed, int(worker or 0), int(vector or 0)]).generate_state(1)[0])
@@ -276,8 +295,7 @@ class ReasoningEnv(gym.Env):
             raise ValueError(f"{len(question_ids)} question ids but {len(completions)} completions")
         problems = [self.get_problem(q) for q in question_ids]
         clipped = [self._clip(c)[0] for c in completions]
-        results = self._reward(problems, clipped)
-        return [self._rehearsed(q, c, r) for q, c, r in zip(question_ids, completions, results)]
+        return self._reward(problems, clipped)
 
     def _reward(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[RewardResult]:
         truths = [p.ground_truth for p in problems]
@@ -319,13 +337,6 @@ class ReasoningEnv(gym.Env):
             self._component_rows = 0
         return out
 
-    def _rehearsed(self, question_id: str, completion: str, result: RewardResult) -> RewardResult:
-        """The verifier's result, with the rehearsal reward as its score when that is on
-        (a verifier error stays an error: unscored, as in a real run)."""
-        if not self.config["rehearsal_reward"] or result.error is not None:
-            return result
-        return dataclasses.replace(result, score=rehearsal_score(question_id, completion))
-
     def _next_problem(self) -> Problem:
         if self._order is None or self._cursor >= len(self._order):
             self._order = self._np_random.permutation(len(self.problems))
@@ -365,7 +376,6 @@ class ReasoningEnv(gym.Env):
                                  think_format=self.think_format)
         else:
             result = self._reward([problem], [completion])[0]
-        result = self._rehearsed(problem.id, completion, result)
         info = self._info(problem)
         info.update(parsed=result.parsed, timed_out=result.timed_out, format_ok=result.format_ok,
                     error=result.error, correct=result.correct, completion_truncated=truncated_text)
