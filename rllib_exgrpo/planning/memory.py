@@ -29,7 +29,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from rllib_exgrpo.planning.shapes import ModelShape, model_shape
 
@@ -231,10 +231,42 @@ def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, g
     rows, tokens = int(rows), int(tokens)
     r = int(tokens if response_tokens is None else min(int(response_tokens), tokens))
     mode = _mode(dtype_bytes, autocast)
-    h, d, v, n_layers = shape.hidden_size, shape.head_dim, shape.vocab_size, shape.num_hidden_layers
     t = rows * tokens
-    half = mode in ("half", "autocast")
-    compute = 2 if half else 4            # logits, lm_head input
+    layers, outside, per_layer = _saved_activation_bytes(
+        shape, rows, tokens, r, mode, gradient_checkpointing=gradient_checkpointing, dense_mask=dense_mask)
+    layer_bwd = _layer_backward_bytes(shape, t, mode, per_layer if gradient_checkpointing else 0)
+    scored = rows * r  # positions whose logits are computed, a chunk at a time
+    c = min(int(chunk_tokens), max(1, scored))
+    logits_bwd = _logit_chunk_phase_bytes(shape, scored, c, mode)
+    vh = shape.vocab_size * shape.hidden_size
+    grad_bytes = 2 if mode == "half" else 4
+    if shape.tie_word_embeddings:
+        layer_bwd += vh * grad_bytes
+        embedding_bwd = 3 * vh * grad_bytes
+    else:
+        embedding_bwd = vh * grad_bytes
+    logits = 0  # nothing vocabulary-sized outlives its chunk
+    saved = layers + outside
+    peaks = {
+        "forward_end": saved,
+        "logit_chunks": saved + logits_bwd,
+        "layer_backward": layers + outside + layer_bwd,
+        "embedding_backward": embedding_bwd + 8 * t,
+    }
+    peak = max(peaks.values())
+    return dict(layers=int(layers), outside=int(outside), logits=int(logits), logit_chunks=int(logits_bwd),
+                chunk_tokens=int(c), layer_backward=int(layer_bwd), embedding_backward=int(embedding_bwd),
+                forward_end=int(saved), peak=int(peak), peak_phase=max(peaks, key=peaks.get))
+
+
+def _saved_activation_bytes(shape: ModelShape, rows: int, tokens: int, r: int, mode: str, *,
+                            gradient_checkpointing: bool, dense_mask: bool) -> Tuple[int, int, int]:
+    """``(layers, outside, per_layer)``: what the forward pass of ``rows x tokens`` (``r``
+    scored positions per row) keeps for the backward, in the decoder layers and outside
+    them, and what one layer saves (:func:`layer_saved_bytes`)."""
+    h, d, n_layers = shape.hidden_size, shape.head_dim, shape.num_hidden_layers
+    t = rows * tokens
+    compute = 2 if mode in ("half", "autocast") else 4  # logits, lm_head input
     residual = 2 if mode == "half" else 4  # the residual stream (a layer's checkpointed input)
     per_layer = layer_saved_bytes(shape, rows, tokens, mode, dense_mask=dense_mask)
     # Outside the layers: ids, the rotary tables, the final RMSNorm (fp32 input + output),
@@ -249,46 +281,38 @@ def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, g
         outside += rows * tokens * tokens if dense_mask else 0
     else:
         layers = n_layers * per_layer
-    scored = rows * r  # positions whose logits are computed, a chunk at a time
-    c = min(int(chunk_tokens), max(1, scored))
-    chunk_peak = logit_chunk_bytes(v, c, half=half)
-    saved = layers + outside
-    # Backward through the layers: the MLP's two [T, i] input gradients and the hidden
-    # state's gradient on top of what is saved, and with checkpointing the recomputed
-    # layer's saved activations.
-    layer_bwd = 2 * t * shape.intermediate_size * compute + 4 * t * h
-    if gradient_checkpointing:
-        layer_bwd += per_layer
-    # The LM head's weight gradient ([V, h] in the parameters' dtype): every chunk's
-    # backward makes one, added into the running sum autograd keeps; with tied embeddings
-    # that sum waits for the embedding's own [V, h] gradient at the very end.
+    return layers, outside, per_layer
+
+
+def _layer_backward_bytes(shape: ModelShape, t: int, mode: str, recomputed: int) -> int:
+    """Backward through one layer of ``t`` positions: the MLP's two ``[T, i]`` input
+    gradients and the hidden state's gradient on top of what is saved, plus ``recomputed``
+    (with checkpointing, the recomputed layer's saved activations; else 0)."""
+    compute = 2 if mode in ("half", "autocast") else 4
+    return 2 * t * shape.intermediate_size * compute + 4 * t * shape.hidden_size + recomputed
+
+
+def _logit_chunk_phase_bytes(shape: ModelShape, scored: int, c: int, mode: str) -> int:
+    """The chunk phase of ``scored`` positions in chunks of ``c``, beyond what is saved.
+
+    The LM head's weight gradient (``[V, h]`` in the parameters' dtype): every chunk's
+    backward makes one, added into the running sum autograd keeps; with tied embeddings
+    that sum waits for the embedding's own ``[V, h]`` gradient at the very end. The phase
+    holds a chunk's recomputed logits and their softmax (beside, after the first chunk,
+    that running sum); then, those freed, the chunk's logit gradient, the head's new weight
+    gradient and that sum; and the scored hidden states' gradient (``[K, h]``) throughout.
+    """
+    h, v = shape.hidden_size, shape.vocab_size
+    half = mode in ("half", "autocast")
+    compute = 2 if half else 4
     vh = v * h
     grad_bytes = 2 if mode == "half" else 4
     head_grad = vh * grad_bytes + (2 * vh if mode == "autocast" else 0)  # autocast: bf16, then fp32
-    # The chunk phase: a chunk's recomputed logits and their softmax (beside, after the
-    # first chunk, the running sum autograd keeps of the head's weight gradients); then,
-    # those freed, the chunk's logit gradient, the head's new weight gradient and that sum;
-    # and the scored hidden states' gradient ([K, h]) throughout.
+    chunk_peak = logit_chunk_bytes(v, c, half=half)
     chunks = -(-scored // c)
     running = head_grad if chunks > 1 else 0
     logit_grad = (2 if half else 4) * c * v
-    logits_bwd = max(chunk_peak + running, logit_grad + head_grad + running) + scored * h * compute
-    if shape.tie_word_embeddings:
-        layer_bwd += vh * grad_bytes
-        embedding_bwd = 3 * vh * grad_bytes
-    else:
-        embedding_bwd = vh * grad_bytes
-    logits = 0  # nothing vocabulary-sized outlives its chunk
-    peaks = {
-        "forward_end": saved,
-        "logit_chunks": saved + logits_bwd,
-        "layer_backward": layers + outside + layer_bwd,
-        "embedding_backward": embedding_bwd + 8 * t,
-    }
-    peak = max(peaks.values())
-    return dict(layers=int(layers), outside=int(outside), logits=int(logits), logit_chunks=int(logits_bwd),
-                chunk_tokens=int(c), layer_backward=int(layer_bwd), embedding_backward=int(embedding_bwd),
-                forward_end=int(saved), peak=int(peak), peak_phase=max(peaks, key=peaks.get))
+    return max(chunk_peak + running, logit_grad + head_grad + running) + scored * h * compute
 
 
 def learner_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, gradient_checkpointing: bool,
@@ -510,7 +534,7 @@ def _torch_memory(count: int) -> Optional[Tuple[int, str]]:
 
 def gpu_memory_for(config: Any) -> Tuple[Optional[int], str]:
     """``gpu_memory_gb`` (GiB) when set, else :func:`detect_gpu_memory`."""
-    given = getattr(config, "gpu_memory_gb", None)
+    given = config.gpu_memory_gb
     if given is not None:
         return int(float(given) * GIB), "gpu_memory_gb"
     return detect_gpu_memory()
@@ -548,9 +572,9 @@ def _learner_rows(config: Any, tokens: int) -> int:
     ``learner_micro_batch_rows`` and by ``learner_micro_batch_tokens`` (a pass holds at most
     the budget's padded positions, or one row; rounded up, so the plan never undercounts)."""
     minibatch = int(_get(config, "minibatch_size", 512) or 512)
-    micro = getattr(config, "learner_micro_batch_rows", None)
+    micro = config.learner_micro_batch_rows
     rows = max(1, min(int(micro), minibatch) if micro else minibatch)
-    budget = getattr(config, "learner_micro_batch_tokens", None)
+    budget = config.learner_micro_batch_tokens
     if budget:
         rows = min(rows, max(1, -(-int(budget) // max(1, int(tokens)))))
     return rows
@@ -590,15 +614,15 @@ def learner_pass(config: Any, prompt: int, response: int, *, budget: Optional[in
     from rllib_exgrpo.core.attention import packs_rows
 
     tokens = prompt + response
-    budget = budget if budget is not None else getattr(config, "learner_micro_batch_tokens", None)
+    budget = budget if budget is not None else config.learner_micro_batch_tokens
     name = str(_get(config, "attn_implementation", "auto"))
     kernel = planned_kernel(config)
     packing = bool(_get(config, "learner_sequence_packing", True))
     if budget and packing and (name == "auto" or packs_rows(name, "cuda")):
         length = max(int(budget), tokens)
         return LearnerPass(1, length, length, True, kernel, tokens)
-    rows = _learner_rows(config, tokens) if budget is None or budget == getattr(
-        config, "learner_micro_batch_tokens", None) else max(1, -(-int(budget) // tokens))
+    own_budget = budget is None or budget == config.learner_micro_batch_tokens
+    rows = _learner_rows(config, tokens) if own_budget else max(1, -(-int(budget) // tokens))
     return LearnerPass(rows, tokens, response, False, kernel, tokens)
 
 
@@ -610,6 +634,8 @@ def _pass_activations(shape: ModelShape, lp: LearnerPass, *, ckpt: bool, mode_by
 
 
 def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int) -> ActorPlan:
+    """What one learner holds: model states, the largest pass's activations, the optimiser
+    step, and (when it does not fit ``gpu``) the one key to change."""
     backend = _get(config, "learner_backend", "ddp")
     stage = int(_get(config, "deepspeed_zero_stage", 2))
     n_learners = int(_get(config, "num_learners", 0))
@@ -620,71 +646,24 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     states = model_state_bytes(shape, backend=backend, zero_stage=stage, num_learners=max(1, n_learners),
                                model_dtype=model_dtype,
                                ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)))
-    p = shape.num_parameters
-    nl = max(1, n_learners)
     plan = ActorPlan("learner", max(1, n_learners), per)
-    it = plan.items.append
     if backend == "ddp":
-        dt = "fp32 master weights (autocast computes in " + model_dtype + ")" if dtype_bytes(model_dtype) == 2 \
-            else "fp32 weights"
-        it(Item("weights", states["weights"], f"{p / 1e9:.2f} B x 4 B, {dt}; DDP: a full copy per learner"))
-        it(Item("gradients", states["gradients"], "fp32, full"))
-        it(Item("optimizer state", states["optimizer"], "AdamW moments, 2 x fp32, full"))
-        if states["buckets"]:
-            it(Item("DDP gradient buckets", states["buckets"], "fp32 copy of the gradients (gradient_as_bucket_view "
-                                                               "off)"))
-        if states["autocast_copies"]:
-            it(Item("autocast weight copies", states["autocast_copies"],
-                    "bf16 copies of the linear layers' weights, held through a pass"))
-        mode_bytes, autocast = (2, True) if dtype_bytes(model_dtype) == 2 else (4, False)
+        mode_bytes, autocast = _ddp_state_items(plan, shape, states, model_dtype)
     else:
-        shard = f"/ {nl} learners"
-        it(Item("weights", states["weights"], f"{p / 1e9:.2f} B x 2 B bf16" + (f" {shard} (ZeRO-3)" if stage == 3 else "")))
-        it(Item("gradients", states["gradients"], "bf16" + ("" if stage == 1 else f" {shard} (ZeRO-{stage})")))
-        it(Item("optimizer state", states["optimizer"], f"fp32 master + AdamW moments, 12 B {shard} (ZeRO-{stage})"))
-        it(Item("reduce bucket", states["buckets"], "bf16 reduce_bucket_size = min(5e8, parameters)"))
-        if states["gathered"]:
-            it(Item("ZeRO-3 gathered module", states["gathered"],
-                    "largest module's bf16 weight + gradient (DeepSpeed's ZeRO-3 estimator term)"))
-        mode_bytes, autocast = 2, False
-        ds = deepspeed_estimate_bytes(shape, zero_stage=stage, num_learners=nl)
-        if ds is not None:
-            ours = states["deepspeed_comparable"]
-            fn = "estimate_zero2_model_states_mem_needs" if stage == 2 else "estimate_zero3_model_states_mem_needs"
-            what = "gathered module, " if stage == 3 else ""
-            plan.notes.append(f"cross-check: DeepSpeed's {fn} (no offload) gives {_gib(ds)} for weights, gradients, "
-                              f"{what}optimizer state and the step's fp32 gradients; this plan {_gib(ours)} "
-                              f"({(ours - ds) / ds:+.0%})")
-    tokens = prompt + response
-    chunk = getattr(config, "logit_chunk_tokens", None)
+        mode_bytes, autocast = _deepspeed_state_items(plan, shape, states, stage, max(1, n_learners))
+    chunk = config.logit_chunk_tokens
     lp = learner_pass(config, prompt, response)
     act = _pass_activations(shape, lp, ckpt=ckpt, mode_bytes=mode_bytes, autocast=autocast, chunk=chunk)
     how = "checkpointed layer inputs" if ckpt else "saved per layer"
+    it = plan.items.append
     it(Item("activations", act["layers"] + act["outside"], f"{lp.describe()}, {how}"))
     it(Item("backward working set", act["peak"] - act["layers"] - act["outside"],
             f"at the {act['peak_phase'].replace('_', ' ')} peak; log-prob chunks of {act['chunk_tokens']} positions x "
             f"vocab {shape.vocab_size}, recomputed in backward: {_gib(act['logit_chunks'])}"))
     if _get(config, "scoring_on", "runners") == "learners":
-        # Before the update: padded passes of length-sorted rows under the same budget
-        # (rows come back in place); nothing of the update is held yet.
-        rows = _learner_rows(config, tokens)
-        scoring = scoring_activation_bytes(shape, rows, tokens, response_tokens=response, dtype_bytes=mode_bytes,
-                                           chunk_tokens=chunk)
-        if scoring > act["peak"]:
-            it(Item("scoring pass", scoring - act["peak"], "scoring_on: learners: no-grad pass beyond the update's"))
-        else:
-            plan.notes.append(f"scoring_on: learners: the no-grad scoring passes ({_gib(scoring)} each, {rows} rows x "
-                              f"{tokens} tokens) run before the update and peak below its activations")
-    kl = float(_get(config, "kl_coeff", 0.0) or 0.0) > 0
-    if kl:
-        ref_bytes = p * (4 if backend == "ddp" else 2)
-        it(Item("KL reference model", ref_bytes, "frozen copy of the policy (kl_coeff > 0)"))
-        ref_pass = scoring_activation_bytes(shape, lp.rows, lp.tokens, response_tokens=lp.response,
-                                            dtype_bytes=mode_bytes, with_entropy=False, dense_mask=not lp.packed,
-                                            chunk_tokens=chunk)
-        extra = max(0, act["forward_end"] + ref_pass - act["peak"])
-        if extra:
-            it(Item("KL reference pass", extra, "no-grad scoring of the pass on top of the saved activations"))
+        _learner_scoring_items(plan, config, shape, prompt + response, response, mode_bytes, chunk, act)
+    if float(_get(config, "kl_coeff", 0.0) or 0.0) > 0:
+        _kl_reference_items(plan, shape, lp, act, mode_bytes, chunk, backend)
     # The optimiser step runs after the pass: its temporaries need room only beyond the
     # activations (freed by then) and autocast's weight copies.
     step_extra = states["step_extra"] - states["autocast_copies"] - act["peak"]
@@ -698,14 +677,87 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     return plan
 
 
+def _ddp_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int], model_dtype: str) -> Tuple[int, bool]:
+    """The DDP learner's model states into ``plan``; returns the pass's ``(dtype bytes,
+    autocast)``: bf16/fp16 models compute under autocast over fp32 master weights."""
+    it = plan.items.append
+    p = shape.num_parameters
+    dt = "fp32 master weights (autocast computes in " + model_dtype + ")" if dtype_bytes(model_dtype) == 2 \
+        else "fp32 weights"
+    it(Item("weights", states["weights"], f"{p / 1e9:.2f} B x 4 B, {dt}; DDP: a full copy per learner"))
+    it(Item("gradients", states["gradients"], "fp32, full"))
+    it(Item("optimizer state", states["optimizer"], "AdamW moments, 2 x fp32, full"))
+    if states["buckets"]:
+        it(Item("DDP gradient buckets", states["buckets"], "fp32 copy of the gradients (gradient_as_bucket_view "
+                                                           "off)"))
+    if states["autocast_copies"]:
+        it(Item("autocast weight copies", states["autocast_copies"],
+                "bf16 copies of the linear layers' weights, held through a pass"))
+    return (2, True) if dtype_bytes(model_dtype) == 2 else (4, False)
+
+
+def _deepspeed_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int], stage: int,
+                           nl: int) -> Tuple[int, bool]:
+    """The DeepSpeed learner's (ZeRO ``stage``, ``nl`` learners) model states into
+    ``plan``, with a cross-check against DeepSpeed's own estimator where it is installed;
+    returns the pass's ``(dtype bytes, autocast)``: bf16, no autocast."""
+    it = plan.items.append
+    p = shape.num_parameters
+    shard = f"/ {nl} learners"
+    it(Item("weights", states["weights"], f"{p / 1e9:.2f} B x 2 B bf16" + (f" {shard} (ZeRO-3)" if stage == 3 else "")))
+    it(Item("gradients", states["gradients"], "bf16" + ("" if stage == 1 else f" {shard} (ZeRO-{stage})")))
+    it(Item("optimizer state", states["optimizer"], f"fp32 master + AdamW moments, 12 B {shard} (ZeRO-{stage})"))
+    it(Item("reduce bucket", states["buckets"], "bf16 reduce_bucket_size = min(5e8, parameters)"))
+    if states["gathered"]:
+        it(Item("ZeRO-3 gathered module", states["gathered"],
+                "largest module's bf16 weight + gradient (DeepSpeed's ZeRO-3 estimator term)"))
+    ds = deepspeed_estimate_bytes(shape, zero_stage=stage, num_learners=nl)
+    if ds is not None:
+        ours = states["deepspeed_comparable"]
+        fn = "estimate_zero2_model_states_mem_needs" if stage == 2 else "estimate_zero3_model_states_mem_needs"
+        what = "gathered module, " if stage == 3 else ""
+        plan.notes.append(f"cross-check: DeepSpeed's {fn} (no offload) gives {_gib(ds)} for weights, gradients, "
+                          f"{what}optimizer state and the step's fp32 gradients; this plan {_gib(ours)} "
+                          f"({(ours - ds) / ds:+.0%})")
+    return 2, False
+
+
+def _learner_scoring_items(plan: ActorPlan, config: Any, shape: ModelShape, tokens: int, response: int,
+                           mode_bytes: int, chunk: int, act: Dict[str, int]) -> None:
+    """``scoring_on: learners``: the no-grad scoring passes before the update, padded passes
+    of length-sorted rows under the same budget (rows come back in place); nothing of the
+    update is held yet, so only what exceeds the update's peak is an item."""
+    rows = _learner_rows(config, tokens)
+    scoring = scoring_activation_bytes(shape, rows, tokens, response_tokens=response, dtype_bytes=mode_bytes,
+                                       chunk_tokens=chunk)
+    if scoring > act["peak"]:
+        plan.items.append(Item("scoring pass", scoring - act["peak"],
+                               "scoring_on: learners: no-grad pass beyond the update's"))
+    else:
+        plan.notes.append(f"scoring_on: learners: the no-grad scoring passes ({_gib(scoring)} each, {rows} rows x "
+                          f"{tokens} tokens) run before the update and peak below its activations")
+
+
+def _kl_reference_items(plan: ActorPlan, shape: ModelShape, lp: LearnerPass, act: Dict[str, int], mode_bytes: int,
+                        chunk: int, backend: str) -> None:
+    """``kl_coeff > 0``: the frozen reference policy, and its no-grad pass on top of the
+    saved activations where that exceeds the update's peak."""
+    ref_bytes = shape.num_parameters * (4 if backend == "ddp" else 2)
+    plan.items.append(Item("KL reference model", ref_bytes, "frozen copy of the policy (kl_coeff > 0)"))
+    ref_pass = scoring_activation_bytes(shape, lp.rows, lp.tokens, response_tokens=lp.response,
+                                        dtype_bytes=mode_bytes, with_entropy=False, dense_mask=not lp.packed,
+                                        chunk_tokens=chunk)
+    extra = max(0, act["forward_end"] + ref_pass - act["peak"])
+    if extra:
+        plan.items.append(Item("KL reference pass", extra, "no-grad scoring of the pass on top of the saved activations"))
+
+
 def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dict[str, int], act: Dict[str, int],
                     lp: LearnerPass, mode_bytes: int, autocast: bool) -> None:
-    """The one key to change, and to what."""
-    backend = _get(config, "learner_backend", "ddp")
-    stage = int(_get(config, "deepspeed_zero_stage", 2))
-    nl = max(1, int(_get(config, "num_learners", 0)))
+    """The one key to change, and to what: the model states' layout first, then the pass
+    size, then one row."""
     ckpt = bool(_get(config, "gradient_checkpointing", False))
-    chunk = getattr(config, "logit_chunk_tokens", None)
+    chunk = config.logit_chunk_tokens
     fixed = plan.total - act["peak"] - max(0, states["step_extra"] - states["autocast_copies"] - act["peak"])
     room = plan.budget - fixed
 
@@ -714,22 +766,8 @@ def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dic
         return _pass_activations(shape, pass_ or lp, ckpt=c, mode_bytes=half, autocast=ac, chunk=chunk,
                                  rows=rows)["peak"]
 
-    def stage_fits(s: int) -> bool:
-        st = model_state_bytes(shape, backend="deepspeed", zero_stage=s, num_learners=nl, model_dtype="bfloat16")
-        return st["total"] + act_of(ckpt, half=2, ac=False) + PROCESS_OVERHEAD_BYTES <= plan.budget
-
     if room <= 0 or states["total"] > plan.budget // 2:
-        if backend == "ddp":
-            ok = [s for s in (2, 3) if stage_fits(s)]
-            plan.key = "learner_backend"
-            plan.advice = (f"the DDP learner keeps {_gib(states['total'])} of fp32 weights, gradients and AdamW "
-                           "state on every learner; learner_backend: deepspeed shards it (" +
-                           (f"deepspeed_zero_stage: {ok[0]} fits" if ok else "and fewer rows per pass") + ")")
-            return
-        if stage < 3:
-            plan.key = "deepspeed_zero_stage"
-            plan.advice = (f"ZeRO-{stage} keeps {_gib(states['total'])} of model states per learner; "
-                           f"deepspeed_zero_stage: 3 shards the weights too")
+        if _model_state_advice(plan, config, shape, states, lambda: act_of(ckpt, half=2, ac=False)):
             return
     if not ckpt and act_of(True) <= room:
         plan.key = "gradient_checkpointing"
@@ -737,28 +775,9 @@ def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dic
                        f"gradient_checkpointing: true {_gib(act_of(True))}")
         return
     more = "" if ckpt else " (gradient_checkpointing: true allows more)"
+    if _pass_size_advice(plan, config, lp, act, room, lambda **kw: act_of(ckpt, **kw), more):
+        return
     row = lp.row_tokens
-    if lp.packed:
-        budgets = [b for b in range(lp.tokens - 1024, row - 1, -1024) if b > 0]
-        fit = [b for b in budgets if act_of(ckpt, pass_=LearnerPass(1, b, b, True, lp.kernel, row)) <= room]
-        if fit:
-            plan.key = "learner_micro_batch_tokens"
-            plan.advice = (f"a packed pass of {lp.tokens} tokens needs {_gib(act['peak'])} of activations, "
-                           f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0]} fits{more}")
-            return
-    else:
-        fit = [r for r in range(lp.rows - 1, 0, -1) if act_of(ckpt, rows=r) <= room]
-        if fit:
-            if getattr(config, "learner_micro_batch_tokens", None):
-                plan.key = "learner_micro_batch_tokens"
-                plan.advice = (f"passes of {lp.rows * lp.tokens} tokens need {_gib(act['peak'])} of activations, "
-                               f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0] * lp.tokens} "
-                               f"fits{more}")
-                return
-            plan.key = "learner_micro_batch_rows"
-            plan.advice = (f"passes of {lp.describe()} need {_gib(act['peak'])} of activations, "
-                           f"{_gib(max(room, 0))} are left: learner_micro_batch_rows: {fit[0]} fits{more}")
-            return
     one_row = LearnerPass(1, row, row if lp.packed else lp.response, lp.packed, lp.kernel, row)
     if not ckpt and act_of(True, pass_=one_row) <= room:
         plan.key = "gradient_checkpointing"
@@ -769,8 +788,67 @@ def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dic
                    f"{_gib(max(room, 0))} are left: shorter completions, or more learners to shard the model states")
 
 
+def _model_state_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dict[str, int],
+                        bf16_pass_peak: Callable[[], int]) -> bool:
+    """When the model states crowd the GPU: DDP -> DeepSpeed (naming the first ZeRO stage
+    whose states plus a bf16 pass fit, ``bf16_pass_peak()`` its activations), ZeRO-1/2 ->
+    ZeRO-3. Returns whether ``plan`` got its advice."""
+    backend = _get(config, "learner_backend", "ddp")
+    stage = int(_get(config, "deepspeed_zero_stage", 2))
+    nl = max(1, int(_get(config, "num_learners", 0)))
+
+    def stage_fits(s: int) -> bool:
+        st = model_state_bytes(shape, backend="deepspeed", zero_stage=s, num_learners=nl, model_dtype="bfloat16")
+        return st["total"] + bf16_pass_peak() + PROCESS_OVERHEAD_BYTES <= plan.budget
+
+    if backend == "ddp":
+        ok = [s for s in (2, 3) if stage_fits(s)]
+        plan.key = "learner_backend"
+        plan.advice = (f"the DDP learner keeps {_gib(states['total'])} of fp32 weights, gradients and AdamW "
+                       "state on every learner; learner_backend: deepspeed shards it (" +
+                       (f"deepspeed_zero_stage: {ok[0]} fits" if ok else "and fewer rows per pass") + ")")
+        return True
+    if stage < 3:
+        plan.key = "deepspeed_zero_stage"
+        plan.advice = (f"ZeRO-{stage} keeps {_gib(states['total'])} of model states per learner; "
+                       f"deepspeed_zero_stage: 3 shards the weights too")
+        return True
+    return False
+
+
+def _pass_size_advice(plan: ActorPlan, config: Any, lp: LearnerPass, act: Dict[str, int], room: int,
+                      peak_of: Callable[..., int], more: str) -> bool:
+    """A smaller pass that fits ``room``: a smaller token budget for packed passes, fewer
+    rows (as rows, or as a token budget where one is set) for padded ones; ``peak_of(rows=,
+    pass_=)`` gives a pass's activation peak. Returns whether ``plan`` got its advice."""
+    row = lp.row_tokens
+    if lp.packed:
+        budgets = [b for b in range(lp.tokens - 1024, row - 1, -1024) if b > 0]
+        fit = [b for b in budgets if peak_of(pass_=LearnerPass(1, b, b, True, lp.kernel, row)) <= room]
+        if fit:
+            plan.key = "learner_micro_batch_tokens"
+            plan.advice = (f"a packed pass of {lp.tokens} tokens needs {_gib(act['peak'])} of activations, "
+                           f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0]} fits{more}")
+        return bool(fit)
+    fit = [r for r in range(lp.rows - 1, 0, -1) if peak_of(rows=r) <= room]
+    if not fit:
+        return False
+    if config.learner_micro_batch_tokens:
+        plan.key = "learner_micro_batch_tokens"
+        plan.advice = (f"passes of {lp.rows * lp.tokens} tokens need {_gib(act['peak'])} of activations, "
+                       f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0] * lp.tokens} "
+                       f"fits{more}")
+    else:
+        plan.key = "learner_micro_batch_rows"
+        plan.advice = (f"passes of {lp.describe()} need {_gib(act['peak'])} of activations, "
+                       f"{_gib(max(room, 0))} are left: learner_micro_batch_rows: {fit[0]} fits{more}")
+    return True
+
+
 def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int,
                  max_len: int) -> ActorPlan:
+    """What one GPU env runner holds: the vLLM engine or the HF generation KV cache, its
+    torch module and scoring pass, and (when it does not fit ``gpu``) the key to change."""
     n = int(_get(config, "num_env_runners", 0))
     per = float(_get(config, "num_gpus_per_env_runner", 0))
     model_dtype = _get(config, "model_dtype", "float32")
@@ -784,29 +862,7 @@ def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int
     kv_token = shape.kv_cache_bytes_per_token(b)
     vllm_share = None
     if backend == "vllm":
-        vk = dict(_get(config, "vllm_kwargs", {}) or {})
-        util = float(vk.get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
-        weights = p * b
-        if gpu is not None:
-            vllm_share = int(util * gpu)
-            kv = vllm_share - weights
-            it(Item("vLLM engine", vllm_share, f"gpu_memory_utilization {util:g} x GPU: weights {_gib(weights)} + "
-                                               f"KV cache and vLLM's activations {_gib(kv)}"))
-            seqs = int(vk.get("max_num_seqs", chunk))
-            tokens_kv = max(0, kv) // kv_token
-            plan.notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token (2 x {shape.num_hidden_layers} layers "
-                              f"x {shape.num_key_value_heads} kv heads x {shape.head_dim} x {b} B): at most "
-                              f"{tokens_kv:,} tokens, {tokens_kv // max(1, max_len)} sequences of max_model_len "
-                              f"{max_len} (max_num_seqs {seqs}); less vLLM's own activation reserve")
-            if tokens_kv < max_len:
-                plan.failed = True
-                plan.key = "vllm_kwargs.gpu_memory_utilization"
-                plan.advice = (f"vLLM's share {_gib(vllm_share)} leaves {_gib(max(kv, 0))} after the weights, less "
-                               f"than one sequence of max_model_len {max_len} ({_gib(max_len * kv_token)}): raise it")
-        else:
-            it(Item("vLLM engine weights", weights, f"{p / 1e9:.2f} B x {b} B; plus its KV cache: "
-                                                    f"gpu_memory_utilization {util:g} x the GPU"))
-            plan.notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token")
+        vllm_share = _vllm_engine_items(plan, config, shape, gpu, b, chunk, max_len)
     engine_only = backend == "vllm" and _get(config, "scoring_on", "runners") == "learners"
     score = 0
     if engine_only:
@@ -826,21 +882,63 @@ def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int
     if gpu is not None and per > 0:
         plan.budget = int(min(1.0, per) * usable_memory(gpu))
         if not plan.failed and plan.fits is False:
-            others = plan.total - (vllm_share or 0)
-            if vllm_share is not None and score < plan.budget // 4:
-                most = (plan.budget - others) / gpu
-                plan.key = "vllm_kwargs.gpu_memory_utilization"
-                plan.advice = (f"vLLM takes {_gib(vllm_share)} and the runner's own module and scoring "
-                               f"{_gib(others)}: at most {math.floor(most * 100) / 100:.2f} leaves them room")
-            else:
-                fit = [c for c in range(chunk - 1, 0, -1)
-                       if plan.total - score + scoring_activation_bytes(shape, c, tokens, response_tokens=response,
-                                                                        dtype_bytes=b) <= plan.budget]
-                plan.key = "generation_batch_size"
-                plan.advice = (f"its scoring pass of {chunk} rows x {tokens} tokens takes {_gib(score)}"
-                               + (f": generation_batch_size: {fit[0]} fits" if fit else
-                                  (": lower vllm_kwargs.gpu_memory_utilization too" if vllm_share else "")))
+            _runner_advice(plan, shape, gpu, chunk, tokens, response, b, score, vllm_share)
     return plan
+
+
+def _vllm_engine_items(plan: ActorPlan, config: Any, shape: ModelShape, gpu: Optional[int], b: int, chunk: int,
+                       max_len: int) -> Optional[int]:
+    """The vLLM engine's share of the GPU (``gpu_memory_utilization``; its weights alone
+    when ``gpu`` is unknown) and its KV cache into ``plan``; fails the plan when the cache
+    cannot hold one sequence of ``max_len``. Returns the share in bytes (None: ``gpu``
+    unknown)."""
+    it = plan.items.append
+    p = shape.num_parameters
+    kv_token = shape.kv_cache_bytes_per_token(b)
+    vk = dict(_get(config, "vllm_kwargs", {}) or {})
+    util = float(vk.get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
+    weights = p * b
+    if gpu is None:
+        it(Item("vLLM engine weights", weights, f"{p / 1e9:.2f} B x {b} B; plus its KV cache: "
+                                                f"gpu_memory_utilization {util:g} x the GPU"))
+        plan.notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token")
+        return None
+    vllm_share = int(util * gpu)
+    kv = vllm_share - weights
+    it(Item("vLLM engine", vllm_share, f"gpu_memory_utilization {util:g} x GPU: weights {_gib(weights)} + "
+                                       f"KV cache and vLLM's activations {_gib(kv)}"))
+    seqs = int(vk.get("max_num_seqs", chunk))
+    tokens_kv = max(0, kv) // kv_token
+    plan.notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token (2 x {shape.num_hidden_layers} layers "
+                      f"x {shape.num_key_value_heads} kv heads x {shape.head_dim} x {b} B): at most "
+                      f"{tokens_kv:,} tokens, {tokens_kv // max(1, max_len)} sequences of max_model_len "
+                      f"{max_len} (max_num_seqs {seqs}); less vLLM's own activation reserve")
+    if tokens_kv < max_len:
+        plan.failed = True
+        plan.key = "vllm_kwargs.gpu_memory_utilization"
+        plan.advice = (f"vLLM's share {_gib(vllm_share)} leaves {_gib(max(kv, 0))} after the weights, less "
+                       f"than one sequence of max_model_len {max_len} ({_gib(max_len * kv_token)}): raise it")
+    return vllm_share
+
+
+def _runner_advice(plan: ActorPlan, shape: ModelShape, gpu: int, chunk: int, tokens: int, response: int, b: int,
+                   score: int, vllm_share: Optional[int]) -> None:
+    """The env runner's key to change: vLLM's share when the scoring pass is small beside
+    it, else ``generation_batch_size`` (the largest that fits)."""
+    others = plan.total - (vllm_share or 0)
+    if vllm_share is not None and score < plan.budget // 4:
+        most = (plan.budget - others) / gpu
+        plan.key = "vllm_kwargs.gpu_memory_utilization"
+        plan.advice = (f"vLLM takes {_gib(vllm_share)} and the runner's own module and scoring "
+                       f"{_gib(others)}: at most {math.floor(most * 100) / 100:.2f} leaves them room")
+        return
+    fit = [c for c in range(chunk - 1, 0, -1)
+           if plan.total - score + scoring_activation_bytes(shape, c, tokens, response_tokens=response,
+                                                            dtype_bytes=b) <= plan.budget]
+    plan.key = "generation_batch_size"
+    plan.advice = (f"its scoring pass of {chunk} rows x {tokens} tokens takes {_gib(score)}"
+                   + (f": generation_batch_size: {fit[0]} fits" if fit else
+                      (": lower vllm_kwargs.gpu_memory_utilization too" if vllm_share else "")))
 
 
 def uses_gpus(config: Any) -> bool:
