@@ -1,7 +1,8 @@
 """The single-step text environment, its data and its verifier reward.
 
-Exports resolve lazily (PEP 562) so that ``import rllib_exgrpo.envs.rewards`` -- done by every
-reward worker process -- does not pay for gymnasium, pyarrow or transformers.
+Exports resolve lazily (PEP 562) so that ``import rllib_exgrpo.envs.rewards`` -- done by the
+reward worker processes for the built-in reward functions -- does not pay for gymnasium,
+pyarrow or transformers.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ _EXPORTS = {
     "render_prompt": "rllib_exgrpo.envs.prompting",
     "DEFAULT_INSTRUCTION": "rllib_exgrpo.envs.prompting",
 }
-_MODULES = ("arithmetic", "datasets", "prompting", "problem", "reasoning_env", "reward_examples", "rewards")
+_MODULES = ("arithmetic", "datasets", "prompting", "problem", "reasoning_env", "reward_examples", "rewards",
+            "verifier_pool")
 
 __all__ = sorted(_EXPORTS) + ["arithmetic"]
 

@@ -14,13 +14,11 @@ multiprocessing workers and Ray actors, and never re-imports the caller's ``__ma
 Each worker runs parse/verify in its own main thread with math-verify's timeouts
 disabled; the caller enforces a wall-clock deadline per item and kills and replaces a
 worker that overruns. Only the overrunning item times out; the other items of the batch
-go on on the other workers. Genuine failures (a worker that dies, an exception in the
-verifier, an unparseable ground truth) are reported in :attr:`RewardResult.error` and
-counted in :func:`reward_stats`, never turned into a silent 0.
-
-Cheap work stays in the caller: extracting the answer, a normalised exact-match fast
-path (equal -> 1 without math-verify) and de-duplication of identical
-(ground truth, answer) pairs inside a batch, which GRPO groups produce a lot of.
+go on on the other workers. Reward-function calls (``"package.module:function"``, see
+:func:`load_function`) run in the same workers under the same deadlines. Genuine failures
+(a worker that dies, an exception in the verifier or a reward function, an unparseable
+ground truth) come back as the task's error and are counted in :func:`reward_stats`, never
+turned into a silent 0.
 
 Why not ``pebble.ProcessPool`` (per-task timeout, kills and replaces an overrunning
 worker)? Measured with ``benchmarks/reward_pool_compare.py`` (pebble 5.2.3, same caller
