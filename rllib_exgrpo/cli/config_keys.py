@@ -15,8 +15,7 @@ import inspect
 import logging
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from ray._common.deprecation import DEPRECATED_VALUE
-
+from rllib_exgrpo.rllib import rllib_contract
 from rllib_exgrpo.cli.registry import CliConfigError, import_object
 
 _OLD_STACK_SWITCHES = ("enable_rl_module_and_learner", "enable_env_runner_and_connector_v2")
@@ -51,14 +50,14 @@ _MULTIAGENT_KEYS = (
 
 def _translate(config_cls: type, key: str) -> str:
     try:
-        return config_cls._translate_special_keys(key, warn_deprecated=False)
+        return rllib_contract.translate_special_key(config_cls, key, warn_deprecated=False)
     except Exception:  # pragma: no cover - defensive
         return key
 
 
 def _deprecation_message(config_cls: type, key: str) -> Optional[str]:
     try:
-        config_cls._translate_special_keys(key, warn_deprecated=True)
+        rllib_contract.translate_special_key(config_cls, key, warn_deprecated=True)
     except Exception as e:
         return str(e)
     return None
@@ -73,7 +72,7 @@ def _deprecated_attributes(config: Any) -> frozenset:
     (Checked for RLlib 2.60: no live setting of ``AlgorithmConfig`` or ``PPOConfig``
     defaults to -1, and every attribute defaulting to it is deprecated.)
     """
-    return frozenset(k for k, v in vars(config).items() if type(v) is int and v == DEPRECATED_VALUE)
+    return frozenset(k for k, v in vars(config).items() if type(v) is int and v == rllib_contract.deprecated_value())
 
 
 def _candidate_keys(config: Any) -> List[str]:

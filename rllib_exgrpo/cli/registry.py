@@ -169,9 +169,9 @@ def _gym_ids() -> List[str]:
 
 
 def _tune_registered(name: str) -> bool:
-    from ray.tune.registry import ENV_CREATOR, _global_registry
+    from rllib_exgrpo.rllib.rllib_contract import registered_env_creator
 
-    return _global_registry.contains(ENV_CREATOR, name)
+    return registered_env_creator(name) is not None
 
 
 def resolve_env(env: Any, *, register: bool = True) -> Any:

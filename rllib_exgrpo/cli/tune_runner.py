@@ -202,10 +202,9 @@ def _extend_finished_trials(exp: Experiment, path: str) -> List[str]:
     import fnmatch
     import json
 
-    from ray.train._internal.storage import get_fs_and_path
-    from ray.tune.trainable.metadata import _TrainingRunMetadata
+    from rllib_exgrpo.rllib import rllib_contract
 
-    fs, fs_path = get_fs_and_path(path)
+    fs, fs_path = rllib_contract.fs_and_path(path)
     names = [info.base_name for info in fs.get_file_info(_file_selector(fs_path))]
     state_files = sorted(fnmatch.filter(names, _STATE_FILE_PATTERN))
     if not state_files:
@@ -219,7 +218,7 @@ def _extend_finished_trials(exp: Experiment, path: str) -> List[str]:
     lines, changed = [], False
     for entry in state.get("trial_data", []):
         record = json.loads(entry[0])
-        meta = _TrainingRunMetadata.from_json_state(entry[1])
+        meta = rllib_contract.training_run_metadata(entry[1])
         # its folder under the experiment's (what the user finds on disk; holds the trial id)
         name = record.get("relative_logdir") or f"{record.get('trainable_name')}_{record.get('trial_id')}"
         last = dict(meta.last_result or {})

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ray.rllib.utils.annotations import override
+from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.algorithms.algorithm import Algorithm
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
@@ -30,6 +31,7 @@ from ray.rllib.utils.metrics import (
     TIMERS,
 )
 
+from rllib_exgrpo.rllib import rllib_contract as rc
 from rllib_exgrpo.core.groups import (
     Trajectory,
     learner_batch,
@@ -105,6 +107,7 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
         self.env_runner_cls = LLMEnvRunner
         self.__dict__.update(field_defaults())
 
+    @override(AlgorithmConfig)
     def training(self, **kwargs) -> "ExGRPOConfig":
         own = {k: kwargs.pop(k) for k in list(kwargs) if k in FIELDS_BY_NAME}
         super().training(**kwargs)
@@ -116,6 +119,7 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
     training.__signature__ = training_signature(AlgorithmConfig.training)
     training.__doc__ = training_doc()
 
+    @override(AlgorithmConfig)
     def get_default_rl_module_spec(self) -> RLModuleSpec:
         return RLModuleSpec(module_class=LLMTorchRLModule, model_config=self.llm_model_config)
 
@@ -135,6 +139,7 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
             "temperature": self.temperature,
         }
 
+    @override(AlgorithmConfig)
     def get_default_learner_class(self):
         """``ExGRPOTorchLearner`` (RLlib's DDP with ``num_learners >= 2``), or with
         ``learner_backend="deepspeed"`` the same learner on DeepSpeed ZeRO engines
@@ -151,11 +156,12 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
     def completions_per_step(self) -> int:
         return self.questions_per_step * self.group_size
 
+    @override(AlgorithmConfig)
     def validate(self) -> None:
         super().validate()
         errors = list(field_errors(self))
         if errors:
-            self._value_error("Invalid ExGRPOConfig:\n  - " + "\n  - ".join(errors))
+            rc.config_value_error(self, "Invalid ExGRPOConfig:\n  - " + "\n  - ".join(errors))
 
 
 class GRPOConfig(ExGRPOConfig):
@@ -171,10 +177,12 @@ class ExGRPO(Algorithm):
     """Experience-driven GRPO on RLlib's env-runner / learner stack."""
 
     @classmethod
+    @override(Algorithm)
     def get_default_config(cls) -> ExGRPOConfig:
         return ExGRPOConfig()
 
     @classmethod
+    @override(Algorithm)
     def default_resource_request(cls, config):
         """RLlib's placement-group request, after fitting the config to the cluster
         (``resources.fit_resources``: ``"auto"`` main-process CPUs resolved, a CPU
@@ -186,11 +194,12 @@ class ExGRPO(Algorithm):
             logger.warning("%s", note)
         return super().default_resource_request(cfg)
 
+    @override(Algorithm)
     def setup(self, config) -> None:
         # Fit CPUs / GPUs to the cluster before RLlib builds any actor (a no-op when the
         # CLI or default_resource_request already did), then size torch's threads to the
         # CPUs this main process holds: it runs the local env runner and local learner.
-        with _unfrozen(self.config) as cfg:
+        with rc.unfrozen(self.config) as cfg:
             for note in fit_resources(cfg):
                 logger.warning("%s", note)
         apply_threads_for(self.config, "main")
@@ -210,7 +219,7 @@ class ExGRPO(Algorithm):
         if cfg.async_rollouts:
             # The learner update runs in a thread next to the collection: RLlib's logger
             # takes a real lock then (as APPO / IMPALA do).
-            self.metrics._threading_lock = threading.RLock()
+            rc.make_metrics_thread_safe(self.metrics)
         self.coordinator = RolloutCoordinator(self.env_runner_group, self.metrics, self._restart_failed_runners)
         self.heldout = HeldoutEvaluator(cfg, self._sample)
         self._pad_id = self._tokenizer_pad_id()
@@ -243,6 +252,7 @@ class ExGRPO(Algorithm):
         return load_tokenizer(self.config.model_name_or_path).pad_token_id
 
     # ---- the training step ---------------------------------------------------------
+    @override(Algorithm)
     def training_step(self) -> None:
         """One iteration: collect a step's batch on the runners, train the learners on it,
         update the experience pool, sync the weights (and evaluate held-out questions).
@@ -485,6 +495,7 @@ class ExGRPO(Algorithm):
         weights before they sample again (:meth:`restore_env_runners`)."""
         self.restore_env_runners(self.env_runner_group)
 
+    @override(Algorithm)
     def restore_env_runners(self, env_runner_group) -> List[int]:
         """RLlib's restore (called by its training loop and by the rollout coordinator), then the
         current weights to the restored runners before they sample: over the object store to
@@ -527,6 +538,7 @@ class ExGRPO(Algorithm):
             self.metrics.log_value(("weight_sync", "bytes_per_runner"), sent.get("bytes", 0), window=1)
             self.metrics.log_value(("weight_sync", "group_generation"), sent["generation"], window=1)
 
+    @override(Algorithm)
     def cleanup(self) -> None:
         """Drop the weight group (the root's store lives in the first learner, which may be
         this process) before RLlib stops the actors."""
@@ -588,6 +600,7 @@ class ExGRPO(Algorithm):
         self.heldout.record(self.metrics, result, after_iteration)
 
     # ---- checkpoints -----------------------------------------------------------------
+    @override(Checkpointable)
     def save_to_path(self, path=None, *, state=None, filesystem=None, use_msgpack: bool = False) -> str:
         """RLlib's checkpoint, written atomically on a local path: everything (learner state
         and optimiser shards, env runner state, this algorithm's sampler, experience pool and
@@ -614,6 +627,7 @@ class ExGRPO(Algorithm):
             return
         self.learner_group.foreach_learner(lambda learner, _on=on: learner.set_checkpointing(_on))
 
+    @override(Algorithm)
     def get_state(self, components=None, *, not_components=None, **kwargs):
         state = super().get_state(components, not_components=not_components, **kwargs)
         state[STATE_KEY] = {
@@ -625,6 +639,7 @@ class ExGRPO(Algorithm):
         }
         return state
 
+    @override(Algorithm)
     def set_state(self, state) -> None:
         super().set_state(state)
         if STATE_KEY in state:
@@ -689,17 +704,6 @@ def _set_torch_rng_state(state) -> None:
     import torch
 
     torch.set_rng_state(state)
-
-
-@contextlib.contextmanager
-def _unfrozen(config):
-    """Edit a frozen AlgorithmConfig in place (RLlib freezes it before ``setup``)."""
-    was_frozen = config._is_frozen
-    config._is_frozen = False
-    try:
-        yield config
-    finally:
-        config._is_frozen = was_frozen
 
 
 @dataclasses.dataclass

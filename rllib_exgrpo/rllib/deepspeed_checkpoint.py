@@ -20,6 +20,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ray.rllib.utils.annotations import override
+from ray.rllib.core.learner.learner import Learner
 from ray.rllib.core import COMPONENT_OPTIMIZER, COMPONENT_RL_MODULE
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.core.rl_module.rl_module import RLModule
@@ -27,6 +29,7 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
+from rllib_exgrpo.rllib import rllib_contract as rc
 from rllib_exgrpo.rllib import checkpointing, zero3_weights
 from rllib_exgrpo.rllib.module import shippable
 
@@ -60,12 +63,15 @@ class _StateFile(Checkpointable):
     def __init__(self):
         self.state = None
 
+    @override(Checkpointable)
     def get_state(self, *args, **kwargs):
         return self.state
 
+    @override(Checkpointable)
     def set_state(self, state) -> None:
         self.state = state
 
+    @override(Checkpointable)
     def get_ctor_args_and_kwargs(self):
         return (), {}
 
@@ -136,6 +142,7 @@ class DeepSpeedCheckpointing(TorchLearner):
         self._engines[module_id].optimizer.refresh_fp32_params()
 
     # ---- optimizer state -----------------------------------------------------------------
+    @override(TorchLearner)
     def _get_optimizer_state(self) -> Dict[str, Any]:
         """In a checkpoint (and any state not asking for the optimiser by name): a manifest,
         ``{"deepspeed_sharded": {module_id: {zero_stage, world_size}}}``; each rank writes
@@ -181,6 +188,7 @@ class DeepSpeedCheckpointing(TorchLearner):
             shards = [own if r == rank else None for r in range(world)]
         engine.optimizer.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=True)
 
+    @override(TorchLearner)
     def _set_optimizer_state(self, state: Dict[str, Any]) -> None:
         if "deepspeed_sharded" in state:
             # A manifest: the shards are files beside the state (restore_from_path reads this
@@ -297,6 +305,7 @@ class DeepSpeedCheckpointing(TorchLearner):
 
             self._load_zero_state(mid, read(rank), read)
 
+    @override(Checkpointable)
     def save_to_path(self, path=None, *, state=None, filesystem=None, use_msgpack: bool = False) -> str:
         """RLlib's layout (state file, ``rl_module/`` with the full weights), plus each
         rank's ZeRO optimiser shard in ``optimizer_shards/`` (``docs/deepspeed.md``)."""
@@ -309,6 +318,7 @@ class DeepSpeedCheckpointing(TorchLearner):
                 self._write_optimizer_shards(pathlib.Path(path))
         return path
 
+    @override(Checkpointable)
     def restore_from_path(self, path, *, component=None, filesystem=None, **kwargs) -> None:
         self._ds_shards_to_load = None
         super().restore_from_path(path, component=component, filesystem=filesystem, **kwargs)
@@ -323,11 +333,12 @@ class DeepSpeedCheckpointing(TorchLearner):
             self._read_optimizer_shards(pathlib.Path(p))
 
     # ---- RLlib's state API -----------------------------------------------------------------
+    @override(Learner)
     def get_state(self, components=None, *, not_components=None, **kwargs):
-        self._check_is_built()
+        rc.check_is_built(self)
         if not self._engines:
             return super().get_state(components, not_components=not_components, **kwargs)
-        want_module = self._check_component(COMPONENT_RL_MODULE, components, not_components)
+        want_module = rc.check_component(self, COMPONENT_RL_MODULE, components, not_components)
         self._ds_gather_optimizer = components is not None and any(
             c == COMPONENT_OPTIMIZER or c.startswith(COMPONENT_OPTIMIZER + "/") for c in force_list(components)
         )
@@ -338,8 +349,8 @@ class DeepSpeedCheckpointing(TorchLearner):
         finally:
             self._ds_gather_optimizer = False
         if want_module:
-            sub = self._get_subcomponents(COMPONENT_RL_MODULE, components)
-            not_sub = self._get_subcomponents(COMPONENT_RL_MODULE, not_components)
+            sub = rc.get_subcomponents(self, COMPONENT_RL_MODULE, components)
+            not_sub = rc.get_subcomponents(self, COMPONENT_RL_MODULE, not_components)
             inference_only = kwargs.get("inference_only", False)
             state[COMPONENT_RL_MODULE] = {
                 mid: (
@@ -348,23 +359,25 @@ class DeepSpeedCheckpointing(TorchLearner):
                     else self._full_module_state(mid, inference_only=inference_only)
                 )
                 for mid in self.module.keys()
-                if self.module._check_component(mid, sub, not_sub)
+                if rc.check_component(self.module, mid, sub, not_sub)
             }
         return state
 
+    @override(Learner)
     def set_state(self, state) -> None:
-        self._check_is_built()
+        rc.check_is_built(self)
         if not self._engines:
             return super().set_state(state)
         state = dict(state)
         module_state = state.pop(COMPONENT_RL_MODULE, None)
         seq_no = state.get(WEIGHTS_SEQ_NO, 0)
-        if module_state is not None and (seq_no == 0 or self._weights_seq_no < seq_no):
+        if module_state is not None and (seq_no == 0 or rc.weights_seq_no(self) < seq_no):
             for mid, weights in module_state.items():
                 if mid in self.module:
                     self._set_module_weights(mid, weights)
         super().set_state(state)  # optimizer (_set_optimizer_state), seq no, metrics
 
+    @override(Checkpointable)
     def _restore_all_subcomponents_from_path(self, path, filesystem, only_comp_names=None, component=None, **kwargs):
         """The module folder's weights go through ``_set_module_weights`` (a ZeRO-3 module
         cannot ``load_state_dict`` full tensors); folders as RLlib writes them."""
@@ -385,9 +398,7 @@ class DeepSpeedCheckpointing(TorchLearner):
             self._restore_module_folder(mid, folder / mid, filesystem, learner)
 
     def _restore_module_folder(self, module_id, folder: pathlib.Path, filesystem, learner_folder: pathlib.Path) -> None:
-        from ray.rllib.utils.checkpoints import _exists_at_fs_path
-
-        if not (_exists_at_fs_path(filesystem, folder.as_posix()) if filesystem is not None else folder.exists()):
+        if not (rc.exists_at_fs_path(filesystem, folder.as_posix()) if filesystem is not None else folder.exists()):
             return
         reader = _StateFile()
         reader.restore_from_path(folder, filesystem=filesystem)

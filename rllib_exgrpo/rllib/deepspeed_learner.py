@@ -59,10 +59,13 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ray.rllib.utils.annotations import override
+from ray.rllib.core.learner.learner import Learner
 from ray.rllib.core.learner.learner import DEFAULT_OPTIMIZER
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 
+from rllib_exgrpo.rllib import rllib_contract as rc
 from rllib_exgrpo.rllib.config_fields import field_value
 from rllib_exgrpo.rllib import zero3_weights
 from rllib_exgrpo.rllib.deepspeed_checkpoint import GATHER_TIMEOUT_S, DeepSpeedCheckpointing, zero_stage as _zero_stage
@@ -131,9 +134,9 @@ def deepspeed_config_errors(config) -> List[str]:
         )
     if getattr(config, "torch_compile_learner", False):
         errors.append("learner_backend='deepspeed' does not support torch_compile_learner")
-    if getattr(config, "_torch_grad_scaler_class", None) is not None:
+    if rc.torch_grad_scaler_class(config) is not None:
         errors.append("learner_backend='deepspeed' does its own loss scaling: unset _torch_grad_scaler_class")
-    if getattr(config, "_torch_lr_scheduler_classes", None):
+    if rc.torch_lr_scheduler_classes(config):
         errors.append("learner_backend='deepspeed' takes the learning rate from lr (a number or a schedule)")
     if not deepspeed_importable():
         errors.append("learner_backend='deepspeed' needs DeepSpeed: pip install 'rllib-exgrpo[deepspeed]'")
@@ -309,6 +312,7 @@ class _DeepSpeedStep(TorchLearner):
 
     _engines: Dict[str, Any]
 
+    @override(TorchLearner)
     def compute_gradients(self, loss_per_module, **kwargs):
         """``engine.backward`` per module; the "gradient" handed on is one tensor per
         module, the global pre-clip norm, under the module's first parameter (so RLlib's
@@ -341,13 +345,14 @@ class _DeepSpeedStep(TorchLearner):
         grads, norms = {}, {}
         for module_id, engine in self._engines.items():
             norms[module_id] = _pre_step_grad_norm(engine)
-        if norms and _any_rank(bad, self._device):
+        if norms and _any_rank(bad, rc.learner_device(self)):
             norms = {mid: torch.full_like(n, float("inf")) for mid, n in norms.items()}
         for module_id, norm in norms.items():
-            first = self._optimizer_parameters[self.get_optimizer(module_id, DEFAULT_OPTIMIZER)][0]
+            first = rc.optimizer_parameters(self)[self.get_optimizer(module_id, DEFAULT_OPTIMIZER)][0]
             grads[first] = norm.reshape(1).float()
         return grads
 
+    @override(Learner)
     def postprocess_gradients_for_module(self, *, module_id, config=None, module_gradients_dict):
         """No clipping here: ``engine.step()`` clips to ``grad_clip`` by the same global norm.
         RLlib's norm metric is logged as the DDP learner logs it."""
@@ -358,6 +363,7 @@ class _DeepSpeedStep(TorchLearner):
                 )
         return dict(module_gradients_dict)
 
+    @override(TorchLearner)
     def apply_gradients(self, gradients_dict) -> None:
         """The step is kept: ``_uncompiled_update`` runs ``engine.step()`` once every
         learner has decided (all keep it, or all drop it)."""
@@ -384,32 +390,35 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, DeepSpeedCheckpointing, _DeepSp
         super().build()
         self._init_engines()
 
+    @override(TorchLearner)
     def _make_modules_ddp_if_necessary(self) -> None:
         """No DDP: the engines made at the end of ``build`` replace it."""
 
+    @override(TorchLearner)
     def add_module(self, **kwargs):
         if getattr(self, "_engines", None):
             raise NotImplementedError("learner_backend='deepspeed' does not add modules after the learner is built")
         return super().add_module(**kwargs)
 
+    @override(TorchLearner)
     def remove_module(self, module_id, **kwargs):
         raise NotImplementedError("learner_backend='deepspeed' does not remove modules")
 
     def _init_engines(self) -> None:
         import deepspeed
 
-        _prepare_distributed(self._device)
+        _prepare_distributed(rc.learner_device(self))
         for module_id in self.module.keys():
             rl_module = self.module[module_id]
-            names = self._module_optimizers.get(module_id, [])
+            names = rc.module_optimizers(self).get(module_id, [])
             if not isinstance(rl_module, torch.nn.Module) or not names:
                 continue
             if len(names) != 1:
                 raise NotImplementedError(f"module {module_id!r}: one optimiser per module with DeepSpeed, got {names}")
             self._ds_dtypes[module_id] = {k: v.dtype for k, v in rl_module.state_dict().items()}
             num_parameters = sum(p.numel() for p in rl_module.parameters())
-            ds_config = build_deepspeed_config(self.config, self._device, num_parameters)
-            optimizer = self._named_optimizers[names[0]]
+            ds_config = build_deepspeed_config(self.config, rc.learner_device(self), num_parameters)
+            optimizer = rc.named_optimizers(self)[names[0]]
             engine, _, _, _ = deepspeed.initialize(
                 model=_TrainForward(rl_module), optimizer=optimizer, config=ds_config, dist_init_required=False
             )
@@ -437,7 +446,7 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, DeepSpeedCheckpointing, _DeepSp
         """One optimiser step: forward + ``engine.backward`` per micro-batch
         (``learner_micro_batch_rows``; DeepSpeed's own accumulation boundary marks the last
         one, where ZeRO reduces the gradients), then the guards and one ``engine.step()``."""
-        self._compute_off_policyness(batch)
+        rc.compute_off_policyness(self, batch)
         bad = []
 
         def forward(chunk):
@@ -462,7 +471,7 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, DeepSpeedCheckpointing, _DeepSp
         # (the norm is the all-reduced one; a NaN loss anywhere makes every norm inf).
         postprocessed = self.postprocess_gradients(gradients)
         self.apply_gradients(postprocessed)  # ExGRPO's: counts; _DeepSpeedStep's if it keeps the step
-        keep = not _any_rank(not self._ds_keep_step, self._device)
+        keep = not _any_rank(not self._ds_keep_step, rc.learner_device(self))
         if self._ds_keep_step and not keep:
             logger.warning("another learner dropped this step: dropped here too (ranks must step together)")
         for engine in self._engines.values():

@@ -67,10 +67,11 @@ def env_creator(env: Any) -> Callable[[dict], Any]:
     name registered with ``ray.tune.registry.register_env``, else a class path imported."""
     if not isinstance(env, str):
         return env
-    from ray.tune.registry import ENV_CREATOR, _global_registry
+    from rllib_exgrpo.rllib.rllib_contract import registered_env_creator
 
-    if _global_registry.contains(ENV_CREATOR, env):
-        return _global_registry.get(ENV_CREATOR, env)
+    registered = registered_env_creator(env)
+    if registered is not None:
+        return registered
     if env in BUILTIN_ENVS:
         return import_object(BUILTIN_ENVS[env])
     try:

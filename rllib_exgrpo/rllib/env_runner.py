@@ -37,11 +37,12 @@ module's ``model_config`` dict (see :class:`RunnerSettings`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import gymnasium as gym
 import numpy as np
 
+from ray.rllib.utils.annotations import override
 from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.env import INPUT_ENV_SINGLE_SPACES, INPUT_ENV_SPACES
@@ -56,6 +57,7 @@ from ray.rllib.utils.metrics import (
     WEIGHTS_SEQ_NO,
 )
 
+from rllib_exgrpo.rllib import rllib_contract as rc
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.generation.base import SamplingParams
 from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
@@ -112,9 +114,9 @@ def module_model_config(config) -> Dict[str, Any]:
     ``model_config`` overlaid with a user ``RLModuleSpec``'s own ``model_config``, as
     ``AlgorithmConfig.get_rl_module_spec`` merges them)."""
     merged = dict(config.model_config or {})
-    spec = getattr(config, "_rl_module_spec", None)
+    spec = rc.rl_module_spec(config)
     if isinstance(spec, RLModuleSpec) and spec.model_config:
-        merged.update(spec._get_model_config())
+        merged.update(rc.spec_model_config(spec))
     return merged
 
 
@@ -203,7 +205,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         #: keep no copy of synced weights (see the module docstring).
         self.weights_source = None
         self._weights_dropped = False
-        self._weights_seq_no = 0
+        self._held_weights_seq_no = 0
         self._stop_token_ids = None
 
     # ---- construction -------------------------------------------------------------
@@ -213,7 +215,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         cfg = self.config
         if self.settings.from_config_fields:
             return  # ExGRPO / GRPO batch episodes themselves (rllib_exgrpo.core.groups).
-        if getattr(cfg, "_learner_connector", None) is None and getattr(
+        if rc.learner_connector(cfg) is None and getattr(
             cfg, "add_default_connectors_to_learner_pipeline", True
         ):
             raise ValueError(
@@ -226,6 +228,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
                 "tuned_examples/ppo_tiny.yaml."
             )
 
+    @override(EnvRunner)
     def make_env(self, overrides: Optional[dict] = None):
         env_config = dict(self.config.env_config)
         env_config.update(overrides or {})
@@ -252,6 +255,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         if state is not None:
             self._load_module_state(state)
 
+    @override(EnvRunner)
     def make_module(self):
         if self.engine_only:
             self._make_engine_only()
@@ -309,9 +313,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         return self._stop_token_ids
 
     # ---- EnvRunner API -------------------------------------------------------------
+    @override(EnvRunner)
     def assert_healthy(self):
         assert self.env is not None and self.tokenizer is not None, "LLMEnvRunner not set up"
 
+    @override(EnvRunner)
     def get_spaces(self):
         return {
             INPUT_ENV_SPACES: (self.obs_space, self.act_space),
@@ -339,6 +345,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         text = (env or self.env).prompt_for(question_id)
         return encode_prompt(self.tokenizer, (prefix or "") + text, self.settings.max_prompt_tokens)
 
+    @override(EnvRunner)
     def sample(
         self,
         *,
@@ -372,6 +379,35 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
                 infos say ``seeded``.
         """
         self._ensure_module()
+        question_ids, num_samples = self._questions_to_sample(question_ids, num_samples, num_episodes)
+        cfg = self.settings
+        if temperature is None:
+            temperature = cfg.temperature if explore else 0.0
+        # scoring_on: learners: recomputed behaviour log-probs come from the learners.
+        learners_score = return_logprobs and cfg.scoring_on == "learners" and cfg.behaviour_logprobs == "recompute"
+        params = SamplingParams(max_new_tokens=max_new_tokens or cfg.max_response_tokens, temperature=temperature,
+                                top_p=cfg.top_p, stop_token_ids=self.stop_token_ids,
+                                return_logprobs=return_logprobs and not learners_score)
+        env = self.heldout_split_env(heldout) if isinstance(heldout, str) else self.heldout_env if heldout else self.env
+        prompts = [self.encode_prompt(q, env=env) for q in question_ids]
+        prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
+        gen_prompts = [self.encode_prompt(q, prefix=pre, env=env) if pre else p
+                       for q, p, pre in zip(question_ids, prompts, prefixes)]
+        batch = sample_and_score(self.backend, self.tokenizer, gen_prompts, num_samples, params, question_ids, env.score)
+        # A seeded completion that the learners score is scored under its generation prompt.
+        score_prompts = [g if learners_score and pre else None for g, pre in zip(gen_prompts, prefixes)]
+        episodes = [
+            self._episode(question_ids[i.prompt_index], prompts[i.prompt_index], i.completion, i.text, i.result,
+                          seeded=bool(prefixes[i.prompt_index]), score_prompt=score_prompts[i.prompt_index])
+            for i in batch.items
+        ]
+        if not heldout:
+            self._log_training_sample(episodes, batch, env)
+        return episodes
+
+    def _questions_to_sample(self, question_ids, num_samples, num_episodes) -> Tuple[List[str], List[int]]:
+        """``sample``'s questions and completions per question: those given, else
+        ``num_episodes // group_size`` questions from the env's sampler, ``group_size`` each."""
         cfg = self.settings
         if question_ids is None:
             n_questions = max(1, (num_episodes or cfg.completions_per_step) // cfg.group_size)
@@ -381,43 +417,16 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             num_samples = cfg.group_size
         if isinstance(num_samples, int):
             num_samples = [num_samples] * len(question_ids)
-        if temperature is None:
-            temperature = cfg.temperature if explore else 0.0
-        # scoring_on: learners: recomputed behaviour log-probs come from the learners.
-        learners_score = return_logprobs and cfg.scoring_on == "learners" and cfg.behaviour_logprobs == "recompute"
-        if learners_score:
-            return_logprobs = False
-        params = SamplingParams(
-            max_new_tokens=max_new_tokens or cfg.max_response_tokens,
-            temperature=temperature,
-            top_p=cfg.top_p,
-            stop_token_ids=self.stop_token_ids,
-            return_logprobs=return_logprobs,
-        )
+        return question_ids, list(num_samples)
 
-        env = self.heldout_split_env(heldout) if isinstance(heldout, str) else self.heldout_env if heldout else self.env
-        prompts = [self.encode_prompt(q, env=env) for q in question_ids]
-        prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
-        gen_prompts = [
-            self.encode_prompt(q, prefix=pre, env=env) if pre else p
-            for q, p, pre in zip(question_ids, prompts, prefixes)
-        ]
-        batch = sample_and_score(self.backend, self.tokenizer, gen_prompts, num_samples, params, question_ids, env.score)
-        episodes = [
-            self._episode(question_ids[i.prompt_index], prompts[i.prompt_index], i.completion, i.text, i.result,
-                          seeded=bool(prefixes[i.prompt_index]),
-                          score_prompt=(gen_prompts[i.prompt_index]
-                                        if learners_score and prefixes[i.prompt_index] else None))
-            for i in batch.items
-        ]
-        if not heldout:
-            self._log_sample_metrics(episodes, [i.result for i in batch.items],
-                                     generation_s=batch.generation_s, scoring_s=batch.scoring_s)
-            self._log_logprob_mismatch([i.completion for i in batch.items])
-            # Custom rewards (env_config.reward_fn / reward_fns): each function's mean score.
-            for key, value in getattr(env, "reward_metrics", dict)().items():
-                self.metrics.log_value(key, value, window=1)
-        return episodes
+    def _log_training_sample(self, episodes, batch, env) -> None:
+        """The metrics of a training sample: counts, rewards, timings, log-prob mismatch and
+        (``env_config.reward_fn`` / ``reward_fns``) each custom reward's mean score."""
+        self._log_sample_metrics(episodes, [i.result for i in batch.items],
+                                 generation_s=batch.generation_s, scoring_s=batch.scoring_s)
+        self._log_logprob_mismatch([i.completion for i in batch.items])
+        for key, value in getattr(env, "reward_metrics", dict)().items():
+            self.metrics.log_value(key, value, window=1)
 
     def _episode(self, question_id, prompt_ids, completion, text, result, seeded=False,
                  score_prompt=None) -> SingleAgentEpisode:
@@ -498,13 +507,15 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self._ensure_module()
         return self.backend.score(prompts, completions, temperature=self.settings.temperature)
 
+    @override(EnvRunner)
     def get_metrics(self):
         return self.metrics.reduce()
 
     # ---- state -----------------------------------------------------------------------
+    @override(Checkpointable)
     def get_state(self, components=None, *, not_components=None, **kwargs):
         state = {NUM_ENV_STEPS_SAMPLED_LIFETIME: self.num_env_steps_sampled_lifetime}
-        if self._check_component(COMPONENT_RL_MODULE, components, not_components):
+        if rc.check_component(self, COMPONENT_RL_MODULE, components, not_components):
             if components is None and self.module is None and self.weights_source is not None \
                     and not self._samples_here():
                 # The whole state of a runner without a module (an algorithm's local
@@ -517,13 +528,14 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             if self.module is None:  # engine only: its weights are vLLM's, not a module state
                 return state
             state[COMPONENT_RL_MODULE] = self.module.get_state(**kwargs)
-            state[WEIGHTS_SEQ_NO] = self._weights_seq_no
+            state[WEIGHTS_SEQ_NO] = self._held_weights_seq_no
         return state
 
+    @override(Checkpointable)
     def set_state(self, state: Dict[str, Any]) -> None:
         if COMPONENT_RL_MODULE in state:
             seq_no = state.get(WEIGHTS_SEQ_NO, 0)
-            if seq_no == 0 or self._weights_seq_no < seq_no:
+            if seq_no == 0 or self._held_weights_seq_no < seq_no:
                 module_state = state[COMPONENT_RL_MODULE]
                 if isinstance(module_state, dict) and DEFAULT_MODULE_ID in module_state:
                     module_state = module_state[DEFAULT_MODULE_ID]
@@ -541,7 +553,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
                     self._pending_module_state = None
                     self._weights_dropped = True
             if seq_no > 0:
-                self._weights_seq_no = seq_no
+                self._held_weights_seq_no = seq_no
         if NUM_ENV_STEPS_SAMPLED_LIFETIME in state:
             self.num_env_steps_sampled_lifetime = state[NUM_ENV_STEPS_SAMPLED_LIFETIME]
 
@@ -603,7 +615,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             return {"ok": False, "error": repr(e)}
         self._pending_module_state, self._weights_dropped = None, False
         if seq_no > 0:
-            self._weights_seq_no = seq_no
+            self._held_weights_seq_no = seq_no
         return status
 
     def mark_weights_stale(self) -> None:
@@ -615,12 +627,15 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             self._pending_module_state = None
             self._weights_dropped = True
 
+    @override(Checkpointable)
     def get_ctor_args_and_kwargs(self):
         return ((), {"config": self.config})
 
+    @override(Checkpointable)
     def get_checkpointable_components(self):
         return []
 
+    @override(EnvRunner)
     def stop(self):
         for env in (self.env, *self._heldout_envs.values()):
             env.close()

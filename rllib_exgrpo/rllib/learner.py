@@ -57,8 +57,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ray.rllib.utils.annotations import override
+from ray.rllib.core.learner.learner import Learner
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 
+from rllib_exgrpo.rllib import rllib_contract as rc
 from rllib_exgrpo.rllib.config_fields import field_value
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.losses import STAT_TOKEN_SHARE, agg_totals, mixed_policy_loss
@@ -69,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 
 class ExGRPOTorchLearner(TorchLearner):
+    @override(TorchLearner)
     def build(self) -> None:
         from rllib_exgrpo.rllib.resources import apply_threads_for
 
@@ -106,10 +110,11 @@ class ExGRPOTorchLearner(TorchLearner):
         print(f"learner: attention {', '.join(kernels)} (attn_implementation: {self.config.attn_implementation}); "
               f"{packing}; log-probs in chunks of {self.config.logit_chunk_tokens} positions", flush=True)
 
+    @override(TorchLearner)
     def configure_optimizers_for_module(self, module_id, config=None) -> None:
         """AdamW with ``weight_decay`` (official ExGRPO: 0.01) instead of RLlib's plain Adam;
         the learning rate stays RLlib's (``lr``, a number or a schedule)."""
-        params = self.get_parameters(self._module[module_id])
+        params = self.get_parameters(self.module[module_id])
         optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=config.weight_decay)
         self.register_optimizer(
             module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr
@@ -128,6 +133,7 @@ class ExGRPOTorchLearner(TorchLearner):
             return 1.0 if dist.get_rank() == 0 else 0.0
         return 1.0
 
+    @override(Learner)
     def compute_losses(self, *, fwd_out, batch):
         self._reset_update_guards()
         return super().compute_losses(fwd_out=fwd_out, batch=batch)
@@ -140,6 +146,7 @@ class ExGRPOTorchLearner(TorchLearner):
         """Whether fresh tokens are clipped; ExGRPO's mixed mode may remove the clip."""
         return not (self.mixed_mode and config.remove_clip_in_mixed_mode)
 
+    @override(Learner)
     def compute_loss_for_module(self, *, module_id, config, batch: Dict[str, Any], fwd_out) -> torch.Tensor:
         ref_logp = None
         if config.kl_coeff > 0:
@@ -242,7 +249,7 @@ class ExGRPOTorchLearner(TorchLearner):
         else:
             plan = [np.arange(len(mine))] if len(mine) else []
         count = self._agreed_pass_count(len(plan))
-        device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
+        device = next(iter(rc.learner_params(self).values())).device if rc.learner_params(self) else torch.device("cpu")
         logps: List[Any] = [None] * len(mine)
         entropies: List[Any] = [None] * len(mine)
         for k in range(count):
@@ -380,7 +387,7 @@ class ExGRPOTorchLearner(TorchLearner):
         """The most passes any data-parallel learner needs (``count`` alone)."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return count
-        device = next(iter(self._params.values())).device if self._params else "cpu"
+        device = next(iter(rc.learner_params(self).values())).device if rc.learner_params(self) else "cpu"
         value = torch.tensor([float(count)], device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value.item())
@@ -461,16 +468,17 @@ class ExGRPOTorchLearner(TorchLearner):
     def _torch_backward(self, loss_per_module) -> None:
         total = sum(loss_per_module.values())
         if torch.is_tensor(total) and total.grad_fn is not None:
-            if self._grad_scalers is not None:
-                total = sum(self._grad_scalers[m].scale(v) for m, v in loss_per_module.items())
+            if rc.grad_scalers(self) is not None:
+                total = sum(rc.grad_scalers(self)[m].scale(v) for m, v in loss_per_module.items())
             total.backward()
 
+    @override(TorchLearner)
     def _uncompiled_update(self, batch: Dict, **kwargs):
         chunks = self._micro_batches(batch)
         if chunks is None:
-            return super()._uncompiled_update(batch, **kwargs)
-        self._compute_off_policyness(batch)
-        for optim in self._optimizer_parameters:
+            return rc.base_uncompiled_update(super(), batch, **kwargs)
+        rc.compute_off_policyness(self, batch)
+        for optim in rc.optimizer_parameters(self):
             optim.zero_grad(set_to_none=True)
         fwd_out, loss_per_module = self._run_passes(
             batch,
@@ -479,7 +487,7 @@ class ExGRPOTorchLearner(TorchLearner):
             pass_context=lambda last: self._no_sync(not last),  # all-reduce once, in the last backward
             chunks=chunks,
         )
-        gradients = {pid: p.grad for pid, p in self._params.items()}
+        gradients = {pid: p.grad for pid, p in rc.learner_params(self).items()}
         with self._no_sync(True):
             postprocessed = self.postprocess_gradients(gradients)
             self.apply_gradients(postprocessed)
@@ -493,11 +501,12 @@ class ExGRPOTorchLearner(TorchLearner):
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return skip, nonfinite
-        device = next(iter(self._params.values())).device if self._params else "cpu"
+        device = next(iter(rc.learner_params(self).values())).device if rc.learner_params(self) else "cpu"
         flags = torch.tensor([float(skip), float(nonfinite)], device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0].item()), bool(flags[1].item())
 
+    @override(Learner)
     def postprocess_gradients_for_module(self, *, module_id, config=None, module_gradients_dict):
         threshold = field_value(config, "skip_update_grad_norm")
         grads = [g for g in module_gradients_dict.values() if g is not None]
@@ -512,6 +521,7 @@ class ExGRPOTorchLearner(TorchLearner):
             module_id=module_id, config=config, module_gradients_dict=module_gradients_dict
         )
 
+    @override(TorchLearner)
     def apply_gradients(self, gradients_dict) -> None:
         skip, nonfinite = self._agreed(self._skip_step, self._nonfinite_step)
         once = self._counts_here()
@@ -523,7 +533,7 @@ class ExGRPOTorchLearner(TorchLearner):
             # Official ExGRPO: an update whose gradient norm explodes is dropped whole; so is
             # one with a NaN/inf loss or gradient. No optimizer.step(): parameters and
             # optimiser state stay as they are (RLlib would zero NaN gradients and step).
-            for p in self._params.values():
+            for p in rc.learner_params(self).values():
                 p.grad = None
             return
         super().apply_gradients(gradients_dict)

@@ -13,6 +13,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ray.rllib.utils.annotations import override
+from ray.rllib.core.rl_module.rl_module import RLModule
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
@@ -109,6 +111,7 @@ class LLMTorchRLModule(TorchRLModule):
             so that importance ratios compare like with like.
     """
 
+    @override(RLModule)
     def setup(self):
         model_config = dict(self.model_config)
         #: The autocast dtype when the weights are a higher-precision master copy, else None.
@@ -129,6 +132,7 @@ class LLMTorchRLModule(TorchRLModule):
         device = next(self.model.parameters()).device
         return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
 
+    @override(TorchRLModule)
     def get_state(self, components=None, *, not_components=None, inference_only: bool = False, **kwargs):
         """The weights, bf16 kept as bf16 (:func:`shippable`). For the env runners
         (``inference_only``) a master copy is cast to the compute dtype: they sample in it,
@@ -143,6 +147,7 @@ class LLMTorchRLModule(TorchRLModule):
         cast = self.compute_dtype if inference_only else None
         return {key: shippable(value, cast) for key, value in state.items()}
 
+    @override(TorchRLModule)
     def set_state(self, state) -> None:
         """Load weights in place, each value as it comes (RLlib's ``set_state`` first
         converts every floating tensor to float32: a bf16 state would be copied, at twice
@@ -162,6 +167,7 @@ class LLMTorchRLModule(TorchRLModule):
                 f"from a different architecture?); its keys are {list(state)[:5]}..."
             )
 
+    @override(RLModule)
     def _forward(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
         """Next-token logits at the end of each (left-padded) prompt.
 
@@ -180,6 +186,7 @@ class LLMTorchRLModule(TorchRLModule):
             )
         return {Columns.ACTION_DIST_INPUTS: out.logits[:, -1, :] / self.temperature}
 
+    @override(RLModule)
     def _forward_train(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
         with self.autocast():  # a padded or a packed pass (core/packing.py)
             logp, entropy = score_learner_batch(self.model, batch, temperature=self.temperature,

@@ -56,6 +56,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from rllib_exgrpo.rllib import rllib_contract as rc
 from rllib_exgrpo.rllib.config_fields import field_value
 
 logger = logging.getLogger(__name__)
@@ -396,7 +397,7 @@ def learner_open(learner, *, generation: int, bucket_bytes: int, module_id: str 
     end = _LearnerEnd(
         generation=generation, layout=plan_buckets(specs, bucket_bytes, aliases), tensors=tensors,
         root=_is_root(), zero3=any(hasattr(t, "ds_id") for t in tensors.values()),
-        device=torch.device(getattr(learner, "_device", None) or "cpu"),
+        device=torch.device(rc.learner_device(learner) or "cpu"),
     )
     setattr(learner, _END, end)
     if not end.root:
@@ -440,7 +441,7 @@ def learner_send(learner, *, generation: int, sync: int) -> dict:
         try:
             on = _buffer_device(end.backend, end.device)
             scratch = _Scratch(end.layout, on)
-            header = torch.tensor([generation, int(getattr(learner, "_weights_seq_no", 0))], dtype=torch.int64,
+            header = torch.tensor([generation, rc.weights_seq_no(learner)], dtype=torch.int64,
                                   device=on)
         except Exception as e:  # before the runners' go: tell them not to wait
             error = e
@@ -684,7 +685,7 @@ class WeightBroadcaster:
         """Start ``func_for_rank(rank)`` on each member (rank 1, 2, ... in member order)
         without waiting: they block in the group until the root takes part. Straight on the
         actors (``apply``), so that RLlib's cap on requests in flight cannot leave one out."""
-        actors = runner_group._worker_manager.actors()
+        actors = rc.runner_actor_manager(runner_group).actors()
         return [actors[wid].apply.remote(func_for_rank(rank)) for rank, wid in enumerate(members, start=1)]
 
     def _alongside(self, runner_group, members, refs, tag: str, what: str, learner_call):
@@ -718,7 +719,7 @@ class WeightBroadcaster:
         if failed:
             self._stale = True
             for wid in failed:
-                runner_group._worker_manager.set_actor_state(wid, healthy=False)
+                rc.runner_actor_manager(runner_group).set_actor_state(wid, healthy=False)
             reasons = "; ".join(f"runner {wid}: {statuses[ref].get('error')}" for wid, ref in zip(members, refs)
                                 if wid in failed)
             raise WeightSyncFailed(f"{what} failed on env runner(s) {failed}: {reasons}", failed)
@@ -803,7 +804,7 @@ def count_ray_serialization(*_args) -> None:
     arguments, return values): all of them, and those above :data:`RAY_INLINE_LIMIT`, which
     Ray puts into the object store. Read (and stop) with :func:`counted_ray_serialization`.
     Takes (and ignores) an actor, so it can be handed to ``foreach_env_runner``."""
-    from ray._private.serialization import SerializationContext
+    SerializationContext = rc.serialization_context_class()
 
     counted_ray_serialization()
     _COUNTS.update(objects=0, bytes=0, store_objects=0, store_bytes=0)
@@ -825,7 +826,7 @@ def count_ray_serialization(*_args) -> None:
 
 def counted_ray_serialization(*_args) -> Dict[str, int]:
     """Stop counting; what :func:`count_ray_serialization` counted (empty if it was not on)."""
-    from ray._private.serialization import SerializationContext
+    SerializationContext = rc.serialization_context_class()
 
     if _UNPATCHED:
         SerializationContext.serialize = _UNPATCHED.pop()
