@@ -1,13 +1,13 @@
-"""Hand-written verifier pool (envs/rewards.py) versus a pebble ``ProcessPool``, measured.
+"""Hand-written verifier pool (rllib_exgrpo/envs/verifier_pool.py) versus a pebble ``ProcessPool``, measured.
 
 A review asked whether ``pebble.ProcessPool`` (per-task ``timeout``; an overrunning
 worker is terminated and replaced) could replace the hand-written pool in
-``envs/rewards.py``. This script answers by measurement. The pebble candidate
+``rllib_exgrpo/envs/verifier_pool.py``. This script answers by measurement. The pebble candidate
 (:class:`PebblePool`) is plugged in *behind the same caller code* (answer extraction,
 exact-match fast path, de-duplication, stats, :class:`rllib_exgrpo.envs.rewards.RewardResult`), so
 only the process pool differs between backends:
 
-* ``current``          -- envs/rewards.py as it is (subprocess workers).
+* ``current``          -- rllib_exgrpo/envs/verifier_pool.py as it is (subprocess workers).
 * ``pebble:fork``      -- pebble, fork start method (Linux default on Python <= 3.13),
 * ``pebble:spawn``     -- pebble, spawn,
 * ``pebble:forkserver``-- pebble, forkserver (the default from Python 3.14),
@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from rllib_exgrpo.envs import rewards  # noqa: E402
+from rllib_exgrpo.envs import rewards, verifier_pool  # noqa: E402
 
 HANG = "\\boxed{9^{9^{9^{9^9}}}}"
 CASES = [  # (completion, ground truth, expected score), through math-verify
@@ -78,13 +78,13 @@ _VERIFY = None
 
 
 def _pebble_init(parent_pid: Optional[int], stock: bool) -> None:
-    """Worker initializer: what rllib_exgrpo.envs.rewards._worker_main does before its loop."""
+    """Worker initializer: what rllib_exgrpo.envs.verifier_pool._worker_main does before its loop."""
     global _VERIFY
     if not stock:
         # pebble's worker installs a Python SIGTERM handler; a worker stuck in sympy's C
         # code never runs it, so terminate() would only bite after pebble's 3 s grace.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        rewards._set_parent_death_signal(parent_pid if parent_pid is not None else os.getppid())
+        verifier_pool._set_parent_death_signal(parent_pid if parent_pid is not None else os.getppid())
     verify_one = rewards.make_verifier()
     verify_one("1", "\\boxed{1}")
     _VERIFY = verify_one
@@ -144,7 +144,7 @@ def _stop_pebble(pp, owner_pid: int) -> None:
 
 
 class PebblePool:
-    """Drop-in for ``rllib_exgrpo.envs.rewards._Pool`` (size, pid, grow_to, warm, run, close) on pebble."""
+    """Drop-in for ``rllib_exgrpo.envs.verifier_pool._Pool`` (size, pid, grow_to, warm, run, close) on pebble."""
 
     method = "fork"
     stock = False
@@ -154,7 +154,7 @@ class PebblePool:
 
         self.size = size
         self.pid = os.getpid()
-        self._all: tuple = ()  # rllib_exgrpo.envs.rewards._after_fork_in_child iterates this
+        self._all: tuple = ()  # rllib_exgrpo.envs.verifier_pool._after_fork_in_child iterates this
         self._lock = threading.Lock()
         self._pp = None
         self._pp_size = 0
@@ -180,7 +180,7 @@ class PebblePool:
             import multiprocessing.util as mpu
 
             mpu.Finalize(None, _stop_pebble, args=(pp, os.getpid()), exitpriority=100)
-        rewards._count(worker_starts=self.size)
+        verifier_pool.count(worker_starts=self.size)
         return pp
 
     def _pebble(self):
@@ -249,37 +249,37 @@ class PebblePool:
                     swallowed += n_sw
                     results[idx] = (ok, parsed, error, False)
                 elif isinstance(exc, cf.TimeoutError):
-                    rewards._count(worker_kills=1)
+                    verifier_pool.count(worker_kills=1)
                     results[idx] = (False, None, None, True)
                 elif isinstance(exc, (ProcessExpired, cf.process.BrokenProcessPool)) and idx not in retried:
-                    rewards._count(worker_deaths=1, retries=1)
+                    verifier_pool.count(worker_deaths=1, retries=1)
                     retried.add(idx)
                     pending.append(idx)
                 else:
                     results[idx] = (False, None, f"{type(exc).__name__}: {str(exc)[:200]}", False)
         if swallowed:
-            rewards._count(swallowed_exceptions=swallowed)
+            verifier_pool.count(swallowed_exceptions=swallowed)
         return results
 
 
-_CURRENT_POOL = rewards._Pool
+_CURRENT_POOL = verifier_pool._Pool
 
 
 def install(backend: str) -> None:
     """Make ``rllib_exgrpo.envs.rewards`` use ``backend`` for every later call in this process."""
     if backend == "current":
         rewards.shutdown_workers()
-        rewards._Pool = _CURRENT_POOL
+        verifier_pool._Pool = _CURRENT_POOL
         return
     kind, method, *flags = backend.split(":")
     assert kind == "pebble", backend
     PebblePool.method, PebblePool.stock = method, "stock" in flags
     rewards.shutdown_workers()
-    rewards._Pool = PebblePool  # _pool() builds the pool from this name
+    verifier_pool._Pool = PebblePool  # _pool() builds the pool from this name
 
 
 def worker_pids() -> list:
-    pool = rewards._POOL
+    pool = verifier_pool._POOL
     if pool is None:
         return []
     if isinstance(pool, PebblePool):

@@ -259,7 +259,7 @@ def test_malformed_rows_hanging_and_crashing_verifier_do_not_stop_the_step(
     import logging
     import threading
 
-    from rllib_exgrpo.envs import rewards
+    from rllib_exgrpo.envs import verifier_pool
     from rllib_exgrpo import ExGRPOConfig
 
     data = tmp_path / "train.jsonl"
@@ -281,7 +281,7 @@ def test_malformed_rows_hanging_and_crashing_verifier_do_not_stop_the_step(
 
     def kill_verifier_workers():  # a verifier that crashes mid-step, for real
         while not stop.wait(0.3):
-            pool = rewards._POOL
+            pool = verifier_pool._POOL
             if pool is not None:
                 with pool._lock:
                     for w in list(pool._all):
