@@ -65,11 +65,11 @@ def _fast_recipe() -> dict:
 
 
 def _child(folder: Path, recipe: dict, env: dict, prefix: list[str], native: bool) -> float:
-    """Build in a child: the pinned entry point, or (native) ``_build_into`` with the given env."""
+    """Build in a child: the pinned entry point, or (native) ``build_into`` with the given env."""
     folder.mkdir(parents=True)
     if native:
-        code = ("import json,sys; from pathlib import Path; from rllib_exgrpo.models.tiny import _build_into; "
-                "_build_into(Path(sys.argv[1]), json.loads(sys.stdin.read()), False)")
+        code = ("import json,sys; from pathlib import Path; from rllib_exgrpo.warm_start.build import build_into; "
+                "build_into(Path(sys.argv[1]), json.loads(sys.stdin.read()), False)")
         cmd = prefix + [sys.executable, "-c", code, str(folder)]
     else:
         from rllib_exgrpo.models.pinned_build import CHILD_MODULE

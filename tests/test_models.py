@@ -21,7 +21,11 @@ from rllib_exgrpo.models import (
     smollm2_available,
     tiny_recipe,
 )
-from rllib_exgrpo.models import tiny as tiny_mod
+from rllib_exgrpo.models import cache as cache_mod
+from rllib_exgrpo.models import recipe as recipe_mod
+from rllib_exgrpo.models import tiny_tokenizer as tok_mod
+from rllib_exgrpo.warm_start import build as ws_build
+from rllib_exgrpo.warm_start import examples, in_context, pass1
 
 #: A build that stops at its first evaluation (target 0.05 -> any pass@1 >= 0 enters the band).
 FAST = dict(
@@ -86,10 +90,10 @@ def test_tokenizer_round_trip_is_stable(tiny_path):
 
     tok = AutoTokenizer.from_pretrained(tiny_path, local_files_only=True)
     problems = arithmetic.generate(50, split="test", seed=3)
-    texts = tiny_mod.corpus_texts(problems, DEFAULT_INSTRUCTION)
+    texts = tok_mod.corpus_texts(problems, DEFAULT_INSTRUCTION)
     texts += ["naïve café 🙂 1234567890\n\t  x", "What is 120 - 37 + 45 - 9?"]
     # Saved vs reloaded vs a bare `tokenizers` pipeline: identical ids, vocab, merges, template.
-    tiny_mod.check_tokenizer_stable(tok, tiny_path, texts)
+    tok_mod.check_tokenizer_stable(tok, tiny_path, texts)
     for text in texts:
         assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
     # The Qwen2 split regex puts every digit in its own token.
@@ -116,7 +120,7 @@ def test_stability_check_catches_a_different_pipeline(tiny_path, tmp_path):
     data["model"]["merges"] = data["model"]["merges"][:5]
     (copy / "tokenizer.json").write_text(json.dumps(data))
     with pytest.raises(RuntimeError, match="changes when reloaded"):
-        tiny_mod.check_tokenizer_stable(tok, str(copy), ["What is 37 + 45?"])
+        tok_mod.check_tokenizer_stable(tok, str(copy), ["What is 37 + 45?"])
 
 
 def test_warm_start_report(tiny_path):
@@ -191,31 +195,29 @@ def test_a_failing_child_build_raises_with_its_exit_code(tmp_path):
 
 
 def test_cache_reuse_builds_nothing_and_is_recipe_keyed(tiny_cache, tiny_path, monkeypatch):
-    import rllib_exgrpo.models.tiny as tiny_module
-
     before = sorted(os.listdir(tiny_cache))
 
     def no_build(*args, **kwargs):
         raise AssertionError("a cached model was built again")
 
-    monkeypatch.setattr(tiny_module, "_build_into", no_build)
+    monkeypatch.setattr(ws_build, "build_into", no_build)
     monkeypatch.setattr("rllib_exgrpo.models.pinned_build.build_in_pinned_process", no_build)
     again = build_tiny_model(str(tiny_cache), **FAST)
     monkeypatch.undo()
     assert again == tiny_path
     assert sorted(os.listdir(tiny_cache)) == before
     # Any recipe change gives another key (hence a rebuild).
-    base = tiny_mod.recipe_key(tiny_recipe(max_steps=6))
-    assert tiny_mod.recipe_key(tiny_recipe(max_steps=6)) == base
-    assert tiny_mod.recipe_key(tiny_recipe(max_steps=6, seed=1)) != base
-    assert tiny_mod.recipe_key(tiny_recipe(max_steps=6, overrides={"model": {"num_hidden_layers": 2}})) != base
-    assert tiny_mod.recipe_key(tiny_recipe(max_steps=6, levels=(1, 2))) != base
+    base = recipe_mod.recipe_key(tiny_recipe(max_steps=6))
+    assert recipe_mod.recipe_key(tiny_recipe(max_steps=6)) == base
+    assert recipe_mod.recipe_key(tiny_recipe(max_steps=6, seed=1)) != base
+    assert recipe_mod.recipe_key(tiny_recipe(max_steps=6, overrides={"model": {"num_hidden_layers": 2}})) != base
+    assert recipe_mod.recipe_key(tiny_recipe(max_steps=6, levels=(1, 2))) != base
 
 
 def test_cache_env_var(monkeypatch, tmp_path):
     monkeypatch.setenv("RLLIB_EXGRPO_CACHE", str(tmp_path / "c"))
-    assert tiny_mod.cache_root() == (tmp_path / "c").resolve()
-    assert tiny_mod.cache_root(str(tmp_path / "d")) == (tmp_path / "d").resolve()
+    assert cache_mod.cache_root() == (tmp_path / "c").resolve()
+    assert cache_mod.cache_root(str(tmp_path / "d")) == (tmp_path / "d").resolve()
 
 
 def test_concurrent_threads_build_once(tmp_path):
@@ -225,11 +227,11 @@ def test_concurrent_threads_build_once(tmp_path):
         calls.append(tmp)
         time.sleep(0.3)
         (tmp / "weights.bin").write_text("x")
-        (tmp / tiny_mod.WARM_START_FILE).write_text("{}")
+        (tmp / cache_mod.WARM_START_FILE).write_text("{}")
 
     def worker():
         try:
-            results.append(tiny_mod.build_cached(tmp_path, "thing", builder))
+            results.append(cache_mod.build_cached(tmp_path, "thing", builder))
         except Exception as exc:  # pragma: no cover
             errors.append(exc)
 
@@ -251,9 +253,9 @@ def test_stale_temp_folders_of_killed_builders_are_removed(tmp_path):
     other.mkdir()
 
     def builder(tmp: Path):
-        (tmp / tiny_mod.WARM_START_FILE).write_text("{}")
+        (tmp / cache_mod.WARM_START_FILE).write_text("{}")
 
-    tiny_mod.build_cached(tmp_path, "thing", builder)
+    cache_mod.build_cached(tmp_path, "thing", builder)
     assert not stale.exists() and other.exists()
 
 
@@ -263,9 +265,18 @@ def test_failed_build_leaves_nothing(tmp_path):
         raise ValueError("boom")
 
     with pytest.raises(ValueError, match="boom"):
-        tiny_mod.build_cached(tmp_path, "thing", builder)
+        cache_mod.build_cached(tmp_path, "thing", builder)
     assert not (tmp_path / "thing").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+
+
+def test_the_recipes_in_context_format_is_xrpos():
+    """An ``icl`` recipe trains on XRPO's example format (the format its seeding prepends),
+    spelt in ``models.recipe`` because models sits below xrpo."""
+    from rllib_exgrpo.xrpo.icl import DEFAULT_TEMPLATE
+
+    assert recipe_mod.ICL_TEMPLATE == DEFAULT_TEMPLATE
+    assert tiny_recipe(icl_fraction=0.5)["icl"]["template"] == DEFAULT_TEMPLATE
 
 
 def test_icl_recipe_keeps_the_default_key_and_prefixes_hold_similar_solved_examples():
@@ -273,16 +284,16 @@ def test_icl_recipe_keeps_the_default_key_and_prefixes_hold_similar_solved_examp
 
     plain = tiny_recipe(max_steps=6)
     # icl_fraction 0 adds nothing to the recipe: the default model's cache key is unchanged
-    assert "icl" not in plain and tiny_mod.recipe_key(tiny_recipe(max_steps=6, icl_fraction=0.0)) == tiny_mod.recipe_key(plain)
+    assert "icl" not in plain and recipe_mod.recipe_key(tiny_recipe(max_steps=6, icl_fraction=0.0)) == recipe_mod.recipe_key(plain)
     icl = tiny_recipe(max_steps=6, icl_fraction=0.5)
-    assert icl["icl"]["fraction"] == 0.5 and tiny_mod.recipe_key(icl) != tiny_mod.recipe_key(plain)
+    assert icl["icl"]["fraction"] == 0.5 and recipe_mod.recipe_key(icl) != recipe_mod.recipe_key(plain)
     with pytest.raises(ValueError, match="icl_fraction"):
         tiny_recipe(icl_fraction=1.0)
-    assert tiny_mod.icl_prefixes([object()] * 3, plain) == ["", "", ""]
+    assert in_context.icl_prefixes([object()] * 3, plain) == ["", "", ""]
 
     problems = arithmetic.generate(400, split="train", seed=0, levels=(1, 2, 3, 4))
-    prefixes = tiny_mod.icl_prefixes(problems, icl)
-    assert prefixes == tiny_mod.icl_prefixes(problems, icl)  # seeded
+    prefixes = in_context.icl_prefixes(problems, icl)
+    assert prefixes == in_context.icl_prefixes(problems, icl)  # seeded
     seeded = [(p, pre) for p, pre in zip(problems, prefixes) if pre]
     assert 0.4 < len(seeded) / len(problems) < 0.6
     shared = 0
@@ -404,9 +415,9 @@ def test_smollm2_export_is_a_plain_trainable_hf_folder(tmp_path):
 
 
 def test_warm_start_progress_off_a_terminal_is_a_few_lines(capsys):
-    from rllib_exgrpo.models.tiny import _LineProgress
+    from rllib_exgrpo.warm_start.progress import LineProgress
 
-    bar = _LineProgress(1500, "warm-starting tiny model")
+    bar = LineProgress(1500, "warm-starting tiny model")
     for step in range(1500):
         bar.update(1)
         bar.set_postfix(loss=0.1)
@@ -419,7 +430,7 @@ def _slow_builder(folder):
     import os
     import time
 
-    from rllib_exgrpo.models.tiny import WARM_START_FILE
+    from rllib_exgrpo.models.cache import WARM_START_FILE
 
     (folder.parent / f"built-by-{os.getpid()}").write_text("")
     time.sleep(0.5)
@@ -429,7 +440,7 @@ def _slow_builder(folder):
 def _build_in_process(root):
     from pathlib import Path
 
-    from rllib_exgrpo.models.tiny import build_cached
+    from rllib_exgrpo.models.cache import build_cached
 
     return str(build_cached(Path(root), "m", _slow_builder))
 
@@ -448,10 +459,10 @@ def test_concurrent_processes_build_once(tmp_path):
 
 def test_operators_recipe_keeps_the_default_key_and_differs_where_it_should():
     plain = tiny_recipe()
-    assert "task" not in plain and tiny_mod.recipe_key(tiny_recipe(task="arithmetic")) == tiny_mod.recipe_key(plain)
+    assert "task" not in plain and recipe_mod.recipe_key(tiny_recipe(task="arithmetic")) == recipe_mod.recipe_key(plain)
     ops = tiny_recipe(task="operators")
-    assert ops["task"] == tiny_mod.OPERATORS_TASK and ops["levels"] == [1, 2, 3]
-    assert ops["eval"]["max_new_tokens"] == 96 and tiny_mod.recipe_key(ops) != tiny_mod.recipe_key(plain)
+    assert ops["task"] == recipe_mod.OPERATORS_TASK and ops["levels"] == [1, 2, 3]
+    assert ops["eval"]["max_new_tokens"] == 96 and recipe_mod.recipe_key(ops) != recipe_mod.recipe_key(plain)
     # an explicit override wins over the task's defaults
     assert tiny_recipe(task="operators", overrides={"eval": {"n_eval": 16}})["eval"]["n_eval"] == 16
     with pytest.raises(ValueError, match="task must be one of"):
@@ -464,18 +475,18 @@ def test_operators_warm_start_draws_new_meanings_every_time_an_example_is_drawn(
 
     recipe = tiny_recipe(task="operators")
     problems = operators.generate(50, split="train", seed=0)
-    tok = tiny_mod._wrap(tiny_mod._base_vocab(), [])
-    resample = tiny_mod._solution_resampler(problems, tok, recipe)
+    tok = tok_mod.wrap_tokenizer(tok_mod.base_vocab(), [])
+    resample = examples.solution_resampler(problems, tok, recipe)
     first, second = resample(list(range(50))), resample(list(range(50)))
-    decode = lambda ids: tok.decode(ids).removesuffix(tiny_mod.IM_END)  # noqa: E731
+    decode = lambda ids: tok.decode(ids).removesuffix(tok_mod.IM_END)  # noqa: E731
     used = [[operators.read_worked_solution(p, decode(ids)) for p, ids in zip(problems, draw)] for draw in (first, second)]
     assert all(u is not None for draw in used for u in draw)  # right arithmetic under its meanings
     assert used[0] != used[1]  # drawn afresh, not once per question
     # the tokenizer corpus never shows a table either: its meanings are guessed, not the true ones
-    corpus = tiny_mod._tokenizer_corpus(problems, recipe)
+    corpus = examples.tokenizer_corpus(problems, recipe)
     agree = [operators.read_worked_solution(p, c.solution) == tuple(p.extra["meanings"]) for p, c in zip(problems, corpus)]
     assert 0 < sum(agree) < 35
-    assert tiny_mod._solution_resampler(problems, tok, tiny_recipe()) is None
+    assert examples.solution_resampler(problems, tok, tiny_recipe()) is None
 
 
 def test_operators_known_families_show_true_meanings_and_the_task_families_never_do():
@@ -486,21 +497,21 @@ def test_operators_known_families_show_true_meanings_and_the_task_families_never
 
     recipe = tiny_recipe(**parse_tiny_spec("tiny:task=operators,known=24"))
     assert recipe["task"]["known_families"] == 24
-    assert tiny_mod.recipe_key(recipe) != tiny_mod.recipe_key(tiny_recipe(task="operators"))
-    problems = tiny_mod._task_problems(recipe, "train", 400)
+    assert recipe_mod.recipe_key(recipe) != recipe_mod.recipe_key(tiny_recipe(task="operators"))
+    problems = recipe_mod.task_problems(recipe, "train", 400)
     known = [p for p in problems if p.extra["family"] >= 24]
     task_own = [p for p in problems if p.extra["family"] < 24]
     assert len(known) > 100 and len(task_own) > 100
-    assert max(p.extra["family"] for p in tiny_mod._task_problems(recipe, "test", 200)) < 24
-    tok = tiny_mod._wrap(tiny_mod._base_vocab(), [])
-    resample = tiny_mod._solution_resampler(problems, tok, recipe)
-    decode = lambda ids: tok.decode(ids).removesuffix(tiny_mod.IM_END)  # noqa: E731
+    assert max(p.extra["family"] for p in recipe_mod.task_problems(recipe, "test", 200)) < 24
+    tok = tok_mod.wrap_tokenizer(tok_mod.base_vocab(), [])
+    resample = examples.solution_resampler(problems, tok, recipe)
+    decode = lambda ids: tok.decode(ids).removesuffix(tok_mod.IM_END)  # noqa: E731
     for draw in (resample(list(range(400))), resample(list(range(400)))):
         used = [operators.read_worked_solution(p, decode(ids)) for p, ids in zip(problems, draw)]
         true = [u == tuple(p.extra["meanings"]) for p, u in zip(problems, used)]
         assert all(t for t, p in zip(true, problems) if p.extra["family"] >= 24)
         assert sum(t for t, p in zip(true, problems) if p.extra["family"] < 24) < 0.5 * len(task_own)
-    corpus = tiny_mod._tokenizer_corpus(problems, recipe)
+    corpus = examples.tokenizer_corpus(problems, recipe)
     assert all(c.solution == p.solution for c, p in zip(corpus, problems) if p.extra["family"] >= 24)
     with pytest.raises(ValueError, match="known_families applies to task='operators' only"):
         tiny_recipe(known_families=4)
@@ -517,21 +528,21 @@ def test_operators_tag_tokens_give_each_family_tag_one_token_that_survives_a_rel
     recipe = tiny_recipe(**parse_tiny_spec("tiny:task=operators,known=24,tags=token"))
     assert recipe["task"]["tag_tokens"] is True
     assert "tag_tokens" not in tiny_recipe(**parse_tiny_spec("tiny:task=operators,known=24,tags=digits"))["task"]
-    problems = tiny_mod._task_problems(recipe, "train", 300)
-    texts = tiny_mod.corpus_texts(tiny_mod._tokenizer_corpus(problems, recipe), recipe["instruction"])
-    tags = tiny_mod._whole_words(recipe)
+    problems = recipe_mod.task_problems(recipe, "train", 300)
+    texts = tok_mod.corpus_texts(examples.tokenizer_corpus(problems, recipe), recipe["instruction"])
+    tags = examples.whole_words(recipe)
     assert tags == [operators.family_tag(f) for f in range(operators.MAX_FAMILIES)]
-    tok = tiny_mod.train_tokenizer(texts, **recipe["tokenizer"], whole_words=tags)
+    tok = tok_mod.train_tokenizer(texts, **recipe["tokenizer"], whole_words=tags)
     tok.save_pretrained(str(tmp_path))
-    tiny_mod._new_model(recipe, tok).config.save_pretrained(str(tmp_path))
-    tok = tiny_mod.check_tokenizer_stable(tok, str(tmp_path), texts[:50])
+    ws_build.new_model(recipe, tok).config.save_pretrained(str(tmp_path))
+    tok = tok_mod.check_tokenizer_stable(tok, str(tmp_path), texts[:50])
     ids = {tag: tok(tag, add_special_tokens=False)["input_ids"] for tag in tags}
     assert all(len(v) == 1 for v in ids.values()) and len({v[0] for v in ids.values()}) == 100
     question = "[F07] 3 # 5 @ 2 ="
     pieces = [tok.decode([i]) for i in tok(question, add_special_tokens=False)["input_ids"]]
     assert pieces[0] == "[F07]" and "".join(pieces) == question
     assert not any(tok.convert_ids_to_tokens(v[0]) in tok.all_special_tokens for v in ids.values())
-    plain = tiny_mod.train_tokenizer(texts, **recipe["tokenizer"])
+    plain = tok_mod.train_tokenizer(texts, **recipe["tokenizer"])
     assert len(plain("[F07]", add_special_tokens=False)["input_ids"]) > 1
     assert len(tok) == len(plain) + 100
     with pytest.raises(ValueError, match="tag_tokens applies to task='operators' only"):
@@ -546,7 +557,7 @@ def test_operators_warm_start_figures_on_hand_made_completions():
     q = operators.generate(3, split="test", seed=0, lengths=(2,))
     right = operators.worked_solution(operators.parse_question(q[0].question), ("x", "+"))
     broken = right.replace(" = ", " =", 1)
-    figures = tiny_mod.operators_warm_start_figures(q, [right, broken, "no answer"])
+    figures = pass1.operators_warm_start_figures(q, [right, broken, "no answer"])
     assert figures["self_consistency"] == pytest.approx(1 / 3)
     assert figures["meaning_shares"] == {"+": 0.5, "-": 0.0, "x": 0.5}
     expected = sum(operators.guessing_rate(p, int(p.ground_truth)) for p in q) / 3
@@ -588,7 +599,7 @@ def test_continued_build_starts_from_its_base_keeps_its_tokenizer_and_runs_all_i
                                                                "max_new_tokens": 16}})
     recipe = tiny_recipe(**{k: v for k, v in args.items() if k != "progress"}, icl_fraction=0.5, continue_steps=4)
     base_recipe = tiny_recipe(**{k: v for k, v in args.items() if k != "progress"})
-    assert recipe["continue"] == {"from": f"tiny-{tiny_mod.recipe_key(base_recipe)}", "steps": 4}
+    assert recipe["continue"] == {"from": f"tiny-{recipe_mod.recipe_key(base_recipe)}", "steps": 4}
     assert "continue" not in tiny_recipe(**{k: v for k, v in args.items() if k != "progress"}, icl_fraction=0.5)
     with pytest.raises(ValueError, match="continue_steps must be >= 0"):
         tiny_recipe(continue_steps=-1)
@@ -608,7 +619,7 @@ def test_continued_build_starts_from_its_base_keeps_its_tokenizer_and_runs_all_i
     cont, start = flat(path), flat(base)
     assert not torch.equal(cont, start)  # it trained
     torch.manual_seed(1)
-    fresh = torch.cat([p.detach().flatten() for p in tiny_mod._new_model(
+    fresh = torch.cat([p.detach().flatten() for p in ws_build.new_model(
         base_recipe, AutoTokenizer.from_pretrained(str(base))).parameters()])
     cos = torch.nn.functional.cosine_similarity
     assert cos(cont, start, dim=0) > 0.9 > cos(cont, fresh, dim=0)
@@ -620,10 +631,10 @@ def test_continued_build_starts_from_its_base_keeps_its_tokenizer_and_runs_all_i
 def test_format_weak_recipe_keeps_every_other_key_and_validates():
     plain = tiny_recipe()
     assert "answer_format" not in plain
-    assert tiny_mod.recipe_key(tiny_recipe(boxed_fraction=1.0)) == tiny_mod.recipe_key(plain)
+    assert recipe_mod.recipe_key(tiny_recipe(boxed_fraction=1.0)) == recipe_mod.recipe_key(plain)
     weak = tiny_recipe(**parse_tiny_spec("tiny:boxed=0.02"))
     assert weak["answer_format"] == {"other": "Answer: {answer}", "boxed_fraction": 0.02}
-    assert tiny_mod.recipe_key(weak) != tiny_mod.recipe_key(plain)
+    assert recipe_mod.recipe_key(weak) != recipe_mod.recipe_key(plain)
     assert parse_tiny_spec("tiny:boxed=0.02,threads=1") == {"boxed_fraction": 0.02,
                                                              "overrides": {"train": {"num_threads": 1}}}
     for bad in (0.0, 1.5, -0.1):
@@ -639,8 +650,8 @@ def test_operators_icl_prefix_shows_the_meanings_its_solution_uses_drawn_anew_ea
     from rllib_exgrpo.envs import operators
 
     recipe = tiny_recipe(**parse_tiny_spec("tiny:task=operators,known=24,tags=token,icl=0.5"))
-    problems = tiny_mod._task_problems(recipe, "train", 400)
-    chosen = tiny_mod._icl_examples(problems, recipe)
+    problems = recipe_mod.task_problems(recipe, "train", 400)
+    chosen = in_context.icl_examples(problems, recipe)
     assert 0.4 < len(chosen) / len(problems) < 0.6
     same_family = sum(problems[j].extra["family"] == problems[i].extra["family"]
                       for i, shown in chosen.items() for j in shown)
@@ -655,7 +666,7 @@ def test_operators_icl_prefix_shows_the_meanings_its_solution_uses_drawn_anew_ea
     rng = random.Random(0)
     compared = agree_true = checked = 0
     for i, shown in list(chosen.items())[:120]:
-        prefix, own = tiny_mod._operators_icl_draw(problems, i, shown, recipe, rng)
+        prefix, own = in_context.operators_icl_draw(problems, i, shown, recipe, rng)
         blocks = [b for b in prefix.split("\n\n") if b]
         assert [b.split("\n")[0][len("Question: "):] for b in blocks] == [problems[j].question for j in shown]
         mine = steps(problems[i].question, own)
@@ -672,8 +683,8 @@ def test_operators_icl_prefix_shows_the_meanings_its_solution_uses_drawn_anew_ea
     assert compared > 50
     assert checked > 30 and agree_true / checked < 0.6  # guessed, not the true table
 
-    tok = tiny_mod._wrap(tiny_mod._base_vocab(), [])
-    resample = tiny_mod._operators_icl_resampler(problems, tok, recipe)
+    tok = tok_mod.wrap_tokenizer(tok_mod.base_vocab(), [])
+    resample = in_context.operators_icl_resampler(problems, tok, recipe)
     idx = list(range(60))
     first, second = resample(idx), resample(idx)
     assert set(first) == {i for i in idx if i in chosen}
@@ -682,9 +693,9 @@ def test_operators_icl_prefix_shows_the_meanings_its_solution_uses_drawn_anew_ea
         text = tok.decode(prompt_ids)
         assert text.endswith(render_prompt(problems[i].question, tokenizer=tok, instruction=recipe["instruction"]))
         assert text.startswith("Question: ")
-        assert tok.decode(solution_ids).endswith(tiny_mod.IM_END)
-    assert tiny_mod._operators_icl_resampler(problems, tok, tiny_recipe(task="operators")) is None
-    assert tiny_mod._operators_icl_resampler(problems, tok, tiny_recipe(icl_fraction=0.3)) is None
+        assert tok.decode(solution_ids).endswith(tok_mod.IM_END)
+    assert in_context.operators_icl_resampler(problems, tok, tiny_recipe(task="operators")) is None
+    assert in_context.operators_icl_resampler(problems, tok, tiny_recipe(icl_fraction=0.3)) is None
 
 
 def test_format_weak_solutions_box_about_their_share_drawn_anew_each_time():
@@ -693,9 +704,9 @@ def test_format_weak_solutions_box_about_their_share_drawn_anew_each_time():
     time, and the tokenizer corpus holds both formats."""
     recipe = tiny_recipe(boxed_fraction=0.25)
     problems = arithmetic.generate(400, split="train", seed=0)
-    tok = tiny_mod._wrap(tiny_mod._base_vocab(), [])
-    resample = tiny_mod._solution_resampler(problems, tok, recipe)
-    decode = lambda ids: tok.decode(ids).removesuffix(tiny_mod.IM_END)  # noqa: E731
+    tok = tok_mod.wrap_tokenizer(tok_mod.base_vocab(), [])
+    resample = examples.solution_resampler(problems, tok, recipe)
+    decode = lambda ids: tok.decode(ids).removesuffix(tok_mod.IM_END)  # noqa: E731
     draws = [[decode(ids) for ids in resample(list(range(400)))] for _ in range(2)]
     for texts in draws:
         boxed = [t == p.solution for p, t in zip(problems, texts)]
@@ -703,20 +714,20 @@ def test_format_weak_solutions_box_about_their_share_drawn_anew_each_time():
         assert all(b or o for b, o in zip(boxed, other))
         assert 60 < sum(boxed) < 140  # 0.25 x 400 = 100
     assert draws[0] != draws[1]
-    corpus = tiny_mod._tokenizer_corpus(problems, recipe)
+    corpus = examples.tokenizer_corpus(problems, recipe)
     assert 0 < sum("\\boxed{" in c.solution for c in corpus) < 200
-    assert all(tiny_mod.read_final_answer(c.solution)[0] == p.ground_truth for c, p in zip(corpus, problems))
+    assert all(pass1.read_final_answer(c.solution)[0] == p.ground_truth for c, p in zip(corpus, problems))
 
 
 def test_answer_format_figures_on_hand_made_completions():
     q = arithmetic.generate(4, split="test", seed=0)
     texts = [f"x. \\boxed{{{q[0].ground_truth}}}", f"x. Answer: {q[1].ground_truth}",
              f"x. Answer: {int(q[2].ground_truth) + 1}", "no answer"]
-    figures = tiny_mod.answer_format_figures(q, texts)
+    figures = pass1.answer_format_figures(q, texts)
     assert figures["pass1_any_format"] == 0.5 and figures["boxed_share"] == 0.25
-    assert tiny_mod.read_final_answer("1 + 2 = 3. Answer: 3") == ("3", False)
-    assert tiny_mod.read_final_answer("1 + 2 = 3. \\boxed{3}") == ("3", True)
-    assert tiny_mod.read_final_answer("nothing") == (None, False)
+    assert pass1.read_final_answer("1 + 2 = 3. Answer: 3") == ("3", False)
+    assert pass1.read_final_answer("1 + 2 = 3. \\boxed{3}") == ("3", True)
+    assert pass1.read_final_answer("nothing") == (None, False)
 
 
 def test_format_weak_build_stops_on_either_format_and_reports_the_boxed_share(tiny_cache):

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from rllib_exgrpo.models import build_tiny_model, shipped, shipped_cli
-from rllib_exgrpo.models import tiny as tiny_mod
+from rllib_exgrpo.models import build_tiny_model, read_warm_start, shipped, shipped_cli
+from rllib_exgrpo.models.cache import WARM_START_FILE
+from rllib_exgrpo.models.recipe import recipe_key, tiny_recipe
+from rllib_exgrpo.warm_start import build as ws_build
 
-DEFAULT_NAME = f"tiny-{tiny_mod.recipe_key(tiny_mod.tiny_recipe())}"
+DEFAULT_NAME = f"tiny-{recipe_key(tiny_recipe())}"
 
 
 @pytest.fixture
@@ -20,7 +22,7 @@ def no_build(monkeypatch):
         raise AssertionError("a build was launched")
 
     monkeypatch.setattr("rllib_exgrpo.models.pinned_build.build_in_pinned_process", refuse)
-    monkeypatch.setattr(tiny_mod, "_build_into", refuse)
+    monkeypatch.setattr(ws_build, "build_into", refuse)
     monkeypatch.delenv(shipped.REBUILD_ENV_VAR, raising=False)
 
 
@@ -32,7 +34,7 @@ def fake_build(monkeypatch):
     def build(folder, recipe, progress):
         calls.append(Path(folder))
         (Path(folder) / "model.safetensors").write_bytes(b"built from the recipe")
-        (Path(folder) / tiny_mod.WARM_START_FILE).write_text("{}")
+        (Path(folder) / WARM_START_FILE).write_text("{}")
 
     monkeypatch.setattr("rllib_exgrpo.models.pinned_build.build_in_pinned_process", build)
     return calls
@@ -45,9 +47,9 @@ def test_the_default_recipe_is_shipped_and_its_files_match_the_record():
     assert folder is not None, f"no shipped folder for the default recipe {DEFAULT_NAME}"
     shipped.verify(folder, DEFAULT_NAME)
     assert set(shipped.SHIPPED[DEFAULT_NAME]) >= {"model.safetensors", "tokenizer.json", "config.json",
-                                                   tiny_mod.WARM_START_FILE}
-    report = tiny_mod.read_warm_start(str(folder))
-    assert report["recipe"] == tiny_mod.tiny_recipe()
+                                                   WARM_START_FILE}
+    report = read_warm_start(str(folder))
+    assert report["recipe"] == tiny_recipe()
     assert report["recipe_key"] == DEFAULT_NAME[len("tiny-"):]
     assert report["reached_target"] and report["cpu_capability"] == "AVX2"
     assert shipped_cli.main(["check"]) == 0
@@ -86,7 +88,7 @@ def test_a_tampered_shipped_file_is_detected_and_the_model_built_instead(tmp_pat
         path = Path(build_tiny_model(str(tmp_path / "cache"), progress=False))
     assert len(fake_build) == 1
     # the cache holds the build, nothing of the tampered copy
-    assert sorted(os.listdir(path)) == ["model.safetensors", tiny_mod.WARM_START_FILE]
+    assert sorted(os.listdir(path)) == ["model.safetensors", WARM_START_FILE]
     assert (path / "model.safetensors").read_bytes() == b"built from the recipe"
 
 
@@ -174,7 +176,7 @@ def test_every_tiny_model_a_shipped_recipe_names_is_shipped(tmp_path, no_build):
     assert "tiny" in specs and any("task=operators" in s for s in specs)
     for spec in sorted(specs):
         kwargs = parse_tiny_spec(spec)
-        name = f"tiny-{tiny_mod.recipe_key(tiny_mod.tiny_recipe(**{k: v for k, v in kwargs.items()}))}"
+        name = f"tiny-{recipe_key(tiny_recipe(**{k: v for k, v in kwargs.items()}))}"
         assert name in shipped.SHIPPED and shipped.shipped_folder(name) is not None, f"{spec} ({name}) is not shipped"
         path = Path(resolve_model_path(spec, cache_dir=str(tmp_path / "cache"), progress=False))
         assert path.name == name and shipped.file_digests(path) == shipped.SHIPPED[name]

