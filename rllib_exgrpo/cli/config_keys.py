@@ -99,10 +99,13 @@ def suggest(key: str, candidates: Sequence[str]) -> str:
 
 
 def check_config_keys(config: Any, user_config: Mapping[str, Any], algo_name: str) -> List[str]:
-    """Return one message per bad top-level key of ``user_config``."""
-    # Long because it is one dispatch over the kinds of key RLlib accepts (old-stack
-    # switches, multi-agent, module spec, connectors, properties, attributes, methods),
-    # each with its own message; splitting it would scatter that table.
+    """Return one message per bad top-level key of ``user_config``.
+
+    One rule per kind of key RLlib accepts, each with its own message: keys with a rule of
+    their own (old-stack switches, multi-agent, module spec, connectors;
+    :func:`_special_key_problems`), then the config class's properties, attributes and
+    methods (:func:`_attribute_key_problems`).
+    """
     cls = type(config)
     deprecated = _deprecated_attributes(config)
     errors: List[str] = []
@@ -111,76 +114,68 @@ def check_config_keys(config: Any, user_config: Mapping[str, Any], algo_name: st
         if not isinstance(key, str):
             errors.append(f"{where}: keys must be strings.")
             continue
-        if key in _OLD_STACK_SWITCHES:
-            if value is not True:
-                errors.append(
-                    f"{where}: {value!r}: this command runs RLlib's new API stack only "
-                    "(RLModule, Learner, EnvRunner, ConnectorV2); remove the key."
-                )
-            continue
-        if key in ("_enable_new_api_stack", "api_stack"):
-            errors.append(
-                f"{where}: this command always runs RLlib's new API stack; remove the key."
-            )
-            continue
-        if key == "framework" and value not in ("torch", None):
-            errors.append(f"{where}: {value!r}: the new API stack supports only 'torch'.")
-            continue
-        if key == "multiagent":
-            if not isinstance(value, dict):
-                errors.append(f"{where}: must be a mapping.")
-                continue
-            for sub in value:
-                if sub not in _MULTIAGENT_KEYS:
-                    errors.append(
-                        f"config key 'multiagent/{sub}': unknown.{suggest(str(sub), _MULTIAGENT_KEYS)} "
-                        f"Known: {', '.join(_MULTIAGENT_KEYS)}."
-                    )
-            continue
-        if key in ("model_config", "learner_class"):
-            continue
-        if key == "learner_connector":
-            if value is not None and not (isinstance(value, str) and _looks_like_class_path(value)):
-                errors.append(
-                    f"{where}: must be a 'pkg.mod:Callable' path (a ConnectorV2 class or a "
-                    f"function (obs_space, action_space) -> ConnectorV2 piece(s)), got {value!r}."
-                )
-            continue
-        if key == "rl_module_spec":
-            errors += _check_rl_module_spec(value, where)
-            continue
-        name = _translate(cls, key)
-        static = inspect.getattr_static(cls, name, None)
-        if isinstance(static, property):
-            if static.fset is None:
-                errors.append(f"{where}: is a read-only property of {cls.__name__}.")
-                continue
-            try:  # deprecated properties raise in their setter
-                static.fset(copy.copy(config), value)
-            except Exception as e:
-                errors.append(f"{where}: {e}")
-            continue
-        if name in vars(config):
-            if name in deprecated:
-                msg = _deprecation_message(cls, key)
-                errors.append(
-                    f"{where}: is deprecated and has no effect in RLlib 2.60"
-                    + (f" ({msg})" if msg else "")
-                    + "."
-                    + suggest(key, _candidate_keys(config))
-                )
-            continue
-        if static is not None and callable(static):
-            errors.append(
-                f"{where}: is a method of {cls.__name__}, not a setting. Write its "
-                f"arguments directly under `config:` (e.g. `lr: 0.001` instead of "
-                f"`training: {{lr: 0.001}}`)."
-            )
-            continue
-        errors.append(
-            f"{where}: unknown setting for {algo_name} ({cls.__name__}).{suggest(key, _candidate_keys(config))}"
-        )
+        problems = _special_key_problems(key, value, where)
+        if problems is None:
+            problems = _attribute_key_problems(config, deprecated, key, value, where, algo_name)
+        errors += problems
     return errors
+
+
+def _special_key_problems(key: str, value: Any, where: str) -> Optional[List[str]]:
+    """The problems of a key that has a rule of its own (None: ``key`` has none, the config
+    class's attributes decide)."""
+    if key in _OLD_STACK_SWITCHES:
+        if value is True:
+            return []
+        return [f"{where}: {value!r}: this command runs RLlib's new API stack only "
+                "(RLModule, Learner, EnvRunner, ConnectorV2); remove the key."]
+    if key in ("_enable_new_api_stack", "api_stack"):
+        return [f"{where}: this command always runs RLlib's new API stack; remove the key."]
+    if key == "framework" and value not in ("torch", None):
+        return [f"{where}: {value!r}: the new API stack supports only 'torch'."]
+    if key == "multiagent":
+        if not isinstance(value, dict):
+            return [f"{where}: must be a mapping."]
+        return [f"config key 'multiagent/{sub}': unknown.{suggest(str(sub), _MULTIAGENT_KEYS)} "
+                f"Known: {', '.join(_MULTIAGENT_KEYS)}." for sub in value if sub not in _MULTIAGENT_KEYS]
+    if key in ("model_config", "learner_class"):
+        return []
+    if key == "learner_connector":
+        if value is not None and not (isinstance(value, str) and _looks_like_class_path(value)):
+            return [f"{where}: must be a 'pkg.mod:Callable' path (a ConnectorV2 class or a "
+                    f"function (obs_space, action_space) -> ConnectorV2 piece(s)), got {value!r}."]
+        return []
+    if key == "rl_module_spec":
+        return _check_rl_module_spec(value, where)
+    return None
+
+
+def _attribute_key_problems(config: Any, deprecated: frozenset, key: str, value: Any, where: str,
+                            algo_name: str) -> List[str]:
+    """The problems of ``key`` as an attribute of the config: a settable property (whose
+    setter accepts ``value``), a non-deprecated attribute, else a method or unknown."""
+    cls = type(config)
+    name = _translate(cls, key)
+    static = inspect.getattr_static(cls, name, None)
+    if isinstance(static, property):
+        if static.fset is None:
+            return [f"{where}: is a read-only property of {cls.__name__}."]
+        try:  # deprecated properties raise in their setter
+            static.fset(copy.copy(config), value)
+        except Exception as e:
+            return [f"{where}: {e}"]
+        return []
+    if name in vars(config):
+        if name not in deprecated:
+            return []
+        msg = _deprecation_message(cls, key)
+        return [f"{where}: is deprecated and has no effect in RLlib 2.60" + (f" ({msg})" if msg else "") + "."
+                + suggest(key, _candidate_keys(config))]
+    if static is not None and callable(static):
+        return [f"{where}: is a method of {cls.__name__}, not a setting. Write its "
+                f"arguments directly under `config:` (e.g. `lr: 0.001` instead of "
+                f"`training: {{lr: 0.001}}`)."]
+    return [f"{where}: unknown setting for {algo_name} ({cls.__name__}).{suggest(key, _candidate_keys(config))}"]
 
 
 def _looks_like_class_path(value: str) -> bool:
