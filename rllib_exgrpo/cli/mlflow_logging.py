@@ -76,7 +76,6 @@ def mlflow_callback_class() -> type:
       trial start and per iteration on a sqlite store, blocking Tune's driver loop.
       Here they go in ``log_batch`` calls (falling back to Ray's way on any error).
     """
-    # Long because the callback class is defined inside (Ray's import is deferred to here).
     global _SAFE_MLFLOW_CLS
     if _SAFE_MLFLOW_CLS is None:
         from ray.air.integrations.mlflow import MLflowLoggerCallback
@@ -86,12 +85,8 @@ def mlflow_callback_class() -> type:
                 return self.mlflow_util._get_client()
 
             def _log_params_batched(self, run_id: str, config: Dict[str, Any]) -> None:
-                from mlflow.entities import Param
-                from ray.tune.utils import flatten_dict
-
-                params = [Param(str(k), str(v)[:6000]) for k, v in flatten_dict(config).items()]
                 client = self._client()
-                for chunk in _chunks(params, 100):
+                for chunk in _chunks(_mlflow_params(config), 100):
                     client.log_batch(run_id, params=chunk, synchronous=True)
 
             def log_trial_start(self, trial):
@@ -108,31 +103,11 @@ def mlflow_callback_class() -> type:
                     self.mlflow_util.log_params(run_id=self._trial_runs[trial], params_to_log=trial.config)
 
             def log_trial_result(self, iteration: int, trial, result: Dict):
-                from mlflow.entities import Metric
-                from ray.tune.result import TIMESTEPS_TOTAL, TRAINING_ITERATION
-                from ray.tune.utils import flatten_dict
-
                 if trial not in self._trial_runs:
                     return
                 run_id = self._trial_runs[trial]
-                step = result.get(TIMESTEPS_TOTAL) or result[TRAINING_ITERATION]
-                now = int(time.time() * 1000)
-                # heldout/* only on the iterations that measured it, at the step it belongs
-                # to (0 for the starting point), not repeated (or NaN) in between.
                 heldout_step = new_heldout_step(self.__dict__.setdefault("_heldout_seen", {}), trial, result)
-                metrics = []
-                for k, v in flatten_dict(result).items():
-                    if isinstance(v, bool):
-                        v = float(v)
-                    at = step
-                    if str(k).startswith("heldout/"):
-                        if heldout_step is None:
-                            continue
-                        at = heldout_step
-                    try:
-                        metrics.append(Metric(str(k), float(v), now, int(at)))
-                    except (TypeError, ValueError):
-                        continue
+                metrics = _mlflow_metrics(result, heldout_step)
                 try:
                     client = self._client()
                     for chunk in _chunks(metrics, 1000):
@@ -147,6 +122,42 @@ def mlflow_callback_class() -> type:
 
         _SAFE_MLFLOW_CLS = BatchedMLflowLoggerCallback
     return _SAFE_MLFLOW_CLS
+
+
+def _mlflow_params(config: Dict[str, Any]) -> list:
+    """MLflow ``Param`` entities of a (nested) trial config, flattened with ``/``, values
+    cut to MLflow's 6000 characters."""
+    from mlflow.entities import Param
+    from ray.tune.utils import flatten_dict
+
+    return [Param(str(k), str(v)[:6000]) for k, v in flatten_dict(config).items()]
+
+
+def _mlflow_metrics(result: Mapping[str, Any], heldout_step: Optional[int]) -> list:
+    """MLflow ``Metric`` entities of one Tune result: every numeric (or bool) value at the
+    result's step (``timesteps_total``, else ``training_iteration``), stamped now.
+    ``heldout/*`` only on the iterations that measured it, at ``heldout_step`` (the step it
+    belongs to, 0 for the starting point; None: left out), not repeated (or NaN) in between."""
+    from mlflow.entities import Metric
+    from ray.tune.result import TIMESTEPS_TOTAL, TRAINING_ITERATION
+    from ray.tune.utils import flatten_dict
+
+    step = result.get(TIMESTEPS_TOTAL) or result[TRAINING_ITERATION]
+    now = int(time.time() * 1000)
+    metrics = []
+    for k, v in flatten_dict(result).items():
+        if isinstance(v, bool):
+            v = float(v)
+        at = step
+        if str(k).startswith("heldout/"):
+            if heldout_step is None:
+                continue
+            at = heldout_step
+        try:
+            metrics.append(Metric(str(k), float(v), now, int(at)))
+        except (TypeError, ValueError):
+            continue
+    return metrics
 
 
 def new_heldout_step(seen: Dict[Any, Any], trial: Any, result: Mapping[str, Any]) -> Optional[int]:
