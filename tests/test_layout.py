@@ -9,6 +9,26 @@ REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "rllib_exgrpo"
 
 
+#: The sub-packages from the lowest layer up (docs/ARCHITECTURE.md). A module imports only
+#: from its own package and from packages of lower layers; packages that share a layer do
+#: not import each other. The top-level ``rllib_exgrpo/__init__.py`` is outside the layers:
+#: it imports nothing of the project when it runs (the public API resolves lazily from
+#: ``rllib``), so any module may import it.
+LAYERS = (
+    ("core",),
+    ("envs",),
+    ("models",),
+    ("generation",),
+    ("exgrpo", "xrpo"),
+    ("warm_start",),
+    ("planning",),
+    ("rllib",),
+    ("evaluation",),
+    ("cli",),
+)
+RANK = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
+
+
 def _module_name(path: Path) -> str:
     rel = path.relative_to(REPO).with_suffix("")
     parts = list(rel.parts)
@@ -17,26 +37,55 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _type_checking_only(tree: ast.AST) -> set:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (imports for type checkers only)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (getattr(node.test, "id", None) == "TYPE_CHECKING"
+                                         or getattr(node.test, "attr", None) == "TYPE_CHECKING"):
+            skip.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    return skip
+
+
 def _imports() -> dict:
-    """module -> project modules it imports anywhere (top level or inside functions)."""
+    """module -> {project module it imports: line}, for every ``import`` / ``from ... import``
+    anywhere in it (top level or inside functions; not under ``if TYPE_CHECKING:``).
+
+    ``from X import a`` depends on ``X.a`` when that is a module, else on ``X`` (whose
+    ``__init__`` defines ``a``); it counts as a dependency on ``X`` even when ``X`` is the
+    importer's own package, since it reads ``X``'s namespace.
+    """
     modules = {_module_name(p): p for p in PKG.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        skip = _type_checking_only(tree)
+        deps: dict = {}
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names
+                                           if f"{node.module}.{a.name}" in modules]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
                 continue
-            deps.update(t for t in targets if t in modules and t != name)
-        # a package's __init__ is not a real dependency edge for "import pkg.sub"
-        graph[name] = {d for d in deps if not name.startswith(d + ".")}
+            for target in targets:
+                if target in modules and target != name:
+                    deps.setdefault(target, node.lineno)
+        graph[name] = deps
     return graph
 
 
+def _package(module: str) -> str:
+    """``rllib_exgrpo.<package>.…`` -> ``<package>``; the top-level package -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
 def test_no_import_cycle_inside_the_package():
+    """No cycle among the package's modules, counting imports inside functions too."""
     graph = _imports()
     state, stack, cycles = {}, [], []
 
@@ -55,6 +104,24 @@ def test_no_import_cycle_inside_the_package():
         if node not in state:
             visit(node)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_every_package_imports_only_from_lower_layers():
+    graph = _imports()
+    packages = {_package(m) for m in graph} - {""}
+    assert packages == set(RANK), f"packages not placed in LAYERS: {sorted(packages ^ set(RANK))}"
+    assert not graph["rllib_exgrpo"], "the top-level __init__ must import nothing of the project when it runs"
+    wrong = []
+    for module, deps in sorted(graph.items()):
+        mine = _package(module)
+        for dep, line in sorted(deps.items()):
+            theirs = _package(dep)
+            if mine and theirs and theirs != mine and RANK[theirs] >= RANK[mine]:
+                path = (PKG.parent / module.replace(".", "/")).with_suffix(".py")
+                if not path.is_file():
+                    path = PKG.parent / module.replace(".", "/") / "__init__.py"
+                wrong.append(f"{path.relative_to(REPO)}:{line}: imports {dep} ({mine} -> {theirs})")
+    assert not wrong, "imports against the layering (" + " < ".join("/".join(l) for l in LAYERS) + "):\n" + "\n".join(wrong)
 
 
 def test_public_api_at_the_package_top():

@@ -147,6 +147,16 @@ def test_pinned_environment_pins_the_kernels_and_finds_the_package():
     assert pinned_build.pinned_environment(env)["PYTHONPATH"] == env["PYTHONPATH"]  # idempotent
 
 
+def test_the_pinned_child_is_the_warm_start_package_s_entry_point():
+    """models starts the build by naming its child module on a command line, not by import."""
+    import importlib.util
+
+    from rllib_exgrpo.models.pinned_build import CHILD_MODULE
+
+    assert CHILD_MODULE == "rllib_exgrpo.warm_start.pinned_child"
+    assert importlib.util.find_spec(CHILD_MODULE) is not None
+
+
 def test_the_build_ran_with_the_pinned_kernels(tiny_path):
     """build_tiny_model builds in a child process whose kernels are AVX2 on any AVX2 CPU."""
     import torch

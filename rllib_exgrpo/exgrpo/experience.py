@@ -96,7 +96,7 @@ class ExperienceManager:
         if not replay_ids or self.config.replay_content == "prompt":
             return [], {}
         mode = self.config.trajectory_selection
-        cap = getattr(self.config, "replay_candidates_per_question", None)
+        cap = self.config.replay_candidates_per_question
 
         def candidates_of(qid: str):  # the most recent ``cap`` stored trajectories (None: all)
             trajs = self.buffer.trajectories(qid)

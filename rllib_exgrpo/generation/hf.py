@@ -241,15 +241,9 @@ def pruned_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     (int32 ``[R_i]``, ending with the stop token when it stopped on one), log-probs
     (float32 ``[R_i]``) and the finish reason (``"stop"`` | ``"length"``).
     """
-    from transformers.generation.logits_process import TopPLogitsWarper
-
-    from rllib_exgrpo.core.tokens import position_ids_from_mask
-
     n, max_new = input_ids.shape[0], int(params.max_new_tokens)
     device = input_ids.device
-    greedy = params.temperature == 0
-    temperature = 1.0 if greedy else float(params.temperature)
-    nucleus = TopPLogitsWarper(float(params.top_p)) if (not greedy and params.top_p < 1.0) else None
+    pick = _token_picker(params)
     stops = torch.as_tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
     cache_kw = _cache_kwarg(model)
 
@@ -260,23 +254,11 @@ def pruned_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     alive = torch.arange(n, device=device)
     mask = attention_mask
     position = attention_mask.long().sum(-1) - 1  # of each row's last prompt token
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                use_cache=True, logits_to_keep=1)
-    cache = getattr(out, "cache", None) or out.past_key_values
-    unsupported = [type(layer).__name__ for layer in getattr(cache, "layers", ())
-                   if type(layer).__name__ not in PRUNABLE_CACHE_LAYERS]
-    if unsupported:
-        raise NotImplementedError(f"pruned_decode: cache layers {sorted(set(unsupported))} carry more than keys/values")
+    out, cache = _prefill(model, input_ids, mask)
     for step in range(max_new):
-        scores = out.logits[:, -1, :].float() / temperature
-        logp = torch.log_softmax(scores, -1)
-        if greedy:
-            nxt = scores.argmax(-1)
-        else:
-            sampling = nucleus(None, scores) if nucleus is not None else scores
-            nxt = torch.multinomial(torch.softmax(sampling, -1), 1).squeeze(-1)
+        nxt, nxt_logp = pick(out.logits[:, -1, :])
         tokens[alive, step] = nxt
-        logps[alive, step] = logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+        logps[alive, step] = nxt_logp
         lengths[alive] = step + 1
         done = torch.isin(nxt, stops) if len(stops) else torch.zeros_like(nxt, dtype=torch.bool)
         stopped[alive[done]] = True
@@ -297,6 +279,44 @@ def pruned_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     logp_rows = [logps[i, : lengths[i]].copy() for i in range(n)]
     reasons = ["stop" if stopped[i] else "length" for i in range(n)]
     return token_rows, logp_rows, reasons
+
+
+def _token_picker(params: SamplingParams):
+    """A function from the last position's logits ``[n, V]`` to the next tokens ``[n]`` and
+    their ``log_softmax(logits / T)`` ``[n]``: a sample from the top-p nucleus of
+    ``softmax(logits / T)``, or the argmax when greedy (T = 1 for the log-probs then)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    greedy = params.temperature == 0
+    temperature = 1.0 if greedy else float(params.temperature)
+    nucleus = TopPLogitsWarper(float(params.top_p)) if (not greedy and params.top_p < 1.0) else None
+
+    def pick(logits: torch.Tensor):
+        scores = logits.float() / temperature
+        logp = torch.log_softmax(scores, -1)
+        if greedy:
+            nxt = scores.argmax(-1)
+        else:
+            sampling = nucleus(None, scores) if nucleus is not None else scores
+            nxt = torch.multinomial(torch.softmax(sampling, -1), 1).squeeze(-1)
+        return nxt, logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+
+    return pick
+
+
+def _prefill(model, input_ids: torch.Tensor, mask: torch.Tensor):
+    """The prompt pass (logits of the last position only) and its KV cache, refused when
+    the cache's layers hold more than keys and values (rows could not be dropped from it)."""
+    from rllib_exgrpo.core.tokens import position_ids_from_mask
+
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    unsupported = [type(layer).__name__ for layer in getattr(cache, "layers", ())
+                   if type(layer).__name__ not in PRUNABLE_CACHE_LAYERS]
+    if unsupported:
+        raise NotImplementedError(f"pruned_decode: cache layers {sorted(set(unsupported))} carry more than keys/values")
+    return out, cache
 
 
 def _sampled_logprobs(step_logits, generated: torch.Tensor, token_rows, temperature: float) -> List[np.ndarray]:

@@ -397,8 +397,35 @@ class WeightSyncWorkerExtension:
 WORKER_EXTENSION = f"{__name__}.{WeightSyncWorkerExtension.__qualname__}"
 
 
+def _completion(i: int, sample, stops: set, engine_logps: bool, *, copy: bool) -> Completion:
+    """A vLLM sample as a :class:`Completion`: ids cut after the first stop token, the
+    finish reason, and the engine's log-probs of the kept ids when asked for (``copy``: the
+    ids are a copy, for a greedy request's repeated sample)."""
+    ids = np.asarray(sample.token_ids, dtype=np.int32)
+    cut = next((j + 1 for j, t in enumerate(ids) if int(t) in stops), None)
+    if cut is not None:
+        ids = ids[:cut]
+    stopped = cut is not None or sample.finish_reason == "stop"
+    engine_lp = None
+    if engine_logps:
+        engine_lp = np.asarray(
+            [_sampled_logprob(entry, int(t)) for entry, t in zip(sample.logprobs, ids)], dtype=np.float32,
+        )
+    return Completion(
+        prompt_index=i,
+        token_ids=ids.copy() if copy else ids,
+        logp=None,
+        finish_reason="stop" if stopped else "length",
+        engine_logp=engine_lp,
+    )
+
+
 class VLLMGenerationBackend:
-    """Sample with ``vllm.LLM``; see the module docstring for the design."""
+    """Sample with ``vllm.LLM``; see the module docstring for the design.
+
+    ``config`` is an ``ExGRPOConfig`` or the env runner's ``RunnerSettings`` (which carries
+    the runner's settings of any RLlib config): it is read as ``config.<field>``.
+    """
 
     def __init__(self, config, module, tokenizer, *, seed_offset: Optional[int] = None):
         self.config = config
@@ -442,17 +469,17 @@ class VLLMGenerationBackend:
             max_len = int(model_max)
         kwargs: Dict[str, Any] = dict(
             model=resolve_model_path(cfg.model_name_or_path),
-            dtype=getattr(cfg, "model_dtype", None) or self._module_dtype(),
+            dtype=cfg.model_dtype or self._module_dtype(),
             seed=self.seed,
             max_model_len=max_len,
             enable_prefix_caching=True,
-            max_num_seqs=int(getattr(cfg, "generation_batch_size", 256) or 256),
+            max_num_seqs=int(cfg.generation_batch_size),
             logprobs_mode=DEFAULT_LOGPROBS_MODE,
             worker_extension_cls=WORKER_EXTENSION,
             # vLLM's own sampling defaults, not the checkpoint's generation_config.json.
             generation_config="vllm",
         )
-        kwargs.update(dict(getattr(cfg, "vllm_kwargs", None) or {}))
+        kwargs.update(dict(cfg.vllm_kwargs or {}))
         return kwargs
 
     def _module_dtype(self) -> str:
@@ -488,19 +515,48 @@ class VLLMGenerationBackend:
     def generate(
         self, prompts: Sequence[Sequence[int]], num_samples: Sequence[int], params: SamplingParams
     ) -> List[List[Completion]]:
-        # Long because vLLM's request and output objects are translated in place: one
-        # request per prompt (n samples each), then per output the token ids, finish
-        # reason and (when they mean the learner's quantity) the engine's log-probs.
+        """One vLLM request per prompt (``n`` samples each); per output the token ids cut at
+        the first stop token, the finish reason and the behaviour log-probs (the engine's,
+        or the torch module's score of the completion)."""
         llm = self._ensure_llm()
-        from vllm import SamplingParams as VSamplingParams
-
+        engine_logps, use_vllm_logps = self._logprob_sources(params)
+        requests, sampling, owners = self._requests(prompts, num_samples, params, engine_logps)
+        outputs = llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        results: List[List[Completion]] = [[] for _ in prompts]
+        pending = []  # completions still needing log-probs from the torch module
         greedy = params.temperature == 0
-        # The engine's log-probs are asked for whenever they mean the learner's quantity;
-        # they are the behaviour log-probs only with behaviour_logprobs="engine". By
-        # default ("recompute", as the official code) the torch module scores every
-        # completion and the engine's numbers only measure the mismatch.
+        stops = set(int(t) for t in params.stop_token_ids)
+        for (i, n), out in zip(owners, outputs):
+            samples = sorted(out.outputs, key=lambda o: o.index)
+            for k, sample in enumerate(samples * n if greedy else samples):
+                completion = _completion(i, sample, stops, engine_logps, copy=k > 0)
+                if use_vllm_logps:
+                    completion.logp = completion.engine_logp
+                elif params.return_logprobs and self.module is not None:
+                    pending.append((i, len(results[i])))
+                # (No module: logp stays None and the learners score it, scoring_on: learners.)
+                results[i].append(completion)
+        if pending:
+            logps, _ = self.scorer.score(
+                [prompts[i] for i, _ in pending],
+                [results[i][j].token_ids for i, j in pending],
+                temperature=params.temperature or 1.0,
+                with_entropy=False,
+            )
+            for (i, j), lp in zip(pending, logps):
+                results[i][j].logp = lp.astype(np.float32)
+        return results
+
+    def _logprob_sources(self, params: SamplingParams) -> Tuple[bool, bool]:
+        """``(ask the engine for log-probs, use them as the behaviour log-probs)``.
+
+        The engine's log-probs are asked for whenever they mean the learner's quantity;
+        they are the behaviour log-probs only with behaviour_logprobs="engine". By
+        default ("recompute", as the official code) the torch module scores every
+        completion and the engine's numbers only measure the mismatch.
+        """
         engine_logps = params.return_logprobs and vllm_logprobs_match_learner(self.logprobs_mode, params)
-        use_vllm_logps = engine_logps and getattr(self.config, "behaviour_logprobs", "recompute") == "engine"
+        use_vllm_logps = engine_logps and self.config.behaviour_logprobs == "engine"
         if params.return_logprobs and not use_vllm_logps and not self._warned_rescoring and self.module is not None:
             logger.info(
                 "vLLM log-probs (logprobs_mode=%s) are not the learner's at temperature=%s, "
@@ -508,6 +564,12 @@ class VLLMGenerationBackend:
                 self.logprobs_mode, params.temperature, params.top_p,
             )
             self._warned_rescoring = True
+        return engine_logps, use_vllm_logps
+
+    def _requests(self, prompts, num_samples, params: SamplingParams, engine_logps: bool):
+        """vLLM's ``(requests, sampling params, owners)``: one request per prompt with
+        samples, its ``max_tokens`` clamped to the room ``max_model_len`` leaves."""
+        from vllm import SamplingParams as VSamplingParams
 
         requests, sampling, owners = [], [], []
         for i, (prompt, n) in enumerate(zip(prompts, num_samples)):
@@ -530,52 +592,7 @@ class VLLMGenerationBackend:
             requests.append({"prompt_token_ids": prompt})
             sampling.append(VSamplingParams(**vllm_sampling_kwargs(params, int(n), max_tokens, engine_logps)))
             owners.append((i, int(n)))
-
-        outputs = llm.generate(requests, sampling, use_tqdm=False) if requests else []
-
-        stops = set(int(t) for t in params.stop_token_ids)
-        results: List[List[Completion]] = [[] for _ in prompts]
-        pending = []  # completions still needing log-probs from the torch module
-        for (i, n), out in zip(owners, outputs):
-            samples = sorted(out.outputs, key=lambda o: o.index)
-            if greedy:
-                samples = samples * n
-            for k, sample in enumerate(samples):
-                ids = np.asarray(sample.token_ids, dtype=np.int32)
-                cut = next((j + 1 for j, t in enumerate(ids) if int(t) in stops), None)
-                if cut is not None:
-                    ids = ids[:cut]
-                stopped = cut is not None or sample.finish_reason == "stop"
-                logp = engine_lp = None
-                if engine_logps:
-                    engine_lp = np.asarray(
-                        [_sampled_logprob(entry, int(t)) for entry, t in zip(sample.logprobs, ids)],
-                        dtype=np.float32,
-                    )
-                if use_vllm_logps:
-                    logp = engine_lp
-                elif params.return_logprobs and self.module is not None:
-                    pending.append((i, len(results[i])))
-                # (No module: logp stays None and the learners score it, scoring_on: learners.)
-                results[i].append(
-                    Completion(
-                        prompt_index=i,
-                        token_ids=ids if k == 0 else ids.copy(),
-                        logp=logp,
-                        finish_reason="stop" if stopped else "length",
-                        engine_logp=engine_lp,
-                    )
-                )
-        if pending:
-            logps, _ = self.scorer.score(
-                [prompts[i] for i, _ in pending],
-                [results[i][j].token_ids for i, j in pending],
-                temperature=params.temperature or 1.0,
-                with_entropy=False,
-            )
-            for (i, j), lp in zip(pending, logps):
-                results[i][j].logp = lp.astype(np.float32)
-        return results
+        return requests, sampling, owners
 
     @property
     def scorer(self):
@@ -593,7 +610,7 @@ class VLLMGenerationBackend:
             self._scorer = HFGenerationBackend(
                 self.module.model,
                 pad_token_id=pad,
-                batch_size=int(getattr(self.config, "generation_batch_size", 256) or 256),
+                batch_size=int(self.config.generation_batch_size),
             )
         return self._scorer
 
