@@ -86,44 +86,18 @@ def run_experiments(
     (:func:`_restored_tuner`); one with nothing saved starts fresh (and says so).
     """
     import ray
-    from ray import tune
 
     for exp in experiments:
         if exp.mlflow:
             prepare_mlflow(exp.mlflow)
-
-    started = False
-    if not ray.is_initialized():
-        kwargs = dict(ray_init_kwargs or {})
-        if ray_address or os.environ.get("RAY_ADDRESS"):
-            ray.init(address=ray_address or os.environ["RAY_ADDRESS"], **kwargs)
-        else:
-            kwargs.setdefault("include_dashboard", False)
-            ray.init(address="local", **kwargs)
-        started = True
-
+    started = _init_ray(ray_address, ray_init_kwargs)
     results = []
     try:
         for exp in experiments:
             fit_experiment_resources(exp)
         for exp in experiments:
             tuner = _restored_tuner(exp) if resume else None
-            tuner = tuner or tune.Tuner(
-                exp.algo_cls,
-                param_space=exp.param_space,
-                tune_config=tune.TuneConfig(num_samples=exp.num_samples, **_scheduling(exp)),
-                run_config=tune.RunConfig(
-                    name=exp.name,
-                    storage_path=exp.storage_path,
-                    stop=exp.stop or None,
-                    checkpoint_config=exp.checkpoint_config,
-                    # Tune's status tables only when asked for (--verbose); otherwise
-                    # one line per iteration.
-                    callbacks=list(exp.callbacks) + ([] if verbose > 1 else [iteration_lines_callback_class()()]),
-                    verbose=verbose - 1 if verbose > 1 else 0,
-                ),
-            )
-            grid = tuner.fit()
+            grid = (tuner or _new_tuner(exp, verbose)).fit()
             results.append(ExperimentResult(experiment=exp, result_grid=grid, errors=_trial_errors(grid)))
             for path in write_grid_plots(grid, exp.name):
                 print(f"held-out accuracy plot: {path}")
@@ -132,6 +106,42 @@ def run_experiments(
         if started:
             ray.shutdown()
     return results
+
+
+def _init_ray(ray_address: Optional[str], ray_init_kwargs: Optional[Dict[str, Any]]) -> bool:
+    """Start Ray unless it runs already (see :func:`run_experiments`); True if started here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs = dict(ray_init_kwargs or {})
+    if ray_address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=ray_address or os.environ["RAY_ADDRESS"], **kwargs)
+    else:
+        kwargs.setdefault("include_dashboard", False)
+        ray.init(address="local", **kwargs)
+    return True
+
+
+def _new_tuner(exp: Experiment, verbose: int) -> Any:
+    """A fresh ``tune.Tuner`` of ``exp``."""
+    from ray import tune
+
+    return tune.Tuner(
+        exp.algo_cls,
+        param_space=exp.param_space,
+        tune_config=tune.TuneConfig(num_samples=exp.num_samples, **_scheduling(exp)),
+        run_config=tune.RunConfig(
+            name=exp.name,
+            storage_path=exp.storage_path,
+            stop=exp.stop or None,
+            checkpoint_config=exp.checkpoint_config,
+            # Tune's status tables only when asked for (--verbose); otherwise
+            # one line per iteration.
+            callbacks=list(exp.callbacks) + ([] if verbose > 1 else [iteration_lines_callback_class()()]),
+            verbose=verbose - 1 if verbose > 1 else 0,
+        ),
+    )
 
 
 def _restored_tuner(exp: Experiment) -> Any:
@@ -199,20 +209,15 @@ def _extend_finished_trials(exp: Experiment, path: str) -> List[str]:
     * finished, the new ``stop`` not met, but no checkpoint: stays finished (restarting it
       from scratch would silently throw away its results); the line says how to rerun it.
     """
-    import fnmatch
     import json
 
     from rllib_exgrpo.rllib import rllib_contract
 
     fs, fs_path = rllib_contract.fs_and_path(path)
-    names = [info.base_name for info in fs.get_file_info(_file_selector(fs_path))]
-    state_files = sorted(fnmatch.filter(names, _STATE_FILE_PATTERN))
-    if not state_files:
+    found = _read_experiment_state(fs, fs_path)
+    if found is None:
         return []
-    state_path = f"{fs_path.rstrip('/')}/{state_files[-1]}"  # the one Tune's restore reads
-    with fs.open_input_stream(state_path) as f:
-        state = json.loads(f.readall().decode("utf-8"))
-
+    state_path, state = found
     new_stop = dict(exp.stop or {})
     prefix = f"rllib train: --resume: experiment {exp.name!r}: trial"
     lines, changed = [], False
@@ -221,37 +226,7 @@ def _extend_finished_trials(exp: Experiment, path: str) -> List[str]:
         meta = rllib_contract.training_run_metadata(entry[1])
         # its folder under the experiment's (what the user finds on disk; holds the trial id)
         name = record.get("relative_logdir") or f"{record.get('trainable_name')}_{record.get('trial_id')}"
-        last = dict(meta.last_result or {})
-        at = f"iteration {last.get('training_iteration', 0)}"
-        ckpt = _latest_checkpoint(meta)
-        status = record.get("status")
-        go_on = status != "TERMINATED"
-        if status == "TERMINATED":
-            old_stop = dict(record.get("stopping_criterion") or {})
-            if not new_stop:
-                line = f"finished at {at}; stays finished (no stop criteria given to continue to)"
-            elif _stop_met(new_stop, last):
-                line = f"finished at {at} and meets the stop ({_stop_text(new_stop)}); stays finished"
-            elif not _stop_met(old_stop, last):
-                line = (f"ended at {at} before its stop ({_stop_text(old_stop) or 'none'}) was reached "
-                        "(a scheduler's early stop, or the algorithm said done); stays finished")
-            elif ckpt is None:
-                line = (f"finished at {at} with no checkpoint to continue from (checkpoint_config."
-                        "checkpoint_at_end was off); stays finished; to train it further run the "
-                        "experiment again without --resume (or under another --experiment-name)")
-            else:
-                go_on = True
-                line = f"finished at {at}; continuing to {_stop_text(new_stop)} from {_checkpoint_text(ckpt, last)}"
-                record["status"] = "PENDING"
-        else:
-            to = f"to {_stop_text(new_stop) or 'no stop'}"
-            if status != "ERROR" and not last and ckpt is None:
-                line = f"had not started; starts {to}"
-            else:
-                what = "errored" if status == "ERROR" else "was interrupted"
-                start = (f"from {_checkpoint_text(ckpt, last)}" if ckpt is not None
-                         else "from scratch (no checkpoint was saved)")
-                line = f"{what} at {at}; continues {start} {to}"
+        go_on, line = _trial_resume_plan(record, meta, new_stop)
         if go_on and new_stop and record.get("stopping_criterion") != new_stop:
             record["stopping_criterion"] = new_stop
         if go_on and record != json.loads(entry[0]):
@@ -259,13 +234,60 @@ def _extend_finished_trials(exp: Experiment, path: str) -> List[str]:
             changed = True
         lines.append(f"{prefix} {name} {line}")
         print(lines[-1], file=sys.stderr, flush=True)
-
     if changed:
-        tmp_path = f"{fs_path.rstrip('/')}/.{state_files[-1]}.tmp"  # not matched by Tune's pattern
+        folder, _, file_name = state_path.rpartition("/")
+        tmp_path = f"{folder}/.{file_name}.tmp"  # not matched by Tune's pattern
         with fs.open_output_stream(tmp_path) as f:
             f.write(json.dumps(state).encode("utf-8"))
         fs.move(tmp_path, state_path)
     return lines
+
+
+def _read_experiment_state(fs: Any, fs_path: str) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """``(path, state)`` of the experiment state file Tune's restore reads (the newest
+    under ``fs_path``), or None when there is none."""
+    import fnmatch
+    import json
+
+    names = [info.base_name for info in fs.get_file_info(_file_selector(fs_path))]
+    state_files = sorted(fnmatch.filter(names, _STATE_FILE_PATTERN))
+    if not state_files:
+        return None
+    state_path = f"{fs_path.rstrip('/')}/{state_files[-1]}"  # the one Tune's restore reads
+    with fs.open_input_stream(state_path) as f:
+        return state_path, json.loads(f.readall().decode("utf-8"))
+
+
+def _trial_resume_plan(record: Dict[str, Any], meta: Any, new_stop: Dict[str, Any]) -> Tuple[bool, str]:
+    """``(goes on, what happens)`` for one saved trial (its Tune ``record`` and run
+    ``meta``) under ``new_stop``: the cases of :func:`_extend_finished_trials`. A finished
+    trial that continues is set back to ``PENDING`` in ``record``."""
+    last = dict(meta.last_result or {})
+    at = f"iteration {last.get('training_iteration', 0)}"
+    ckpt = _latest_checkpoint(meta)
+    status = record.get("status")
+    if status != "TERMINATED":
+        to = f"to {_stop_text(new_stop) or 'no stop'}"
+        if status != "ERROR" and not last and ckpt is None:
+            return True, f"had not started; starts {to}"
+        what = "errored" if status == "ERROR" else "was interrupted"
+        start = (f"from {_checkpoint_text(ckpt, last)}" if ckpt is not None
+                 else "from scratch (no checkpoint was saved)")
+        return True, f"{what} at {at}; continues {start} {to}"
+    old_stop = dict(record.get("stopping_criterion") or {})
+    if not new_stop:
+        return False, f"finished at {at}; stays finished (no stop criteria given to continue to)"
+    if _stop_met(new_stop, last):
+        return False, f"finished at {at} and meets the stop ({_stop_text(new_stop)}); stays finished"
+    if not _stop_met(old_stop, last):
+        return False, (f"ended at {at} before its stop ({_stop_text(old_stop) or 'none'}) was reached "
+                       "(a scheduler's early stop, or the algorithm said done); stays finished")
+    if ckpt is None:
+        return False, (f"finished at {at} with no checkpoint to continue from (checkpoint_config."
+                       "checkpoint_at_end was off); stays finished; to train it further run the "
+                       "experiment again without --resume (or under another --experiment-name)")
+    record["status"] = "PENDING"
+    return True, f"finished at {at}; continuing to {_stop_text(new_stop)} from {_checkpoint_text(ckpt, last)}"
 
 
 def _file_selector(fs_path: str) -> Any:
