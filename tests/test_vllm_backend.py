@@ -488,7 +488,7 @@ def test_exgrpo_trains_and_syncs_weights_with_the_vllm_backend(vllm_module, quic
         for state in weights.values():
             for v in state.values():
                 v += rng.standard_normal(v.shape).astype(v.dtype) * (2.0 * v.std() + 1e-3)
-        runner.set_state({COMPONENT_RL_MODULE: weights, WEIGHTS_SEQ_NO: runner._weights_seq_no + 1})
+        runner.set_state({COMPONENT_RL_MODULE: weights, WEIGHTS_SEQ_NO: runner._held_weights_seq_no + 1})
 
         hf = HFGenerationBackend(runner.module.model, pad_token_id=runner.tokenizer.pad_token_id)
         got = runner.backend.generate(prompts, [1] * 4, params)
@@ -565,7 +565,7 @@ def test_engine_only_runner_with_scoring_on_learners(vllm_module, quick_tiny_mod
         for state in weights.values():
             for v in state.values():
                 v += rng.standard_normal(v.shape).astype(v.dtype) * (2.0 * v.std() + 1e-3)
-        runner.set_state({COMPONENT_RL_MODULE: weights, WEIGHTS_SEQ_NO: runner._weights_seq_no + 1})
+        runner.set_state({COMPONENT_RL_MODULE: weights, WEIGHTS_SEQ_NO: runner._held_weights_seq_no + 1})
         assert runner.module is None
 
         model = load_causal_lm({"model": quick_tiny_model, "dtype": "float32"}).eval()
