@@ -276,6 +276,33 @@ def build_experiments(
     mapping's origin in messages. Raises :class:`CliConfigError` with one line per problem of
     every experiment, each ``<file>: experiment '<name>': <key>: <problem>``.
     """
+    data, src_name = _load_experiments(source, source_name, experiment_name)
+    if stop is not None and not isinstance(stop, Mapping):
+        raise CliConfigError(f"--stop must be a JSON object, got {stop!r}.")
+    if config_overrides is not None and not isinstance(config_overrides, Mapping):
+        raise CliConfigError(f"--config must be a JSON object, got {config_overrides!r}.")
+    shared = dict(src_name=src_name, stop=stop, config_overrides=config_overrides, storage_path=storage_path,
+                  num_samples=num_samples, env_override=env, mlflow_uri=mlflow_uri,
+                  checkpoint_freq=checkpoint_freq, checkpoint_at_end=checkpoint_at_end, validate=validate,
+                  cluster=_cluster(ray_address, ray_num_gpus), dry_run=dry_run)
+    experiments: List[Experiment] = []
+    problems: List[str] = []
+    for name, spec in data.items():
+        try:
+            experiments.append(_build_one(str(experiment_name if experiment_name is not None else name), spec,
+                                          **shared))
+        except CliConfigError as e:
+            problems.append(str(e))
+    if problems:
+        raise CliConfigError("\n".join(problems))
+    return experiments
+
+
+def _load_experiments(source: Union[str, os.PathLike, Mapping[str, Any]], source_name: Optional[str],
+                      experiment_name: Optional[str]) -> Tuple[Dict[str, Any], Optional[str]]:
+    """``(experiments by name, the source's name for messages)`` of a file path or a
+    loaded mapping; :class:`CliConfigError` when it holds none, or several while
+    ``experiment_name`` renames one."""
     src_name: Optional[str] = source_name
     if isinstance(source, Mapping):
         data = dict(source)
@@ -292,39 +319,7 @@ def build_experiments(
             f"--experiment-name renames one experiment, but {src_name or 'the input'} holds "
             f"{len(data)}: {', '.join(map(str, data))}."
         )
-    if stop is not None and not isinstance(stop, Mapping):
-        raise CliConfigError(f"--stop must be a JSON object, got {stop!r}.")
-    if config_overrides is not None and not isinstance(config_overrides, Mapping):
-        raise CliConfigError(f"--config must be a JSON object, got {config_overrides!r}.")
-
-    cluster = _cluster(ray_address, ray_num_gpus)
-    experiments: List[Experiment] = []
-    problems: List[str] = []
-    for name, spec in data.items():
-        try:
-            experiments.append(
-                _build_one(
-                    str(experiment_name if experiment_name is not None else name),
-                    spec,
-                    src_name=src_name,
-                    stop=stop,
-                    config_overrides=config_overrides,
-                    storage_path=storage_path,
-                    num_samples=num_samples,
-                    env_override=env,
-                    mlflow_uri=mlflow_uri,
-                    checkpoint_freq=checkpoint_freq,
-                    checkpoint_at_end=checkpoint_at_end,
-                    validate=validate,
-                    cluster=cluster,
-                    dry_run=dry_run,
-                )
-            )
-        except CliConfigError as e:
-            problems.append(str(e))
-    if problems:
-        raise CliConfigError("\n".join(problems))
-    return experiments
+    return data, src_name
 
 
 def _cluster(ray_address: Optional[str], ray_num_gpus: Optional[int]) -> Optional[preflight.Cluster]:
@@ -392,9 +387,9 @@ def _build_checked(
     cluster: Optional[preflight.Cluster],
     dry_run: bool = False,
 ) -> Experiment:
-    # Long because it is the experiment's whole check in order, collecting what it can:
-    # keys, algorithm, run settings (stop, samples, storage, checkpoints, MLflow), then the
-    # config and the preflight of each search-space variant.
+    """The experiment's whole check in order, collecting what it can: keys, algorithm, run
+    settings (stop, samples, storage, checkpoints, MLflow; :func:`_run_settings`), then the
+    config (:func:`_checked_user_config`) and the preflight of each search-space variant."""
     if not isinstance(spec, dict):
         raise _Invalid([f"expected a mapping with `run`, `env`, `config`, ..., got {type(spec).__name__}."])
     errors: List[str] = _experiment_key_errors(spec)
@@ -404,8 +399,54 @@ def _build_checked(
             algo_cls, config, algo_name = _default_config(spec["run"])
         except _Invalid as e:
             errors += e.errors
+    run = _run_settings(name, spec, stop=stop, num_samples=num_samples, storage_path=storage_path,
+                        checkpoint_freq=checkpoint_freq, checkpoint_at_end=checkpoint_at_end,
+                        mlflow_uri=mlflow_uri, errors=errors)
+    if algo_cls is None:
+        raise _Invalid(errors)
+    ckpt_block = spec.get("checkpoint_config")
+    score_attribute = ckpt_block.get("checkpoint_score_attribute") if isinstance(ckpt_block, dict) else None
+    metric_names = [k for k in run.stop if isinstance(k, str) and k not in LEGACY_STOP_KEYS]
+    user_config, found, env = _checked_user_config(spec, config, algo_cls, algo_name, config_overrides, env_override,
+                                                   metric_names, errors)
+    notes = preflight.absolute_paths(user_config)
+    config = _config_of(algo_cls, user_config, env, errors)
+    variant_errors, variant_notes = preflight.check_variants(
+        algo_cls, user_config, env, found, apply_config=apply_config, validate=validate, cluster=cluster,
+        stop={k: run.stop[k] for k in metric_names}, score_attribute=score_attribute, dry_run=dry_run,
+    )
+    errors += variant_errors
+    if run.scheduler and isinstance(run.scheduler.get("metric"), str):
+        msg = preflight.metric_problem(run.scheduler["metric"], algo_cls, config, "scheduler.metric")
+        errors += [msg] if msg else []
+    _stop_if(errors)
+    return Experiment(
+        name=name, algo_cls=algo_cls, config=config, stop=run.stop, num_samples=run.num_samples,
+        storage_path=run.storage, checkpoint_config=run.checkpoint_config,
+        callbacks=[make_mlflow_callback(run.mlflow)] if run.mlflow else [],
+        search_space=found, env=env, mlflow=run.mlflow, source=src_name, notes=notes + variant_notes,
+        scheduler=run.scheduler,
+    )
 
-    # --- run settings: need no config
+
+@dataclass
+class _RunSettings:
+    """What an experiment sets outside its config (checked without one)."""
+
+    stop: Dict[str, Any]
+    num_samples: int
+    storage: Any
+    checkpoint_config: Any
+    mlflow: Any
+    scheduler: Any
+
+
+def _run_settings(name: str, spec: Mapping[str, Any], *, stop: Optional[Mapping[str, Any]],
+                  num_samples: Optional[int], storage_path: Optional[str], checkpoint_freq: Optional[int],
+                  checkpoint_at_end: Optional[bool], mlflow_uri: Optional[str], errors: List[str]) -> _RunSettings:
+    """The run settings of ``spec`` with the command line's overrides: stop (the file's,
+    updated by ``stop``), samples, storage, checkpoints, MLflow and the scheduler; their
+    problems are added to ``errors`` (a bad value gets a neutral one here)."""
     try:
         with _as_invalid():
             stop_dict = preflight.flatten_stop(dict(_as_json_like_dict(spec.get("stop"), "stop")))
@@ -426,14 +467,16 @@ def _build_checked(
     mlflow_settings = build_mlflow(name, spec, storage, mlflow_uri, errors)
     errors += preflight.mlflow_problems(mlflow_settings)
     scheduler = scheduler_settings(spec.get("scheduler"), errors)
-    if algo_cls is None:
-        raise _Invalid(errors)
-    ckpt_block = spec.get("checkpoint_config")
-    score_attribute = ckpt_block.get("checkpoint_score_attribute") if isinstance(ckpt_block, dict) else None
-    metric_names = [k for k in stop_dict if isinstance(k, str) and k not in LEGACY_STOP_KEYS]
+    return _RunSettings(stop_dict, n, storage, checkpoint_config, mlflow_settings, scheduler)
 
-    # --- the config: keys, then each variant of the search space. A bad key is reported
-    # and left out, so that the rest of the config is still checked.
+
+def _checked_user_config(spec: Mapping[str, Any], config: Any, algo_cls: type, algo_name: str,
+                         config_overrides: Optional[Mapping[str, Any]], env_override: Optional[str],
+                         metric_names: List[str], errors: List[str]) -> Tuple[Dict[str, Any], Dict[str, Any], Any]:
+    """``(user config, search space, env)`` with every bad key reported in ``errors`` and
+    left out, so that the rest of the config is still checked; each key is applied to
+    ``config`` (the algorithm's default config) as it is checked. ``env`` is None where it
+    cannot be resolved. A config that cannot be read at all raises :class:`_Invalid`."""
     try:
         user_config, found = _user_config(spec, config_overrides)
     except _Invalid as e:
@@ -454,38 +497,19 @@ def _build_checked(
     except _Invalid as e:
         errors += e.errors
         env = None
-    notes = preflight.absolute_paths(user_config)
-    config = algo_cls.get_default_config()  # the good keys, with absolute paths
+    return user_config, found, env
+
+
+def _config_of(algo_cls: type, user_config: Dict[str, Any], env: Any, errors: List[str]) -> Any:
+    """A fresh default config of ``algo_cls`` with the good keys (paths already made
+    absolute) and ``env``; raises :class:`_Invalid` if it switches the new API stack off."""
+    config = algo_cls.get_default_config()
     errors += apply_config(config, user_config)
     if env is not None:
         config.env = env
     if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
         raise _Invalid(errors + ["the config switches RLlib's new API stack off; this command runs the new API stack only."])
-    variant_errors, variant_notes = preflight.check_variants(
-        algo_cls, user_config, env, found, apply_config=apply_config, validate=validate, cluster=cluster,
-        stop={k: stop_dict[k] for k in metric_names}, score_attribute=score_attribute, dry_run=dry_run,
-    )
-    errors += variant_errors
-    if scheduler and isinstance(scheduler.get("metric"), str):
-        msg = preflight.metric_problem(scheduler["metric"], algo_cls, config, "scheduler.metric")
-        errors += [msg] if msg else []
-    _stop_if(errors)
-    return Experiment(
-        name=name,
-        algo_cls=algo_cls,
-        config=config,
-        stop=stop_dict,
-        num_samples=n,
-        storage_path=storage,
-        checkpoint_config=checkpoint_config,
-        callbacks=[make_mlflow_callback(mlflow_settings)] if mlflow_settings else [],
-        search_space=found,
-        env=env,
-        mlflow=mlflow_settings,
-        source=src_name,
-        notes=notes + variant_notes,
-        scheduler=scheduler,
-    )
+    return config
 
 
 def _experiment_key_errors(spec: Mapping[str, Any]) -> List[str]:
