@@ -191,35 +191,36 @@ _PROJECT_PATTERNS = (re.compile(r"experience/bucket_(\d+)"), re.compile(r"perf/(
 
 def _when(cfg: Any, key: str) -> Optional[str]:
     """Why the project algorithm never reports ``key`` under ``cfg`` (None: it does)."""
-    g = getattr
-    if key.startswith("heldout/") and not g(cfg, "heldout_dataset", None):
+    from rllib_exgrpo.rllib.config_fields import field_value
+
+    if key.startswith("heldout/") and not field_value(cfg, "heldout_dataset"):
         return "heldout_dataset is not set (no held-out evaluation)"
     if key.startswith("timers/heldout_eval") or key.startswith("step_time_s/heldout_eval"):
-        if not g(cfg, "heldout_dataset", None):
+        if not field_value(cfg, "heldout_dataset"):
             return "heldout_dataset is not set (no held-out evaluation)"
     tail = key.rpartition("/")[2]
     if key.startswith("xrpo/"):
-        if tail in _XRPO_PLANNER and not g(cfg, "xrpo_planner", False):
+        if tail in _XRPO_PLANNER and not field_value(cfg, "xrpo_planner"):
             return "xrpo_planner is off"
-        if tail in _XRPO_SEEDING and not g(cfg, "icl_seeding", False):
+        if tail in _XRPO_SEEDING and not field_value(cfg, "icl_seeding"):
             return "icl_seeding is off"
-        if tail in _XRPO_SHARPENING and not g(cfg, "novelty_sharpening", False):
+        if tail in _XRPO_SHARPENING and not field_value(cfg, "novelty_sharpening"):
             return "novelty_sharpening is off"
-    if key == "async_batch_staleness" and not g(cfg, "async_rollouts", False):
+    if key == "async_batch_staleness" and not field_value(cfg, "async_rollouts"):
         return "async_rollouts is off"
     if (key == "learner_scored_completions" or tail == "learner_scoring") and (
-            g(cfg, "scoring_on", "runners") != "learners" or g(cfg, "behaviour_logprobs", "recompute") != "recompute"):
+            field_value(cfg, "scoring_on") != "learners" or field_value(cfg, "behaviour_logprobs") != "recompute"):
         return "it is logged with scoring_on: learners and behaviour_logprobs: recompute only"
     if key.startswith("learners/default_policy/learner_pa") and not (
-            g(cfg, "learner_micro_batch_rows", None) or g(cfg, "learner_micro_batch_tokens", None)):
+            field_value(cfg, "learner_micro_batch_rows") or field_value(cfg, "learner_micro_batch_tokens")):
         return "it is logged with learner_micro_batch_rows or learner_micro_batch_tokens only"
-    if key == "learners/default_policy/kl" and not (g(cfg, "kl_coeff", 0) or 0) > 0:
+    if key == "learners/default_policy/kl" and not (field_value(cfg, "kl_coeff") or 0) > 0:
         return "kl_coeff is 0 (no KL term)"
-    if key.startswith("env_runners/behaviour_logprob_mismatch") and g(cfg, "generation_backend", "hf") != "vllm":
+    if key.startswith("env_runners/behaviour_logprob_mismatch") and field_value(cfg, "generation_backend") != "vllm":
         return "it is measured with generation_backend 'vllm' only"
     m = _PROJECT_PATTERNS[0].fullmatch(key)
     if m:
-        g_size = g(cfg, "group_size", None)
+        g_size = field_value(cfg, "group_size")
         k = int(m.group(1))
         if isinstance(g_size, int) and g_size >= 2 and not 1 <= k < g_size:
             return f"buckets are experience/bucket_1 .. experience/bucket_{g_size - 1} (group_size {g_size})"

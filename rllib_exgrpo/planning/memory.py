@@ -549,12 +549,12 @@ def sequence_lengths(config: Any, shape: ModelShape) -> Tuple[int, int, int, str
     """(prompt, response, max_model_len, why): the longest padded row the learner can get.
     With vLLM a completion ends at ``max_model_len`` (``vllm_kwargs.max_model_len``, else
     prompt + response capped at the model's ``max_position_embeddings``)."""
-    p = int(_get(config, "max_prompt_tokens", 1024))
-    r = int(_get(config, "max_response_tokens", 8192))
+    p = int(config.max_prompt_tokens)
+    r = int(config.max_response_tokens)
     why = ""
     max_len = p + r
-    if _get(config, "generation_backend", "hf") == "vllm":
-        vk = dict(_get(config, "vllm_kwargs", {}) or {})
+    if config.generation_backend == "vllm":
+        vk = dict(config.vllm_kwargs or {})
         if vk.get("max_model_len"):
             max_len = int(vk["max_model_len"])
             why = f"vllm_kwargs.max_model_len {max_len}"
@@ -605,7 +605,7 @@ def planned_kernel(config: Any) -> str:
     """The attention kernel a GPU learner gets for ``attn_implementation``: "auto" is
     flash_attention_2 where flash-attn is installed, else sdpa_varlen; both are variable-
     length kernels, so the plan is the same for either (named "auto" here)."""
-    name = str(_get(config, "attn_implementation", "auto"))
+    name = str(config.attn_implementation)
     return "flash_attention_2 or sdpa_varlen" if name == "auto" else name
 
 
@@ -615,9 +615,9 @@ def learner_pass(config: Any, prompt: int, response: int, *, budget: Optional[in
 
     tokens = prompt + response
     budget = budget if budget is not None else config.learner_micro_batch_tokens
-    name = str(_get(config, "attn_implementation", "auto"))
+    name = str(config.attn_implementation)
     kernel = planned_kernel(config)
-    packing = bool(_get(config, "learner_sequence_packing", True))
+    packing = bool(config.learner_sequence_packing)
     if budget and packing and (name == "auto" or packs_rows(name, "cuda")):
         length = max(int(budget), tokens)
         return LearnerPass(1, length, length, True, kernel, tokens)
@@ -636,12 +636,12 @@ def _pass_activations(shape: ModelShape, lp: LearnerPass, *, ckpt: bool, mode_by
 def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int) -> ActorPlan:
     """What one learner holds: model states, the largest pass's activations, the optimiser
     step, and (when it does not fit ``gpu``) the one key to change."""
-    backend = _get(config, "learner_backend", "ddp")
-    stage = int(_get(config, "deepspeed_zero_stage", 2))
+    backend = config.learner_backend
+    stage = int(config.deepspeed_zero_stage)
     n_learners = int(_get(config, "num_learners", 0))
     per = float(_get(config, "num_gpus_per_learner", 0))
-    model_dtype = _get(config, "model_dtype", "float32")
-    ckpt = bool(_get(config, "gradient_checkpointing", False))
+    model_dtype = config.model_dtype
+    ckpt = bool(config.gradient_checkpointing)
     ddp_kwargs = dict(_get(config, "torch_ddp_kwargs", {}) or {})
     states = model_state_bytes(shape, backend=backend, zero_stage=stage, num_learners=max(1, n_learners),
                                model_dtype=model_dtype,
@@ -660,9 +660,9 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     it(Item("backward working set", act["peak"] - act["layers"] - act["outside"],
             f"at the {act['peak_phase'].replace('_', ' ')} peak; log-prob chunks of {act['chunk_tokens']} positions x "
             f"vocab {shape.vocab_size}, recomputed in backward: {_gib(act['logit_chunks'])}"))
-    if _get(config, "scoring_on", "runners") == "learners":
+    if config.scoring_on == "learners":
         _learner_scoring_items(plan, config, shape, prompt + response, response, mode_bytes, chunk, act)
-    if float(_get(config, "kl_coeff", 0.0) or 0.0) > 0:
+    if float(config.kl_coeff or 0.0) > 0:
         _kl_reference_items(plan, shape, lp, act, mode_bytes, chunk, backend)
     # The optimiser step runs after the pass: its temporaries need room only beyond the
     # activations (freed by then) and autocast's weight copies.
@@ -756,7 +756,7 @@ def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dic
                     lp: LearnerPass, mode_bytes: int, autocast: bool) -> None:
     """The one key to change, and to what: the model states' layout first, then the pass
     size, then one row."""
-    ckpt = bool(_get(config, "gradient_checkpointing", False))
+    ckpt = bool(config.gradient_checkpointing)
     chunk = config.logit_chunk_tokens
     fixed = plan.total - act["peak"] - max(0, states["step_extra"] - states["autocast_copies"] - act["peak"])
     room = plan.budget - fixed
@@ -793,8 +793,8 @@ def _model_state_advice(plan: ActorPlan, config: Any, shape: ModelShape, states:
     """When the model states crowd the GPU: DDP -> DeepSpeed (naming the first ZeRO stage
     whose states plus a bf16 pass fit, ``bf16_pass_peak()`` its activations), ZeRO-1/2 ->
     ZeRO-3. Returns whether ``plan`` got its advice."""
-    backend = _get(config, "learner_backend", "ddp")
-    stage = int(_get(config, "deepspeed_zero_stage", 2))
+    backend = config.learner_backend
+    stage = int(config.deepspeed_zero_stage)
     nl = max(1, int(_get(config, "num_learners", 0)))
 
     def stage_fits(s: int) -> bool:
@@ -851,19 +851,19 @@ def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int
     torch module and scoring pass, and (when it does not fit ``gpu``) the key to change."""
     n = int(_get(config, "num_env_runners", 0))
     per = float(_get(config, "num_gpus_per_env_runner", 0))
-    model_dtype = _get(config, "model_dtype", "float32")
+    model_dtype = config.model_dtype
     b = dtype_bytes(model_dtype)
     plan = ActorPlan("env runner", max(1, n), per)
     it = plan.items.append
-    backend = _get(config, "generation_backend", "hf")
-    chunk = int(_get(config, "generation_batch_size", 256))
+    backend = config.generation_backend
+    chunk = int(config.generation_batch_size)
     p = shape.num_parameters
     tokens = prompt + response
     kv_token = shape.kv_cache_bytes_per_token(b)
     vllm_share = None
     if backend == "vllm":
         vllm_share = _vllm_engine_items(plan, config, shape, gpu, b, chunk, max_len)
-    engine_only = backend == "vllm" and _get(config, "scoring_on", "runners") == "learners"
+    engine_only = backend == "vllm" and config.scoring_on == "learners"
     score = 0
     if engine_only:
         plan.notes.append(f"scoring_on: learners: no torch copy of the model here (vLLM's weights are the only "
@@ -874,7 +874,7 @@ def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int
         gen_kv = chunk * tokens * kv_token
         it(Item("HF generation KV cache", gen_kv, f"generation_batch_size {chunk} x {tokens} tokens x "
                                                   f"{kv_token / 1024:.0f} KiB"))
-    if not engine_only and _get(config, "scoring_on", "runners") != "learners":
+    if not engine_only and config.scoring_on != "learners":
         score = scoring_activation_bytes(shape, chunk, tokens, response_tokens=response, dtype_bytes=b)
         what = "behaviour log-probs and lowest-entropy scoring" if backend == "vllm" else "scoring"
         it(Item("scoring pass", score, f"{what}: generation_batch_size {chunk} rows x {tokens} tokens, no grad"))
@@ -895,7 +895,7 @@ def _vllm_engine_items(plan: ActorPlan, config: Any, shape: ModelShape, gpu: Opt
     it = plan.items.append
     p = shape.num_parameters
     kv_token = shape.kv_cache_bytes_per_token(b)
-    vk = dict(_get(config, "vllm_kwargs", {}) or {})
+    vk = dict(config.vllm_kwargs or {})
     util = float(vk.get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
     weights = p * b
     if gpu is None:
@@ -956,7 +956,7 @@ def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_sou
     """The memory plan of an ``ExGRPOConfig`` (or any object with its fields): per actor
     kind that gets a GPU, what it holds, against ``gpu_memory`` (bytes; default
     :func:`gpu_memory_for`)."""
-    name = str(_get(config, "model_name_or_path", "tiny"))
+    name = str(config.model_name_or_path)
     if gpu_memory is None:
         gpu_memory, gpu_memory_source = gpu_memory_for(config)
     shape = shape or model_shape(name)
@@ -968,7 +968,7 @@ def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_sou
     prompt, response, max_len, why = sequence_lengths(config, shape)
     if why:
         plan.notes.append(f"completion tokens per row: {response} ({why}); max_response_tokens "
-                          f"{int(_get(config, 'max_response_tokens', 8192))} still sets the loss normalisation")
+                          f"{int(config.max_response_tokens)} still sets the loss normalisation")
     if float(_get(config, "num_gpus_per_learner", 0)) > 0:
         plan.actors.append(_learner_plan(config, shape, gpu_memory, prompt, response))
     if float(_get(config, "num_gpus_per_env_runner", 0)) > 0:
