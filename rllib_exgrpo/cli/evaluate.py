@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import os
 import sys
 from typing import Any
 
@@ -23,10 +22,12 @@ defaults (ExGRPO / LUFFY papers): temperature 0.6, top_p 1.0; k = 32 samples per
 question (avg@32) for data sources whose name contains "aime" or "amc", 1 (avg@1)
 otherwise. --k overrides k for every source. Temperature 0 is greedy (k = 1).
 
---model takes a model name or path ("tiny", "smollm2", an HF folder) or an RLlib
-checkpoint of this project (the folder algo.save_to_path or Tune wrote, or a Tune
-trial folder: its latest checkpoint_*). A checkpoint's prompt settings
-(instruction, system prompt, think format) and max_response_tokens are its defaults.
+--model takes a model name or path ("tiny", "smollm2", a hub id, an HF folder) or an
+RLlib checkpoint of this project (the folder algo.save_to_path or Tune wrote, or a Tune
+trial folder: its latest checkpoint_*; DDP and DeepSpeed, ZeRO-3 shards consolidated).
+A checkpoint's prompt settings (instruction, system prompt, think format) and
+max_response_tokens are its defaults. Paths are relative to the working directory; a
+folder that is neither a checkpoint nor a model folder is an error (exit 2).
 
 --data takes benchmark files (.jsonl / .json / .parquet; malformed rows are errors)
 or "arithmetic[:opts]" specs (the held-out "test" split), and can be repeated.
@@ -93,22 +94,20 @@ def add_evaluate_parser(subparsers: Any) -> None:
     p.set_defaults(func=run_evaluate, _evaluate_parser=p)
 
 
-def _looks_like_path(text: str) -> bool:
-    return os.sep in text or text.startswith(".") or text.startswith("~")
-
-
 def run_evaluate(args: argparse.Namespace) -> int:
     """Handler of ``rllib evaluate``; returns the exit code."""
     from rllib_exgrpo.evaluation import EvalDataError, evaluate, load_eval_problems
     from rllib_exgrpo.evaluation.metrics import DEFAULT_PASS_KS
+    from rllib_exgrpo.evaluation.paths import PolicyPathError, policy_source
 
     def fail(msg: str) -> int:
         print(f"{PROG} evaluate: error: {msg}", file=sys.stderr)
         return 2
 
-    model = os.path.expanduser(args.model)
-    if _looks_like_path(args.model) and not os.path.exists(model):
-        return fail(f"--model {args.model}: no such file or folder")
+    try:
+        model = policy_source(args.model)  # a path: absolute, and checked to be a checkpoint or model folder
+    except PolicyPathError as e:
+        return fail(f"--model {e}")
     if not 0 < args.top_p <= 1:
         return fail(f"--top-p must be in (0, 1], got {args.top_p}")
     # Check every benchmark before loading a model (cheap, and errors come first).
@@ -142,7 +141,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             **kwargs,
         )
-    except EvalDataError as e:
+    except (EvalDataError, PolicyPathError) as e:
         return fail(str(e))
     output = args.output or f"eval-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     path = report.to_json(output)

@@ -10,7 +10,8 @@ Runs classic RLlib experiment files on RLlib's **new API stack** through Ray Tun
 see :mod:`rllib_exgrpo.cli.experiment` for the file schema and the library API
 (``build_experiments`` / ``run_experiments``).
 
-Adding a subcommand (e.g. a future ``rllib evaluate``): write
+Subcommands: ``train`` (here), ``evaluate`` (``cli/evaluate.py``), ``export``
+(``cli/export.py``). Adding one: write
 ``add_<name>_parser(subparsers)`` that creates its parser and sets
 ``func=<handler>`` via ``set_defaults``, where the handler takes the parsed
 ``argparse.Namespace`` and returns an exit code; then append it to
@@ -192,19 +193,54 @@ def add_train_parser(subparsers: Any) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Handler of ``rllib train``; returns the exit code."""
-    # Long because it is the command's whole flow in order, each step a few lines:
-    # defaults, argument checks, build (no Ray), --dry-run, resources, run, exit code.
+    """Handler of ``rllib train``; returns the exit code.
+
+    The command's flow: defaults and argument checks, the experiments built (no Ray),
+    ``--dry-run`` stops there; else Ray's settings, the run, one line per outcome.
+    """
+    _fill_train_defaults(args)
+    experiments = _build_train_experiments(args)
+    if isinstance(experiments, int):  # an exit code: the file or an override is wrong
+        return experiments
+    if args.dry_run:
+        return _dry_run(args, experiments)
+    ray_init_kwargs = _ray_init_kwargs(args)
+    if ray_init_kwargs is None:
+        return 2
+    from rllib_exgrpo.cli import preflight
+    from rllib_exgrpo.cli.tune_runner import run_experiments
+    from rllib_exgrpo.rllib.resources import ResourceError
+
+    for exp in experiments:  # the GPU memory plan of each GPU experiment, before anything starts
+        plan = preflight.memory_plan_text(exp)
+        if plan:
+            print(f"{PROG} train: experiment {exp.name!r}:\n{plan}", flush=True)
+    try:
+        results = run_experiments(experiments, verbose=min(1 + args.verbose, 3), ray_address=args.ray_address,
+                                  ray_init_kwargs=ray_init_kwargs, resume=args.resume)
+    except ResourceError as e:
+        return _train_error(e)
+    return _report_trials(results)
+
+
+def _train_error(message: Any) -> int:
+    print(f"{PROG} train: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _fill_train_defaults(args: argparse.Namespace) -> None:
+    """The options neither parser set get their defaults; an experiment file is required."""
     for k, v in _TRAIN_DEFAULTS.items():
         if not hasattr(args, k):
             setattr(args, k, v)
     if not args.config_file:
         args._train_parser.error("an experiment file is required: `rllib train file FILE` or `rllib train -f FILE`")
 
-    from rllib_exgrpo.rllib.resources import ResourceError
+
+def _build_train_experiments(args: argparse.Namespace):
+    """The experiments of the file with the command line's overrides (checked, nothing
+    started), or exit code 2 after a one-line error."""
     from rllib_exgrpo.cli.experiment import CliConfigError, build_experiments
-    from rllib_exgrpo.cli.tune_runner import fit_experiment_resources, run_experiments
-    from rllib_exgrpo.cli import preflight
 
     overrides = dict(args.config or {})
     if args.verbose >= 1:
@@ -213,73 +249,60 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         if args.rehearse:
             source, overrides = _rehearsal_source(args.config_file, overrides, stop_given=args.stop is not None)
-        experiments = build_experiments(
-            source,
-            source_name=args.config_file,
-            stop=args.stop,
-            config_overrides=overrides or None,
-            storage_path=args.storage_path,
-            num_samples=args.num_samples,
-            experiment_name=args.experiment_name,
-            env=args.env,
-            mlflow_uri=args.mlflow_uri,
-            checkpoint_freq=args.checkpoint_freq,
-            checkpoint_at_end=args.checkpoint_at_end,
-            validate=not args.no_validate,
-            ray_address=args.ray_address,
-            ray_num_gpus=args.ray_num_gpus,
-            dry_run=bool(args.dry_run),
+        return build_experiments(
+            source, source_name=args.config_file, stop=args.stop, config_overrides=overrides or None,
+            storage_path=args.storage_path, num_samples=args.num_samples, experiment_name=args.experiment_name,
+            env=args.env, mlflow_uri=args.mlflow_uri, checkpoint_freq=args.checkpoint_freq,
+            checkpoint_at_end=args.checkpoint_at_end, validate=not args.no_validate,
+            ray_address=args.ray_address, ray_num_gpus=args.ray_num_gpus, dry_run=bool(args.dry_run),
         )
     except CliConfigError as e:
-        print(f"{PROG} train: error: {e}", file=sys.stderr)
-        return 2
+        return _train_error(e)
 
-    if args.dry_run:
-        from rllib_exgrpo.rllib.resources import ClusterResources
 
-        here = ClusterResources.detect()
-        if args.ray_num_gpus is not None:  # the local instance the run would start
-            here = ClusterResources(here.cpus, float(args.ray_num_gpus), here.max_node_cpus)
-        for exp in experiments:
-            try:  # against this machine (a cluster given by --ray-address is not contacted)
-                fit_experiment_resources(exp, here)
-            except ResourceError as e:
-                print(f"{PROG} train: error: {e}", file=sys.stderr)
-                return 2
-            print(exp.summary())
-            plan = preflight.memory_plan_text(exp)  # GPU recipes only
-            if plan:
-                print(plan)
-        print(f"{PROG} train: dry run: {len(experiments)} experiment(s) valid; nothing started.")
-        return 0
+def _dry_run(args: argparse.Namespace, experiments: list) -> int:
+    """``--dry-run``: each experiment's resources fitted to this machine, its summary and
+    GPU memory plan printed; nothing started."""
+    from rllib_exgrpo.cli import preflight
+    from rllib_exgrpo.cli.tune_runner import fit_experiment_resources
+    from rllib_exgrpo.rllib.resources import ClusterResources, ResourceError
 
-    if (args.ray_address or os.environ.get("RAY_ADDRESS")) and (args.ray_num_cpus is not None or args.ray_num_gpus is not None):
-        print(f"{PROG} train: error: --ray-num-cpus / --ray-num-gpus size a local Ray instance; a cluster "
-              "joined with --ray-address / RAY_ADDRESS has its own resources (leave them out)", file=sys.stderr)
-        return 2
-    ray_init_kwargs = {}
-    if args.ray_num_cpus is not None:
-        ray_init_kwargs["num_cpus"] = args.ray_num_cpus
-    if args.ray_num_gpus is not None:
-        ray_init_kwargs["num_gpus"] = args.ray_num_gpus
-    if args.ray_ui:
-        ray_init_kwargs["include_dashboard"] = True
-
-    for exp in experiments:  # the GPU memory plan of each GPU experiment, before anything starts
-        plan = preflight.memory_plan_text(exp)
+    here = ClusterResources.detect()
+    if args.ray_num_gpus is not None:  # the local instance the run would start
+        here = ClusterResources(here.cpus, float(args.ray_num_gpus), here.max_node_cpus)
+    for exp in experiments:
+        try:  # against this machine (a cluster given by --ray-address is not contacted)
+            fit_experiment_resources(exp, here)
+        except ResourceError as e:
+            return _train_error(e)
+        print(exp.summary())
+        plan = preflight.memory_plan_text(exp)  # GPU recipes only
         if plan:
-            print(f"{PROG} train: experiment {exp.name!r}:\n{plan}", flush=True)
-    try:
-        results = run_experiments(
-            experiments,
-            verbose=min(1 + args.verbose, 3),
-            ray_address=args.ray_address,
-            ray_init_kwargs=ray_init_kwargs,
-            resume=args.resume,
-        )
-    except ResourceError as e:
-        print(f"{PROG} train: error: {e}", file=sys.stderr)
-        return 2
+            print(plan)
+    print(f"{PROG} train: dry run: {len(experiments)} experiment(s) valid; nothing started.")
+    return 0
+
+
+def _ray_init_kwargs(args: argparse.Namespace) -> Optional[dict]:
+    """``ray.init`` arguments of a local instance, or None (after a one-line error) when
+    they are given for a cluster that is joined."""
+    if (args.ray_address or os.environ.get("RAY_ADDRESS")) and (args.ray_num_cpus is not None or args.ray_num_gpus is not None):
+        _train_error("--ray-num-cpus / --ray-num-gpus size a local Ray instance; a cluster joined with "
+                     "--ray-address / RAY_ADDRESS has its own resources (leave them out)")
+        return None
+    kwargs = {}
+    if args.ray_num_cpus is not None:
+        kwargs["num_cpus"] = args.ray_num_cpus
+    if args.ray_num_gpus is not None:
+        kwargs["num_gpus"] = args.ray_num_gpus
+    if args.ray_ui:
+        kwargs["include_dashboard"] = True
+    return kwargs
+
+
+def _report_trials(results: list) -> int:
+    """One line per finished experiment (stdout) and per errored trial (stderr, with its
+    error file's last line); exit code 1 when a trial errored, else 0."""
     failed = 0
     for res in results:
         exp = res.experiment
@@ -321,10 +344,11 @@ def _last_error_line(err_file: Optional[str]) -> Optional[str]:
 
 
 #: Subcommand registry: each entry adds one subparser and sets ``func``.
-#: A future ``rllib evaluate`` appends its ``add_evaluate_parser`` here.
 SUBCOMMANDS: List[Callable[[Any], None]] = [add_train_parser]
 from rllib_exgrpo.cli.evaluate import add_evaluate_parser  # noqa: E402
+from rllib_exgrpo.cli.export import add_export_parser  # noqa: E402
 SUBCOMMANDS.append(add_evaluate_parser)
+SUBCOMMANDS.append(add_export_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="RLlib command line of rllib-exgrpo: runs classic RLlib experiment YAML "
         "files on Ray RLlib's new API stack (Ray removed its own `rllib` command after 2.40).",
-        epilog="Run `rllib train --help` for the experiment file schema and all options.",
+        epilog="Run `rllib train --help` for the experiment file schema and all options; "
+        "`rllib evaluate --help` and `rllib export --help` for the others.",
         formatter_class=_Formatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -106,10 +106,13 @@ def find_checkpoint(path: Union[str, os.PathLike]) -> Tuple[Optional[Path], Path
 
     ``path`` may be an algorithm checkpoint (``algo.save_to_path`` / Tune's
     ``checkpoint_*``), a Tune trial folder (its highest-numbered ``checkpoint_*`` is used),
-    or an RLModule folder (``.../learner_group/learner/rl_module/default_policy``).
-    Raises ``FileNotFoundError`` when ``path`` is none of these.
+    or an RLModule folder (``.../learner_group/learner/rl_module/default_policy``); a
+    relative ``path`` is relative to the working directory, and the folders returned are
+    absolute. Raises ``FileNotFoundError`` when ``path`` is none of these.
     """
-    p = Path(path).expanduser()
+    # Absolute before RLlib sees it: RLlib reads checkpoints through pyarrow, which takes a
+    # relative path for a URI without a scheme and fails ("URI has empty scheme").
+    p = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
     if not p.is_dir():
         raise FileNotFoundError(f"not a checkpoint folder: {p}")
     algo = p if _is_algo_dir(p) else _latest_checkpoint(p)
@@ -179,20 +182,14 @@ def load_policy_from_checkpoint(path: Union[str, os.PathLike], *, device: Option
 
     ``RLModule.from_checkpoint`` rebuilds the learner's module from the module folder (the
     saved module class and ``model_config``: the base HF model, then the saved weights on
-    top); its HF model is returned, in eval mode with the KV cache on, and the tokenizer is
+    top; a ZeRO-3 checkpoint's weight shards consolidated first, :func:`restore_module`);
+    its HF model is returned, in eval mode with the KV cache on, and the tokenizer is
     the base model's. Neither Ray nor the Algorithm is started.
     """
     from rllib_exgrpo.models.loading import load_tokenizer
-    from rllib_exgrpo.rllib.module import LLMTorchRLModule
 
     info = info or read_checkpoint(path)
-    # Calling it on LLMTorchRLModule checks that the saved class is one. The saved
-    # constructor args are used as they are: RLlib can only override arguments that the
-    # class' signature names, and TorchRLModule's is (*args, **kwargs).
-    # RLlib loads the weights with strict=False (TorchRLModule.set_state); the module is
-    # rebuilt from the model_config it was saved with, so the keys match unless the base
-    # model changed on disk since training (a changed shape still raises).
-    module = LLMTorchRLModule.from_checkpoint(info.module_path)
+    module = restore_module(info)
     model = module.model
     if module.model_config.get("gradient_checkpointing"):  # a learner setting: off for generation
         disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
@@ -203,3 +200,47 @@ def load_policy_from_checkpoint(path: Union[str, os.PathLike], *, device: Option
         model.to(device)
     tokenizer = load_tokenizer(info.model_name_or_path)
     return model, tokenizer
+
+
+def zero3_shard_folder(module_path: Union[str, os.PathLike]) -> Optional[Path]:
+    """The per-rank weight partitions of a ZeRO-3 checkpoint's module folder (its module
+    state is a manifest then: :mod:`rllib_exgrpo.rllib.zero3_weights`), else None."""
+    from rllib_exgrpo.rllib import zero3_weights
+
+    module = Path(module_path)
+    learner = module.parent.parent  # <learner>/rl_module/<module id>
+    shards = learner / zero3_weights.MODULE_SHARD_FOLDER / module.name
+    return shards if shards.is_dir() else None
+
+
+def restore_module(info: CheckpointInfo):
+    """The learner's module of a checkpoint, as saved (class, ``model_config``, weights).
+
+    ``LLMTorchRLModule.from_checkpoint`` does the work. The module folder of a ZeRO-3
+    checkpoint holds a manifest, each learner's slice of the weights lying beside it:
+    :func:`rllib_exgrpo.rllib.zero3_weights.consolidate` writes the full weights to a
+    temporary module folder first (removed once loaded).
+    """
+    import shutil
+    import tempfile
+
+    from rllib_exgrpo.rllib import zero3_weights
+    from rllib_exgrpo.rllib.module import LLMTorchRLModule
+
+    # Calling it on LLMTorchRLModule checks that the saved class is one. The saved
+    # constructor args are used as they are: RLlib can only override arguments that the
+    # class' signature names, and TorchRLModule's is (*args, **kwargs).
+    # RLlib loads the weights with strict=False (TorchRLModule.set_state); the module is
+    # rebuilt from the model_config it was saved with, so the keys match unless the base
+    # model changed on disk since training (a changed shape still raises).
+    module_path = Path(info.module_path)
+    if zero3_shard_folder(module_path) is None:
+        return LLMTorchRLModule.from_checkpoint(str(module_path))
+    tmp = Path(tempfile.mkdtemp(prefix="zero3-full-"))
+    try:
+        written = zero3_weights.consolidate(module_path.parent.parent, tmp)
+        if module_path.name not in written:
+            raise FileNotFoundError(f"{module_path}: no ZeRO-3 manifest for module {module_path.name!r}")
+        return LLMTorchRLModule.from_checkpoint(str(written[module_path.name]))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

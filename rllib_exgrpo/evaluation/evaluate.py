@@ -40,6 +40,7 @@ from rllib_exgrpo.evaluation.checkpoints import (
     read_checkpoint,
 )
 from rllib_exgrpo.evaluation.data import load_eval_problems
+from rllib_exgrpo.evaluation.paths import PolicyPathError, policy_source
 from rllib_exgrpo.evaluation.metrics import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_NEW_TOKENS,
@@ -72,29 +73,20 @@ def evaluate(
     model: Union[str, os.PathLike, Tuple[Any, Any]],
     sources: Sequence[Union[str, os.PathLike]],
     *,
-    k: Union[None, int, Mapping[str, int]] = None,
-    temperature: float = DEFAULT_TEMPERATURE,
-    top_p: float = DEFAULT_TOP_P,
-    max_new_tokens: Optional[int] = None,
-    limit: Optional[int] = None,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    seed: int = 0,
-    instruction: Optional[str] = _UNSET,
-    system_prompt: Optional[str] = _UNSET,
-    think_format: bool = _UNSET,
-    pass_ks: Sequence[Union[int, str]] = DEFAULT_PASS_KS,
-    split: str = "test",
-    max_prompt_tokens: Optional[int] = None,
-    reward_timeout_s: float = 5.0,
-    keep_completions: bool = False,
-    device: Optional[str] = None,
-    progress: Union[bool, Callable[[str], None]] = False,
+    k: Union[None, int, Mapping[str, int]] = None, temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float = DEFAULT_TOP_P, max_new_tokens: Optional[int] = None, limit: Optional[int] = None,
+    batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0, instruction: Optional[str] = _UNSET,
+    system_prompt: Optional[str] = _UNSET, think_format: bool = _UNSET,
+    pass_ks: Sequence[Union[int, str]] = DEFAULT_PASS_KS, split: str = "test",
+    max_prompt_tokens: Optional[int] = None, reward_timeout_s: float = 5.0, keep_completions: bool = False,
+    device: Optional[str] = None, progress: Union[bool, Callable[[str], None]] = False,
 ) -> EvalReport:
     """Evaluate a policy on benchmark sources; see the module docstring for the metrics.
 
     Args:
         model: Model name/path (:func:`resolve_model_path`), RLlib checkpoint folder, or a
-            ``(model, tokenizer)`` pair.
+            ``(model, tokenizer)`` pair. Paths are relative to the working directory; one that
+            is neither a checkpoint nor a model folder raises :class:`PolicyPathError`.
         sources: Benchmark files and/or ``"arithmetic[:opts]"`` specs.
         k: Samples per question: an int for every source, a {data_source: k} mapping
             (see :func:`resolve_k`), or None for the papers' defaults (:func:`default_k`).
@@ -116,12 +108,38 @@ def evaluate(
         device: Torch device for generation; default CUDA when available, else CPU.
         progress: True prints progress lines to stderr; a callable receives them.
     """
-    # Long because of its four numbered stages and the report's settings record; each
-    # stage's work is in _load_policy / _SourceRun / aggregate.
-    import torch
-
     t_start = time.perf_counter()
-    say = progress if callable(progress) else ((lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None))
+    say = _progress_printer(progress)
+    _check_settings(temperature, top_p, batch_size, pass_ks)
+    loaded = load_eval_problems(sources, limit=limit, split=split)  # 1. data first: a bad file fails early
+    policy, tokenizer, label, ckpt = _load_policy(model, say)  # 2. the policy
+    device = _place(policy, device)
+    run = _SourceRun(policy, tokenizer, _prompt_settings(ckpt, instruction, system_prompt, think_format),
+                     _max_new_tokens(max_new_tokens, ckpt), temperature, top_p, batch_size, seed,
+                     reward_timeout_s, max_prompt_tokens, keep_completions, say)
+    questions, seconds, k_used = _run_sources(run, loaded, k)  # 3. generate + verify, source by source
+    run.warn_over_positions(progress)
+    per_source, overall = _aggregate_sources(questions, seconds, pass_ks)  # 4. aggregate
+    settings = _settings_record(run, ckpt, loaded, k=k, k_used=k_used, pass_ks=pass_ks, limit=limit,
+                                split=split, device=device)
+    return EvalReport(model=label, settings=settings, sources=per_source, overall=overall,
+                      wall_time_s=round(time.perf_counter() - t_start, 3), questions=questions)
+
+
+_PROMPT_KEYS = ("instruction", "system_prompt", "think_format")
+
+
+def _progress_printer(progress) -> Callable[[str], None]:
+    """Where progress lines go: the callable given, stderr (True), or nowhere."""
+    if callable(progress):
+        return progress
+    if progress:
+        return lambda m: print(m, file=sys.stderr, flush=True)
+    return lambda m: None
+
+
+def _check_settings(temperature: float, top_p: float, batch_size: int, pass_ks) -> None:
+    """ValueError for a sampling setting out of range (before anything loads)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
@@ -130,35 +148,54 @@ def evaluate(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     pass_ks_for(pass_ks, 1)  # checks the entries
 
-    # 1. data first: a bad file fails before any model is loaded
-    loaded = load_eval_problems(sources, limit=limit, split=split)
-    # 2. the policy
-    policy, tokenizer, label, ckpt = _load_policy(model, say)
-    if max_new_tokens is None and ckpt is not None and ckpt.config.get("max_response_tokens"):
-        max_new_tokens = int(ckpt.config["max_response_tokens"])
-    max_new_tokens = int(max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+
+def _place(policy, device: Optional[str]) -> str:
+    """Move the policy to ``device`` (default CUDA when available, else CPU), eval mode."""
+    import torch
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     policy.to(device)
     policy.eval()
+    return device
+
+
+def _max_new_tokens(asked: Optional[int], ckpt: Optional[CheckpointInfo]) -> int:
+    """The completion budget: as asked, else the checkpoint's ``max_response_tokens``, else
+    the default."""
+    if asked is None and ckpt is not None and ckpt.config.get("max_response_tokens"):
+        asked = int(ckpt.config["max_response_tokens"])
+    return int(asked or DEFAULT_MAX_NEW_TOKENS)
+
+
+def _prompt_settings(ckpt: Optional[CheckpointInfo], instruction, system_prompt, think_format) -> dict:
+    """The env config's prompt keys: the checkpoint's, with the arguments given over them."""
     env_config = {key: ckpt.env_config[key] for key in _PROMPT_KEYS if key in ckpt.env_config} if ckpt else {}
     for key, value in zip(_PROMPT_KEYS, (instruction, system_prompt, think_format)):
         if value is not _UNSET:
             env_config[key] = value
-    run = _SourceRun(policy, tokenizer, env_config, max_new_tokens, temperature, top_p, batch_size, seed,
-                     reward_timeout_s, max_prompt_tokens, keep_completions, say)
-    # 3. generate + verify, source by source
+    return env_config
+
+
+def _run_sources(run: "_SourceRun", loaded, k) -> Tuple[List[QuestionResult], Dict[str, float], Dict[str, int]]:
+    """(question results, seconds per data source, k per data source) of every source,
+    sampled under ``run.seed`` (the global torch RNG is restored afterwards)."""
+    import torch
+
     questions: List[QuestionResult] = []
     source_seconds: Dict[str, float] = {}
     k_used: Dict[str, int] = {}
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(run.seed)
         for src in loaded:
             t0 = time.perf_counter()
             data_sources = run.evaluate_source(src, k, k_used, questions)
             for ds in data_sources:
                 source_seconds[ds] = source_seconds.get(ds, 0.0) + time.perf_counter() - t0
-    run.warn_over_positions(progress)
-    # 4. aggregate
+    return questions, source_seconds, k_used
+
+
+def _aggregate_sources(questions: List[QuestionResult], source_seconds: Dict[str, float], pass_ks):
+    """(metrics per data source, overall metrics with the macro average over sources)."""
     by_source: "OrderedDict[str, List[QuestionResult]]" = OrderedDict()
     for q in questions:
         by_source.setdefault(q.data_source, []).append(q)
@@ -167,50 +204,63 @@ def evaluate(
     overall = aggregate(questions, pass_ks)
     overall["macro_avg_at_k"] = float(sum(m["avg_at_k"] for m in per_source.values()) / len(per_source))
     overall["n_sources"] = len(per_source)
-    settings = {
-        "temperature": float(temperature), "top_p": float(top_p), "max_new_tokens": max_new_tokens,
-        "seed": seed, "k": k if not isinstance(k, Mapping) else dict(k), "k_used": k_used,
+    return per_source, overall
+
+
+def _settings_record(run: "_SourceRun", ckpt: Optional[CheckpointInfo], loaded, *, k, k_used, pass_ks, limit,
+                     split, device) -> dict:
+    """The report's ``settings``: what was evaluated, and how."""
+    env_config = run.env_config
+    return {
+        "temperature": run.temperature, "top_p": run.top_p, "max_new_tokens": run.max_new_tokens,
+        "seed": run.seed, "k": k if not isinstance(k, Mapping) else dict(k), "k_used": k_used,
         "pass_ks": list(pass_ks), "limit": limit, "split": split, "data": [src.spec for src in loaded],
         "instruction": env_config.get("instruction", DEFAULT_INSTRUCTION),
         "system_prompt": env_config.get("system_prompt"),
         "think_format": bool(env_config.get("think_format", False)),
-        "max_prompt_tokens": max_prompt_tokens, "batch_size": batch_size, "device": str(device),
+        "max_prompt_tokens": run.max_prompt_tokens, "batch_size": run.batch_size, "device": str(device),
         "over_max_positions": run.over_positions,
         "checkpoint": None if ckpt is None else {
             "path": ckpt.path, "module_path": ckpt.module_path, "algorithm": ckpt.algorithm,
             "model_name_or_path": ckpt.model_name_or_path,
         },
     }
-    return EvalReport(model=label, settings=settings, sources=per_source, overall=overall,
-                      wall_time_s=round(time.perf_counter() - t_start, 3), questions=questions)
-
-
-_PROMPT_KEYS = ("instruction", "system_prompt", "think_format")
 
 
 def _load_policy(model, say) -> Tuple[Any, Any, str, Optional[CheckpointInfo]]:
     """(policy, tokenizer, label, checkpoint info or None) from a name, path, checkpoint
-    folder or ``(model, tokenizer)`` pair; the tokenizer gets a pad token if it has none."""
+    folder or ``(model, tokenizer)`` pair; the tokenizer gets a pad token if it has none.
+    The label is the model as given; a path is resolved against the working directory."""
     ckpt: Optional[CheckpointInfo] = None
     if isinstance(model, (tuple, list)):
         policy, tokenizer = model
         label = type(policy).__name__
     else:
         label = os.fspath(model)
-        if os.path.isdir(label) and is_checkpoint(label):
-            ckpt = read_checkpoint(label)
+        source = policy_source(label)
+        if os.path.isdir(source) and is_checkpoint(source):
+            ckpt = read_checkpoint(source)
             say(f"loading {ckpt.algorithm or 'RLlib'} checkpoint {ckpt.path or ckpt.module_path} "
                 f"(model {ckpt.model_name_or_path})")
-            policy, tokenizer = load_policy_from_checkpoint(label, info=ckpt)
+            policy, tokenizer = load_policy_from_checkpoint(source, info=ckpt)
         else:
-            from rllib_exgrpo.models.loading import load_causal_lm, load_tokenizer
-
-            say(f"loading model {label}")
-            policy = load_causal_lm({"model": label})
-            tokenizer = load_tokenizer(label)
+            policy, tokenizer = _load_hf_model(source, say)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return policy, tokenizer, label, ckpt
+
+
+def _load_hf_model(source: str, say) -> Tuple[Any, Any]:
+    """(model, tokenizer) of a model name or folder; a model transformers cannot find is a
+    :class:`PolicyPathError` (one line)."""
+    from rllib_exgrpo.models.loading import load_causal_lm, load_tokenizer
+
+    say(f"loading model {source}")
+    try:
+        return load_causal_lm({"model": source}), load_tokenizer(source)
+    except OSError as e:  # transformers: not on the hub / no such folder / missing files
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise PolicyPathError(f"{source}: cannot load the model: {first}") from e
 
 
 class _SourceRun:
@@ -225,6 +275,7 @@ class _SourceRun:
         self.tokenizer, self.env_config, self.say = tokenizer, env_config, say
         self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
         self.reward_timeout_s, self.max_prompt_tokens, self.keep = reward_timeout_s, max_prompt_tokens, keep_completions
+        self.temperature, self.top_p = float(temperature), float(top_p)
         self.greedy = temperature == 0
         self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
                                      stop_token_ids=stop_token_ids(policy, tokenizer), return_logprobs=False)
