@@ -27,7 +27,7 @@ down at the end. Ray's token authentication is left as Ray configures it: on by
 default in 2.60, which writes ``~/.ray/auth_token``. The local instance's ports
 listen on the node's address, so the token is what keeps other users and hosts out;
 a CLI should not switch that off silently. Export ``RAY_AUTH_MODE=disabled`` to opt
-out (the tests do).
+out.
 """
 
 from __future__ import annotations
