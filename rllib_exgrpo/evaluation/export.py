@@ -17,7 +17,6 @@ working directory or one of its parents, and the home folder are never replaced.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import List, Optional, Union
 
 from rllib_exgrpo.evaluation.checkpoints import CheckpointInfo, read_checkpoint, restore_module
 from rllib_exgrpo.evaluation.paths import PolicyPathError, checkpoint_source, user_path
+from rllib_exgrpo.models.loading import no_progress_bars
 
 
 class ExportError(ValueError):
@@ -70,7 +70,7 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], out: Union[str, os.Pa
     _check_out(target, out, info, force)
     module = restore_module(info)
     model = _policy_model(module, torch_dtype)
-    with atomic_folder(target) as tmp, _quiet_transformers():
+    with atomic_folder(target) as tmp, no_progress_bars():  # the command prints one line
         model.save_pretrained(str(tmp))
         _load_base_tokenizer(info.model_name_or_path).save_pretrained(str(tmp))
     return ExportResult(out=target, checkpoint=info, files=sorted(p.name for p in target.iterdir()),
@@ -120,20 +120,6 @@ def _policy_model(module, torch_dtype):
     if torch_dtype is not None:
         model.to(torch_dtype)
     return model
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """No progress bar while the weights are written (the command prints one line)."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _load_base_tokenizer(model_name_or_path: str):

@@ -38,7 +38,7 @@ def load_causal_lm(model_config: Dict[str, Any]):
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     kwargs["attn_implementation"] = resolve_attn_implementation(
         model_config.get("attn_implementation") or "auto", device_type)
-    with _no_progress_bars():  # a bar per load would be a log line per actor
+    with no_progress_bars():  # a bar per load would be a log line per actor
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if model_config.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable()
@@ -99,7 +99,8 @@ def parameter_names(model: str):
 
 
 @contextlib.contextmanager
-def _no_progress_bars():
+def no_progress_bars():
+    """transformers' progress bars off inside the block (loading and saving print none)."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
