@@ -140,3 +140,21 @@ def test_no_absolute_machine_paths_in_the_repo():
     hits = [f for f in files if f != this and (REPO / f).is_file()
             and pattern.search((REPO / f).read_text(errors="ignore"))]
     assert not hits, f"absolute machine paths in {hits}"
+
+
+#: Functions may exceed this many lines (``def`` to last line, docstring included) only
+#: rarely: a long function is usually several jobs, each wanting a name.
+LONG_FUNCTION_LINES = 60
+#: How many functions of the package may exceed it.
+LONG_FUNCTIONS_ALLOWED = 5
+
+
+def test_few_long_functions():
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONG_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name} ({lines} lines)")
+    assert len(long) <= LONG_FUNCTIONS_ALLOWED, "functions over 60 lines:\n" + "\n".join(long)
