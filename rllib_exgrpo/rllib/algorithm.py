@@ -129,6 +129,10 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
         master weights of a bf16 model and computes under autocast (``master_dtype``);
         DeepSpeed keeps its own fp32 master copy in the optimiser, so its module is bf16."""
         mixed = self.model_dtype != "float32" and self.learner_backend == "ddp"
+        lora = {}
+        if self.lora_rank:  # models/lora.py; absent for full fine-tuning
+            lora = {"lora": {"rank": self.lora_rank, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
+                             "target_modules": self.lora_target_modules}}
         return {
             "model": self.model_name_or_path,
             "dtype": self.model_dtype,
@@ -137,6 +141,7 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
             "attn_implementation": self.attn_implementation,
             "logit_chunk_tokens": self.logit_chunk_tokens,
             "temperature": self.temperature,
+            **lora,
         }
 
     @override(AlgorithmConfig)

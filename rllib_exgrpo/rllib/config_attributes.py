@@ -105,6 +105,12 @@ class ExGRPOConfigFields:
     deepspeed_zero_stage: Literal[1, 2, 3]
     deepspeed: Dict[str, Any]
 
+    # LoRA (docs/training_step.md)
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_target_modules: Any
+
     # weight sync (docs/scaling.md)
     weight_sync: Literal['collective', 'object_store']
     weight_sync_bucket_mb: float

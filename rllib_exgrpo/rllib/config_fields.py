@@ -420,6 +420,41 @@ _LEARNERS = [
        "minibatch_size."),
 ]
 
+_SECTION = "LoRA (docs/training_step.md)"
+#: ``lora_target_modules``' shorthand for every linear layer but the output head (peft's).
+LORA_ALL_LINEAR = "all-linear"
+
+
+def lora_targets(v: Any) -> Optional[str]:
+    if v == LORA_ALL_LINEAR:
+        return None
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, str) and x for x in v):
+        return None
+    return lora_targets.describe
+
+
+lora_targets.describe = f"{LORA_ALL_LINEAR!r} or a non-empty list of module names"
+lora_targets.annotation = "Any"
+_LORA = [
+    _f("lora_rank", 0, integer(0),
+       "0: full fine-tuning. Else the rank r of LoRA adapters (peft) on the learners' policy: "
+       "the base weights stay frozen, the optimiser holds the adapters only, the KL reference "
+       "(kl_coeff > 0) is the same model with its adapters disabled, and the env runners (and "
+       "vLLM) get the merged weights W + (alpha / r) B A under the plain model's names. "
+       "'LoRA Without Regret' (Thinking Machines, 2025) finds policy-gradient RL matching full "
+       "fine-tuning even at small ranks (1 to 32). Use a learning rate about 10x full "
+       "fine-tuning's (same source)."),
+    _f("lora_alpha", 32.0, number(0, low_open=True),
+       "alpha of the LoRA scale alpha / r ('LoRA Without Regret': 32, fixed across ranks)."),
+    _f("lora_dropout", 0.0, number(0, 1, high_open=True),
+       "Dropout on the adapters' input (peft's default 0.0)."),
+    _f("lora_target_modules", LORA_ALL_LINEAR, lora_targets,
+       "Layers that get adapters: 'all-linear' (peft's shorthand: every linear layer but the "
+       "output head, attention and MLP both, as 'LoRA Without Regret' recommends: attention-only "
+       "LoRA underperforms) or a list of module names (e.g. ['q_proj', 'k_proj', 'v_proj', "
+       "'o_proj', 'gate_proj', 'up_proj', 'down_proj'], the same layers on Qwen2 / Llama)."),
+]
+
 _SECTION = "weight sync (docs/scaling.md)"
 #: Values of ``weight_sync`` (``rllib/weight_broadcast.py`` implements the first).
 WEIGHT_SYNCS = ("collective", "object_store")
@@ -451,7 +486,7 @@ _MEMORY = [
 
 #: Every field this project adds, in documentation order.
 FIELDS: Tuple[Field, ...] = tuple(_MODEL + _SAMPLING + _OBJECTIVE + _EXPERIENCE + _XRPO + _HELDOUT + _LEARNERS
-                                  + _WEIGHT_SYNC + _MEMORY)
+                                  + _LORA + _WEIGHT_SYNC + _MEMORY)
 FIELDS_BY_NAME: Dict[str, Field] = {f.name: f for f in FIELDS}
 assert len(FIELDS_BY_NAME) == len(FIELDS), "a field is defined twice"
 
@@ -529,6 +564,9 @@ def cross_field_errors(config: Any) -> Iterator[str]:
         yield ("scoring_on: 'learners' does not go with async_rollouts: the learners train on step t while "
                "step t+1 is sampled, so they hold neither the weights it was sampled with nor time to score "
                "it; use scoring_on: runners with async_rollouts")
+    if _is_int(config.lora_rank) and config.lora_rank > 0 and config.learner_backend == "deepspeed":
+        yield ("lora_rank > 0 needs learner_backend: ddp: the DeepSpeed learner's weight gathers, "
+               "ZeRO checkpoints and weight sync move the wrapped model's own tensors, not merged LoRA weights")
     if config.model_dtype == "float16" and config.learner_backend == "ddp":
         # The DDP learner's mixed precision keeps fp32 master weights but scales no loss:
         # fp16 gradients underflow without it. bf16 needs no scaling; DeepSpeed scales fp16.

@@ -85,8 +85,11 @@ class ExGRPOTorchLearner(TorchLearner):
         self.mixed_mode = False
         self._reference_models: Dict[str, torch.nn.Module] = {}
         if self.config.kl_coeff > 0:
-            # The frozen reference is the policy as it was when training started.
+            # The frozen reference is the policy as it was when training started. With LoRA
+            # that is the same model with its adapters disabled (_reference_logp): no copy.
             for mid, module in self.module.items():
+                if getattr(module.unwrapped(), "lora_model", None) is not None:
+                    continue
                 ref = copy.deepcopy(module.model).eval()
                 for p in ref.parameters():
                     p.requires_grad_(False)
@@ -109,6 +112,29 @@ class ExGRPOTorchLearner(TorchLearner):
             packing = "padded passes"
         print(f"learner: attention {', '.join(kernels)} (attn_implementation: {self.config.attn_implementation}); "
               f"{packing}; log-probs in chunks of {self.config.logit_chunk_tokens} positions", flush=True)
+
+    @override(TorchLearner)
+    def get_parameters(self, module):
+        """The parameters the optimiser steps: all of the module's, or with LoRA only the
+        adapters (the frozen base weights get neither gradients nor optimiser state)."""
+        params = super().get_parameters(module)
+        if field_value(self.config, "lora_rank") > 0:
+            params = [p for p in params if p.requires_grad]
+        return params
+
+    def _reference_logp(self, module_id, batch: Dict[str, Any], config) -> torch.Tensor:
+        """Log-probs of ``batch``'s completions under the frozen reference policy: the
+        initial model's copy, or a LoRA module's base model (its adapters disabled)."""
+        module = self.module[module_id].unwrapped()
+        lora_model = getattr(module, "lora_model", None)
+        reference = self._reference_models.get(module_id, module.model)
+        adapters_off = lora_model.disable_adapter() if lora_model is not None else contextlib.nullcontext()
+        with torch.no_grad(), module.autocast(), adapters_off:
+            ref_logp, _ = score_learner_batch(
+                reference, batch, temperature=config.temperature, with_entropy=False,
+                chunk_tokens=config.logit_chunk_tokens,
+            )
+        return ref_logp
 
     @override(TorchLearner)
     def configure_optimizers_for_module(self, module_id, config=None) -> None:
@@ -150,11 +176,7 @@ class ExGRPOTorchLearner(TorchLearner):
     def compute_loss_for_module(self, *, module_id, config, batch: Dict[str, Any], fwd_out) -> torch.Tensor:
         ref_logp = None
         if config.kl_coeff > 0:
-            with torch.no_grad(), self.module[module_id].unwrapped().autocast():
-                ref_logp, _ = score_learner_batch(
-                    self._reference_models[module_id], batch, temperature=config.temperature, with_entropy=False,
-                    chunk_tokens=config.logit_chunk_tokens,
-                )
+            ref_logp = self._reference_logp(module_id, batch, config)
         loss, metrics = mixed_policy_loss(
             fwd_out[C.LOGP],
             batch[C.OLD_LOGP],

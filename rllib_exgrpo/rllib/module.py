@@ -22,6 +22,7 @@ from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy, score_learner_batch
 from rllib_exgrpo.core.tokens import position_ids_from_mask
+from rllib_exgrpo.models import lora
 from rllib_exgrpo.models.loading import load_causal_lm, resolve_dtype
 
 
@@ -121,6 +122,14 @@ class LLMTorchRLModule(TorchRLModule):
             self.compute_dtype = resolve_dtype(model_config.get("dtype", "float32"))
             model_config["dtype"] = master
         self.model = load_causal_lm(model_config)
+        #: peft's wrapper of ``self.model`` on a LoRA learner (``models/lora.py``), else None.
+        #: Kept out of the module's registry: ``self.model`` is the same network (its LoRA
+        #: layers injected in place), so the state keeps the HF model's names.
+        self.__dict__["lora_model"] = None
+        lora_settings = lora.settings(model_config)
+        if lora_settings and not self.inference_only:
+            self.__dict__["lora_model"] = lora.wrap(self.model, lora_settings,
+                                                       bool(model_config.get("gradient_checkpointing")))
         self.temperature = float(self.model_config.get("temperature", 1.0))
         #: Positions per chunk of the vocabulary-sized scoring (core/chunked_logprobs.py).
         self.logit_chunk_tokens = self.model_config.get("logit_chunk_tokens")
@@ -137,7 +146,7 @@ class LLMTorchRLModule(TorchRLModule):
         """The weights, bf16 kept as bf16 (:func:`shippable`). For the env runners
         (``inference_only``) a master copy is cast to the compute dtype: they sample in it,
         and it halves the bytes of every weight sync; checkpoints keep the master copy."""
-        state = self.state_dict()
+        state = self.inference_tensors() if inference_only else self.state_dict()
         if inference_only and not self.inference_only and isinstance(self, InferenceOnlyAPI):
             # As RLlib's TorchRLModule.get_state: what only training needs (PPO's value head)
             # stays out of what the inference-only copies get.
@@ -145,7 +154,30 @@ class LLMTorchRLModule(TorchRLModule):
             state = {k: v for k, v in state.items()
                      if not any(k == a or k.startswith(a + ".") for a in skip)}
         cast = self.compute_dtype if inference_only else None
-        return {key: shippable(value, cast) for key, value in state.items()}
+        return {key: shippable(lora.resolve(value), cast) for key, value in state.items()}
+
+    def inference_tensors(self) -> Dict[str, Any]:
+        """The state the env runners' plain model takes, as live tensors: the state dict, or
+        on a LoRA learner its base weights under the plain names with each targeted
+        layer's weight a :class:`~rllib_exgrpo.models.lora.MergedWeight` (``W + delta``,
+        computed when resolved, the base weight unchanged); no adapter tensors."""
+        if self.lora_model is None:
+            return self.state_dict(keep_vars=True)
+        return lora.plain_tensors(self.model, prefix="model.")
+
+    def plain_model(self) -> torch.nn.Module:
+        """The HF model as the env runners hold it: ``self.model``, or on a LoRA module the
+        plain model with the merged weights (the adapters unloaded from this module: for a
+        module restored to be exported or evaluated, not one that trains on)."""
+        if self.lora_model is None:
+            return self.model
+        merged = {key[len("model."):]: lora.resolve(value).detach().clone()
+                  for key, value in self.inference_tensors().items()}
+        plain = self.lora_model.unload()
+        plain.load_state_dict(merged)
+        self.model = plain
+        self.__dict__["lora_model"] = None
+        return plain
 
     @override(TorchRLModule)
     def set_state(self, state) -> None:

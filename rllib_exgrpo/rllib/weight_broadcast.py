@@ -345,10 +345,12 @@ def _unwrapped(module):
 
 def _inference_tensors(module) -> Dict[str, torch.Tensor]:
     """The module's state as live tensors, without what only training needs (as
-    ``get_state(inference_only=True)`` leaves out: PPO's value head)."""
+    ``get_state(inference_only=True)`` leaves out: PPO's value head). A LoRA learner's are
+    the plain model's, each targeted weight merged when it is sent (``models/lora.py``)."""
     from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 
-    tensors = module.state_dict(keep_vars=True)
+    own = getattr(module, "inference_tensors", None)
+    tensors = own() if own is not None else module.state_dict(keep_vars=True)
     if isinstance(module, InferenceOnlyAPI) and not module.inference_only:
         skip = tuple(module.get_non_inference_attributes())
         tensors = {k: v for k, v in tensors.items() if not any(k == a or k.startswith(a + ".") for a in skip)}
@@ -500,12 +502,16 @@ def _gathered(params: List[torch.Tensor], zero3: bool):
 
 @torch.no_grad()
 def _send_bucket(end: _LearnerEnd, bucket: Bucket, scratch: _Scratch) -> None:
-    """Cast each tensor into its dtype's flat buffer (the cast is the copy), broadcast."""
+    """Cast each tensor into its dtype's flat buffer (the cast is the copy), broadcast. A
+    LoRA layer's weight is merged here, one at a time."""
+    from rllib_exgrpo.models.lora import resolve
+
     for dtype, numel in bucket.sizes:
         buf = scratch.get(dtype, numel)
         for slot in bucket.slots:
             if slot.dtype == dtype:
-                buf[slot.offset: slot.offset + slot.numel].copy_(end.tensors[slot.name].detach().reshape(-1))
+                tensor = resolve(end.tensors[slot.name])
+                buf[slot.offset: slot.offset + slot.numel].copy_(tensor.detach().reshape(-1))
         broadcast(end.group, buf)
 
 
