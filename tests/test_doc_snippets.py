@@ -260,6 +260,24 @@ def tiny_world(monkeypatch, tmp_path, quick_tiny_model):
     return {"Algorithm": Algorithm, "Tuner": TinyTuner, "monkeypatch": monkeypatch}
 
 
+def _registries():
+    from rllib_exgrpo.core import losses
+
+    return (losses.ADVANTAGE_ESTIMATORS, losses.LOSS_AGG_MODES, losses.RATIO_MODES)
+
+
+def _registered_names() -> list:
+    return [set(r.names()) for r in _registries()]
+
+
+def _forget_names_registered_since(before: list) -> None:
+    """A snippet that registers an estimator (docs/ALGORITHMS.md) changes a process-wide
+    registry: later tests in this worker expect the built-ins only."""
+    for registry, names in zip(_registries(), before):
+        for name in set(registry.names()) - names:
+            registry.unregister(name)
+
+
 def run_python(snippet_text: str, world: dict) -> None:
     if "# build only" in snippet_text:
         def stop(*a, **k):
@@ -269,11 +287,13 @@ def run_python(snippet_text: str, world: dict) -> None:
         world["monkeypatch"].setattr(world["Tuner"], "fit", stop)
     code = compile(snippet_text, "<snippet>", "exec")
     namespace: Dict[str, Any] = {"__name__": "__snippet__"}
+    registered = _registered_names()
     try:
         exec(code, namespace)
     except _BuildOnly:
         pass
     finally:
+        _forget_names_registered_since(registered)
         algo = namespace.get("algo")
         if algo is not None and hasattr(algo, "stop"):
             try:

@@ -160,6 +160,10 @@ def test_installed_wheel_imports_and_trains_outside_the_checkout(wheel, tmp_path
     work = tmp_path / "work"  # outside the checkout: Ray puts the driver's folder on workers' paths
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    if env.get("RAY_AUTH_MODE", "").lower() == "token":
+        # Ray sets RAY_AUTH_MODE=token in a process that started a Ray before (this test
+        # worker may have): unset, the run decides as a user's shell would, from the token.
+        del env["RAY_AUTH_MODE"]
     env["RLLIB_EXGRPO_CACHE"] = str(tmp_path / "cache")  # empty: the tiny model comes from the wheel
 
     probe = f"""
@@ -201,5 +205,5 @@ print(json.dumps({{
     # The package's modules ran from the installed copy, and the model came from the wheel.
     assert str(REPO / "rllib_exgrpo") not in proc.stdout + proc.stderr, log
     assert "copied the build shipped with the package" in proc.stdout + proc.stderr, log
-    if os.environ.get("RAY_AUTH_MODE", "").lower() != "disabled":
+    if env.get("RAY_AUTH_MODE", "").lower() != "disabled":
         assert "Token authentication is enabled" in proc.stdout + proc.stderr, log

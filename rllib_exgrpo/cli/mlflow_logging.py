@@ -79,6 +79,7 @@ def mlflow_callback_class() -> type:
     global _SAFE_MLFLOW_CLS
     if _SAFE_MLFLOW_CLS is None:
         from ray.air.integrations.mlflow import MLflowLoggerCallback
+        from ray.rllib.utils.annotations import override
 
         class BatchedMLflowLoggerCallback(MLflowLoggerCallback):
             def _client(self):
@@ -89,6 +90,7 @@ def mlflow_callback_class() -> type:
                 for chunk in _chunks(_mlflow_params(config), 100):
                     client.log_batch(run_id, params=chunk, synchronous=True)
 
+            @override(MLflowLoggerCallback)
             def log_trial_start(self, trial):
                 if self.log_params_on_trial_end:
                     return super().log_trial_start(trial)
@@ -102,6 +104,7 @@ def mlflow_callback_class() -> type:
                 except Exception:  # e.g. a restored trial whose params exist
                     self.mlflow_util.log_params(run_id=self._trial_runs[trial], params_to_log=trial.config)
 
+            @override(MLflowLoggerCallback)
             def log_trial_result(self, iteration: int, trial, result: Dict):
                 if trial not in self._trial_runs:
                     return
@@ -115,6 +118,7 @@ def mlflow_callback_class() -> type:
                 except Exception:
                     super().log_trial_result(iteration, trial, result)
 
+            @override(MLflowLoggerCallback)
             def log_trial_end(self, trial, failed: bool = False):
                 if trial not in self._trial_runs:
                     return
