@@ -166,7 +166,8 @@ def _train_and_check_the_runner(algo, model) -> None:
     assert algo.config.weight_sync == "collective"
     batch = _batch()
     before = _runner_logp(algo, batch)
-    algo.train()
+    result = algo.train()
+    assert result["weight_sync"]["bytes_per_runner"] > 0  # the collective broadcast ran
     after = _runner_logp(algo, batch)
     assert not np.allclose(after, before, rtol=0, atol=1e-6), "the runner still samples the base model"
     np.testing.assert_allclose(after, _learner_merged_logp(algo, model, batch), rtol=0, atol=1e-5)

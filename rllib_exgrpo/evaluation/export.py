@@ -110,8 +110,10 @@ def _check_out(target: Path, typed: Union[str, os.PathLike], info: CheckpointInf
 
 def _policy_model(module, torch_dtype):
     """The module's HF model as it is saved: eval mode, KV cache on (a learner's
-    gradient-checkpointing setting turns it off), cast to ``torch_dtype`` where given."""
-    model = module.model
+    gradient-checkpointing setting turns it off), cast to ``torch_dtype`` where given. A
+    LoRA learner's is the plain model with the merged weights, under the plain names (what
+    the env runners sample from)."""
+    model = module.plain_model()
     if module.model_config.get("gradient_checkpointing"):
         disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
         disable()
