@@ -108,6 +108,21 @@ def test_only_adapters_train_and_the_base_weights_stay(quick_tiny_model):
     assert any(not torch.equal(before[n], after[n]) for n in trainable if ".lora_B." in n)
 
 
+def test_bf16_lora_learner_keeps_the_frozen_base_in_bf16_and_fp32_adapters(quick_tiny_model):
+    """No fp32 master copy of a frozen base (the memory plan counts 2 B per base weight);
+    the adapters train in fp32 under autocast, and what runners get is in bf16."""
+    group, learner = _learner(quick_tiny_model, model_dtype="bfloat16")
+    module = learner.module[DEFAULT_MODULE_ID]
+    dtypes = {(".lora_" in n, p.dtype) for n, p in module.named_parameters() if p.is_floating_point()}
+    assert dtypes == {(False, torch.bfloat16), (True, torch.float32)}
+    before = _named(module)
+    assert _update(group, learner)[DEFAULT_MODULE_ID]["update_skipped"] == 0
+    after = _named(module)
+    assert any(not torch.equal(before[n], after[n]) for n in after if ".lora_B." in n)
+    assert all(v.dtype == torch.bfloat16 for v in module.get_state(inference_only=True).values()
+               if torch.as_tensor(v).is_floating_point())
+
+
 def test_kl_reference_is_the_base_model_with_adapters_disabled(quick_tiny_model):
     group, learner = _learner(quick_tiny_model, kl_coeff=0.1)
     assert learner._reference_models == {}  # no second copy of the model

@@ -376,3 +376,43 @@ def test_gpu_memory_from_the_field_or_the_machine(monkeypatch):
     assert memory._nvidia_smi_memory(2) == (81559 << 20, "detected: NVIDIA H100 80GB HBM3, nvidia-smi")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert memory._nvidia_smi_memory(3)[0] == 40960 << 20  # the smallest GPU
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
+def test_lora_adapter_count_is_peft_s(targets):
+    """The plan's adapter count equals what peft trains on a Qwen2 of the same shape."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rllib_exgrpo.planning.shapes import ModelShape
+
+    hf = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=96, vocab_size=500, tie_word_embeddings=False)
+    model = get_peft_model(AutoModelForCausalLM.from_config(hf),
+                           LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert ModelShape.from_hf_config(hf).lora_parameters(8, targets) == trained
+
+
+def test_lora_learner_plan_holds_a_frozen_base_and_adapter_state():
+    """7B, LoRA rank 64 on one 80 GB GPU: the base in bf16 without master copy, AdamW on the
+    adapters only, no KL reference copy; the same config fully fine-tuned does not fit."""
+    from rllib_exgrpo.planning.memory import plan_memory
+    from rllib_exgrpo.planning.shapes import model_shape
+
+    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
+
+    def plan(rank):
+        cfg = ExGRPOConfig().training(model_name_or_path="Qwen/Qwen2.5-Math-7B", model_dtype="bfloat16",
+                                      lora_rank=rank, kl_coeff=0.001, gradient_checkpointing=True,
+                                      learner_micro_batch_tokens=16384, gpu_memory_gb=80)
+        return plan_memory(cfg.learners(num_learners=0, num_gpus_per_learner=1)).actors[0]
+
+    shape = model_shape("Qwen/Qwen2.5-Math-7B")
+    adapters = shape.lora_parameters(64)
+    lora, full = plan(64), plan(0)
+    items = {it.what: it.bytes for it in lora.items}
+    assert items["weights"] == 2 * shape.num_parameters + 4 * adapters
+    assert items["optimizer state"] == 8 * adapters and items["gradients"] == 4 * adapters
+    assert "KL reference model" not in items and "KL reference model" in {it.what for it in full.items}
+    assert lora.fits and not full.fits

@@ -73,7 +73,7 @@ def _default_chunk() -> int:
 
 def model_state_bytes(shape: ModelShape, *, backend: str, zero_stage: int = 2, num_learners: int = 1,
                       model_dtype: str = "bfloat16", ddp_bucket_view: bool = False,
-                      reduce_bucket_elements: Optional[int] = None) -> Dict[str, int]:
+                      reduce_bucket_elements: Optional[int] = None, lora_parameters: int = 0) -> Dict[str, int]:
     """Model states of one learner GPU, in bytes.
 
     ``backend="ddp"`` (this project's DDP learner): fp32 weights (a ``bfloat16`` /
@@ -91,7 +91,13 @@ def model_state_bytes(shape: ModelShape, *, backend: str, zero_stage: int = 2, n
     optimiser step: DeepSpeed's fp32 gradient partition and AdamW's fp32 temporary),
     ``step_total``, and ``deepspeed_comparable`` (what DeepSpeed's own estimators count:
     weights, gradients, optimiser state, fp32 gradients, gathered module).
+
+    ``lora_parameters`` > 0 (DDP only: LoRA learners): the frozen base in ``model_dtype``
+    (nothing updates it, so no fp32 master copy and no autocast copies), and fp32 adapters
+    with their gradients, AdamW moments, DDP buckets and the step's temporary.
     """
+    if lora_parameters:
+        return _lora_state_bytes(shape, int(lora_parameters), num_learners, model_dtype, ddp_bucket_view, backend)
     p = int(shape.num_parameters)
     n = max(1, int(num_learners or 1))
     out = dict(weights=0, gradients=0, optimizer=0, buckets=0, gathered=0, autocast_copies=0, step_extra=0)
@@ -128,6 +134,22 @@ def model_state_bytes(shape: ModelShape, *, backend: str, zero_stage: int = 2, n
     out["step_total"] = out["total"] - out["autocast_copies"] + out["step_extra"]
     out["deepspeed_comparable"] = (out["weights"] + out["gradients"] + out["optimizer"] + comparable_fp32_grads
                                    + out["gathered"])
+    return {k: int(v) for k, v in out.items()}
+
+
+def _lora_state_bytes(shape: ModelShape, adapters: int, num_learners: int, model_dtype: str,
+                      ddp_bucket_view: bool, backend: str) -> Dict[str, int]:
+    """:func:`model_state_bytes` of a LoRA learner (see there)."""
+    if backend != "ddp":
+        raise ValueError("LoRA learners run on the DDP backend only (learner_backend: ddp)")
+    n = max(1, int(num_learners or 1))
+    out = dict(weights=dtype_bytes(model_dtype) * int(shape.num_parameters) + 4 * adapters,
+               gradients=4 * adapters, optimizer=8 * adapters,
+               buckets=4 * adapters if (n >= 2 and not ddp_bucket_view) else 0,
+               gathered=0, autocast_copies=0, step_extra=4 * adapters)
+    out["total"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "buckets"))
+    out["step_total"] = out["total"] + out["step_extra"]
+    out["deepspeed_comparable"] = out["weights"] + out["gradients"] + out["optimizer"]
     return {k: int(v) for k, v in out.items()}
 
 
@@ -643,11 +665,15 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     model_dtype = config.model_dtype
     ckpt = bool(config.gradient_checkpointing)
     ddp_kwargs = dict(_get(config, "torch_ddp_kwargs", {}) or {})
+    adapters = shape.lora_parameters(config.lora_rank, config.lora_target_modules) if config.lora_rank else 0
     states = model_state_bytes(shape, backend=backend, zero_stage=stage, num_learners=max(1, n_learners),
                                model_dtype=model_dtype,
-                               ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)))
+                               ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)),
+                               lora_parameters=adapters)
     plan = ActorPlan("learner", max(1, n_learners), per)
-    if backend == "ddp":
+    if adapters:
+        mode_bytes, autocast = _lora_state_items(plan, shape, states, model_dtype, config.lora_rank, adapters)
+    elif backend == "ddp":
         mode_bytes, autocast = _ddp_state_items(plan, shape, states, model_dtype)
     else:
         mode_bytes, autocast = _deepspeed_state_items(plan, shape, states, stage, max(1, n_learners))
@@ -663,7 +689,7 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     if config.scoring_on == "learners":
         _learner_scoring_items(plan, config, shape, prompt + response, response, mode_bytes, chunk, act)
     if float(config.kl_coeff or 0.0) > 0:
-        _kl_reference_items(plan, shape, lp, act, mode_bytes, chunk, backend)
+        _kl_reference_items(plan, shape, lp, act, mode_bytes, chunk, backend, lora=bool(adapters))
     # The optimiser step runs after the pass: its temporaries need room only beyond the
     # activations (freed by then) and autocast's weight copies.
     step_extra = states["step_extra"] - states["autocast_copies"] - act["peak"]
@@ -693,6 +719,21 @@ def _ddp_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int],
     if states["autocast_copies"]:
         it(Item("autocast weight copies", states["autocast_copies"],
                 "bf16 copies of the linear layers' weights, held through a pass"))
+    return (2, True) if dtype_bytes(model_dtype) == 2 else (4, False)
+
+
+def _lora_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int], model_dtype: str, rank: int,
+                      adapters: int) -> Tuple[int, bool]:
+    """A LoRA learner's model states into ``plan``; returns the pass's ``(dtype bytes,
+    autocast)``: the frozen base computes in its own dtype, the fp32 adapters under autocast."""
+    it = plan.items.append
+    p = shape.num_parameters
+    it(Item("weights", states["weights"], f"{p / 1e9:.2f} B frozen base x {dtype_bytes(model_dtype)} B ({model_dtype}) "
+                                          f"+ {adapters / 1e6:.1f} M fp32 LoRA adapters (rank {rank})"))
+    it(Item("gradients", states["gradients"], "fp32, adapters only"))
+    it(Item("optimizer state", states["optimizer"], "AdamW moments, 2 x fp32, adapters only"))
+    if states["buckets"]:
+        it(Item("DDP gradient buckets", states["buckets"], "fp32 copy of the adapters' gradients"))
     return (2, True) if dtype_bytes(model_dtype) == 2 else (4, False)
 
 
@@ -739,11 +780,16 @@ def _learner_scoring_items(plan: ActorPlan, config: Any, shape: ModelShape, toke
 
 
 def _kl_reference_items(plan: ActorPlan, shape: ModelShape, lp: LearnerPass, act: Dict[str, int], mode_bytes: int,
-                        chunk: int, backend: str) -> None:
-    """``kl_coeff > 0``: the frozen reference policy, and its no-grad pass on top of the
-    saved activations where that exceeds the update's peak."""
-    ref_bytes = shape.num_parameters * (4 if backend == "ddp" else 2)
-    plan.items.append(Item("KL reference model", ref_bytes, "frozen copy of the policy (kl_coeff > 0)"))
+                        chunk: int, backend: str, lora: bool = False) -> None:
+    """``kl_coeff > 0``: the frozen reference policy (none with LoRA: the base with the
+    adapters disabled is the reference), and its no-grad pass on top of the saved
+    activations where that exceeds the update's peak."""
+    if lora:
+        plan.notes.append("kl_coeff > 0 with LoRA: the reference is the frozen base with the adapters disabled "
+                          "(no second copy)")
+    else:
+        ref_bytes = shape.num_parameters * (4 if backend == "ddp" else 2)
+        plan.items.append(Item("KL reference model", ref_bytes, "frozen copy of the policy (kl_coeff > 0)"))
     ref_pass = scoring_activation_bytes(shape, lp.rows, lp.tokens, response_tokens=lp.response,
                                         dtype_bytes=mode_bytes, with_entropy=False, dense_mask=not lp.packed,
                                         chunk_tokens=chunk)

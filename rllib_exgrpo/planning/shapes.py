@@ -96,6 +96,18 @@ class ModelShape:
         return (self.num_hidden_layers * self.layer_parameters + self.embedding_parameters
                 + self.hidden_size + head)
 
+    def lora_parameters(self, rank: int, target_modules: Any = "all-linear") -> int:
+        """The adapter parameters of LoRA at ``rank`` on the decoder layers' linear layers:
+        ``rank x (in + out)`` per targeted layer. ``target_modules``: "all-linear" (every
+        linear layer but the output head) or a list of module names (q_proj, k_proj, v_proj,
+        o_proj, gate_proj, up_proj, down_proj); names outside that list count nothing."""
+        h, ad, kd, i = self.hidden_size, self.attention_width, self.kv_width, self.intermediate_size
+        sizes = {"q_proj": h + ad, "k_proj": h + kd, "v_proj": h + kd, "o_proj": ad + h,
+                 "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
+        names = list(sizes) if target_modules == "all-linear" else [str(n) for n in target_modules]
+        per_layer = sum(sizes.get(n, 0) for n in names)
+        return int(rank) * per_layer * self.num_hidden_layers
+
     @property
     def largest_module_parameters(self) -> int:
         """The parameters of the largest single module (DeepSpeed's ``largest_layer_params``

@@ -118,15 +118,19 @@ class LLMTorchRLModule(TorchRLModule):
         #: The autocast dtype when the weights are a higher-precision master copy, else None.
         self.compute_dtype: Optional[torch.dtype] = None
         master = model_config.get("master_dtype")
+        lora_settings = lora.settings(model_config)
         if master and not self.inference_only and master != model_config.get("dtype", "float32"):
             self.compute_dtype = resolve_dtype(model_config.get("dtype", "float32"))
-            model_config["dtype"] = master
+            if not lora_settings:
+                model_config["dtype"] = master
+            # A LoRA learner's base is frozen: a master copy would only double its bytes, so
+            # it stays in the compute dtype; the adapters are fp32 (peft casts bf16/fp16
+            # adapters up) and autocast mixes the two.
         self.model = load_causal_lm(model_config)
         #: peft's wrapper of ``self.model`` on a LoRA learner (``models/lora.py``), else None.
         #: Kept out of the module's registry: ``self.model`` is the same network (its LoRA
         #: layers injected in place), so the state keeps the HF model's names.
         self.__dict__["lora_model"] = None
-        lora_settings = lora.settings(model_config)
         if lora_settings and not self.inference_only:
             self.__dict__["lora_model"] = lora.wrap(self.model, lora_settings,
                                                        bool(model_config.get("gradient_checkpointing")))
