@@ -58,7 +58,7 @@ from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
 from rllib_exgrpo.rllib.heldout import HeldoutEvaluator
 from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
 from rllib_exgrpo.rllib.module import LLMTorchRLModule
-from rllib_exgrpo.rllib.colocation import sample_on_learners
+from rllib_exgrpo.rllib.colocation import learner_rank, sample_on_learners
 from rllib_exgrpo.rllib.rollouts import RolloutCoordinator, score_on_learners
 from rllib_exgrpo.rllib.weight_broadcast import WeightBroadcaster, WeightSyncFailed, chosen_path
 
@@ -680,12 +680,23 @@ class ExGRPO(Algorithm):
             states = group.foreach_env_runner(lambda r: _torch_rng_state(), local_env_runner=False,
                                               remote_worker_ids=ids)
             remote = dict(zip(ids, states))
-        return {"torch": torch.get_rng_state(), "remote_env_runners": remote}
+        return {"torch": torch.get_rng_state(), "remote_env_runners": remote, "learners": self._learner_rng_states()}
+
+    def _learner_rng_states(self) -> Optional[dict]:
+        """``colocate`` with remote learners: each learner's torch RNG by rank (they sample)."""
+        if not self.config.colocate or self.learner_group is None or self.learner_group.is_local:
+            return None
+        results = self.learner_group.foreach_learner(lambda learner: (learner_rank(), _torch_rng_state()))
+        return dict(r.get() for r in results)
 
     def _set_rng_states(self, rng: dict) -> None:
         import torch
 
         torch.set_rng_state(rng["torch"])
+        learners = rng.get("learners")
+        if learners and self.config.colocate and not self.learner_group.is_local:
+            self.learner_group.foreach_learner(
+                lambda learner, _st=learners: _set_torch_rng_state(_st[learner_rank()]) if learner_rank() in _st else None)
         group = self.env_runner_group
         if group is None or group.num_remote_workers() == 0:
             return
