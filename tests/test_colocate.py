@@ -272,3 +272,45 @@ def test_two_ddp_learners_sample_their_shares(quick_tiny_model, tmp_path):
 @pytest.mark.usefixtures("ray_local")
 def test_lora_learner_samples_from_its_adapted_weights(quick_tiny_model, tmp_path):
     _run_train_restore_train(_config(quick_tiny_model, lora_rank=4, lora_alpha=8.0, lr=1e-2), tmp_path, lora=True)
+
+
+# --- vLLM in the learner (vLLM's CPU build: no sleep mode) ------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_engine_in_the_learner_takes_turns_and_samples_the_updated_weights(quick_tiny_model, capsys):
+    pytest.importorskip("vllm", reason="vllm not installed (bash tests/run.sh vllm)")
+    from ray.rllib.core import DEFAULT_MODULE_ID
+
+    from rllib_exgrpo.cli.rehearsal import VLLM_CPU_KWARGS
+    from rllib_exgrpo.core.groups import trajectories_from_episodes
+    from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
+    from rllib_exgrpo.models.loading import load_tokenizer
+    from rllib_exgrpo.rllib.env_runner import token_spaces
+
+    tok = load_tokenizer(quick_tiny_model)
+    cfg = _config(quick_tiny_model, lora_rank=4, lora_alpha=8.0).training(
+        max_response_tokens=8, generation_backend="vllm", behaviour_logprobs="engine", generation_batch_size=16,
+        vllm_kwargs=dict(VLLM_CPU_KWARGS))
+    group = cfg.build_learner_group(spaces={DEFAULT_MODULE_ID: token_spaces(len(tok), 128, 8)})
+    learner = group._learner
+    ids = [p.id for p in ReasoningEnv({"dataset": "arithmetic"}).problems[:3]]
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for turn in range(2):
+            _, episodes, _ = learner.colocated_sample([[ids, [2] * len(ids), [None] * len(ids)]], {})
+            trajs = trajectories_from_episodes(episodes)
+            assert len(trajs) == 6
+            rows, want, _ = learner.score_rows([t.prompt_ids for t in trajs], [t.completion_ids for t in trajs],
+                                               tok.pad_token_id)
+            for j, i in enumerate(rows):  # the engine sampled from the learner's current (merged) weights
+                np.testing.assert_allclose(trajs[i].logp, want[j], atol=2e-3, rtol=0)
+            with torch.no_grad():  # the adapters move, as an update moves them
+                for name, p in learner.module[DEFAULT_MODULE_ID].named_parameters():
+                    if ".lora_B." in name:
+                        p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+        sampler = learner.colocated_sampler()
+        assert sampler.record.phases == list(PHASES) * 2 and sampler.record.overlaps() == []
+        assert capsys.readouterr().out.count("has no sleep mode") == 1
+    finally:
+        learner.colocated_sampler().backend.close()
+        group.shutdown()
