@@ -147,6 +147,33 @@ def test_optimizer_state_moves_to_the_host_and_back_on_a_gpu():
     opt.step()
 
 
+# --- the memory plan's generation turn --------------------------------------------------------------
+def test_memory_plan_has_the_generation_turn_and_names_vllms_share_when_it_does_not_fit():
+    import sys
+    from pathlib import Path
+
+    from rllib_exgrpo.planning.memory import plan_memory
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_memory_plan import QWEN15, _config as recipe
+
+    gpu = 80 * (1 << 30)
+
+    def plan(**over):
+        cfg = recipe(QWEN15, colocate=True, num_env_runners=0, num_gpus_per_env_runner=0, learner_backend="ddp",
+                     **over)
+        return plan_memory(cfg, gpu_memory=gpu, gpu_memory_source="test")
+
+    fits = plan(vllm_kwargs={"gpu_memory_utilization": 0.35})
+    assert [a.kind for a in fits.actors] == ["learner", "learner, generation turn (colocate)"] and fits.fits
+    turn = {it.what for it in fits.actors[1].items}
+    assert "vLLM engine" in turn and "optimizer state" not in turn and "gradients" not in turn  # offloaded
+    problems = plan(vllm_kwargs={"gpu_memory_utilization": 0.8}).problems()
+    assert len(problems) == 1 and problems[0].startswith("config.vllm_kwargs.gpu_memory_utilization")
+    hf = {it.what for it in plan(generation_backend="hf").actors[1].items}
+    assert {"optimizer state", "HF generation KV cache"} <= hf and "vLLM engine" not in hf
+
+
 # --- end to end (slow) ----------------------------------------------------------------------------
 def _config(model, **training):
     return (

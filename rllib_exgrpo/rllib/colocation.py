@@ -188,6 +188,7 @@ class ColocatedSampler:
         """One generation turn. HF: the learner's model, in eval mode under its autocast.
         vLLM: optimizer state off the device, engine awake with the current weights, and
         after the body the engine asleep and the optimizer state back (module doc)."""
+        self._free_gradients()
         if not self.uses_engine:
             with self._model_for_inference():
                 yield
@@ -204,6 +205,12 @@ class ColocatedSampler:
             self._sleep()
             self.offload.reload()
             self._note("reload_optimizer")
+
+    def _free_gradients(self) -> None:
+        """The last update's gradients are not needed again (the next update zeroes them,
+        set to None): drop them, so the turn has their memory."""
+        for p in self.module.parameters():
+            p.grad = None
 
     # ---- the engine's side (vLLM) -----------------------------------------------------------
     def _sleep_mode(self) -> bool:
