@@ -253,11 +253,22 @@ def _seed_pool(algo):
                             iteration=algo.iteration)
 
 
+def _perturb_adapters(learner):
+    """Adapters as training leaves them (B no longer zero), the same on every learner."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in learner.module["default_policy"].unwrapped().named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+
+
 def _run_train_restore_train(cfg, tmp_path, lora=False):
     from rllib_exgrpo.rllib.algorithm import ExGRPO
 
     algo = cfg.build_algo()
     try:
+        if lora:
+            algo.learner_group.foreach_learner(_perturb_adapters)
         assert algo.env_runner_group.local_env_runner.module is None  # no copy in the main process
         for i in range(2):
             result = algo.train()
