@@ -175,6 +175,18 @@ def test_memory_plan_has_the_generation_turn_and_names_vllms_share_when_it_does_
 
 
 # --- end to end (slow) ----------------------------------------------------------------------------
+def _by_value():
+    """The helpers below run on remote learners, where this test module is not importable."""
+    import sys
+
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+_by_value()
+
+
 def _config(model, **training):
     return (
         ExGRPOConfig()

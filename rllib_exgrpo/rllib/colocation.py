@@ -28,10 +28,11 @@ that no phase has both.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -52,10 +53,11 @@ class TurnEvent:
 
 
 class TurnRecord:
-    """The protocol's calls in order, with the state after each (see the module doc)."""
+    """The protocol's calls in order, with the state after each (see the module doc); the
+    last ``keep`` of them."""
 
-    def __init__(self):
-        self.events: List[TurnEvent] = []
+    def __init__(self, keep: int = 10_000):
+        self.events: Deque[TurnEvent] = collections.deque(maxlen=keep)
 
     def note(self, phase: str, *, engine_awake: bool, optimizer_on_device: bool) -> None:
         self.events.append(TurnEvent(phase, engine_awake, optimizer_on_device))
