@@ -193,9 +193,9 @@ def _config(model, **training):
         .environment(env_config={"dataset": "arithmetic"})
         .training(
             model_name_or_path=model, questions_per_step=4, group_size=4, max_prompt_tokens=128,
-            max_response_tokens=12, lr=1e-3, minibatch_size=16, loss_agg_mode="token-mean",
-            heldout_dataset="arithmetic", heldout_num_questions=4, heldout_interval=2,
-            delayed_start_solve_rate=0.0, colocate=True, **training,
+            minibatch_size=16, loss_agg_mode="token-mean", heldout_dataset="arithmetic",
+            heldout_num_questions=4, heldout_interval=2, delayed_start_solve_rate=0.0, colocate=True,
+            **{"max_response_tokens": 12, "lr": 1e-3, **training},
         )
         .env_runners(num_env_runners=0)
     )
