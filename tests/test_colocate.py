@@ -327,7 +327,7 @@ def test_lora_learner_samples_from_its_adapted_weights(quick_tiny_model, tmp_pat
 # --- vLLM in the learner (vLLM's CPU build: no sleep mode) ------------------------------------------
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_engine_in_the_learner_takes_turns_and_samples_the_updated_weights(quick_tiny_model, capsys):
+def test_vllm_engine_in_the_learner_takes_turns_and_samples_the_updated_weights(quick_tiny_model):
     pytest.importorskip("vllm", reason="vllm not installed (bash tests/run.sh vllm)")
     from ray.rllib.core import DEFAULT_MODULE_ID
 
@@ -360,7 +360,7 @@ def test_vllm_engine_in_the_learner_takes_turns_and_samples_the_updated_weights(
                         p.add_(torch.randn(p.shape, generator=gen) * 0.05)
         sampler = learner.colocated_sampler()
         assert sampler.record.phases == list(PHASES) * 2 and sampler.record.overlaps() == []
-        assert capsys.readouterr().out.count("has no sleep mode") == 1
+        assert sampler._said_no_sleep  # the CPU build: sleep and wake skipped, said once
     finally:
         learner.colocated_sampler().backend.close()
         group.shutdown()
