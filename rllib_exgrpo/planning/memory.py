@@ -1017,7 +1017,7 @@ def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_sou
                           f"{int(config.max_response_tokens)} still sets the loss normalisation")
     if float(_get(config, "num_gpus_per_learner", 0)) > 0:
         plan.actors.append(_learner_plan(config, shape, gpu_memory, prompt, response))
-    if float(_get(config, "num_gpus_per_learner", 0)) > 0 and _get(config, "colocate", False):
+    if float(_get(config, "num_gpus_per_learner", 0)) > 0 and config.colocate:
         plan.actors.append(_colocated_turn_plan(config, shape, gpu_memory, prompt, response, max_len))
     elif float(_get(config, "num_gpus_per_env_runner", 0)) > 0:
         plan.actors.append(_runner_plan(config, shape, gpu_memory, prompt, response, max_len))
