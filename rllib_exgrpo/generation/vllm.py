@@ -445,6 +445,8 @@ class VLLMGenerationBackend:
         self._warned_rescoring = False
         self._warned_clamp = False
         self._model_names: Optional[List[str]] = None
+        #: Whether the engine holds weights and KV cache (False after ``sleep``; colocate).
+        self.awake = False
 
     # ---- engine ----------------------------------------------------------------------
     def engine_kwargs(self) -> Dict[str, Any]:
@@ -479,6 +481,9 @@ class VLLMGenerationBackend:
             # vLLM's own sampling defaults, not the checkpoint's generation_config.json.
             generation_config="vllm",
         )
+        if cfg.colocate and torch.cuda.is_available():
+            # The engine shares the learner's GPU and sleeps while it trains (rllib/colocation.py).
+            kwargs["enable_sleep_mode"] = True
         kwargs.update(dict(cfg.vllm_kwargs or {}))
         return kwargs
 
@@ -507,9 +512,25 @@ class VLLMGenerationBackend:
         self._has_extension = kwargs.get("worker_extension_cls") == WORKER_EXTENSION
         # The module may already hold other weights than the checkpoint (restore, sync
         # before the first sample): start the engine from the module's.
+        self.awake = True
         if self.module is not None:
-            self._push_weights(list(self.module.model.state_dict().items()))
+            self.load_weights(self.module_weights())
         return self.llm
+
+    def build_engine(self):
+        """The engine, built (awake, with the module's weights) if it is not yet."""
+        return self._ensure_llm()
+
+    def module_weights(self) -> Dict[str, Any]:
+        """The module's weights as the engine takes them: a learner's module (colocate) gives
+        its inference tensors, a LoRA learner's merged under the plain names; an env runner's
+        plain module its state dict."""
+        inference = getattr(self.module, "inference_tensors", None)
+        if inference is None or getattr(self.module, "lora_model", None) is None:
+            return self.module.model.state_dict()
+        from rllib_exgrpo.models import lora
+
+        return {key: lora.resolve(value).detach() for key, value in inference().items()}
 
     # ---- GenerationBackend -----------------------------------------------------------
     def generate(
@@ -643,9 +664,9 @@ class VLLMGenerationBackend:
 
     def _hf_names(self) -> List[str]:
         """The HF model's own state-dict names (the module's, or a meta-device model's)."""
-        if self.module is not None:
+        if self.module is not None and getattr(self.module, "lora_model", None) is None:
             return list(self.module.model.state_dict().keys())
-        if self._model_names is None:
+        if self._model_names is None:  # no module, or a LoRA learner's (peft's names): the plain ones
             from rllib_exgrpo.models.loading import parameter_names
 
             self._model_names = parameter_names(self.config.model_name_or_path)

@@ -1017,8 +1017,62 @@ def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_sou
                           f"{int(config.max_response_tokens)} still sets the loss normalisation")
     if float(_get(config, "num_gpus_per_learner", 0)) > 0:
         plan.actors.append(_learner_plan(config, shape, gpu_memory, prompt, response))
-    if float(_get(config, "num_gpus_per_env_runner", 0)) > 0:
+    if float(_get(config, "num_gpus_per_learner", 0)) > 0 and config.colocate:
+        plan.actors.append(_colocated_turn_plan(config, shape, gpu_memory, prompt, response, max_len))
+    elif float(_get(config, "num_gpus_per_env_runner", 0)) > 0:
         plan.actors.append(_runner_plan(config, shape, gpu_memory, prompt, response, max_len))
+    return plan
+
+
+def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int,
+                         max_len: int) -> ActorPlan:
+    """``colocate``: the learner's GPU during a generation turn (rllib/colocation.py). The
+    learner's weights stay; its gradients are dropped; with vLLM its optimizer state is on the
+    host and the engine is awake (its share, weights and KV cache), with HF the optimizer state
+    stays and the learner's own model generates (its KV cache and scoring pass). The training
+    phase is the ``learner`` plan (a sleeping engine holds neither weights nor KV cache)."""
+    n_learners = int(_get(config, "num_learners", 0))
+    per = float(_get(config, "num_gpus_per_learner", 0))
+    adapters = shape.lora_parameters(config.lora_rank, config.lora_target_modules) if config.lora_rank else 0
+    ddp_kwargs = dict(_get(config, "torch_ddp_kwargs", {}) or {})
+    states = model_state_bytes(shape, backend=config.learner_backend, zero_stage=int(config.deepspeed_zero_stage),
+                               num_learners=max(1, n_learners), model_dtype=config.model_dtype,
+                               ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)),
+                               lora_parameters=adapters)
+    plan = ActorPlan("learner, generation turn (colocate)", max(1, n_learners), per)
+    it = plan.items.append
+    b = dtype_bytes(config.model_dtype)
+    chunk = int(config.generation_batch_size)
+    tokens = prompt + response
+    it(Item("learner weights", states["weights"], "resident through the turn"))
+    if states["buckets"]:
+        it(Item("DDP gradient buckets", states["buckets"], "kept by DDP between updates"))
+    vllm_share = None
+    if config.generation_backend == "vllm":
+        plan.notes.append(f"optimizer state ({_gib(states['optimizer'])}) and gradients offloaded / dropped "
+                          "while the engine is awake")
+        vllm_share = _vllm_engine_items(plan, config, shape, gpu, b, chunk, max_len)
+    else:
+        it(Item("optimizer state", states["optimizer"], "stays: the HF backend generates from the learner's model"))
+        kv_token = shape.kv_cache_bytes_per_token(b)
+        it(Item("HF generation KV cache", chunk * tokens * kv_token,
+                f"generation_batch_size {chunk} x {tokens} tokens x {kv_token / 1024:.0f} KiB"))
+    if config.scoring_on != "learners" and config.behaviour_logprobs == "recompute":
+        it(Item("scoring pass", scoring_activation_bytes(shape, chunk, tokens, response_tokens=response,
+                                                         dtype_bytes=b),
+                f"behaviour log-probs: generation_batch_size {chunk} rows x {tokens} tokens, no grad"))
+    it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
+    if gpu is not None and per > 0:
+        plan.budget = int(min(1.0, per) * usable_memory(gpu))
+        if not plan.failed and plan.fits is False:
+            others = plan.total - (vllm_share or 0)
+            if vllm_share is not None:
+                plan.key = "vllm_kwargs.gpu_memory_utilization"
+                plan.advice = (f"the learner keeps {_gib(others)} through the turn: at most "
+                               f"{max(0.0, math.floor((plan.budget - others) / gpu * 100) / 100):.2f} leaves it room")
+            else:
+                plan.key = "generation_batch_size"
+                plan.advice = "the HF KV cache and scoring pass of a generation chunk do not fit beside the learner"
     return plan
 
 

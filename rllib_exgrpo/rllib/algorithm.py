@@ -58,6 +58,7 @@ from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
 from rllib_exgrpo.rllib.heldout import HeldoutEvaluator
 from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
 from rllib_exgrpo.rllib.module import LLMTorchRLModule
+from rllib_exgrpo.rllib.colocation import learner_rank, sample_on_learners
 from rllib_exgrpo.rllib.rollouts import RolloutCoordinator, score_on_learners
 from rllib_exgrpo.rllib.weight_broadcast import WeightBroadcaster, WeightSyncFailed, chosen_path
 
@@ -233,6 +234,8 @@ class ExGRPO(Algorithm):
         local = self.env_runner_group.local_env_runner
         if isinstance(local, LLMEnvRunner):
             local.weights_source = self._learner_module_state
+            if cfg.colocate:  # the learners sample: the main process keeps no copy of the weights
+                local.mark_weights_stale()
         # weight_sync: a collective broadcast to the remote runners, or RLlib's object store.
         path, line = chosen_path(cfg)
         self._weight_broadcaster = (
@@ -464,7 +467,7 @@ class ExGRPO(Algorithm):
         """Re-score stored trajectories where the current weights live: on the runners
         (``RolloutCoordinator.score_on_runners``) or, with ``scoring_on: learners``, on the
         learners (``rollouts.score_on_learners``)."""
-        if self.config.scoring_on == "learners":
+        if self.config.scoring_on == "learners" or self.config.colocate:
             return self._score_on_learners(prompts, completions)
         return self.coordinator.score_on_runners(prompts, completions)
 
@@ -492,7 +495,11 @@ class ExGRPO(Algorithm):
     def _sample(self, question_ids: Sequence[str], num_samples: Sequence[int],
                 prompt_prefixes: Optional[Sequence[Optional[str]]] = None, **sample_kwargs):
         """``RolloutCoordinator.sample``: a question's group stays on one runner; dead
-        runners are restored and their questions sampled again."""
+        runners are restored and their questions sampled again. With ``colocate`` the
+        learners sample (``colocation.sample_on_learners``)."""
+        if self.config.colocate:
+            return sample_on_learners(self.learner_group, question_ids, num_samples, prompt_prefixes,
+                                      **sample_kwargs)
         return self.coordinator.sample(question_ids, num_samples, prompt_prefixes, **sample_kwargs)
 
     def _restart_failed_runners(self) -> None:
@@ -519,6 +526,8 @@ class ExGRPO(Algorithm):
         RLlib's fire-and-forget). ``collective``: a broadcast to every healthy remote runner
         (``rllib/weight_broadcast.py``), which returns once every runner holds the weights;
         when a runner fails in it, the failed runners are restored and the group rebuilt, once."""
+        if self.config.colocate:
+            return  # the learners sample from their own weights (rllib/colocation.py)
         broadcaster = self._weight_broadcaster
         if broadcaster is None:
             self.env_runner_group.sync_weights(
@@ -671,12 +680,23 @@ class ExGRPO(Algorithm):
             states = group.foreach_env_runner(lambda r: _torch_rng_state(), local_env_runner=False,
                                               remote_worker_ids=ids)
             remote = dict(zip(ids, states))
-        return {"torch": torch.get_rng_state(), "remote_env_runners": remote}
+        return {"torch": torch.get_rng_state(), "remote_env_runners": remote, "learners": self._learner_rng_states()}
+
+    def _learner_rng_states(self) -> Optional[dict]:
+        """``colocate`` with remote learners: each learner's torch RNG by rank (they sample)."""
+        if not self.config.colocate or self.learner_group is None or self.learner_group.is_local:
+            return None
+        results = self.learner_group.foreach_learner(lambda learner: (learner_rank(), _torch_rng_state()))
+        return dict(r.get() for r in results)
 
     def _set_rng_states(self, rng: dict) -> None:
         import torch
 
         torch.set_rng_state(rng["torch"])
+        learners = rng.get("learners")
+        if learners and self.config.colocate and not self.learner_group.is_local:
+            self.learner_group.foreach_learner(
+                lambda learner, _st=learners: _set_torch_rng_state(_st[learner_rank()]) if learner_rank() in _st else None)
         group = self.env_runner_group
         if group is None or group.num_remote_workers() == 0:
             return

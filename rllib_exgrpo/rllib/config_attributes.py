@@ -33,6 +33,7 @@ class ExGRPOConfigFields:
     scoring_on: Literal['runners', 'learners']
     behaviour_ratio_cap: float
     async_rollouts: bool
+    colocate: bool
 
     # GRPO objective
     advantage_estimator: str

@@ -225,6 +225,13 @@ _SAMPLING = [
        "log-probs recorded at sampling keep the importance ratio exact; logged as "
        "async_batch_staleness). Needs num_env_runners >= 1: the runners must not share the "
        "learner's process. False: strict alternation (the papers' on-policy order)."),
+    _f("colocate", False, boolean,
+       "Colocated placement: each learner's GPU holds both generation and training, and they take "
+       "turns. The learners sample their share of each step's questions themselves, with the env "
+       "runner's sampling code inside the learner process: the HF backend samples from the learner's "
+       "own model (one copy of the weights, nothing synced); vLLM's engine lives in the learner process "
+       "and sleeps while the learner trains (optimizer state offloaded to host while it is awake). "
+       "Needs num_env_runners: 0; the GPU is num_gpus_per_learner's. False: env runners sample."),
 ]
 _SECTION = "GRPO objective"
 _OBJECTIVE = [
@@ -564,6 +571,8 @@ def cross_field_errors(config: Any) -> Iterator[str]:
         yield ("scoring_on: 'learners' does not go with async_rollouts: the learners train on step t while "
                "step t+1 is sampled, so they hold neither the weights it was sampled with nor time to score "
                "it; use scoring_on: runners with async_rollouts")
+    if config.colocate:
+        yield from _colocate_errors(config)
     if _is_int(config.lora_rank) and config.lora_rank > 0 and config.learner_backend == "deepspeed":
         yield ("lora_rank > 0 needs learner_backend: ddp: the DeepSpeed learner's weight gathers, "
                "ZeRO checkpoints and weight sync move the wrapped model's own tensors, not merged LoRA weights")
@@ -572,6 +581,19 @@ def cross_field_errors(config: Any) -> Iterator[str]:
         # fp16 gradients underflow without it. bf16 needs no scaling; DeepSpeed scales fp16.
         yield ("learner_backend: 'ddp' has no fp16 loss scaling: set model_dtype: bfloat16, or "
                "learner_backend: deepspeed for float16")
+
+
+def _colocate_errors(config: Any) -> Iterator[str]:
+    """``colocate``'s rules: generation lives in the learners, one copy of the weights."""
+    if config.async_rollouts:
+        yield ("colocate does not go with async_rollouts: generation and training take turns on the "
+               "same GPU, so there is nothing to overlap")
+    if not getattr(config, "in_evaluation", False) and config.num_env_runners != 0:
+        yield (f"colocate needs num_env_runners: 0 (got {config.num_env_runners!r}): the learners "
+               "sample themselves; env runners would hold a second copy of the weights")
+    if config.learner_backend == "deepspeed":
+        yield ("colocate needs learner_backend: ddp for now: generating from a DeepSpeed engine's "
+               "(ZeRO-partitioned) weights is not built yet")
 
 
 class _NotProvidedRepr:

@@ -97,6 +97,7 @@ RUNNER_SETTINGS = (
     "behaviour_logprobs",
     "scoring_on",
     "hf_decoder",
+    "colocate",
 )
 
 #: Where a setting lives in a module ``model_config`` when its name differs there: the
@@ -274,6 +275,15 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             # Weights were synced while this runner had no module: fetch them now.
             self._weights_dropped = False
             self._load_module_state(self.weights_source())
+        self.backend = self._make_backend()
+
+    def attach_module(self, module) -> None:
+        """Sample from ``module`` itself (``colocate``: a learner's own module, in the learner
+        process; ``rllib/colocation.py``): no module of its own is built and no weights are
+        synced into it; a vLLM backend's engine takes the module's weights when it wakes."""
+        self.module = module
+        self.weights_source = None
+        self._pending_module_state, self._weights_dropped = None, False
         self.backend = self._make_backend()
 
     def _make_backend(self):
@@ -560,6 +570,8 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def _samples_here(self) -> bool:
         """Whether this runner samples in training: a remote runner, or the local one
         of an algorithm without remote runners."""
+        if self.settings.colocate:
+            return False  # the learners sample (rllib/colocation.py)
         return bool(self.worker_index) or not (self.config.num_env_runners or 0)
 
     def _load_module_state(self, module_state) -> None:

@@ -235,6 +235,41 @@ class ExGRPOTorchLearner(TorchLearner):
             (module_id, "zero_advantage_updates"), float(values["zero_advantage_fraction"] == 1.0), reduce="sum"
         )
 
+    # ---- generation in the learner (colocate; rllib/colocation.py) ------------------------------
+    def colocated_sampler(self):
+        """This learner's :class:`~rllib_exgrpo.rllib.colocation.ColocatedSampler`, built on
+        first use over its own module."""
+        sampler = getattr(self, "_colocated_sampler", None)
+        if sampler is None:
+            from ray.rllib.core import DEFAULT_MODULE_ID
+
+            from rllib_exgrpo.rllib.colocation import ColocatedSampler, learner_rank
+            from rllib_exgrpo.rllib.resources import apply_threads_for
+
+            sampler = ColocatedSampler(
+                self.config, self.module[DEFAULT_MODULE_ID].unwrapped(), index=learner_rank(),
+                optimizers=lambda: [opt for _, opt in self.get_optimizers_for_module()],
+            )
+            apply_threads_for(self.config, "learner")  # the runner sized them for itself
+            self._colocated_sampler = sampler
+        return sampler
+
+    def colocated_sample(self, shards, sample_kwargs):
+        """``colocate``: sample this learner's share (``shards[rank]``: question ids,
+        completions per question, prompt prefixes) with its colocated sampler. Returns
+        ``(rank, episodes, runner metrics or None)``."""
+        from rllib_exgrpo.rllib.colocation import learner_rank
+
+        rank = learner_rank()
+        mine = shards[rank] if rank < len(shards) else None
+        if not mine:
+            return rank, [], None
+        sampler = self.colocated_sampler()
+        question_ids, num_samples, prefixes = mine
+        episodes = sampler.sample(question_ids=question_ids, num_samples=num_samples,
+                                  prompt_prefixes=prefixes, **sample_kwargs)
+        return rank, episodes, sampler.get_metrics()
+
     # ---- scoring where the training weights are (scoring_on: learners) ------------------------
     @torch.no_grad()
     def score_rows(self, prompts, completions, pad_id: int, module_id: Optional[str] = None):

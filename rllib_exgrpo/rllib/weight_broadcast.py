@@ -85,6 +85,9 @@ def chosen_path(config) -> Tuple[str, str]:
     runners = int(getattr(config, "num_env_runners", 0) or 0)
     asked = field_value(config, "weight_sync")
     bucket = field_value(config, "weight_sync_bucket_mb")
+    if field_value(config, "colocate"):
+        return "none", ("weight sync: none (colocate: each learner generates from its own weights; a vLLM "
+                        "engine takes them in process when it wakes)")
     if asked == "collective" and runners > 0:
         return "collective", (f"weight sync: collective (broadcast from learner 0 to {runners} env runner(s) in "
                               f"buckets of {bucket:g} MiB; gloo on CPU, NCCL between GPUs; nothing in Ray's object store)")

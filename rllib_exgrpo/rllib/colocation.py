@@ -1,0 +1,294 @@
+"""Colocated placement (``colocate: true``): generation inside the learner process.
+
+Each learner samples its share of a step's questions itself, with a
+:class:`ColocatedSampler`: an :class:`~rllib_exgrpo.rllib.env_runner.LLMEnvRunner` built in
+the learner process (as RLlib's local env runner is built in the main process) whose module
+is the learner's own. It renders prompts, generates, verifies and returns the same
+single-step episodes a remote env runner returns, so the algorithm's step (replay, groups,
+advantages, metrics) does not change.
+
+* **HF backend**: the runner samples from the learner's model itself, one copy of the
+  weights, nothing synced. On a LoRA learner that model has its adapters injected and
+  active, so generation comes from the adapted weights (the merged view, never merged in
+  place). The model is put in eval mode for the turn and under the module's autocast (the
+  compute dtype of a master-weight learner), so behaviour log-probs are the learner's.
+* **vLLM backend**: the engine is built in the learner process (``enable_sleep_mode`` on
+  CUDA) and the learner and engine take turns (:meth:`ColocatedSampler.turn`)::
+
+      offload optimizer state -> wake engine -> push weights -> generate
+          -> engine sleeps (level 2: weights and KV cache dropped) -> reload optimizer state
+
+  After a level-2 sleep the engine holds no weights, so every weight is pushed again on
+  every wake (the runner's ``load_weights`` path, in process). vLLM's CPU build has no
+  sleep mode: the sleep and wake calls are skipped, said once.
+
+:class:`TurnRecord` keeps the order of the protocol's calls and, after each, whether the
+engine was awake and whether the optimizer state was on the device, so a test can check
+that no phase has both.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: The protocol's calls, in the order one turn makes them (vLLM; the HF backend only generates).
+PHASES = ("offload_optimizer", "wake_weights", "push_weights", "wake_kv_cache", "generate", "sleep",
+          "reload_optimizer")
+#: vLLM's sleep level: 2 drops the weights too (they are pushed again on wake).
+SLEEP_LEVEL = 2
+
+
+@dataclasses.dataclass
+class TurnEvent:
+    phase: str
+    engine_awake: bool
+    optimizer_on_device: bool
+
+
+class TurnRecord:
+    """The protocol's calls in order, with the state after each (see the module doc); the
+    last ``keep`` of them."""
+
+    def __init__(self, keep: int = 10_000):
+        self.events: Deque[TurnEvent] = collections.deque(maxlen=keep)
+
+    def note(self, phase: str, *, engine_awake: bool, optimizer_on_device: bool) -> None:
+        self.events.append(TurnEvent(phase, engine_awake, optimizer_on_device))
+
+    @property
+    def phases(self) -> List[str]:
+        return [e.phase for e in self.events]
+
+    def overlaps(self) -> List[str]:
+        """Phases after which the engine was awake while the optimizer state was on the device."""
+        return [e.phase for e in self.events if e.engine_awake and e.optimizer_on_device]
+
+
+# ---- optimizer state off the device and back ------------------------------------------------
+def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]):
+    """``(state dict, key, tensor)`` of every tensor in the optimizers' state."""
+    for opt in optimizers:
+        for state in opt.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    yield state, key, value
+
+
+class OptimizerOffload:
+    """Moves a learner's optimizer state (AdamW's moments; step counts too) to host memory
+    and back. ``optimizers`` returns the learner's torch optimizers when called. A DeepSpeed
+    engine would use its own ``offload_states`` / ``reload_states`` instead (not wired:
+    ``colocate`` needs ``learner_backend: ddp`` for now)."""
+
+    def __init__(self, optimizers: Callable[[], Sequence[torch.optim.Optimizer]]):
+        self._optimizers = optimizers
+        #: id(state dict), key -> the device the tensor came from.
+        self._homes: Dict[tuple, torch.device] = {}
+        self.on_device = True
+
+    def offload(self) -> int:
+        """State tensors to the CPU (pinned where CUDA is there); returns the bytes moved."""
+        moved = 0
+        for state, key, value in optimizer_state_tensors(self._optimizers()):
+            self._homes[(id(state), key)] = value.device
+            if value.device.type != "cpu":
+                host = torch.empty(value.shape, dtype=value.dtype, device="cpu",
+                                   pin_memory=torch.cuda.is_available())
+                host.copy_(value, non_blocking=True)
+                state[key] = host
+                moved += value.numel() * value.element_size()
+        if moved and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        self.on_device = False
+        return moved
+
+    def reload(self) -> int:
+        """State tensors back where they were; returns the bytes moved."""
+        moved = 0
+        for state, key, value in optimizer_state_tensors(self._optimizers()):
+            home = self._homes.get((id(state), key), value.device)
+            if home != value.device:
+                state[key] = value.to(home, non_blocking=True)
+                moved += value.numel() * value.element_size()
+        if moved and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._homes.clear()
+        self.on_device = True
+        return moved
+
+
+# ---- the sampler inside the learner -------------------------------------------------------
+class ColocatedSampler:
+    """An ``LLMEnvRunner`` in the learner's process, sampling from the learner's module.
+
+    Args:
+        config: the algorithm config (the learner's ``self.config``).
+        module: the learner's ``LLMTorchRLModule`` (unwrapped from DDP).
+        index: the learner's rank (seeds its env and a vLLM engine apart from the others').
+        optimizers: returns the learner's torch optimizers (offloaded around vLLM's turn).
+        runner: an already built runner (tests); by default one is built over ``module``.
+    """
+
+    def __init__(self, config, module, *, index: int = 0,
+                 optimizers: Callable[[], Sequence[torch.optim.Optimizer]] = lambda: (), runner=None):
+        self.module = module
+        if runner is None:
+            from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
+
+            runner = LLMEnvRunner(config=config, worker_index=index)
+            runner.attach_module(module)
+        #: The env runner that renders, generates, verifies and makes the episodes.
+        self.runner = runner
+        self.offload = OptimizerOffload(optimizers)
+        self.record = TurnRecord()
+        self._engine_built = False
+        self._said_no_sleep = False
+
+    @property
+    def backend(self):
+        return self.runner.backend
+
+    @property
+    def uses_engine(self) -> bool:
+        """Whether a separate engine (vLLM) holds its own weights and takes turns."""
+        return self.runner.settings.generation_backend == "vllm"
+
+    def sample(self, **kwargs) -> list:
+        """``LLMEnvRunner.sample`` in one turn (see :meth:`turn`)."""
+        with self.turn():
+            return self.runner.sample(**kwargs)
+
+    def score_trajectories(self, prompts, completions):
+        with self._model_for_inference():
+            return self.runner.score_trajectories(prompts, completions)
+
+    def get_metrics(self):
+        return self.runner.get_metrics()
+
+    @contextlib.contextmanager
+    def _model_for_inference(self):
+        """Eval mode (no dropout) and the learner's autocast around sampling and scoring."""
+        model = self.module.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self.module.autocast():
+                yield
+        finally:
+            model.train(was_training)
+
+    @contextlib.contextmanager
+    def turn(self):
+        """One generation turn. HF: the learner's model, in eval mode under its autocast.
+        vLLM: optimizer state off the device, engine awake with the current weights, and
+        after the body the engine asleep and the optimizer state back (module doc)."""
+        self._free_gradients()
+        if not self.uses_engine:
+            with self._model_for_inference():
+                yield
+            self._note("generate")
+            return
+        self.offload.offload()
+        self._note("offload_optimizer")
+        try:
+            self._wake_with_weights()
+            with self._model_for_inference():
+                yield
+            self._note("generate")
+        finally:
+            self._sleep()
+            self.offload.reload()
+            self._note("reload_optimizer")
+
+    def _free_gradients(self) -> None:
+        """The last update's gradients are not needed again (the next update zeroes them,
+        set to None): drop them, so the turn has their memory."""
+        for p in self.module.parameters():
+            p.grad = None
+
+    # ---- the engine's side (vLLM) -----------------------------------------------------------
+    def _sleep_mode(self) -> bool:
+        llm = getattr(self.backend, "llm", None)
+        on = bool(llm is not None and getattr(getattr(llm.llm_engine, "vllm_config", None), "model_config", None)
+                  and getattr(llm.llm_engine.vllm_config.model_config, "enable_sleep_mode", False))
+        if not on and not self._said_no_sleep:
+            print("colocate: this vLLM engine has no sleep mode (vLLM's CPU build): skipping its sleep and "
+                  "wake calls", flush=True)
+            self._said_no_sleep = True
+        return on
+
+    @property
+    def engine_awake(self) -> bool:
+        return bool(getattr(self.backend, "awake", False))
+
+    def _wake_with_weights(self) -> None:
+        backend = self.backend
+        if getattr(backend, "llm", None) is None:
+            backend.build_engine()  # built awake, from the module's current weights
+            self._note("wake_weights")
+            self._note("push_weights")
+            self._note("wake_kv_cache")
+            return
+        if self._sleep_mode():
+            backend.llm.wake_up(tags=["weights"])
+        backend.awake = True
+        self._note("wake_weights")
+        backend.load_weights(backend.module_weights())  # a level-2 sleep dropped every weight
+        self._note("push_weights")
+        if self._sleep_mode():
+            backend.llm.wake_up(tags=["kv_cache"])
+        self._note("wake_kv_cache")
+
+    def _sleep(self) -> None:
+        backend = self.backend
+        if getattr(backend, "llm", None) is not None and self._sleep_mode():
+            backend.llm.sleep(level=SLEEP_LEVEL)
+        backend.awake = False
+        self._note("sleep")
+
+    def _note(self, phase: str) -> None:
+        self.record.note(phase, engine_awake=self.engine_awake, optimizer_on_device=self.offload.on_device)
+
+
+# ---- the algorithm's side ---------------------------------------------------------------------
+def learner_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def sample_on_learners(learner_group, question_ids: Sequence[str], num_samples: Sequence[int],
+                       prompt_prefixes: Optional[Sequence[Optional[str]]] = None, **sample_kwargs):
+    """``(episodes, runner metrics)`` as ``RolloutCoordinator.sample`` returns them, sampled
+    by the learners (``colocate``): the questions cut into one contiguous share per learner
+    (a question's group stays on one learner), each learner sampling its own share with its
+    :class:`ColocatedSampler`. Episodes come back in question order."""
+    from rllib_exgrpo.rllib.rollouts import split_evenly
+
+    prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
+    parts = 1 if learner_group.is_local else max(1, len(learner_group))
+    items = list(zip(question_ids, num_samples, prefixes))
+    shards = [[list(x) for x in zip(*shard)] if shard else None for shard in split_evenly(items, parts)]
+    results = learner_group.foreach_learner(
+        lambda learner, _s=shards, _k=sample_kwargs: learner.colocated_sample(_s, _k)
+    )
+    by_rank = {}
+    for result in results:
+        rank, episodes, metrics = result.get()
+        by_rank[rank] = (episodes, metrics)
+    episodes, metrics = [], []
+    for rank in sorted(by_rank):
+        episodes += by_rank[rank][0]
+        if by_rank[rank][1] is not None:
+            metrics.append(by_rank[rank][1])
+    if len(by_rank) != parts:
+        raise RuntimeError(f"colocated sampling: {parts - len(by_rank)} learner(s) returned nothing")
+    return episodes, metrics
