@@ -341,3 +341,20 @@ def test_operators_parallel_jobs_run_one_run_each_after_its_seeds_reference(tmp_
     assert flags["--seeds"] == "15" and flags["--only"] == "exgrpo" and flags["--task-seed"] == "1"
     assert flags["--phase"] == "final" and flags["--best"] == args.best and flags["--out"] == str(tmp_path)
     assert jobs[2].log.parent == tmp_path / "_logs"
+
+
+def test_lora_compare_picks_each_arms_lr_on_validation_and_reads_the_criterion():
+    import lora_compare
+
+    # the highest mean over seeds; a NaN run left out; ties go to the grid's first lr
+    assert lora_compare.pick_lr({3e-4: [0.40, 0.42], 1e-3: [0.45, float("nan")], 3e-3: [0.30, 0.50]}) == 1e-3
+    assert lora_compare.pick_lr({3e-5: [0.4], 1e-4: [0.4]}) == 3e-5
+    assert lora_compare.meets_criterion(0.05, 0.10) and not lora_compare.meets_criterion(0.049, 0.10)
+    assert lora_compare.meets_criterion(-0.01, -0.02) and not lora_compare.meets_criterion(-0.03, -0.02)
+    assert lora_compare.within_noise(0.01, 0.02) == "within noise"
+    assert lora_compare.within_noise(0.03, 0.02) == "outside noise"
+    assert lora_compare.within_noise(0.0, 0.0) == "within noise"  # identical runs
+    assert lora_compare.within_noise(0.01, float("nan")).startswith("no interval")
+    assert lora_compare.arm_overrides("lora", 1e-3)["lora_rank"] == 16
+    assert lora_compare.arm_overrides("colocated", 1e-4) == {"colocate": True, "num_env_runners": 0,
+                                                             "num_learners": 0, "lr": 1e-4}
