@@ -29,7 +29,9 @@ def test_field_defaults_off_and_its_rules():
         (lambda c: c.training(async_rollouts=True).env_runners(num_env_runners=1),
          "colocate does not go with async_rollouts"),
         (lambda c: c.env_runners(num_env_runners=2), "colocate needs num_env_runners: 0"),
-        (lambda c: c.training(learner_backend="deepspeed"), "colocate needs learner_backend: ddp"),
+        (lambda c: c.training(learner_backend="deepspeed", deepspeed_zero_stage=3, generation_backend="vllm",
+                              behaviour_logprobs="recompute", scoring_on="runners"),
+         "colocate with ZeRO-3 and vLLM needs scoring_on: learners"),
     ]:
         with pytest.raises(ValueError, match=message):
             change(ExGRPOConfig().training(colocate=True)).validate()
@@ -59,12 +61,12 @@ class _Backend:
         self.llm, self.awake = _Engine(self.sleep_mode, self.calls), True
         self.calls.append(("build",))
 
-    def module_weights(self):
-        return {"w": torch.zeros(1)}
-
-    def load_weights(self, state):
+    def push_named_weights(self, tensors):
         assert self.awake
-        self.calls.append(("load_weights", tuple(state)))
+        self.calls.append(("push", tuple(tensors)))
+
+    def weights_changed(self):
+        self.calls.append(("weights_changed",))
 
 
 class _Runner:
@@ -108,10 +110,11 @@ def test_turns_never_hold_engine_and_optimizer_state_at_once():
     assert record.overlaps() == []
     assert not sampler.engine_awake and sampler.offload.on_device
     calls = sampler.backend.calls
-    # Built awake with its weights on the first turn; after each level-2 sleep every weight is pushed again.
-    assert calls[0] == ("build",) and calls[1] == ("sleep", 2)
-    assert calls[2:] == [("wake_up", ("weights",)), ("load_weights", ("w",)), ("wake_up", ("kv_cache",)),
-                         ("sleep", 2)] * 2
+    # Built awake on the first turn, then every weight pushed; after each level-2 sleep every
+    # weight is pushed again (one bucket here: the stand-in model has no decoder layers).
+    push = [("push", ("weight", "bias")), ("weights_changed",)]
+    assert calls[:4] == [("build",), *push, ("sleep", 2)]
+    assert calls[4:] == [("wake_up", ("weights",)), *push, ("wake_up", ("kv_cache",)), ("sleep", 2)] * 2
     # AdamW's state is back, usable for the next step.
     assert all(torch.is_tensor(v) for st in opt.state.values() for v in st.values())
 

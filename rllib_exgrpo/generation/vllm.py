@@ -447,6 +447,9 @@ class VLLMGenerationBackend:
         self._model_names: Optional[List[str]] = None
         #: Whether the engine holds weights and KV cache (False after ``sleep``; colocate).
         self.awake = False
+        #: Whether a new engine takes the module's state dict at once; a colocated sampler
+        #: pushes the weights itself, layer by layer (rllib/colocation.py).
+        self.push_on_build = True
 
     # ---- engine ----------------------------------------------------------------------
     def engine_kwargs(self) -> Dict[str, Any]:
@@ -513,7 +516,7 @@ class VLLMGenerationBackend:
         # The module may already hold other weights than the checkpoint (restore, sync
         # before the first sample): start the engine from the module's.
         self.awake = True
-        if self.module is not None:
+        if self.module is not None and self.push_on_build:
             self.load_weights(self.module_weights())
         return self.llm
 
@@ -661,6 +664,19 @@ class VLLMGenerationBackend:
                 f"(keys like {list(state_dict)[:3]})"
             )
         self._push_weights([(name, as_tensor(state_dict[key])) for key, name in pairs])
+        self.weights_changed()
+
+    def push_named_weights(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """Part of the model's weights (HF names; other keys skipped) into the running engine,
+        e.g. one layer of a colocated learner's (rllib/colocation.py). Call
+        :meth:`weights_changed` once the last part is in."""
+        pairs = hf_weight_names(tensors, self._hf_names())
+        if pairs:
+            self._push_weights([(name, tensors[key]) for key, name in pairs])
+
+    def weights_changed(self) -> None:
+        """Cached KV blocks were computed with the old weights: drop them."""
+        self.llm.reset_prefix_cache()
 
     def _hf_names(self) -> List[str]:
         """The HF model's own state-dict names (the module's, or a meta-device model's)."""
@@ -686,8 +702,6 @@ class VLLMGenerationBackend:
             self.llm.collective_rpc("rllib_exgrpo_load_weights", args=(weights,))
         else:
             self.llm.collective_rpc("rllib_exgrpo_load_weights", args=(weights_to_bytes(weights),))
-        # Cached KV blocks were computed with the old weights.
-        self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Shut the engine down (it is rebuilt on the next ``generate``)."""

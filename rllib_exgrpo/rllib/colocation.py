@@ -19,8 +19,16 @@ advantages, metrics) does not change.
           -> engine sleeps (level 2: weights and KV cache dropped) -> reload optimizer state
 
   After a level-2 sleep the engine holds no weights, so every weight is pushed again on
-  every wake (the runner's ``load_weights`` path, in process). vLLM's CPU build has no
-  sleep mode: the sleep and wake calls are skipped, said once.
+  every wake, in process, one layer at a time (``models/weight_buckets.py``; a LoRA layer
+  merged as it goes). vLLM's CPU build has no sleep mode: the sleep and wake calls are
+  skipped, said once.
+* **DeepSpeed learners**: ZeRO-1/2 keep the full compute-dtype weights on every rank, so
+  they sample as above. Under ZeRO-3 each rank holds 1/N of every weight: every rank
+  gathers one layer at a time (a collective, the same order everywhere, ranks with no
+  questions included) and pushes it into its own engine, or, with the HF backend, into a
+  plain copy of the model the sampler keeps for generation (on the host between turns
+  where the learner is on a GPU). Optimizer state goes to host memory through the engine's
+  own ``offload_states`` / ``reload_states`` on CUDA.
 
 :class:`TurnRecord` keeps the order of the protocol's calls and, after each, whether the
 engine was awake and whether the optimizer state was on the device, so a test can check
@@ -83,18 +91,30 @@ def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]):
 
 class OptimizerOffload:
     """Moves a learner's optimizer state (AdamW's moments; step counts too) to host memory
-    and back. ``optimizers`` returns the learner's torch optimizers when called. A DeepSpeed
-    engine would use its own ``offload_states`` / ``reload_states`` instead (not wired:
-    ``colocate`` needs ``learner_backend: ddp`` for now)."""
+    and back. ``optimizers`` returns the learner's torch optimizers when called. ``engines``
+    returns DeepSpeed engines: on CUDA their own ``offload_states`` / ``reload_states`` move
+    everything the ZeRO optimizer keeps on the device (fp32 master partitions, moments,
+    gradient buffers); on a CPU nothing is on a device and nothing moves."""
 
-    def __init__(self, optimizers: Callable[[], Sequence[torch.optim.Optimizer]]):
+    def __init__(self, optimizers: Callable[[], Sequence[torch.optim.Optimizer]],
+                 engines: Callable[[], Sequence] = lambda: ()):
         self._optimizers = optimizers
+        self._engines = engines
         #: id(state dict), key -> the device the tensor came from.
         self._homes: Dict[tuple, torch.device] = {}
         self.on_device = True
 
     def offload(self) -> int:
-        """State tensors to the CPU (pinned where CUDA is there); returns the bytes moved."""
+        """State tensors to the CPU (pinned where CUDA is there); returns the bytes moved
+        (not counted for DeepSpeed's own offload)."""
+        engines = list(self._engines())
+        if engines:
+            if torch.cuda.is_available():
+                for engine in engines:
+                    engine.offload_states(pin_memory=True)
+                torch.cuda.empty_cache()
+            self.on_device = False
+            return 0
         moved = 0
         for state, key, value in optimizer_state_tensors(self._optimizers()):
             self._homes[(id(state), key)] = value.device
@@ -112,6 +132,13 @@ class OptimizerOffload:
 
     def reload(self) -> int:
         """State tensors back where they were; returns the bytes moved."""
+        engines = list(self._engines())
+        if engines:
+            if torch.cuda.is_available():
+                for engine in engines:
+                    engine.reload_states()
+            self.on_device = True
+            return 0
         moved = 0
         for state, key, value in optimizer_state_tensors(self._optimizers()):
             home = self._homes.get((id(state), key), value.device)
@@ -126,30 +153,61 @@ class OptimizerOffload:
 
 
 # ---- the sampler inside the learner -------------------------------------------------------
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s parameters are ZeRO-3 partitions (DeepSpeed's ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+@contextlib.contextmanager
+def gathered(params: Sequence[torch.nn.Parameter]):
+    """The full tensors of ``params`` inside the block where they are ZeRO-3 partitions
+    (``GatheredParameters``: a collective, read-only); nothing to do otherwise."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
+
+
 class ColocatedSampler:
-    """An ``LLMEnvRunner`` in the learner's process, sampling from the learner's module.
+    """An ``LLMEnvRunner`` in the learner's process, sampling from the learner's weights.
 
     Args:
         config: the algorithm config (the learner's ``self.config``).
         module: the learner's ``LLMTorchRLModule`` (unwrapped from DDP).
         index: the learner's rank (seeds its env and a vLLM engine apart from the others').
         optimizers: returns the learner's torch optimizers (offloaded around vLLM's turn).
+        engines: returns the learner's DeepSpeed engines (their own state offload).
         runner: an already built runner (tests); by default one is built over ``module``.
     """
 
     def __init__(self, config, module, *, index: int = 0,
-                 optimizers: Callable[[], Sequence[torch.optim.Optimizer]] = lambda: (), runner=None):
+                 optimizers: Callable[[], Sequence[torch.optim.Optimizer]] = lambda: (),
+                 engines: Callable[[], Sequence] = lambda: (), runner=None):
         self.module = module
+        #: ZeRO-3: the learner's weights are partitions, gathered layer by layer for each turn.
+        self.partitioned = is_partitioned(module)
         if runner is None:
             from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
 
             runner = LLMEnvRunner(config=config, worker_index=index)
-            runner.attach_module(module)
+            if self.partitioned and config.generation_backend != "vllm":
+                # The HF backend cannot generate from partitions: a plain copy of the model,
+                # filled from the gathered layers on every turn.
+                runner.make_module()
+            else:
+                runner.attach_module(module)
         #: The env runner that renders, generates, verifies and makes the episodes.
         self.runner = runner
-        self.offload = OptimizerOffload(optimizers)
+        if self.uses_engine:
+            # The engine's first weights come from the pushes of :meth:`push_weights`, which
+            # gather partitions and merge LoRA layers; the module's state dict would do neither.
+            self.backend.push_on_build = False
+        self.offload = OptimizerOffload(optimizers, engines)
         self.record = TurnRecord()
-        self._engine_built = False
         self._said_no_sleep = False
 
     @property
@@ -161,10 +219,23 @@ class ColocatedSampler:
         """Whether a separate engine (vLLM) holds its own weights and takes turns."""
         return self.runner.settings.generation_backend == "vllm"
 
+    @property
+    def own_copy(self) -> bool:
+        """Whether the sampler generates from a copy of the weights (vLLM's, or the HF copy
+        under ZeRO-3) that each turn refills, rather than from the learner's model itself."""
+        return self.uses_engine or self.runner.module is not self.module
+
     def sample(self, **kwargs) -> list:
         """``LLMEnvRunner.sample`` in one turn (see :meth:`turn`)."""
         with self.turn():
             return self.runner.sample(**kwargs)
+
+    def take_part(self) -> None:
+        """A turn without sampling, for a rank with no questions this step: under ZeRO-3 the
+        weight gathers are collectives every rank must enter."""
+        if self.partitioned:
+            with self.turn():
+                pass
 
     def score_trajectories(self, prompts, completions):
         with self._model_for_inference():
@@ -187,11 +258,12 @@ class ColocatedSampler:
 
     @contextlib.contextmanager
     def turn(self):
-        """One generation turn. HF: the learner's model, in eval mode under its autocast.
-        vLLM: optimizer state off the device, engine awake with the current weights, and
-        after the body the engine asleep and the optimizer state back (module doc)."""
+        """One generation turn. HF: the learner's model, in eval mode under its autocast (or,
+        under ZeRO-3, its plain copy refilled first). vLLM: optimizer state off the device,
+        engine awake with the current weights, and after the body the engine asleep and the
+        optimizer state back (module doc)."""
         self._free_gradients()
-        if not self.uses_engine:
+        if not self.own_copy:
             with self._model_for_inference():
                 yield
             self._note("generate")
@@ -214,6 +286,28 @@ class ColocatedSampler:
         for p in self.module.parameters():
             p.grad = None
 
+    # ---- the weights the sampler generates from ------------------------------------------
+    def push_weights(self) -> int:
+        """The learner's current weights into the sampler's copy, one layer at a time
+        (gathered under ZeRO-3, LoRA layers merged); returns the tensors pushed. Every rank
+        of a ZeRO-3 group calls it at the same point."""
+        from rllib_exgrpo.models.weight_buckets import plain_weight_buckets
+
+        target = None if self.uses_engine else self.runner.module.model.state_dict()
+        pushed = 0
+        for params, read in plain_weight_buckets(self.module.model):
+            with gathered(params):
+                tensors = read()
+                if target is None:
+                    self.backend.push_named_weights(tensors)
+                else:
+                    for name, value in tensors.items():
+                        target[name].copy_(value)
+                pushed += len(tensors)
+        if self.uses_engine:
+            self.backend.weights_changed()
+        return pushed
+
     # ---- the engine's side (vLLM) -----------------------------------------------------------
     def _sleep_mode(self) -> bool:
         llm = getattr(self.backend, "llm", None)
@@ -230,29 +324,41 @@ class ColocatedSampler:
         return bool(getattr(self.backend, "awake", False))
 
     def _wake_with_weights(self) -> None:
-        backend = self.backend
-        if getattr(backend, "llm", None) is None:
-            backend.build_engine()  # built awake, from the module's current weights
+        if not self.uses_engine:  # the HF copy (ZeRO-3): on the learner's device, refilled
+            self.runner.module.to(self._device())
+            self.backend.awake = True
             self._note("wake_weights")
+            self.push_weights()
             self._note("push_weights")
             self._note("wake_kv_cache")
             return
-        if self._sleep_mode():
+        backend = self.backend
+        built = getattr(backend, "llm", None) is None
+        if built:
+            backend.build_engine()  # built awake (KV cache included), with the checkpoint's weights
+        elif self._sleep_mode():
             backend.llm.wake_up(tags=["weights"])
         backend.awake = True
         self._note("wake_weights")
-        backend.load_weights(backend.module_weights())  # a level-2 sleep dropped every weight
+        self.push_weights()  # a level-2 sleep dropped every weight; a new engine has the checkpoint's
         self._note("push_weights")
-        if self._sleep_mode():
+        if not built and self._sleep_mode():
             backend.llm.wake_up(tags=["kv_cache"])
         self._note("wake_kv_cache")
 
     def _sleep(self) -> None:
         backend = self.backend
-        if getattr(backend, "llm", None) is not None and self._sleep_mode():
+        if not self.uses_engine:
+            if torch.cuda.is_available():  # the copy waits on the host while the learner trains
+                self.runner.module.to("cpu")
+                torch.cuda.empty_cache()
+        elif getattr(backend, "llm", None) is not None and self._sleep_mode():
             backend.llm.sleep(level=SLEEP_LEVEL)
         backend.awake = False
         self._note("sleep")
+
+    def _device(self) -> torch.device:
+        return next(self.module.parameters()).device
 
     def _note(self, phase: str) -> None:
         self.record.note(phase, engine_awake=self.engine_awake, optimizer_on_device=self.offload.on_device)

@@ -230,8 +230,9 @@ _SAMPLING = [
        "turns. The learners sample their share of each step's questions themselves, with the env "
        "runner's sampling code inside the learner process: the HF backend samples from the learner's "
        "own model (one copy of the weights, nothing synced); vLLM's engine lives in the learner process "
-       "and sleeps while the learner trains (optimizer state offloaded to host while it is awake). "
-       "Needs num_env_runners: 0; the GPU is num_gpus_per_learner's. False: env runners sample."),
+       "and sleeps while the learner trains (optimizer state offloaded to host while it is awake); "
+       "the weights reach it layer by layer (gathered under ZeRO-3, LoRA merged). Needs "
+       "num_env_runners: 0; the GPU is num_gpus_per_learner's. False: env runners sample."),
 ]
 _SECTION = "GRPO objective"
 _OBJECTIVE = [
@@ -573,9 +574,11 @@ def cross_field_errors(config: Any) -> Iterator[str]:
                "it; use scoring_on: runners with async_rollouts")
     if config.colocate:
         yield from _colocate_errors(config)
-    if _is_int(config.lora_rank) and config.lora_rank > 0 and config.learner_backend == "deepspeed":
-        yield ("lora_rank > 0 needs learner_backend: ddp: the DeepSpeed learner's weight gathers, "
-               "ZeRO checkpoints and weight sync move the wrapped model's own tensors, not merged LoRA weights")
+    if (_is_int(config.lora_rank) and config.lora_rank > 0 and config.learner_backend == "deepspeed"
+            and not config.colocate):
+        yield ("lora_rank > 0 with learner_backend: deepspeed needs colocate: true: only the colocated "
+               "sampler merges the adapters layer by layer from the ZeRO partitions; the sync to env runners "
+               "would ship the wrapped model's own tensors (use learner_backend: ddp with env runners)")
     if config.model_dtype == "float16" and config.learner_backend == "ddp":
         # The DDP learner's mixed precision keeps fp32 master weights but scales no loss:
         # fp16 gradients underflow without it. bf16 needs no scaling; DeepSpeed scales fp16.
@@ -591,9 +594,12 @@ def _colocate_errors(config: Any) -> Iterator[str]:
     if not getattr(config, "in_evaluation", False) and config.num_env_runners != 0:
         yield (f"colocate needs num_env_runners: 0 (got {config.num_env_runners!r}): the learners "
                "sample themselves; env runners would hold a second copy of the weights")
-    if config.learner_backend == "deepspeed":
-        yield ("colocate needs learner_backend: ddp for now: generating from a DeepSpeed engine's "
-               "(ZeRO-partitioned) weights is not built yet")
+    if (config.learner_backend == "deepspeed" and config.deepspeed_zero_stage == 3
+            and config.generation_backend == "vllm" and config.behaviour_logprobs == "recompute"
+            and config.scoring_on != "learners"):
+        yield ("colocate with ZeRO-3 and vLLM needs scoring_on: learners (or behaviour_logprobs: engine): "
+               "the runner would re-score with the learner's partitioned model, a collective the ranks "
+               "do not enter together")
 
 
 class _NotProvidedRepr:

@@ -436,6 +436,11 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, DeepSpeedCheckpointing, _DeepSp
             dist.all_gather_object(handles, ray.get_runtime_context().current_actor)
             self._ds_peers = handles
 
+    @override(ExGRPOTorchLearner)
+    def _colocation_engines(self) -> list:
+        """``colocate``: the engines offload their own ZeRO state around a generation turn."""
+        return list(self._engines.values())
+
     @property
     def deepspeed_engines(self) -> Dict[str, Any]:
         """The DeepSpeed engine of each module (read-only use: metrics, debugging)."""

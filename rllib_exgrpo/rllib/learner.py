@@ -249,10 +249,15 @@ class ExGRPOTorchLearner(TorchLearner):
             sampler = ColocatedSampler(
                 self.config, self.module[DEFAULT_MODULE_ID].unwrapped(), index=learner_rank(),
                 optimizers=lambda: [opt for _, opt in self.get_optimizers_for_module()],
+                engines=self._colocation_engines,
             )
             apply_threads_for(self.config, "learner")  # the runner sized them for itself
             self._colocated_sampler = sampler
         return sampler
+
+    def _colocation_engines(self) -> list:
+        """The DeepSpeed engines whose state a colocated turn offloads (none here)."""
+        return []
 
     def colocated_sample(self, shards, sample_kwargs):
         """``colocate``: sample this learner's share (``shards[rank]``: question ids,
@@ -262,9 +267,10 @@ class ExGRPOTorchLearner(TorchLearner):
 
         rank = learner_rank()
         mine = shards[rank] if rank < len(shards) else None
-        if not mine:
-            return rank, [], None
         sampler = self.colocated_sampler()
+        if not mine:
+            sampler.take_part()  # ZeRO-3: the weight gathers need every rank
+            return rank, [], None
         question_ids, num_samples, prefixes = mine
         episodes = sampler.sample(question_ids=question_ids, num_samples=num_samples,
                                   prompt_prefixes=prefixes, **sample_kwargs)
