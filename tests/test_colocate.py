@@ -168,7 +168,7 @@ def test_memory_plan_has_the_generation_turn_and_names_vllms_share_when_it_does_
         return plan_memory(cfg, gpu_memory=gpu, gpu_memory_source="test")
 
     fits = plan(vllm_kwargs={"gpu_memory_utilization": 0.35})
-    assert [a.kind for a in fits.actors] == ["learner", "learner, generation turn (colocate)"] and fits.fits
+    assert [a.kind for a in fits.actors] == ["learner, training turn (colocate)", "learner, generation turn (colocate)"] and fits.fits
     turn = {it.what for it in fits.actors[1].items}
     assert "vLLM engine" in turn and "optimizer state" not in turn and "gradients" not in turn  # offloaded
     problems = plan(vllm_kwargs={"gpu_memory_utilization": 0.8}).problems()

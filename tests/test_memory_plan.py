@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rllib_exgrpo.planning.memory import (
     GIB,
@@ -416,3 +417,38 @@ def test_lora_learner_plan_holds_a_frozen_base_and_adapter_state():
     assert items["optimizer state"] == 8 * adapters and items["gradients"] == 4 * adapters
     assert "KL reference model" not in items and "KL reference model" in {it.what for it in full.items}
     assert lora.fits and not full.fits
+
+
+def _gpu_recipes():
+    out = []
+    for path in sorted((REPO / "tuned_examples").glob("*.yaml")):
+        spec = next(iter(yaml.safe_load(path.read_text()).values()))
+        if float(spec.get("config", {}).get("num_gpus_per_learner", 0) or 0) > 0:
+            out.append(path)
+    return out
+
+
+@pytest.mark.parametrize("recipe", _gpu_recipes(), ids=lambda p: p.stem)
+def test_every_gpu_recipe_fits_its_card_and_the_readme_table_shows_its_plan(recipe, monkeypatch, capsys, tmp_path):
+    """``--dry-run`` of each GPU recipe on this machine (no GPU, no vLLM, no model: the shape
+    from the published table) plans every actor, each turn of a colocated GPU included, as
+    fitting the recipe's own card (``gpu_memory_gb``, 80 GB unless it says), and the README's
+    recipe table row states the same figures."""
+    import re
+
+    monkeypatch.chdir(REPO)
+    spec = next(iter(yaml.safe_load(recipe.read_text()).values()))
+    card = spec["config"].get("gpu_memory_gb") or 80
+    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path, {"gpu_memory_gb": card}, str(recipe.relative_to(REPO)))
+    assert rc == 0, out + err
+    actors = re.findall(r"^    (\S.*?) x\d+ \(.*?\): ([\d.]+) GiB of ([\d.]+) GiB: (\w+)", out, flags=re.M)
+    assert actors, out
+    assert all(verdict == "fits" for *_, verdict in actors), out
+    if spec["config"].get("colocate"):
+        assert [kind for kind, *_ in actors] == ["learner, training turn (colocate)",
+                                                 "learner, generation turn (colocate)"], out
+    row = next((ln for ln in (REPO / "README.md").read_text().splitlines() if ln.startswith(f"| `{recipe.name}`")),
+               None)
+    assert row is not None, f"README's recipe table has no row for {recipe.name}"
+    for _, used, budget, _ in actors:
+        assert f"{used} GiB" in row and f"{budget} GiB" in row, (row, actors)

@@ -1018,10 +1018,45 @@ def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_sou
     if float(_get(config, "num_gpus_per_learner", 0)) > 0:
         plan.actors.append(_learner_plan(config, shape, gpu_memory, prompt, response))
     if float(_get(config, "num_gpus_per_learner", 0)) > 0 and config.colocate:
+        _add_sleeping_engine(plan.actors[-1], config, gpu_memory)
         plan.actors.append(_colocated_turn_plan(config, shape, gpu_memory, prompt, response, max_len))
     elif float(_get(config, "num_gpus_per_env_runner", 0)) > 0:
         plan.actors.append(_runner_plan(config, shape, gpu_memory, prompt, response, max_len))
     return plan
+
+
+#: What a vLLM engine asleep at level 2 still holds, as a share of its ``gpu_memory_utilization``
+#: share (at least :data:`SLEEPING_ENGINE_MIN_BYTES`): its CUDA graphs' pool and buffers outside
+#: the sleep allocator. vLLM documents sleep as freeing "up to 90%+" of the engine's memory
+#: (docs.vllm.ai/en/latest/features/sleep_mode/); assumed here, to be measured on a GPU.
+SLEEPING_ENGINE_SHARE = 0.10
+SLEEPING_ENGINE_MIN_BYTES = 1 << 30
+
+
+def _add_sleeping_engine(plan: ActorPlan, config: Any, gpu: Optional[int]) -> None:
+    """``colocate``: the learner's plan is its GPU's training turn; a vLLM engine asleep next
+    to it keeps a residue (:data:`SLEEPING_ENGINE_SHARE`)."""
+    plan.kind = "learner, training turn (colocate)"
+    if config.generation_backend != "vllm":
+        plan.notes.append("the HF backend generates from the learner's own model"
+                          + (" (ZeRO-3: from a plain copy kept on the host while the learner trains)"
+                             if _zero3(config) else ""))
+        return
+    util = float(dict(config.vllm_kwargs or {}).get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
+    share = int(util * gpu) if gpu is not None else 0
+    plan.items.insert(len(plan.items) - 1 if plan.items else 0, Item(
+        "vLLM engine asleep (level 2)", max(SLEEPING_ENGINE_MIN_BYTES, int(SLEEPING_ENGINE_SHARE * share)),
+        f"no weights, no KV cache; its CUDA graphs and buffers: assumed {SLEEPING_ENGINE_SHARE:.0%} of its "
+        f"share, at least {_gib(SLEEPING_ENGINE_MIN_BYTES)}"))
+
+
+def _zero3(config: Any) -> bool:
+    return config.learner_backend == "deepspeed" and int(config.deepspeed_zero_stage) == 3
+
+
+def _layer_bytes(shape: ModelShape, b: int) -> int:
+    """One decoder layer's weights."""
+    return shape.layer_parameters * b
 
 
 def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int,
@@ -1045,13 +1080,25 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
     chunk = int(config.generation_batch_size)
     tokens = prompt + response
     it(Item("learner weights", states["weights"], "resident through the turn"))
-    if states["buckets"]:
+    if states["buckets"] and config.learner_backend == "ddp":
         it(Item("DDP gradient buckets", states["buckets"], "kept by DDP between updates"))
     vllm_share = None
-    if config.generation_backend == "vllm":
+    zero3 = _zero3(config)
+    if config.generation_backend == "vllm" or zero3:
         plan.notes.append(f"optimizer state ({_gib(states['optimizer'])}) and gradients offloaded / dropped "
-                          "while the engine is awake")
+                          "while the sampler is awake")
+    if zero3 or (config.lora_rank and config.generation_backend == "vllm"):
+        what = " and ".join(w for w, on in (("gathered", zero3), ("merged", config.lora_rank)) if on)
+        it(Item(f"one decoder layer {what} for the push", (2 if config.lora_rank else 1) * _layer_bytes(shape, b),
+                "the weights reach the sampler a decoder layer at a time"))
+    if config.generation_backend == "vllm":
         vllm_share = _vllm_engine_items(plan, config, shape, gpu, b, chunk, max_len)
+    elif zero3:
+        it(Item("HF generation copy (ZeRO-3)", shape.num_parameters * b,
+                "a plain copy of the weights, refilled each turn (on the host while the learner trains)"))
+        kv_token = shape.kv_cache_bytes_per_token(b)
+        it(Item("HF generation KV cache", chunk * (prompt + response) * kv_token,
+                f"generation_batch_size {chunk} x {prompt + response} tokens x {kv_token / 1024:.0f} KiB"))
     else:
         it(Item("optimizer state", states["optimizer"], "stays: the HF backend generates from the learner's model"))
         kv_token = shape.kv_cache_bytes_per_token(b)
