@@ -1,8 +1,9 @@
-"""One GPU check: the learner step and HF generation of a Qwen2.5-1.5B-shaped model, and
-what one GPU can settle for the 7B recipe, in bf16.
+"""One GPU check: the learner step and HF generation of a Qwen2.5-1.5B-shaped model, the
+colocated cycle (learner and generation taking turns on one GPU), and what one GPU can
+settle for the 7B recipe, in bf16.
 
     python benchmarks/gpu_check.py [--shape qwen2.5-1.5b|tiny] [--device auto|cuda|cpu]
-                                   [--stages learner,packed,drift,slice,transfer,generation]
+                                   [--stages learner,packed,drift,slice,transfer,generation,colocate]
                                    [--steps 5] [--slice-layers 2,4] [--transfer-gb 15.2]
                                    [--transfer-chunk-mb 512] [--budget-s 420]
                                    [--out benchmarks/out/gpu_check.json]
@@ -84,6 +85,30 @@ subset):
    (temperature 1, top-p 1, no top-k) and the backend's own ``pruned_decode`` loop,
    batch 64 and 256 x (256 prompt + 512 new tokens), no stop token (every row runs to
    512). New tokens/s and peak memory.
+7. ``colocate``: the colocated cycle (``colocate: true``, rllib/colocation.py) on one device,
+   with the full 1.5B model as the DDP learner holds it: fp32 weights and AdamW (lr 1e-6,
+   weight decay 0.01, clip 1.0) computing under bf16 autocast (``--dtype float32``: no
+   autocast), gradient checkpointing; the learner stage's helpers at 8 x (1024 + 1024).
+   Phases, each with its peak (``torch.cuda.max_memory_allocated`` after
+   ``reset_peak_memory_stats``) and what stays allocated after it, both above the stage's
+   start: (1) ``learner``: one step (its gradients kept, as the learner leaves them);
+   (2) ``release``: gradients set to None, the optimizer state to pinned host memory with
+   the product's ``OptimizerOffload``, ``empty_cache``; (3) ``generation``: ``generate``
+   (sampling, 64 prompts x (256 + 128 new tokens)) from the same model object, eval mode,
+   no grad, under the learner's autocast; (4) ``restore``: the state reloaded, a second
+   step. Next to each, the memory plan's figure for the same shapes
+   (``planning.memory.plan_memory`` of a one-GPU DDP learner with ``colocate: true`` and the
+   HF backend, less the CUDA context the allocator does not see): the ``learner`` entry for
+   (1) and (4), the ``generation turn (colocate)`` entry's learner weights for (2)'s
+   resident bytes, and that entry less its optimizer state (offloaded here; the plan keeps
+   it for the HF turn, printed too) for (3); ``within_plan``. The round trip is checked:
+   every state tensor on the host (pinned) during the turn and back on its device after,
+   bitwise equal to a copy taken before the offload; the weights bitwise unchanged by the
+   turn; and the second step equal, bitwise, to the same step replayed from that copy (the
+   same gradients, the same optimizer): ``round_trip_ok``. About a minute on an H100
+   (~25 GB of state; ~37 GB of host memory for the pinned state and the reference copies).
+   On CPU (``--shape tiny``) the cycle runs at a tiny shape; memory figures are
+   ``unavailable`` and nothing moves (the state is already on the host).
 
 Every stage is timed and printed; a stage whose predicted time (from what the earlier
 stages measured: the learner's FLOP rate and scoring rate, the packed stage's no-grad
@@ -102,6 +127,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import sys
@@ -155,6 +181,10 @@ SHAPES["qwen2.5-1.5b"].update(
     # backbone's 4096 positions), on 2 of the 28 decoder layers.
     packed={"name": "qwen2.5-math-1.5b", "config": SHAPES["qwen2.5-1.5b"]["config"], "layers": 2,
             "prompt": 1024, "response": 3072, "tokens": 32768, "recipe": RECIPE_1_5B, "max_len": 8192},
+    # The colocated cycle on the full 1.5B model: fp32 weights + AdamW (~25 GB of state) under
+    # bf16 autocast, the learner stage's shorter rows, a generation turn of 64 x (256 + 128).
+    colocate={"rows": 8, "prompt": 1024, "response": 1024, "gen_batch": 64, "gen_prompt": 256,
+              "gen_new_tokens": 128},
 )
 SHAPES["tiny"].update(
     drift={"rows": 4, "prompt": 16, "response": 48},
@@ -166,8 +196,9 @@ SHAPES["tiny"].update(
     transfer_chunk_mb=4,
     packed={"name": "tiny", "config": SHAPES["tiny"]["config"], "layers": 2, "prompt": 32, "response": 96,
             "tokens": 768, "recipe": None, "max_len": 8192},
+    colocate={"rows": 4, "prompt": 16, "response": 16, "gen_batch": 4, "gen_prompt": 8, "gen_new_tokens": 8},
 )
-STAGES = ("learner", "packed", "drift", "slice", "transfer", "generation")  # run in this order
+STAGES = ("learner", "packed", "drift", "slice", "transfer", "generation", "colocate")  # run in this order
 CPU_TRANSFER_CAP_GB = 0.25  # host-to-host "transfers" on a CPU run are sized down to this
 GIB = float(1 << 30)
 
@@ -193,6 +224,14 @@ def import_project() -> dict:
     new = set(sys.modules) - before
     report["rllib_exgrpo.core.packing+attention"] = sorted(
         {m.split(".")[0] for m in new if m.split(".")[0] in HEAVY})
+    before = set(sys.modules)
+    try:
+        from rllib_exgrpo.rllib.colocation import OptimizerOffload  # noqa: F401
+    except Exception as e:  # the colocate stage needs it; the others do not
+        report["rllib_exgrpo.rllib.colocation"] = f"import failed: {type(e).__name__}: {e}"
+    else:
+        new = set(sys.modules) - before
+        report["rllib_exgrpo.rllib.colocation"] = sorted({m.split(".")[0] for m in new if m.split(".")[0] in HEAVY})
     before = set(sys.modules)
     try:
         from rllib_exgrpo.generation.hf import HFGenerationBackend, pruned_decode  # noqa: F401
@@ -848,35 +887,49 @@ def run_packed(spec: dict, device, clock: Clock, flops_rate=None) -> dict:
     return done(note)
 
 
-def run_generation(model, shape, device, clock: Clock) -> list:
-    import torch
-
+def generation_api():
+    """``(SamplingParams, HFGenerationBackend, pruned_decode)`` of the HF backend, or Nones
+    where it does not import (reported under "imports"; plain generate is still measured)."""
     try:
         from rllib_exgrpo.generation.base import SamplingParams
         from rllib_exgrpo.generation.hf import HFGenerationBackend, pruned_decode
-    except Exception:  # reported under "imports"; plain generate still measured
-        SamplingParams = HFGenerationBackend = pruned_decode = None
+    except Exception:
+        return None, None, None
+    return SamplingParams, HFGenerationBackend, pruned_decode
 
+
+def generate_tokens(model, decoder: str, batch: int, max_new: int, ids, attn) -> int:
+    """Sample ``max_new`` tokens per row (no stop token) under the HF backend's neutral
+    sampling config (``"generate"``: ``HFGenerationBackend.generate_raw``; ``"pruned"``: its
+    ``pruned_decode``); returns the new tokens generated."""
+    SamplingParams, HFGenerationBackend, pruned_decode = generation_api()
+    if decoder == "pruned":
+        params = SamplingParams(max_new_tokens=max_new, temperature=1.0, top_p=1.0, stop_token_ids=())
+        rows, _, _ = pruned_decode(model, ids, attn, params, pad_token_id=0)
+        return sum(len(r) for r in rows)
+    if HFGenerationBackend is not None:
+        params = SamplingParams(max_new_tokens=max_new, temperature=1.0, top_p=1.0, stop_token_ids=())
+        seqs = HFGenerationBackend(model, pad_token_id=0, batch_size=batch, decoder="generate").generate_raw(
+            ids, attn, params)
+    else:
+        from transformers import GenerationConfig
+
+        gc_ = GenerationConfig(max_new_tokens=max_new, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                               pad_token_id=0, eos_token_id=None, use_cache=True)
+        seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc_)
+    return int(seqs.shape[0] * (seqs.shape[1] - ids.shape[1]))
+
+
+def run_generation(model, shape, device, clock: Clock) -> list:
+    import torch
+
+    pruned_decode = generation_api()[2]
     model.eval()
     model.config.use_cache = True
     vocab, prompt, new = shape["config"]["vocab_size"], shape["gen_prompt"], shape["gen_new_tokens"]
 
     def run(decoder: str, batch: int, max_new: int, ids, attn):
-        if decoder == "pruned":
-            params = SamplingParams(max_new_tokens=max_new, temperature=1.0, top_p=1.0, stop_token_ids=())
-            rows, _, _ = pruned_decode(model, ids, attn, params, pad_token_id=0)
-            return sum(len(r) for r in rows)
-        if HFGenerationBackend is not None:
-            params = SamplingParams(max_new_tokens=max_new, temperature=1.0, top_p=1.0, stop_token_ids=())
-            seqs = HFGenerationBackend(model, pad_token_id=0, batch_size=batch, decoder="generate").generate_raw(
-                ids, attn, params)
-        else:
-            from transformers import GenerationConfig
-
-            gc_ = GenerationConfig(max_new_tokens=max_new, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                   pad_token_id=0, eos_token_id=None, use_cache=True)
-            seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc_)
-        return int(seqs.shape[0] * (seqs.shape[1] - ids.shape[1]))
+        return generate_tokens(model, decoder, batch, max_new, ids, attn)
 
     decoders = ["generate"] + (["pruned"] if pruned_decode is not None else [])
     out = []
@@ -1369,6 +1422,349 @@ def run_transfer(device, nbytes: int, chunk_bytes: int, clock: Clock) -> dict:
     return entry
 
 
+# --------------------------------------------------------------------------------------
+# The colocated cycle (stage 7)
+# --------------------------------------------------------------------------------------
+
+#: The plan's items the allocator sees nothing of (``torch.cuda.max_memory_allocated``
+#: counts only the caching allocator's tensors).
+PLAN_OUTSIDE_ALLOCATOR = ("CUDA context, workspaces",)
+COLOCATE_PHASES = ("learner", "release", "generation", "restore")
+
+
+def colocate_plan(cfg: dict, spec: dict, model_dtype: str, attn: str, gpu_memory=None) -> dict:
+    """The memory plan (``rllib_exgrpo.planning.memory.plan_memory``) of a one-GPU DDP learner
+    with ``colocate: true`` and the HF backend at the stage's shapes: its learner entry
+    for the learner's pass (``rows`` x (``prompt`` + ``response``), padded, checkpointing) and
+    its ``learner, generation turn (colocate)`` entry for the turn (``generation_batch_size``
+    ``gen_batch``, ``gen_prompt`` + ``gen_new_tokens`` tokens, ``behaviour_logprobs: engine``:
+    no scoring pass, as the stage generates only). The per-phase figures are the plan's bytes
+    the allocator can see (its items less the CUDA context): ``learner`` and ``restore`` the
+    learner entry; ``release`` the turn's resident learner weights; ``generation`` the turn
+    with its optimizer state offloaded (what this stage does; the plan keeps it on the GPU for
+    the HF backend, as the product's HF turn does: ``generation_as_planned``). Or
+    ``status: unavailable (...)``."""
+    try:
+        from types import SimpleNamespace
+
+        from transformers import Qwen2Config
+
+        from rllib_exgrpo.planning.memory import plan_memory
+        from rllib_exgrpo.planning.shapes import ModelShape
+        from rllib_exgrpo.rllib.config_fields import field_defaults
+    except ImportError as e:
+        return {"status": f"unavailable ({type(e).__name__}: {e})"}
+    try:
+        from rllib_exgrpo.core.attention import ATTN_IMPLEMENTATIONS
+
+        shape = ModelShape.from_hf_config(Qwen2Config(**cfg))
+        base = field_defaults()
+        base.update(model_name_or_path="gpu_check (random weights)", colocate=True, num_learners=0,
+                    num_gpus_per_learner=1, num_env_runners=0, num_gpus_per_env_runner=0, learner_backend="ddp",
+                    model_dtype=model_dtype, gradient_checkpointing=True,
+                    attn_implementation=attn if attn in ATTN_IMPLEMENTATIONS else "sdpa",
+                    learner_micro_batch_rows=spec["rows"], minibatch_size=spec["rows"],
+                    learner_micro_batch_tokens=None, generation_backend="hf", hf_decoder="generate",
+                    behaviour_logprobs="engine", scoring_on="runners", kl_coeff=0.0, lora_rank=0,
+                    torch_ddp_kwargs={}, generation_batch_size=spec["gen_batch"])
+        kw = {"gpu_memory": gpu_memory, "gpu_memory_source": "torch.cuda.get_device_properties", "shape": shape} \
+            if gpu_memory else {"shape": shape}
+        learner_cfg = SimpleNamespace(**{**base, "max_prompt_tokens": spec["prompt"],
+                                         "max_response_tokens": spec["response"]})
+        turn_cfg = SimpleNamespace(**{**base, "max_prompt_tokens": spec["gen_prompt"],
+                                      "max_response_tokens": spec["gen_new_tokens"]})
+        # the learner entry ("learner", or "learner, training turn (colocate)") and the turn's
+        learner = next(a for a in plan_memory(learner_cfg, **kw).actors
+                       if a.kind.startswith("learner") and "generation turn" not in a.kind)
+        turn = next(a for a in plan_memory(turn_cfg, **kw).actors if "generation turn" in a.kind)
+
+        def items(actor):
+            return {it.what: int(it.bytes) for it in actor.items}
+
+        def seen(actor):  # what the allocator can see of the entry
+            return sum(b for what, b in items(actor).items() if what not in PLAN_OUTSIDE_ALLOCATOR)
+
+        turn_items = items(turn)
+        resident = turn_items.get("learner weights", 0) + turn_items.get("DDP gradient buckets", 0)
+        phases = {"learner": seen(learner), "release": resident,
+                  "generation": seen(turn) - turn_items.get("optimizer state", 0), "restore": seen(learner)}
+        return {"status": "ok", "source": "rllib_exgrpo.planning.memory.plan_memory",
+                "args": f"ddp, 1 learner, model_dtype {model_dtype}, gradient_checkpointing, learner "
+                        f"{spec['rows']} x ({spec['prompt']} + {spec['response']}) padded; generation hf, "
+                        f"generation_batch_size {spec['gen_batch']}, {spec['gen_prompt']} + "
+                        f"{spec['gen_new_tokens']} tokens, behaviour_logprobs engine",
+                "learner_items": items(learner), "turn_items": turn_items,
+                "learner_total_bytes": learner.total, "turn_total_bytes": turn.total,
+                "learner_fits": learner.fits, "turn_fits": turn.fits,
+                "phase_bytes": phases, "generation_as_planned_bytes": seen(turn),
+                # bf16 weight copies autocast keeps through a pass (the learner entry has them;
+                # a turn under the learner's autocast makes them too)
+                "autocast_copies_bytes": items(learner).get("autocast weight copies", 0),
+                "excluded": list(PLAN_OUTSIDE_ALLOCATOR)}
+    except Exception as e:  # the plan's API moved: say so, keep the run
+        return {"status": f"unavailable ({type(e).__name__}: {str(e)[:200]})"}
+
+
+def colocate_predicted_s(results: dict, shape: dict):
+    """Seconds the colocate stage should take, from what earlier stages measured (the learner's
+    FLOP rate, the generation rate, the transfer rates; assumed rates where they did not run),
+    or None when nothing measured it."""
+    spec, cfg = shape["colocate"], shape["config"]
+    rate = learner_flops_rate(results, cfg)
+    gen = [e["tokens_per_s"] for e in results.get("generation", [])
+           if e.get("status") == "ok" and e.get("decoder") == "generate" and e.get("batch") == spec["gen_batch"]]
+    if rate is None and not gen:
+        return None
+    params = results.get("params") or count_params(cfg)
+    seconds = 10.0  # model build, first-call warm-ups
+    if rate:  # two fp32-weight steps under autocast (x1.5 for the casts) and one scoring pass
+        flops = step_flops(cfg, cfg["num_hidden_layers"], spec["rows"], spec["prompt"] + spec["response"],
+                           spec["response"], True)
+        seconds += 2.5 * 1.5 * flops / rate
+    if gen:
+        seconds += 2.0 * spec["gen_batch"] * spec["gen_new_tokens"] / min(gen)
+    tr = results.get("transfer", {}) if isinstance(results.get("transfer"), dict) else {}
+    pinned = tr.get("pinned", {}).get("h2d_gb_per_s") or 10.0
+    pageable = tr.get("pageable", {}).get("h2d_gb_per_s") or 4.0
+    # offload + reload of the fp32 moments (8 B/param), pinning them (~4 GB/s); the reference
+    # copies (moments, weights, gradients out; and back in) at the pageable rate
+    seconds += 2 * 8 * params / (pinned * 1e9) + 8 * params / 4e9 + 2 * 16 * params / (pageable * 1e9)
+    return seconds
+
+
+def _phase_memory(device, base: int) -> dict:
+    """The phase's peak and what is allocated now, above the stage's start (CUDA only)."""
+    import torch
+
+    if device.type != "cuda":
+        return {"peak_bytes": None, "resident_bytes": None}
+    return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)) - base,
+            "resident_bytes": int(torch.cuda.memory_allocated(device)) - base}
+
+
+def run_colocate(shape: dict, device, dtype, attn: str, clock: Clock, predicted_s=None) -> dict:
+    """The colocated cycle on one device (module doc, stage 7): learner step, release
+    (gradients dropped, optimizer state to the host with the product's ``OptimizerOffload``),
+    a generation turn from the same model, restore (state reloaded, a second step), each
+    phase's peak and resident memory against the plan; then the optimizer round trip
+    checked: the state bitwise equal after it, the weights untouched by the turn, and the
+    step after the reload equal to the same step from the state as it was before the
+    offload (a reference replay: the same gradients, the same optimizer)."""
+    import contextlib
+
+    import torch
+
+    from rllib_exgrpo.rllib.colocation import OptimizerOffload, optimizer_state_tensors
+
+    spec, cfg = shape["colocate"], shape["config"]
+    cuda = device.type == "cuda"
+    rows, prompt, response = spec["rows"], spec["prompt"], spec["response"]
+    gb, gp, gn = spec["gen_batch"], spec["gen_prompt"], spec["gen_new_tokens"]
+    compute = None if dtype == torch.float32 else dtype  # the DDP learner: fp32 weights, autocast compute
+    model_dtype = str(dtype).replace("torch.", "")
+    name = "colocate"
+    res = {"name": name, "model_config": cfg, "weights_dtype": "float32",
+           "compute_dtype": model_dtype if compute is not None else "float32",
+           "rows": rows, "prompt": prompt, "response": response, "gradient_checkpointing": True,
+           "gen_batch": gb, "gen_prompt": gp, "gen_new_tokens": gn, "decoder": "generate",
+           "optimizer": "torch.optim.AdamW(lr=1e-6, weight_decay=0.01), grad-norm clip 1.0",
+           "offload": "rllib_exgrpo.rllib.colocation.OptimizerOffload",
+           "memory_source": ("torch.cuda.max_memory_allocated / memory_allocated, above the stage's start"
+                             if cuda else "unavailable (no CUDA: torch's allocator figures are per GPU)"),
+           "phases": {}}
+    clock.results["colocate"] = res
+    t_stage = time.perf_counter()
+    if predicted_s is not None:
+        res["predicted_s"] = round(predicted_s, 1)
+        if predicted_s > clock.left():
+            res.update(status="skipped", why=f"predicted {predicted_s:.0f} s > {clock.left():.0f} s left")
+            clock.save()
+            return res
+    gpu_memory = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    res["plan"] = plan = colocate_plan(cfg, spec, model_dtype, attn, gpu_memory)
+    autocast = (lambda: torch.autocast(device.type, dtype=compute)) if compute is not None \
+        else contextlib.nullcontext
+    phases = res["phases"]
+    model = optimizer = batch = ids = amask = None
+    ref_state = ref_params = ref_grads = after = None
+    phase = "build"
+    try:
+        free_memory(device)
+        sync(device)
+        base = allocated_bytes(device)
+        res["stage_start_allocated_bytes"] = base
+        torch.manual_seed(0)
+        model = build_model(shape, device, torch.float32, attn)
+        set_checkpointing(model, True)
+        model.config.use_cache = False
+        params = [p for p in model.parameters() if p.requires_grad]
+        res["params"] = sum(p.numel() for p in params)
+        optimizer = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.01)
+        batch = learner_batch(rows, prompt, response, cfg["vocab_size"], device, seed=11)
+        with autocast():
+            batch["old_logp"] = score_nograd(model, batch, response)[0]  # behaviour log-probs
+        free_memory(device)
+        sync(device)
+
+        # 1. learner awake: one step; its gradients stay until the release (as the learner's)
+        phase = "learner"
+        reset_peak(device)
+        t = time.perf_counter()
+        model.train()
+        with autocast():
+            loss1 = learner_forward_backward(model, batch, response, max_len=8192)
+        norm1 = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+        optimizer.step()
+        sync(device)
+        phases["learner"] = {"seconds": time.perf_counter() - t, "loss": loss1, "grad_norm": norm1,
+                             **_phase_memory(device, base)}
+        clock.stage(f"{name}: learner step", phases["learner"]["seconds"])
+
+        # the reference for the round-trip checks: the state and weights as they are, on the host
+        state = list(optimizer_state_tensors([optimizer]))
+        ref_state = [(v.device, v.detach().to("cpu", copy=True)) for _, _, v in state]
+        ref_params = [p.detach().to("cpu", copy=True) for p in params]
+        state_bytes = sum(v.numel() * v.element_size() for _, _, v in state)
+        device_state_bytes = sum(v.numel() * v.element_size() for _, _, v in state if v.device.type != "cpu")
+        del state
+
+        # 2. release: gradients dropped, optimizer state to (pinned) host memory, cache emptied
+        phase = "release"
+        reset_peak(device)
+        t = time.perf_counter()
+        for p in model.parameters():
+            p.grad = None
+        offload = OptimizerOffload(lambda: [optimizer])
+        t1 = time.perf_counter()
+        moved = offload.offload()
+        offload_s = time.perf_counter() - t1
+        free_memory(device)
+        sync(device)
+        held = [v for _, _, v in optimizer_state_tensors([optimizer])]
+        phases["release"] = {"seconds": time.perf_counter() - t, "offload_s": offload_s, "bytes_offloaded": moved,
+                             **_phase_memory(device, base)}
+        on_host = all(v.device.type == "cpu" for v in held)
+        pinned = all(v.is_pinned() for v, (home, _) in zip(held, ref_state) if home.type != "cpu") if cuda else None
+        del held
+        clock.stage(f"{name}: release", phases["release"]["seconds"],
+                    f"{moved / 1e9:.3f} GB of optimizer state to the host in {offload_s:.2f} s")
+
+        # 3. generation turn: the same model object, eval mode, no grad, the learner's autocast
+        phase = "generation"
+        reset_peak(device)
+        t = time.perf_counter()
+        model.eval()
+        model.config.use_cache = True
+        g = torch.Generator().manual_seed(gb)
+        ids = torch.randint(1, cfg["vocab_size"], (gb, gp), generator=g).to(device)
+        amask = torch.ones_like(ids)
+        with torch.no_grad(), autocast():
+            n_tokens = generate_tokens(model, "generate", gb, gn, ids, amask)
+        sync(device)
+        gen_s = time.perf_counter() - t
+        peak = _phase_memory(device, base)["peak_bytes"]
+        ids = amask = None
+        free_memory(device)
+        model.config.use_cache = False
+        model.train()
+        phases["generation"] = {"seconds": gen_s, "generated_tokens": n_tokens, "tokens_per_s": n_tokens / gen_s,
+                                **_phase_memory(device, base), "peak_bytes": peak}
+        with torch.no_grad():
+            unchanged = all(torch.equal(p.detach(), r.to(device)) for p, r in zip(params, ref_params))
+        clock.stage(f"{name}: generation", gen_s, f"{n_tokens / gen_s:,.0f} new tok/s (first call)")
+
+        # 4. restore: optimizer state reloaded, then a second step
+        phase = "restore"
+        reset_peak(device)
+        t = time.perf_counter()
+        reloaded = offload.reload()
+        sync(device)
+        reload_s = time.perf_counter() - t
+        reload_peak = _phase_memory(device, base)["peak_bytes"]
+        state = list(optimizer_state_tensors([optimizer]))
+        back_home = len(state) == len(ref_state) and all(v.device == home for (_, _, v), (home, _) in
+                                                         zip(state, ref_state))
+        with torch.no_grad():
+            bitwise = back_home and all(v.dtype == r.dtype and torch.equal(v, r.to(v.device))
+                                        for (_, _, v), (_, r) in zip(state, ref_state))
+        del state
+        reset_peak(device)  # the comparison's copies are not the cycle's
+        t1 = time.perf_counter()
+        with autocast():
+            loss2 = learner_forward_backward(model, batch, response, max_len=8192)
+        norm2 = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+        sync(device)
+        t2 = time.perf_counter()
+        ref_grads = [p.grad.detach().to("cpu", copy=True) for p in params]  # for the reference (untimed)
+        copy_s = time.perf_counter() - t2
+        optimizer.step()
+        sync(device)
+        mem = _phase_memory(device, base)
+        if cuda:
+            mem["peak_bytes"] = max(mem["peak_bytes"], reload_peak)
+        phases["restore"] = {"seconds": reload_s + time.perf_counter() - t1 - copy_s, "reload_s": reload_s,
+                             "bytes_reloaded": reloaded, "loss": loss2, "grad_norm": norm2, **mem}
+        clock.stage(f"{name}: restore", phases["restore"]["seconds"],
+                    f"{reloaded / 1e9:.3f} GB back in {reload_s:.2f} s, second step loss {loss2:.4f}")
+
+        # the reference: the same second step from the state as it was before the offload
+        after = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, r, gr in zip(params, ref_params, ref_grads):
+                p.copy_(r.to(device))
+                p.grad = gr.to(device)
+            for (st, key, _), (home, r) in zip(list(optimizer_state_tensors([optimizer])), ref_state):
+                st[key] = r.to(home)
+        optimizer.step()
+        sync(device)
+        with torch.no_grad():
+            matches = all(torch.equal(p.detach(), a) for p, a in zip(params, after))
+            moved_by_step = sum(int((a != r.to(device)).sum()) for a, r in zip(after, ref_params))
+        rt = {"state_tensors": len(ref_state), "state_bytes": state_bytes, "device_state_bytes": device_state_bytes,
+              "bytes_offloaded": moved, "bytes_reloaded": reloaded, "offload_s": offload_s, "reload_s": reload_s,
+              "on_host_during_turn": on_host, "pinned_during_turn": pinned, "back_on_device": back_home,
+              "state_bitwise_equal": bitwise, "weights_unchanged_by_generation": unchanged,
+              "step_after_reload_matches_reference": matches,
+              "second_step_update_fraction": moved_by_step / max(1, res["params"])}
+        if not cuda:
+            rt["note"] = "CPU run: the optimizer state is already on the host, nothing moves"
+        rt["ok"] = bool(on_host and back_home and bitwise and unchanged and matches and moved == device_state_bytes
+                        and reloaded == moved and pinned is not False and math.isfinite(loss1)
+                        and math.isfinite(loss2) and moved_by_step > 0)
+        res["round_trip"] = rt
+        for ph in COLOCATE_PHASES:
+            e = phases[ph]
+            for k in ("peak", "resident"):
+                e[f"{k}_gib"] = None if e[f"{k}_bytes"] is None else e[f"{k}_bytes"] / GIB
+            if plan.get("status") == "ok":
+                e["plan_bytes"] = plan["phase_bytes"][ph]
+                e["plan_gib"] = e["plan_bytes"] / GIB
+                e["compares"] = "resident" if ph == "release" else "peak"
+                measured = e[f"{e['compares']}_bytes"]
+                e["within_plan"] = None if measured is None else measured <= e["plan_bytes"]
+                if e["within_plan"] is False:
+                    e["over_plan_bytes"] = measured - e["plan_bytes"]
+        if plan.get("status") == "ok" and cuda:
+            phases["generation"]["within_plan_as_planned"] = (phases["generation"]["peak_bytes"]
+                                                              <= plan["generation_as_planned_bytes"])
+        res["status"] = "ok"
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        res.update(status="oom", phase=phase, error=str(e).splitlines()[0][:300],
+                   peak_bytes=_phase_memory(device, res.get("stage_start_allocated_bytes", 0))["peak_bytes"])
+    model = optimizer = batch = ids = amask = ref_state = ref_params = ref_grads = after = None
+    free_memory(device)
+    rt = res.get("round_trip", {})
+    clock.stage(f"{name} (whole stage)", time.perf_counter() - t_stage,
+                f"round trip ok={rt['ok']}" if rt else res["status"])
+    return res
+
+
+def _fmt_gib(x) -> str:
+    return "unavailable" if x is None else f"{x:.2f}"
+
+
 def print_table(results: dict) -> None:
     print()
     params = f"{results['params'] / 1e6:,.1f} M params" if "params" in results else "no main model"
@@ -1484,6 +1880,47 @@ def print_table(results: dict) -> None:
                 print(f"{e['name']:<40}{e['seconds']:>8.2f}{e['tokens_per_s']:>11,.0f}{'':>12}{e['peak_gib']:>10.2f}")
             else:
                 print(f"{e['name']:<40}{e.get('status', 'not run'):>8}  {e.get('why', e.get('error', ''))[:80]}")
+    co = results.get("colocate")
+    if isinstance(co, dict):
+        print()
+        if co.get("status") == "ok":
+            print(f"colocated cycle: fp32 weights + AdamW, compute {co['compute_dtype']}, {co['params'] / 1e6:,.1f} M "
+                  f"params; learner {co['rows']}x({co['prompt']}+{co['response']}) ckpt; generate "
+                  f"{co['gen_batch']}x({co['gen_prompt']}+{co['gen_new_tokens']}) from the same model")
+            plan = co.get("plan", {})
+            for ph in COLOCATE_PHASES:
+                e = co["phases"][ph]
+                line = (f"  phase={ph} seconds={e['seconds']:.2f} peak_gib={_fmt_gib(e['peak_gib'])} "
+                        f"resident_gib={_fmt_gib(e['resident_gib'])}")
+                if "plan_gib" in e:
+                    within = "unavailable" if e["within_plan"] is None else e["within_plan"]
+                    line += f" plan_gib={e['plan_gib']:.2f} within_plan={within} (plan vs {e['compares']})"
+                    if "over_plan_bytes" in e:
+                        line += f" over_plan_gib={e['over_plan_bytes'] / GIB:.2f}"
+                else:
+                    line += f" plan={plan.get('status', 'unavailable')}"
+                print(line)
+            if plan.get("status") == "ok":
+                g = co["phases"]["generation"]
+                print(f"  plan: {plan['args']}; allocator's share (less CUDA context); generation with the optimizer "
+                      f"state offloaded (as planned for the HF turn, state kept: "
+                      f"{plan['generation_as_planned_bytes'] / GIB:.2f} GiB"
+                      + (f", within={g['within_plan_as_planned']})" if "within_plan_as_planned" in g else ")")
+                      + f"; the learner entry's autocast weight copies {plan['autocast_copies_bytes'] / GIB:.2f} GiB")
+            rt = co["round_trip"]
+            print(f"  optimizer round trip: state_bytes={rt['state_bytes']} bytes_offloaded={rt['bytes_offloaded']} "
+                  f"offload_s={rt['offload_s']:.3f} reload_s={rt['reload_s']:.3f} "
+                  f"pinned={'n/a' if rt['pinned_during_turn'] is None else rt['pinned_during_turn']} "
+                  f"state_bitwise_equal={rt['state_bitwise_equal']} "
+                  f"weights_unchanged_by_generation={rt['weights_unchanged_by_generation']} "
+                  f"step_after_reload_matches_reference={rt['step_after_reload_matches_reference']}")
+            if "note" in rt:
+                print(f"  note: {rt['note']}")
+            print(f"  memory: {co['memory_source']}")
+            print(f"  round_trip_ok={rt['ok']}")
+        else:
+            print(f"colocated cycle: {co.get('status')} ({co.get('why', co.get('error', ''))}"
+                  + (f", in phase {co['phase']})" if "phase" in co else ")"))
     print()
     print("stage times (s): " + ", ".join(f"{k} {v:.1f}" for k, v in results["stage_times_s"].items()))
     print(f"total {results['total_s']:.1f} s")
@@ -1510,7 +1947,8 @@ def main(argv=None) -> int:
                              f"tiny: 0.016; a CPU run is capped at {CPU_TRANSFER_CAP_GB})")
     parser.add_argument("--transfer-chunk-mb", type=float, default=None,
                         help="chunk size (1e6 bytes) of the transfer stage (default 512; tiny 4)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="stages predicted to end past this are skipped")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="stages predicted to end past this are skipped (colocate included)")
     parser.add_argument("--skip-generation", action="store_true", help="same as leaving generation out of --stages")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results, rewritten after every stage")
     args = parser.parse_args(argv)
@@ -1637,6 +2075,14 @@ def main(argv=None) -> int:
             results["transfer"] = {"status": "skipped", "why": "no budget left", "bytes_requested": nbytes}
     if "generation" in stages and clock.left() > 0:
         run_generation(model, shape, device, clock)
+    if "colocate" in stages:
+        model = None  # the stage builds its own learner model (fp32 weights); nothing after it needs this one
+        free_memory(device)
+        if clock.left() > 0:
+            run_colocate(shape, device, dtype, args.attn, clock, predicted_s=colocate_predicted_s(results, shape))
+        else:
+            results["colocate"] = {"status": "skipped", "why": "no budget left"}
+            clock.save()
     results["total_s"] = round(time.perf_counter() - t_start, 3)
     clock.save()
     print_table(results)

@@ -62,7 +62,7 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         assert e["steps"] == 1
         assert e["valid_tokens_per_step"] < e["tokens_per_step"]  # padded like a learner batch
 
-    assert res["stages"] == ["learner", "packed", "drift", "slice", "transfer", "generation"]
+    assert res["stages"] == ["learner", "packed", "drift", "slice", "transfer", "generation", "colocate"]
     _check_packed(res)
     assert "packed learner pass" in proc.stdout and "measured_over_planned=" in proc.stdout
 
@@ -122,6 +122,136 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         assert e["generated_tokens"] == e["batch"] * e["new_tokens"]  # no stop token: full length
         for key in ("seconds", "tokens_per_s", "peak_gib"):
             assert _positive(e[key]), (e["name"], key, e.get(key))
+
+    assert res["imports"]["rllib_exgrpo.rllib.colocation"] == []
+    _check_colocate(res)
+    assert "colocated cycle" in proc.stdout and "round_trip_ok=True" in proc.stdout
+
+
+def _check_colocate(res):
+    """The colocate stage's figures on CPU: four phases in order, memory unavailable, the
+    optimizer round trip checked and passed, the plan's figures beside each phase."""
+    co = res["colocate"]
+    assert co["status"] == "ok", co
+    assert (co["rows"], co["prompt"], co["response"]) == (4, 16, 16)
+    assert (co["gen_batch"], co["gen_prompt"], co["gen_new_tokens"]) == (4, 8, 8)
+    assert co["weights_dtype"] == "float32" and co["compute_dtype"] == "bfloat16" and _positive(co["params"])
+    assert co["offload"] == "rllib_exgrpo.rllib.colocation.OptimizerOffload"
+    assert co["memory_source"].startswith("unavailable")
+    assert list(co["phases"]) == ["learner", "release", "generation", "restore"]
+    for name, e in co["phases"].items():
+        assert _positive(e["seconds"]), (name, e)
+        assert e["peak_gib"] is None and e["resident_gib"] is None and e["peak_bytes"] is None  # CPU: no figures
+    ph = co["phases"]
+    assert math.isfinite(ph["learner"]["loss"]) and math.isfinite(ph["restore"]["loss"])
+    assert _positive(ph["learner"]["grad_norm"]) and _positive(ph["restore"]["grad_norm"])
+    assert ph["generation"]["generated_tokens"] == 4 * 8  # no stop token: every row to full length
+    rt = co["round_trip"]
+    # AdamW's moments (2 x fp32 per parameter) and a step count per tensor
+    assert rt["state_bytes"] >= 8 * co["params"] and rt["state_tensors"] > 0
+    assert rt["device_state_bytes"] == rt["bytes_offloaded"] == rt["bytes_reloaded"] == 0  # CPU: nothing moves
+    assert rt["on_host_during_turn"] is True and rt["back_on_device"] is True and rt["pinned_during_turn"] is None
+    assert rt["state_bitwise_equal"] is True
+    assert rt["weights_unchanged_by_generation"] is True
+    assert rt["step_after_reload_matches_reference"] is True
+    assert 0.5 < rt["second_step_update_fraction"] <= 1.0  # fp32 weights: an lr 1e-6 step moves them
+    assert rt["ok"] is True
+    plan = co["plan"]
+    if _planning_importable():
+        assert plan["status"] == "ok", plan
+        for name, e in ph.items():
+            assert _positive(e["plan_bytes"]) and e["within_plan"] is None, (name, e)  # no measurement to set
+        assert ph["learner"]["plan_bytes"] == ph["restore"]["plan_bytes"] > ph["generation"]["plan_bytes"]
+        assert ph["generation"]["plan_bytes"] > ph["release"]["plan_bytes"]
+    else:
+        assert plan["status"].startswith("unavailable ("), plan
+
+
+def test_gpu_check_colocate_stage_alone_on_cpu(tmp_path):
+    """``--stages colocate``: the colocated cycle alone (no main model, no earlier rates)."""
+    out = tmp_path / "colocate.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.relative_to(REPO)), "--shape", "tiny", "--device", "cpu", "--stages", "colocate",
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["stages"] == ["colocate"] and "learner" not in res and "params" not in res
+    _check_colocate(res)
+    assert "predicted_s" not in res["colocate"]  # nothing measured earlier to predict it from
+    for phase in ("learner", "release", "generation", "restore"):
+        line = next(x for x in proc.stdout.splitlines() if x.strip().startswith(f"phase={phase} "))
+        assert "peak_gib=unavailable" in line and "resident_gib=unavailable" in line, line
+    assert "step_after_reload_matches_reference=True" in proc.stdout
+    assert "state_bitwise_equal=True" in proc.stdout
+    assert [x for x in proc.stdout.splitlines() if "round_trip_ok=" in x] == ["  round_trip_ok=True"]
+
+
+def test_colocate_round_trip_check_catches_a_corrupted_reload(gpu_check, tmp_path, monkeypatch):
+    """An offload whose reload hands back AdamW's moments rounded through bf16 (a dtype slip):
+    the state is no longer bitwise equal, the step after it is not the reference step."""
+    torch = pytest.importorskip("torch")
+    from rllib_exgrpo.rllib import colocation
+
+    class LossyOffload(colocation.OptimizerOffload):
+        def reload(self):
+            moved = super().reload()
+            for state, key, value in colocation.optimizer_state_tensors(self._optimizers()):
+                if key in ("exp_avg", "exp_avg_sq"):
+                    state[key] = value.to(torch.bfloat16).to(value.dtype)
+            return moved
+
+    monkeypatch.setattr(colocation, "OptimizerOffload", LossyOffload)
+    clock = gpu_check.Clock(600.0, tmp_path / "c.json", {"stage_times_s": {}})
+    res = gpu_check.run_colocate(gpu_check.SHAPES["tiny"], torch.device("cpu"), torch.bfloat16, "sdpa", clock)
+    assert res["status"] == "ok"
+    rt = res["round_trip"]
+    assert rt["state_bitwise_equal"] is False and rt["step_after_reload_matches_reference"] is False
+    assert rt["weights_unchanged_by_generation"] is True and rt["ok"] is False
+    assert json.loads((tmp_path / "c.json").read_text())["colocate"]["round_trip"]["ok"] is False
+
+
+def test_colocate_plan_figures_for_the_1_5b_shape(gpu_check):
+    """The plan beside each phase: the learner entry for the training phases, the turn's
+    resident weights for the release, the turn less its optimizer state for the generation."""
+    if not _planning_importable():
+        pytest.skip("rllib_exgrpo.planning not importable")
+    shape = gpu_check.SHAPES["qwen2.5-1.5b"]
+    spec = shape["colocate"]
+    plan = gpu_check.colocate_plan(shape["config"], spec, "bfloat16", "sdpa", gpu_memory=80 * 2 ** 30)
+    assert plan["status"] == "ok", plan
+    p = gpu_check.count_params(shape["config"])
+    li, ti = plan["learner_items"], plan["turn_items"]
+    assert li["weights"] == ti["learner weights"] == 4 * p  # the DDP learner's fp32 weights
+    assert li["optimizer state"] == ti["optimizer state"] == 8 * p  # AdamW's two fp32 moments
+    ctx = li["CUDA context, workspaces"]
+    assert plan["phase_bytes"]["learner"] == plan["phase_bytes"]["restore"] == plan["learner_total_bytes"] - ctx
+    assert plan["phase_bytes"]["release"] == 4 * p
+    kv = ti["HF generation KV cache"]  # 64 rows x (256 + 128) tokens x 28 KiB (28 layers, 2 kv heads x 128, bf16)
+    assert kv == 64 * (256 + 128) * 2 * 28 * 2 * 128 * 2
+    assert "scoring pass" not in ti  # behaviour_logprobs engine: the stage only generates
+    assert plan["phase_bytes"]["generation"] == 4 * p + kv
+    assert plan["generation_as_planned_bytes"] == 4 * p + 8 * p + kv
+    assert plan["learner_fits"] is True and plan["turn_fits"] is True
+    assert plan["autocast_copies_bytes"] == li["autocast weight copies"] > 0
+
+
+def test_colocate_skipped_when_predicted_over_budget(gpu_check, tmp_path):
+    torch = pytest.importorskip("torch")
+    clock = gpu_check.Clock(0.0, tmp_path / "s.json", {"stage_times_s": {}})
+    res = gpu_check.run_colocate(gpu_check.SHAPES["tiny"], torch.device("cpu"), torch.bfloat16, "sdpa", clock,
+                                 predicted_s=5.0)
+    assert res["status"] == "skipped" and "predicted" in res["why"] and "phases" in res and not res["phases"]
+    # the prediction: learner FLOP rate, generation rate, the copies of ~16 B/param state
+    shape = gpu_check.SHAPES["qwen2.5-1.5b"]
+    assert gpu_check.colocate_predicted_s({}, shape) is None
+    results = {"params": 1_543_714_304,
+               "learner": [{"status": "ok", "gradient_checkpointing": True, "rows": 8, "prompt": 1024,
+                            "response": 1024, "step_s_mean": 1.0}],
+               "generation": [{"status": "ok", "decoder": "generate", "batch": 64, "tokens_per_s": 2048.0}]}
+    s = gpu_check.colocate_predicted_s(results, shape)
+    assert 20.0 < s < 120.0, s
 
 
 def _check_packed(res):
@@ -206,7 +336,8 @@ def test_gpu_check_help_lists_stages_and_flags():
     proc = subprocess.run([sys.executable, str(SCRIPT.relative_to(REPO)), "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for word in ("learner", "packed", "drift", "slice", "transfer", "generation", "--stages", "--slice-layers",
+    for word in ("learner", "packed", "drift", "slice", "transfer", "generation", "colocate", "--stages",
+                 "--slice-layers",
                  "--transfer-gb", "--transfer-chunk-mb", "--budget-s", "--shape"):
         assert word in proc.stdout, word
 
