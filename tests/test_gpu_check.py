@@ -231,10 +231,11 @@ def test_colocate_plan_figures_for_the_1_5b_shape(gpu_check):
     kv = ti["HF generation KV cache"]  # 64 rows x (256 + 128) tokens x 28 KiB (28 layers, 2 kv heads x 128, bf16)
     assert kv == 64 * (256 + 128) * 2 * 28 * 2 * 128 * 2
     assert "scoring pass" not in ti  # behaviour_logprobs engine: the stage only generates
-    assert plan["phase_bytes"]["generation"] == 4 * p + kv
-    assert plan["generation_as_planned_bytes"] == 4 * p + 8 * p + kv
+    ac = ti["autocast weight copies"]  # autocast's bf16 copies, cached through the turn as through a pass
+    assert ac == plan["autocast_copies_bytes"] == li["autocast weight copies"] > 0
+    assert plan["phase_bytes"]["generation"] == 4 * p + kv + ac
+    assert plan["generation_as_planned_bytes"] == 4 * p + 8 * p + kv + ac
     assert plan["learner_fits"] is True and plan["turn_fits"] is True
-    assert plan["autocast_copies_bytes"] == li["autocast weight copies"] > 0
 
 
 def test_colocate_skipped_when_predicted_over_budget(gpu_check, tmp_path):

@@ -452,3 +452,25 @@ def test_every_gpu_recipe_fits_its_card_and_the_readme_table_shows_its_plan(reci
     assert row is not None, f"README's recipe table has no row for {recipe.name}"
     for _, used, budget, _ in actors:
         assert f"{used} GiB" in row and f"{budget} GiB" in row, (row, actors)
+
+
+def test_lora_under_deepspeed_is_planned_for_colocated_learners():
+    """LoRA on DeepSpeed learners (colocated only): the frozen base sliced under ZeRO-3, bf16
+    adapters with fp32 master copies and AdamW moments over the learners; a generation turn
+    with one decoder layer gathered and merged in flight."""
+    from rllib_exgrpo.planning.memory import model_state_bytes
+
+    shape = PUBLISHED_SHAPES["Qwen/Qwen2.5-Math-7B"]
+    a = shape.lora_parameters(64, "all-linear")
+    states = model_state_bytes(shape, backend="deepspeed", zero_stage=3, num_learners=8, model_dtype="bfloat16",
+                               lora_parameters=a)
+    assert states["weights"] == (2 * shape.num_parameters + 2 * a) // 8
+    assert states["optimizer"] == 12 * a // 8 and states["gradients"] == 2 * a // 8
+    cfg = _config(QWEN, colocate=True, num_env_runners=0, num_gpus_per_env_runner=0, learner_backend="deepspeed",
+                  deepspeed_zero_stage=3, lora_rank=64, num_learners=8, scoring_on="learners")
+    plan = plan_memory(cfg, gpu_memory=80 << 30, gpu_memory_source="test")
+    training, turn = plan.actors
+    assert training.kind == "learner, training turn (colocate)" and training.fits
+    items = {it.what: it.bytes for it in turn.items}
+    assert items["one decoder layer gathered and merged for the push"] == 2 * shape.layer_parameters * 2
+    assert items["learner weights"] == states["weights"] and turn.fits

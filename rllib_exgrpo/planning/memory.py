@@ -92,12 +92,14 @@ def model_state_bytes(shape: ModelShape, *, backend: str, zero_stage: int = 2, n
     ``step_total``, and ``deepspeed_comparable`` (what DeepSpeed's own estimators count:
     weights, gradients, optimiser state, fp32 gradients, gathered module).
 
-    ``lora_parameters`` > 0 (DDP only: LoRA learners): the frozen base in ``model_dtype``
-    (nothing updates it, so no fp32 master copy and no autocast copies), and fp32 adapters
-    with their gradients, AdamW moments, DDP buckets and the step's temporary.
+    ``lora_parameters`` > 0 (LoRA learners): the frozen base in ``model_dtype`` (nothing
+    updates it, so no fp32 master copy and no autocast copies), and the adapters with their
+    gradients, AdamW moments, DDP buckets and the step's temporary (DeepSpeed: bf16 adapters
+    with fp32 master copies, partitioned as the stage says; the base sliced under ZeRO-3).
     """
     if lora_parameters:
-        return _lora_state_bytes(shape, int(lora_parameters), num_learners, model_dtype, ddp_bucket_view, backend)
+        return _lora_state_bytes(shape, int(lora_parameters), num_learners, model_dtype, ddp_bucket_view, backend,
+                                 zero_stage)
     p = int(shape.num_parameters)
     n = max(1, int(num_learners or 1))
     out = dict(weights=0, gradients=0, optimizer=0, buckets=0, gathered=0, autocast_copies=0, step_extra=0)
@@ -138,12 +140,21 @@ def model_state_bytes(shape: ModelShape, *, backend: str, zero_stage: int = 2, n
 
 
 def _lora_state_bytes(shape: ModelShape, adapters: int, num_learners: int, model_dtype: str,
-                      ddp_bucket_view: bool, backend: str) -> Dict[str, int]:
+                      ddp_bucket_view: bool, backend: str, zero_stage: int = 2) -> Dict[str, int]:
     """:func:`model_state_bytes` of a LoRA learner (see there)."""
-    if backend != "ddp":
-        raise ValueError("LoRA learners run on the DDP backend only (learner_backend: ddp)")
     n = max(1, int(num_learners or 1))
-    out = dict(weights=dtype_bytes(model_dtype) * int(shape.num_parameters) + 4 * adapters,
+    base = dtype_bytes(model_dtype) * int(shape.num_parameters)
+    if backend == "deepspeed":  # colocated only (config validation)
+        sliced = n if zero_stage == 3 else 1
+        out = dict(weights=(base + 2 * adapters) // sliced, gradients=2 * adapters // (n if zero_stage >= 2 else 1),
+                   optimizer=12 * adapters // n, buckets=0,
+                   gathered=2 * shape.vocab_size * shape.hidden_size if zero_stage == 3 else 0,
+                   autocast_copies=0, step_extra=4 * adapters // n)
+        out["total"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "gathered"))
+        out["step_total"] = out["total"] + out["step_extra"]
+        out["deepspeed_comparable"] = out["total"]
+        return {k: int(v) for k, v in out.items()}
+    out = dict(weights=base + 4 * adapters,
                gradients=4 * adapters, optimizer=8 * adapters,
                buckets=4 * adapters if (n >= 2 and not ddp_bucket_view) else 0,
                gathered=0, autocast_copies=0, step_extra=4 * adapters)
@@ -672,7 +683,8 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
                                lora_parameters=adapters)
     plan = ActorPlan("learner", max(1, n_learners), per)
     if adapters:
-        mode_bytes, autocast = _lora_state_items(plan, shape, states, model_dtype, config.lora_rank, adapters)
+        mode_bytes, autocast = _lora_state_items(plan, shape, states, model_dtype, config.lora_rank, adapters,
+                                                 stage if backend == "deepspeed" else 0, max(1, n_learners))
     elif backend == "ddp":
         mode_bytes, autocast = _ddp_state_items(plan, shape, states, model_dtype)
     else:
@@ -723,11 +735,21 @@ def _ddp_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int],
 
 
 def _lora_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int], model_dtype: str, rank: int,
-                      adapters: int) -> Tuple[int, bool]:
+                      adapters: int, zero_stage: int = 0, nl: int = 1) -> Tuple[int, bool]:
     """A LoRA learner's model states into ``plan``; returns the pass's ``(dtype bytes,
     autocast)``: the frozen base computes in its own dtype, the fp32 adapters under autocast."""
     it = plan.items.append
     p = shape.num_parameters
+    if zero_stage:  # DeepSpeed (colocated LoRA)
+        sliced = f" / {nl} learners (ZeRO-3)" if zero_stage == 3 else ""
+        it(Item("weights", states["weights"], f"{p / 1e9:.2f} B frozen base x {dtype_bytes(model_dtype)} B "
+                                              f"({model_dtype}) + {adapters / 1e6:.1f} M bf16 LoRA adapters (rank {rank})"
+                                              + sliced))
+        it(Item("gradients", states["gradients"], "bf16, adapters only" + (f" / {nl} learners" if zero_stage >= 2 else "")))
+        it(Item("optimizer state", states["optimizer"], f"fp32 master + AdamW moments of the adapters / {nl} learners"))
+        if states["gathered"]:
+            it(Item("ZeRO-3 gathered module", states["gathered"], "the largest frozen module's weight, gathered for a pass"))
+        return 2, False
     it(Item("weights", states["weights"], f"{p / 1e9:.2f} B frozen base x {dtype_bytes(model_dtype)} B ({model_dtype}) "
                                           f"+ {adapters / 1e6:.1f} M fp32 LoRA adapters (rank {rank})"))
     it(Item("gradients", states["gradients"], "fp32, adapters only"))
@@ -1101,6 +1123,9 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
                 f"generation_batch_size {chunk} x {prompt + response} tokens x {kv_token / 1024:.0f} KiB"))
     else:
         it(Item("optimizer state", states["optimizer"], "stays: the HF backend generates from the learner's model"))
+        if states.get("autocast_copies"):
+            it(Item("autocast weight copies", states["autocast_copies"],
+                    "bf16 copies of the linear layers' weights, cached by autocast through the turn"))
         kv_token = shape.kv_cache_bytes_per_token(b)
         it(Item("HF generation KV cache", chunk * tokens * kv_token,
                 f"generation_batch_size {chunk} x {tokens} tokens x {kv_token / 1024:.0f} KiB"))
