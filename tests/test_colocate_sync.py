@@ -12,6 +12,7 @@ itself (checked as the same object); under ZeRO-3 from a plain copy refilled eac
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,26 +71,59 @@ def _as_engine_names(plain):
     return out
 
 
+#: A fixed token sequence whose log-probs the engine and the learner's weights are compared on.
+IDS = list(range(3, 67))
+
+
+def _engine_prompt_logprobs(llm):
+    """The engine's log-prob of each token of :data:`IDS` after the ones before it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = llm.generate([TokensPrompt(prompt_token_ids=IDS)], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return np.asarray([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], IDS[1:])], np.float64)
+
+
+def _plain_logprobs(config, weights):
+    """The same log-probs from a plain HF model holding ``weights`` (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    model.load_state_dict(weights, strict=False)
+    with torch.no_grad():
+        logits = model(torch.tensor([IDS])).logits[0, :-1].double()
+    logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0]
+    return logp.numpy()
+
+
 def _sync_and_compare(learner):
     """One generation turn (the push) and, inside it, the sampler's weights against the
-    learner's. Returns ``(largest difference, names compared, the learner's weights' sum)``."""
+    learner's. Returns ``(largest weight difference, names compared, largest log-prob
+    difference (vLLM), the engine's log-probs (vLLM), the learner's weights' sum)``."""
     from ray.rllib.core import DEFAULT_MODULE_ID
 
     sampler = learner.colocated_sampler()
     want = _learners_weights(learner)
+    total = float(sum(v.sum() for v in want.values()))
     module = learner.module[DEFAULT_MODULE_ID].unwrapped()
+    logp_gap, engine_logp = 0.0, None
     with sampler.turn():
         if sampler.uses_engine:
             got = sampler.backend.llm.collective_rpc(_engine_state)[0]
+            # vLLM's CPU build keeps its linear layers in its own packed layout (their state
+            # tensors are empty): those are compared through the model's output instead.
+            engine_logp = _engine_prompt_logprobs(sampler.backend.llm)
+            logp_gap = float(np.abs(engine_logp - _plain_logprobs(module.model.config, want)).max())
             want = _as_engine_names(want)
         elif sampler.runner.module is module:  # HF without partitions: the learner's own model
-            return 0.0, -1, float(sum(v.sum() for v in want.values()))
+            return 0.0, -1, 0.0, None, total
         else:
             got = {k: v.detach().float() for k, v in sampler.runner.module.model.state_dict().items()}
-    common = [k for k in got if k in want]
+    common = [k for k in got if k in want and got[k].numel() > 0]
     # vLLM pads the vocabulary rows of its embedding and output head: the real rows compared.
     worst = max(float((got[k][: want[k].shape[0]] - want[k]).abs().max()) for k in common)
-    return worst, len(common), float(sum(v.sum() for v in want.values()))
+    return worst, len(common), logp_gap, engine_logp, total
 
 
 def _config(model, backend: str, learner_backend: str, lora: bool):
@@ -118,17 +152,21 @@ def _config(model, backend: str, learner_backend: str, lora: bool):
 def _check(cfg):
     algo = cfg.build_algo()
     try:
-        sums = []
+        sums, engine_logps = [], []
         for _ in range(2):
             algo.train()  # a sampling turn and a real update
             results = [r.get() for r in algo.learner_group.foreach_learner(_sync_and_compare)]
             assert len(results) == 2
-            for worst, compared, _ in results:
+            for worst, compared, logp_gap, _, _ in results:
                 assert compared != 0
                 assert worst <= 1e-6, worst
-            assert results[0][2] == pytest.approx(results[1][2], rel=1e-6)  # the ranks hold the same weights
-            sums.append(results[0][2])
+                assert logp_gap <= 2e-3, logp_gap  # vLLM's CPU kernels against torch's, float32
+            assert results[0][4] == pytest.approx(results[1][4], rel=1e-6)  # the ranks hold the same weights
+            sums.append(results[0][4])
+            engine_logps.append(results[0][3])
         assert sums[0] != sums[1]  # the update moved the weights between the two pushes
+        if engine_logps[0] is not None:  # ... and the engine's output with them: not stale
+            assert float(np.abs(engine_logps[0] - engine_logps[1]).max()) > 1e-2
     finally:
         algo.stop()
 
