@@ -99,6 +99,10 @@ def test_with_vllm_installed_the_engine_stays_and_its_cache_is_sized_in_bytes():
     c = spec["config"]
     assert c["generation_backend"] == "vllm" and "generation_backend" not in swaps
     assert c["vllm_kwargs"] == {"max_num_seqs": 256, **VLLM_CPU_KWARGS}
+    assert "sleep" not in swaps["vllm_kwargs"].why
+    colocated = {**GPU_SPEC, "config": {**GPU_SPEC["config"], "colocate": True, "num_env_runners": 0}}
+    _, swaps = _one(colocated, vllm=True)
+    assert "no sleep mode, so each learner's engine skips its sleep and wake calls" in swaps["vllm_kwargs"].why
 
 
 def test_overrides_stop_and_search_spaces():
@@ -184,6 +188,8 @@ def test_every_recipe_rehearses_checkpoints_and_resumes(recipe, tmp_path, capsys
     assert main(common + ["--stop", '{"training_iteration": 2}']) == 0
     err = capsys.readouterr().err
     assert "rehearsal:" in err and "model" in err  # the swaps were said
+    if "colocate: true" in recipe.read_text() and "generation_backend: vllm" in recipe.read_text():
+        assert "skips its sleep and wake calls" in err, err  # vLLM's CPU build has no sleep mode
     name = next(iter(yaml.safe_load(recipe.read_text()))) + SUFFIX
     trials = _results(storage, name)
     assert trials and all(rows[-1]["training_iteration"] == 2 for rows in trials)

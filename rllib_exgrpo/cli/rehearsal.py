@@ -236,8 +236,12 @@ def _swap_backend(settings, where, vllm: bool, found) -> None:
     kwargs = settings.get("vllm_kwargs") if isinstance(settings.get("vllm_kwargs"), dict) else {}
     now = {k: v for k, v in kwargs.items() if k not in ("gpu_memory_utilization", "max_model_len")}
     now.update(VLLM_CPU_KWARGS)
-    _set(settings, where, "vllm_kwargs", now, "vLLM's CPU build: a KV cache of fixed bytes, not a share of "
-         "GPU memory; max_model_len follows the scaled token limits; no graph compilation", found)
+    why = ("vLLM's CPU build: a KV cache of fixed bytes, not a share of GPU memory; max_model_len follows the "
+           "scaled token limits; no graph compilation")
+    if settings.get("colocate"):
+        why += ("; colocate: the CPU build has no sleep mode, so each learner's engine skips its sleep and wake "
+                "calls (the turn's other calls, the weight push included, run as on a GPU)")
+    _set(settings, where, "vllm_kwargs", now, why, found)
 
 
 def _to_cpu(config, found) -> None:
