@@ -167,16 +167,21 @@ def _check_colocate(res):
         assert plan["status"].startswith("unavailable ("), plan
 
 
-def test_gpu_check_colocate_stage_alone_on_cpu(tmp_path):
-    """``--stages colocate``: the colocated cycle alone (no main model, no earlier rates)."""
-    out = tmp_path / "colocate.json"
+def _one_stage(tmp_path, stage: str):
+    """``gpu_check.py --shape tiny --device cpu --stages <stage>``: the process and its JSON."""
+    out = tmp_path / f"{stage}.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT.relative_to(REPO)), "--shape", "tiny", "--device", "cpu", "--stages", "colocate",
+        [sys.executable, str(SCRIPT.relative_to(REPO)), "--shape", "tiny", "--device", "cpu", "--stages", stage,
          "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+def test_gpu_check_colocate_stage_alone_on_cpu(tmp_path):
+    """``--stages colocate``: the colocated cycle alone (no main model, no earlier rates)."""
+    proc, res = _one_stage(tmp_path, "colocate")
     assert res["stages"] == ["colocate"] and "learner" not in res and "params" not in res
     _check_colocate(res)
     assert "predicted_s" not in res["colocate"]  # nothing measured earlier to predict it from
@@ -282,14 +287,7 @@ def _check_packed(res):
 
 def test_gpu_check_packed_stage_alone_on_cpu(tmp_path):
     """``--stages packed``: no learner stage before it (no FLOP rate, no main model)."""
-    out = tmp_path / "packed.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT.relative_to(REPO)), "--shape", "tiny", "--device", "cpu", "--stages", "packed",
-         "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    proc, res = _one_stage(tmp_path, "packed")
     assert res["stages"] == ["packed"] and "learner" not in res and "params" not in res
     _check_packed(res)
     assert "flash_attn" in proc.stdout and "measured_over_planned=" in proc.stdout
