@@ -325,7 +325,7 @@ class ColocatedSampler:
 
     def _wake_with_weights(self) -> None:
         if not self.uses_engine:  # the HF copy (ZeRO-3): on the learner's device, refilled
-            self.runner.module.to(self._device())
+            self.runner.module.to(self._learners_device())
             self.backend.awake = True
             self._note("wake_weights")
             self.push_weights()
@@ -357,7 +357,7 @@ class ColocatedSampler:
         backend.awake = False
         self._note("sleep")
 
-    def _device(self) -> torch.device:
+    def _learners_device(self) -> torch.device:
         return next(self.module.parameters()).device
 
     def _note(self, phase: str) -> None:

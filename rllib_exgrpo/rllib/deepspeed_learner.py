@@ -437,7 +437,7 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, DeepSpeedCheckpointing, _DeepSp
             self._ds_peers = handles
 
     @override(ExGRPOTorchLearner)
-    def _colocation_engines(self) -> list:
+    def colocation_engines(self) -> list:
         """``colocate``: the engines offload their own ZeRO state around a generation turn."""
         return list(self._engines.values())
 

@@ -249,13 +249,13 @@ class ExGRPOTorchLearner(TorchLearner):
             sampler = ColocatedSampler(
                 self.config, self.module[DEFAULT_MODULE_ID].unwrapped(), index=learner_rank(),
                 optimizers=lambda: [opt for _, opt in self.get_optimizers_for_module()],
-                engines=self._colocation_engines,
+                engines=self.colocation_engines,
             )
             apply_threads_for(self.config, "learner")  # the runner sized them for itself
             self._colocated_sampler = sampler
         return sampler
 
-    def _colocation_engines(self) -> list:
+    def colocation_engines(self) -> list:
         """The DeepSpeed engines whose state a colocated turn offloads (none here)."""
         return []
 
