@@ -65,19 +65,6 @@ def meets_criterion(lora_gain: float, full_gain: float, ratio: float = 0.5) -> b
     return lora_gain >= (ratio * full_gain if full_gain > 0 else full_gain)
 
 
-def refresh_before_eval() -> None:
-    """Colocated runs: the evaluators read ``algo.env_runner``, which under ``colocate``
-    fetches the learner's weights on its first use and then keeps that copy (no sync
-    reaches it); mark it stale before each evaluation so that it fetches them again."""
-    plain = _runs.heldout_accuracy
-
-    def heldout_accuracy(algo, max_new_tokens):
-        algo.env_runner.mark_weights_stale()
-        return plain(algo, max_new_tokens)
-
-    _runs.heldout_accuracy = heldout_accuracy
-
-
 def within_noise(mean: float, half: float) -> str:
     """Whether a paired difference's 95% interval holds 0."""
     if math.isnan(half):
@@ -86,8 +73,6 @@ def within_noise(mean: float, half: float) -> str:
 
 
 def run(arm: str, lr: float, seed: int, args) -> dict:
-    if arm == "colocated":
-        refresh_before_eval()
     return tb.train_run(RECIPE, seed, iterations=args.iterations, token_budget=None,
                         eval_interval=args.eval_interval, overrides=arm_overrides(arm, lr), out=args.out)
 

@@ -256,6 +256,21 @@ def _check_logps(algo, lora: bool):
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def _sampler_logps(learner, prompts, completions):
+    return learner.colocated_sampler().score_trajectories(prompts, completions)[0]
+
+
+def _check_local_runner(algo):
+    """The main process's runner (``algo.env_runner``, which evaluation scripts use), read
+    after an update, scores with the learners' current weights, not a copy fetched earlier."""
+    prompts, completions = _rows(algo)
+    ours, _ = algo.env_runner.score_trajectories(prompts, completions)
+    theirs = [r.get() for r in algo.learner_group.foreach_learner(
+        lambda learner, _p=prompts, _c=completions: _sampler_logps(learner, _p, _c))][0]
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
 def _seed_pool(algo):
     from rllib_exgrpo.core.groups import Trajectory, score_groups
 
@@ -290,6 +305,7 @@ def _run_train_restore_train(cfg, tmp_path, lora=False):
             assert result["env_runners"]["num_episodes"] == 16
             assert np.isfinite(result["learners"]["default_policy"]["total_loss"])
             _check_logps(algo, lora)
+            _check_local_runner(algo)  # fetched after the 1st update, current again after the 2nd
         assert "accuracy" in result["heldout"]
         _seed_pool(algo)
         algo.save_to_path(str(tmp_path / "ckpt"))

@@ -527,7 +527,13 @@ class ExGRPO(Algorithm):
         (``rllib/weight_broadcast.py``), which returns once every runner holds the weights;
         when a runner fails in it, the failed runners are restored and the group rebuilt, once."""
         if self.config.colocate:
-            return  # the learners sample from their own weights (rllib/colocation.py)
+            # The learners sample from their own weights (rllib/colocation.py). A copy the main
+            # process's runner fetched for local use (``algo.env_runner``) is now old: it
+            # fetches the current weights again when next used.
+            local = self.env_runner_group.local_env_runner
+            if isinstance(local, LLMEnvRunner):
+                local.mark_weights_stale()
+            return
         broadcaster = self._weight_broadcaster
         if broadcaster is None:
             self.env_runner_group.sync_weights(
