@@ -103,6 +103,11 @@ def test_with_vllm_installed_the_engine_stays_and_its_cache_is_sized_in_bytes():
     colocated = {**GPU_SPEC, "config": {**GPU_SPEC["config"], "colocate": True, "num_env_runners": 0}}
     _, swaps = _one(colocated, vllm=True)
     assert "no sleep mode, so each learner's engine skips its sleep and wake calls" in swaps["vllm_kwargs"].why
+    # More colocated learners than engines a CPU machine holds: HF in each learner, said.
+    eight = {**colocated, "config": {**colocated["config"], "num_learners": 8}}
+    spec, swaps = _one(eight, vllm=True)
+    assert spec["config"]["generation_backend"] == "hf" and "vllm_kwargs" not in spec["config"]
+    assert "8 vLLM engines" in swaps["generation_backend"].why
 
 
 def test_overrides_stop_and_search_spaces():
@@ -188,7 +193,8 @@ def test_every_recipe_rehearses_checkpoints_and_resumes(recipe, tmp_path, capsys
     assert main(common + ["--stop", '{"training_iteration": 2}']) == 0
     err = capsys.readouterr().err
     assert "rehearsal:" in err and "model" in err  # the swaps were said
-    if "colocate: true" in recipe.read_text() and "generation_backend: vllm" in recipe.read_text():
+    if "colocate: true" in recipe.read_text() and "generation_backend: 'vllm' -> 'hf'" not in err \
+            and "generation_backend: vllm" in recipe.read_text():
         assert "skips its sleep and wake calls" in err, err  # vLLM's CPU build has no sleep mode
     name = next(iter(yaml.safe_load(recipe.read_text()))) + SUFFIX
     trials = _results(storage, name)

@@ -225,8 +225,22 @@ def _cap_tokens(settings, where, found) -> None:
             _set(settings, where, key, cap, "token limits scaled down for a CPU", found)
 
 
+#: The most vLLM engines a rehearsal starts on one CPU machine: a colocated recipe has one per
+#: learner, each a process importing vLLM and its CPU kernels (~1.5 GB resident); eight of them
+#: next to their learners overrun a 2-core, 24 GB machine.
+MAX_CPU_ENGINES = 4
+
+
 def _swap_backend(settings, where, vllm: bool, found) -> None:
     if settings.get("generation_backend") != "vllm":
+        return
+    learners = settings.get("num_learners")
+    if vllm and settings.get("colocate") and isinstance(learners, int) and learners > MAX_CPU_ENGINES:
+        _set(settings, where, "generation_backend", "hf", f"colocate with {learners} learners would start "
+             f"{learners} vLLM engines of the CPU build on this machine (at most {MAX_CPU_ENGINES}): the HF backend "
+             "samples in each learner instead; the weight push, ZeRO-3 gathers and turn order run as with vLLM",
+             found)
+        settings.pop("vllm_kwargs", None)
         return
     if not vllm:
         _set(settings, where, "generation_backend", "hf", "vLLM is not installed here: the HF backend samples "
