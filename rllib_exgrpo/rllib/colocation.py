@@ -27,8 +27,9 @@ advantages, metrics) does not change.
   gathers one layer at a time (a collective, the same order everywhere, ranks with no
   questions included) and pushes it into its own engine, or, with the HF backend, into a
   plain copy of the model the sampler keeps for generation (on the host between turns
-  where the learner is on a GPU). Optimizer state goes to host memory through the engine's
-  own ``offload_states`` / ``reload_states`` on CUDA.
+  where the learner is on a GPU). Optimizer state goes to host memory and back
+  (``rllib/optimizer_offload.py``: DeepSpeed's ``offload_states`` / ``reload_states`` for
+  what they move with the learners' torch AdamW, the rest moved by that module).
 
 :class:`TurnRecord` keeps the order of the protocol's calls and, after each, whether the
 engine was awake and whether the optimizer state was on the device, so a test can check
@@ -43,6 +44,8 @@ import logging
 from typing import Callable, Deque, Dict, Iterable, List, Optional, Sequence
 
 import torch
+
+from rllib_exgrpo.rllib.optimizer_offload import OptimizerOffload, optimizer_state_tensors  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -77,79 +80,6 @@ class TurnRecord:
     def overlaps(self) -> List[str]:
         """Phases after which the engine was awake while the optimizer state was on the device."""
         return [e.phase for e in self.events if e.engine_awake and e.optimizer_on_device]
-
-
-# ---- optimizer state off the device and back ------------------------------------------------
-def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]):
-    """``(state dict, key, tensor)`` of every tensor in the optimizers' state."""
-    for opt in optimizers:
-        for state in opt.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    yield state, key, value
-
-
-class OptimizerOffload:
-    """Moves a learner's optimizer state (AdamW's moments; step counts too) to host memory
-    and back. ``optimizers`` returns the learner's torch optimizers when called. ``engines``
-    returns DeepSpeed engines: on CUDA their own ``offload_states`` / ``reload_states`` move
-    everything the ZeRO optimizer keeps on the device (fp32 master partitions, moments,
-    gradient buffers); on a CPU nothing is on a device and nothing moves."""
-
-    def __init__(self, optimizers: Callable[[], Sequence[torch.optim.Optimizer]],
-                 engines: Callable[[], Sequence] = lambda: ()):
-        self._optimizers = optimizers
-        self._engines = engines
-        #: id(state dict), key -> the device the tensor came from.
-        self._homes: Dict[tuple, torch.device] = {}
-        self.on_device = True
-
-    def offload(self) -> int:
-        """State tensors to the CPU (pinned where CUDA is there); returns the bytes moved
-        (not counted for DeepSpeed's own offload)."""
-        engines = list(self._engines())
-        if engines:
-            if torch.cuda.is_available():
-                for engine in engines:
-                    engine.offload_states(pin_memory=True)
-                torch.cuda.empty_cache()
-            self.on_device = False
-            return 0
-        moved = 0
-        for state, key, value in optimizer_state_tensors(self._optimizers()):
-            self._homes[(id(state), key)] = value.device
-            if value.device.type != "cpu":
-                host = torch.empty(value.shape, dtype=value.dtype, device="cpu",
-                                   pin_memory=torch.cuda.is_available())
-                host.copy_(value, non_blocking=True)
-                state[key] = host
-                moved += value.numel() * value.element_size()
-        if moved and torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        self.on_device = False
-        return moved
-
-    def reload(self) -> int:
-        """State tensors back where they were; returns the bytes moved."""
-        engines = list(self._engines())
-        if engines:
-            if torch.cuda.is_available():
-                for engine in engines:
-                    engine.reload_states()
-            self.on_device = True
-            return 0
-        moved = 0
-        for state, key, value in optimizer_state_tensors(self._optimizers()):
-            home = self._homes.get((id(state), key), value.device)
-            if home != value.device:
-                state[key] = value.to(home, non_blocking=True)
-                moved += value.numel() * value.element_size()
-        if moved and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self._homes.clear()
-        self.on_device = True
-        return moved
 
 
 # ---- the sampler inside the learner -------------------------------------------------------
@@ -269,6 +199,9 @@ class ColocatedSampler:
             self._note("generate")
             return
         self.offload.offload()
+        if not self.offload.said:  # once per learner: what the turn moves off the device
+            print(self.offload.describe(), flush=True)
+            self.offload.said = True
         self._note("offload_optimizer")
         try:
             self._wake_with_weights()
