@@ -120,13 +120,15 @@ class _DeepSpeedEngineOffload:
 
     def offload(self) -> Dict[str, int]:
         sizes = self.sizes()
-        pin = _pin()
+        # DeepSpeed's pinned-buffer path on every device: its CPU accelerator makes pinning a
+        # no-op, so a CPU runs the copies a GPU makes (into buffers it keeps for the next turn).
+        pin = True
         self._state_homes = {(id(st), k): v.device
                              for st, k, v in optimizer_state_tensors([self.zero_optimizer.optimizer])}
         if self.stage == 3:
             self.engine.offload_states(include=_offload_enum(ZERO3_ENGINE_STATES), pin_memory=pin)
             if not self._host_optimizer_kept():
-                self._offload_zero3_own(pin)
+                self._offload_zero3_own()
         else:
             self.engine.offload_states(include=_offload_enum(ZERO12_STATES), pin_memory=pin)
         return sizes
@@ -142,20 +144,20 @@ class _DeepSpeedEngineOffload:
         self._state_homes = {}
 
     # ---- ZeRO-3: the two states DeepSpeed moves only for FusedAdam -----------------------
-    def _offload_zero3_own(self, pin: bool) -> None:
+    def _offload_zero3_own(self) -> None:
         from deepspeed.runtime.zero.offload_states import offload_optimizer_states
 
         zopt = self.zero_optimizer
         for t in zopt.fp32_partitioned_groups_flat:
             self._hp_homes.append((t, t.device))
-            t.data = _host_copy(t.data)
-        # DeepSpeed's helper copies device tensors into pinned host buffers where pin is
-        # asked; a tensor already on the host it leaves in place, so on a CPU the copy is
-        # made here first (the same round trip as on a GPU).
-        if not pin:
+            t.data = _host_copy(t.data)  # pinned where CUDA is there
+        # DeepSpeed's helper copies device tensors into pinned host buffers; a tensor
+        # already on the host it leaves in place, so on a CPU the copy is made here first
+        # (the same round trip as on a GPU).
+        if not torch.cuda.is_available():
             for state, key, value in list(optimizer_state_tensors([zopt.optimizer])):
                 state[key] = value.clone()
-        offload_optimizer_states(zopt.optimizer, "cpu", pin_memory=pin)
+        offload_optimizer_states(zopt.optimizer, "cpu", pin_memory=True)
 
     def _reload_zero3_own(self) -> None:
         from deepspeed.runtime.zero.offload_states import reload_optimizer_states
