@@ -6,6 +6,9 @@
   detector sees one where there is one);
 * the learner packs only under a variable-length kernel and otherwise falls back to padded
   passes, saying so once;
+* under a mask ``sdpa_varlen`` calls SDPA with as many key/value heads as query heads and no
+  ``enable_gqa`` (a call CUDA's memory-efficient kernel takes, not only the math kernel), with
+  the old call's results;
 * ``attn_implementation`` is a config field: "auto" resolves per device, bad values fail.
 """
 from __future__ import annotations
@@ -147,3 +150,118 @@ def test_auto_resolves_per_device_and_the_field_is_checked():
     cfg = ExGRPOConfig().training(attn_implementation="dense")
     with pytest.raises(ValueError, match="attn_implementation"):
         cfg.validate()
+
+
+# ------------------------------------------------------------------ masked calls reach a fused kernel
+
+
+def _old_masked_call(query, key, value, mask):
+    """What sdpa_varlen called under a mask before: grouped-query heads with a mask, which on
+    CUDA only SDPA's math kernel takes (flash refuses masks, memory-efficient GQA)."""
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                            enable_gqa=query.shape[1] != key.shape[1])
+
+
+class _Module:
+    training = False
+
+
+def _qkv(rows=3, heads=6, kv_heads=2, q_len=24, kv_len=24, dim=8, dtype=torch.float32):
+    torch.manual_seed(1)
+    make = lambda h, n: torch.randn(rows, h, n, dim, dtype=dtype, requires_grad=True)  # noqa: E731
+    return make(heads, q_len), make(kv_heads, kv_len), make(kv_heads, kv_len)
+
+
+def _padding(rows, kv_len):
+    mask = torch.ones(rows, kv_len, dtype=torch.long)
+    mask[0, :5] = 0  # left-padded prompt
+    mask[1, -4:] = 0  # right-padded completion
+    return mask
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(24, 24), (1, 24)], ids=["padded-pass", "decode-step"])
+def test_masked_call_matches_the_query_heads_without_gqa_and_the_old_results(monkeypatch, q_len, kv_len):
+    """Under a mask sdpa_varlen calls SDPA with as many key/value heads as query heads and no
+    ``enable_gqa`` (a padded pass: k and v repeated; a decoding step: the query's heads
+    folded onto their key/value head), and gives the old call's outputs and gradients."""
+    from rllib_exgrpo.core.attention import _padding_mask_4d, sdpa_varlen_forward
+
+    query, key, value = _qkv(q_len=q_len, kv_len=kv_len)
+    mask2d = _padding(3, kv_len)
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), kwargs.get("attn_mask") is not None,
+                      bool(kwargs.get("enable_gqa", False))))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    out, _ = sdpa_varlen_forward(_Module(), query, key, value, mask2d)
+    monkeypatch.undo()
+    assert len(calls) == 1
+    q_shape, k_shape, v_shape, masked, gqa = calls[0]
+    assert masked and not gqa, calls
+    assert q_shape[1] == k_shape[1] == v_shape[1], calls
+    ref = _old_masked_call(query, key, value, _padding_mask_4d(mask2d, q_len)).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (query, key, value))
+    ref_grads = torch.autograd.grad((ref * torch.linspace(-1, 1, ref.numel()).view_as(ref)).sum(),
+                                    (query, key, value))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
+
+
+def test_a_model_s_masked_calls_under_sdpa_varlen_have_no_gqa(monkeypatch):
+    """Every masked SDPA call of a padded forward and of cached generation (GQA model: 4 query
+    heads, 2 key/value heads) has matched heads and no enable_gqa; unmasked ones may keep GQA."""
+    model = _model(SDPA_VARLEN)
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        if kwargs.get("attn_mask") is not None:
+            calls.append((q.shape[1], k.shape[1], v.shape[1], bool(kwargs.get("enable_gqa", False))))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    mask = _padding(3, 12)
+    ids = torch.randint(1, 200, (3, 12)) * mask
+    model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
+    left = torch.ones_like(mask)
+    left[0, :4] = 0
+    model.generate(input_ids=ids, attention_mask=left, max_new_tokens=3, do_sample=False)
+    assert len(calls) >= 2 * 2, calls  # both layers, the pass and the generation steps
+    assert all(hq == hk == hv and not gqa for hq, hk, hv, gqa in calls), calls
+
+
+def test_masked_calls_run_on_a_fused_kernel_without_the_math_fallback():
+    """With SDPA's math kernel switched off the masked calls still run: on a CUDA device under
+    the memory-efficient kernel alone (what a padded pass gets there), on this CPU build under
+    its fused flash kernel. The CPU build has no memory-efficient kernel: asking for it alone
+    is refused whatever the call, so that part is checked only where torch has the kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from rllib_exgrpo.core.attention import _padding_mask_4d, masked_sdpa
+
+    for q_len in (24, 1):
+        query, key, value = _qkv(q_len=q_len)
+        mask = _padding_mask_4d(_padding(3, 24), q_len)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            fused = masked_sdpa(query, key, value, mask)
+        torch.testing.assert_close(fused, _old_masked_call(query, key, value, mask), atol=1e-6, rtol=1e-5)
+    if torch.cuda.is_available():
+        query, key, value = (t.detach().cuda().bfloat16().requires_grad_() for t in _qkv(q_len=64, kv_len=64))
+        mask = _padding_mask_4d(_padding(3, 64).cuda(), 64)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            masked_sdpa(query, key, value, mask).sum().backward()
+        return
+    query, key, value = _qkv()
+    mask = _padding_mask_4d(_padding(3, 24), 24)
+    try:
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            masked_sdpa(query, key, value, mask)
+    except RuntimeError as e:
+        assert "No viable backend" in str(e)
+        pytest.skip("this torch CPU build has no memory-efficient SDPA kernel (only flash and math on CPU); "
+                    "the masked call's shape is checked above")

@@ -14,7 +14,9 @@ mask), so a packed pass costs each row's own ``L^2`` and never ``T^2``. It is th
 variable-length kernel wherever flash-attention is not installed (CPUs, where
 flash-attention and flex attention's backward do not run, and GPUs without the
 ``flash-attn`` wheel). Padded inputs (a 2-D padding mask, generation with a cache) get the
-same boolean causal-and-padding mask transformers' ``"sdpa"`` would use.
+same boolean causal-and-padding mask transformers' ``"sdpa"`` would use, in a call with as
+many key/value heads as query heads (:func:`masked_sdpa`): a masked call with grouped-query
+heads would leave CUDA only SDPA's math kernel, and its ``[B, H, L, L]`` float scores.
 """
 from __future__ import annotations
 
@@ -93,7 +95,8 @@ def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: floa
     * a packed sequence (batch 1, no padding mask, ``cu_seq_lens_q`` given or positions
       restarting at 0): one causal SDPA call per row;
     * otherwise: one SDPA call over the batch, with the causal-and-padding mask of a 2-D
-      padding mask (or ``is_causal`` without one)."""
+      padding mask (:func:`masked_sdpa`: key/value heads matched to the query's), or
+      ``is_causal`` and grouped-query heads without one."""
     if sliding_window is not None:
         raise NotImplementedError(f"{SDPA_VARLEN} has no sliding-window attention; set attn_implementation "
                                   "to flash_attention_2 or sdpa for this model")
@@ -115,13 +118,53 @@ def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: floa
             for s, e in zip(edges[:-1], edges[1:]) if e > s
         ]
         out = torch.cat(outs, dim=2)
-    else:
-        mask = None if attention_mask is None else (
-            attention_mask if attention_mask.dim() == 4 else _padding_mask_4d(attention_mask, q_len))
+    elif attention_mask is None:
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout_p,
-            is_causal=mask is None and q_len == kv_len and q_len > 1, scale=scaling, enable_gqa=gqa)
+            query, key, value, dropout_p=dropout_p, is_causal=q_len == kv_len and q_len > 1, scale=scaling,
+            enable_gqa=gqa)
+    else:
+        mask = attention_mask if attention_mask.dim() == 4 else _padding_mask_4d(attention_mask, q_len)
+        out = masked_sdpa(query, key, value, mask, dropout_p=dropout_p, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def masked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, *,
+                dropout_p: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
+    """SDPA with a mask, in a call a fused CUDA kernel accepts: ``query [B, Hq, q, D]``,
+    ``key``/``value [B, Hkv, kv, D]``, ``mask [B, 1 or Hq, q, kv]`` -> ``[B, Hq, q, D]``.
+
+    On CUDA, flash attention refuses any mask (``check_for_attn_mask`` in aten's SDPA
+    dispatch) and the memory-efficient kernel takes grouped-query attention nowhere that
+    torch documents it ("GQA ... works only for Flash_attention and math kernel on CUDA",
+    ``scaled_dot_product_attention``'s docstring, torch 2.13): a masked call with
+    ``enable_gqa=True`` falls to the math kernel, which materialises the ``[B, Hq, q, kv]``
+    float scores (and their softmax) in every layer. So the call gets as many key/value heads
+    as query heads and no ``enable_gqa``:
+
+    * ``q > 1`` (a padded pass, a prompt's prefill): k and v repeated to the query's heads
+      (``repeat_interleave`` on the head dimension, what transformers' own ``sdpa`` does
+      under a mask): ``2 x B x Hq x kv x D`` elements more per layer, while it runs (and saved
+      for the backward);
+    * ``q == 1`` (a decoding step with a cache): the query's heads folded onto their key/value
+      head instead, ``[B, Hkv, Hq / Hkv, D]``, the group's heads taking the place of query
+      positions (transformers' ``pack_gqa``), so the cache is not copied at every step.
+
+    The memory-efficient kernel gets SDPA's conversion of the boolean mask to an additive one
+    in the query's dtype (``B x q x kv`` elements, the last dimension padded to a multiple of
+    16). ``planning.memory.masked_attention_bytes`` counts these tensors."""
+    hq, hkv = query.shape[1], key.shape[1]
+    groups = hq // hkv
+    if groups > 1 and query.shape[2] == 1 and mask.shape[1] == 1:
+        b, _, _, d = query.shape
+        packed = query.reshape(b, hkv, groups, d)
+        out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask,
+                                                               dropout_p=dropout_p, scale=scale)
+        return out.reshape(b, hq, 1, d)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
+                                                            scale=scale)
 
 
 def register_kernels() -> None:
