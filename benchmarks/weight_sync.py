@@ -112,7 +112,7 @@ def runner_before(runner) -> dict:
 
 def runner_after(runner) -> dict:
     return {"hwm_kb": _status_kb("VmHWM"), "rss_after_kb": _status_kb("VmRSS"),
-            "seq_no": runner._weights_seq_no,
+            "seq_no": runner.held_weights_seq_no,
             "dtype": str(next(runner.module.model.parameters()).dtype)}
 
 

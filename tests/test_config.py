@@ -80,3 +80,10 @@ def test_algorithms_and_configs_at_the_package_top():
     assert ExGRPOConfig().env_runner_cls is LLMEnvRunner
     with pytest.raises(AttributeError):
         rllib_exgrpo.NoSuchThing
+
+
+def test_grpo_with_experience_replay_is_refused_naming_exgrpo():
+    """A copied ExGRPO recipe whose run line says GRPO must not train ExGRPO silently."""
+    with pytest.raises(ValueError, match="experience_replay: true is ExGRPO: use run: ExGRPO"):
+        GRPOConfig().update_from_dict({"experience_replay": True}).validate()
+    GRPOConfig().validate()  # the default (off) is fine

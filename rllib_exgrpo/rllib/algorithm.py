@@ -177,6 +177,13 @@ class GRPOConfig(ExGRPOConfig):
         super().__init__(algo_class=algo_class or GRPO)
         self.experience_replay = False
 
+    def validate(self) -> None:
+        # A copied ExGRPO recipe with its run line changed to GRPO keeps experience_replay: true,
+        # which would train ExGRPO under GRPO's name.
+        if self.experience_replay:
+            rc.config_value_error(self, "experience_replay: true is ExGRPO: use run: ExGRPO, or drop "
+                                        "experience_replay for on-policy GRPO")
+        super().validate()
 
 
 class ExGRPO(Algorithm):

@@ -209,6 +209,11 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self._held_weights_seq_no = 0
         self._stop_token_ids = None
 
+    @property
+    def held_weights_seq_no(self) -> int:
+        """The sequence number of the weights this runner holds (0: its first ones)."""
+        return self._held_weights_seq_no
+
     # ---- construction -------------------------------------------------------------
     def _check_learner_pipeline(self):
         """Fail early, with the fix, where RLlib's default learner pipeline would later
