@@ -62,7 +62,7 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         assert e["steps"] == 1
         assert e["valid_tokens_per_step"] < e["tokens_per_step"]  # padded like a learner batch
 
-    assert res["stages"] == ["learner", "packed", "drift", "slice", "transfer", "generation", "colocate"]
+    assert res["stages"][:7] == ["learner", "packed", "drift", "slice", "transfer", "generation", "colocate"]
     _check_packed(res)
     assert "packed learner pass" in proc.stdout and "measured_over_planned=" in proc.stdout
 
@@ -149,7 +149,8 @@ def _check_colocate(res):
     rt = co["round_trip"]
     # AdamW's moments (2 x fp32 per parameter) and a step count per tensor
     assert rt["state_bytes"] >= 8 * co["params"] and rt["state_tensors"] > 0
-    assert rt["device_state_bytes"] == rt["bytes_offloaded"] == rt["bytes_reloaded"] == 0  # CPU: nothing moves
+    # CPU: nothing is on a device; every state tensor is still copied into a new host tensor and back
+    assert rt["device_state_bytes"] == 0 and rt["bytes_offloaded"] == rt["bytes_reloaded"] == rt["state_bytes"]
     assert rt["on_host_during_turn"] is True and rt["back_on_device"] is True and rt["pinned_during_turn"] is None
     assert rt["state_bitwise_equal"] is True
     assert rt["weights_unchanged_by_generation"] is True
@@ -395,7 +396,7 @@ def test_transfer_moves_exactly_the_bytes_asked_and_sizes_down(gpu_check, tmp_pa
     assert e["bytes"] == e["pageable"]["bytes_h2d"] == e["pageable"]["bytes_d2h"] == 1_000_002
     assert e["pageable"]["round_trip_ok"] is True
     assert json.loads((tmp_path / "t.json").read_text())["transfer"]["bytes"] == 1_000_002
-    monkeypatch.setattr(gpu_check, "CPU_TRANSFER_CAP_GB", 0.0005)
+    monkeypatch.setattr(sys.modules["gpucheck.transfer"], "CPU_TRANSFER_CAP_GB", 0.0005)
     e = gpu_check.run_transfer(cpu, 2_000_000, 100_000, clock)
     assert e["bytes"] == e["pageable"]["bytes_h2d"] == 500_000 and "CPU run" in e["sized_down"]
 

@@ -1,0 +1,3 @@
+"""placeholder"""
+def run_broadcast(device):
+    return {"status": "skipped", "why": "not written yet"}
