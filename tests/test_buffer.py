@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from rllib_exgrpo.exgrpo.buffer import (
-    BUCKET_WEIGHTINGS,
-    TRAJECTORY_SELECTIONS,
+    BUCKET_WEIGHTING,
+    TRAJECTORY_SELECTION,
     UNIMPLEMENTED_BUCKET_WEIGHTINGS,
     ExperienceBuffer,
     StoredTrajectory,
@@ -131,7 +131,7 @@ def test_unimplemented_and_unknown_modes_raise():
             ExperienceBuffer(G, bucket_weighting=mode)
     with pytest.raises(ValueError, match="unknown"):
         ExperienceBuffer(G, bucket_weighting="bogus")
-    assert set(BUCKET_WEIGHTINGS) >= {"gaussian", "uniform"}
+    assert set(BUCKET_WEIGHTING.names()) >= {"gaussian", "uniform"}
 
 
 # ------------------------------------------------------------------------- sampling
@@ -309,7 +309,7 @@ def test_choose_trajectory_modes():
         choose_trajectory(stats, "bogus", rng)
     with pytest.raises(ValueError):
         choose_trajectory([], "lowest_entropy", rng)
-    assert set(TRAJECTORY_SELECTIONS) == {"lowest_entropy", "highest_entropy", "highest_logp", "lowest_logp", "random"}
+    assert set(TRAJECTORY_SELECTION.names()) == {"lowest_entropy", "highest_entropy", "highest_logp", "lowest_logp", "random"}
     assert choose_trajectory([(1.0, 0.0), (3.0, 0.0), (3.0, 0.0), (np.nan, 0.0)], "highest_entropy") == 1
 
 

@@ -82,7 +82,7 @@ their buckets for one draw; with nothing excluded the draw is exactly the one ab
 Choosing the trajectory (:func:`choose_trajectory`)
 ---------------------------------------------------
 The algorithm re-scores every stored trajectory of a selected question under the current
-policy and passes per-trajectory means; :data:`TRAJECTORY_SELECTIONS`:
+policy and passes per-trajectory means; :data:`TRAJECTORY_SELECTION`:
 ``"lowest_entropy"`` (official: argmin of the mean token entropy over the response tokens;
 the intended mean, not the official code's pad-masking slip), ``"highest_entropy"`` (the
 paper's ablation), ``"highest_logp"`` /
@@ -103,10 +103,14 @@ from typing import Any, Collection, Dict, Iterator, KeysView, List, Optional, Se
 
 import numpy as np
 
+from rllib_exgrpo.core.registry import Registry, RegistryError
+
 __all__ = [
-    "BUCKET_WEIGHTINGS",
+    "BUCKET_WEIGHTING",
     "UNIMPLEMENTED_BUCKET_WEIGHTINGS",
-    "TRAJECTORY_SELECTIONS",
+    "TRAJECTORY_SELECTION",
+    "register_bucket_weighting",
+    "register_trajectory_selection",
     "REPLAY_CONTENTS",
     "LOGP_DTYPES",
     "UPDATE_RESULTS",
@@ -120,14 +124,18 @@ __all__ = [
     "decode_logp",
 ]
 
-#: Implemented bucket weighting modes (see the module docstring).
-BUCKET_WEIGHTINGS: Tuple[str, ...] = ("gaussian", "uniform", "uniform_buckets")
+#: Bucket weighting modes (``bucket_weighting``), by name: a function ``(G, mu, sigma)``
+#: returning the unnormalised log-weights ``[G - 1]`` of buckets 1..G-1, or None for a mode
+#: that draws uniformly over questions instead (``"uniform"``). A user package adds one with
+#: ``@register_bucket_weighting("name")`` (docs/ARCHITECTURE.md, "Extending").
+BUCKET_WEIGHTING: Registry = Registry("bucket_weighting")
+register_bucket_weighting = BUCKET_WEIGHTING.register
 #: Official mode names whose definitions we do not have: selecting one raises ValueError.
 UNIMPLEMENTED_BUCKET_WEIGHTINGS: Tuple[str, ...] = ("linear", "sqrt", "linear_clip")
-#: Trajectory selection modes of :func:`choose_trajectory`.
-TRAJECTORY_SELECTIONS: Tuple[str, ...] = (
-    "lowest_entropy", "highest_entropy", "highest_logp", "lowest_logp", "random"
-)
+#: Trajectory selection modes of :func:`choose_trajectory`, by name: a function
+#: ``(trajectory_stats, rng) -> index`` (``@register_trajectory_selection("name")``).
+TRAJECTORY_SELECTION: Registry = Registry("trajectory_selection")
+register_trajectory_selection = TRAJECTORY_SELECTION.register
 #: What a replayed question brings back: its stored trajectory plus G - 1 fresh samples
 #: (ExGRPO), or the question alone with G fresh samples (the prompt-replay control).
 REPLAY_CONTENTS: Tuple[str, ...] = ("trajectory", "prompt")
@@ -263,36 +271,50 @@ def bucket_index(num_correct: int, group_size: int, G: int) -> int:
     return int(min(max(k, 1), G - 1))
 
 
-def bucket_weights(
-    G: int, mode: str = "gaussian", mu: float = 0.5, sigma: float = 0.125
-) -> np.ndarray:
-    """Unnormalised log-weights ``[G+1]`` of buckets 0..G (0 and G are ``-inf``).
-
-    ``gaussian``: ``log NormalPdf(k/G; mu, sigma)`` up to a constant;
-    ``uniform_buckets``: 0 for every bucket 1..G-1. ``uniform`` has no per-bucket weight
-    (it samples uniformly over questions) and is rejected here.
-    """
-    _check_weighting(mode)
-    logw = np.full(G + 1, -np.inf)
+@register_bucket_weighting("gaussian")
+def gaussian_bucket_weights(G: int, mu: float, sigma: float) -> np.ndarray:
+    """``log NormalPdf(k/G; mu, sigma)`` up to a constant, for k = 1..G-1 (official)."""
     k = np.arange(1, G)
-    if mode == "gaussian":
-        logw[1:G] = -0.5 * ((k / G - mu) / sigma) ** 2
-    elif mode == "uniform_buckets":
-        logw[1:G] = 0.0
-    else:
-        raise ValueError("'uniform' samples uniformly over questions and has no bucket weights")
-    return logw
+    return -0.5 * ((k / G - mu) / sigma) ** 2
 
 
-def _check_weighting(mode: str) -> None:
-    if mode in UNIMPLEMENTED_BUCKET_WEIGHTINGS:
+@register_bucket_weighting("uniform")
+def uniform_over_questions(G: int, mu: float, sigma: float) -> None:
+    """No per-bucket weight: every stored question is equally likely."""
+    return None
+
+
+@register_bucket_weighting("uniform_buckets")
+def uniform_bucket_weights(G: int, mu: float, sigma: float) -> np.ndarray:
+    """Every bucket 1..G-1 equally likely, whatever its size."""
+    return np.zeros(G - 1)
+
+
+def bucket_weighting_fn(mode: str):
+    """The registered function of ``mode``; ValueError naming the choices otherwise."""
+    if mode in UNIMPLEMENTED_BUCKET_WEIGHTINGS and mode not in BUCKET_WEIGHTING:
         raise ValueError(
             f"bucket_weighting {mode!r} is an official ExGRPO mode name, but its exact "
             f"definition was not available to this implementation, so it is not implemented "
-            f"(implemented: {BUCKET_WEIGHTINGS})"
+            f"(implemented: {list(BUCKET_WEIGHTING.names())})"
         )
-    if mode not in BUCKET_WEIGHTINGS:
-        raise ValueError(f"unknown bucket_weighting {mode!r}; expected one of {BUCKET_WEIGHTINGS}")
+    return BUCKET_WEIGHTING.get(mode)
+
+
+def bucket_weights(
+    G: int, mode: str = "gaussian", mu: float = 0.5, sigma: float = 0.125
+) -> Optional[np.ndarray]:
+    """Unnormalised log-weights ``[G+1]`` of buckets 0..G (0 and G are ``-inf``), or None
+    for a mode that draws uniformly over questions (``"uniform"``)."""
+    inner = bucket_weighting_fn(mode)(int(G), float(mu), float(sigma))
+    if inner is None:
+        return None
+    inner = np.asarray(inner, dtype=np.float64)
+    if inner.shape != (G - 1,):
+        raise ValueError(f"bucket_weighting {mode!r} returned shape {inner.shape}, expected ({G - 1},)")
+    logw = np.full(G + 1, -np.inf)
+    logw[1:G] = inner
+    return logw
 
 
 # --------------------------------------------------------------------------------------
@@ -308,7 +330,7 @@ class ExperienceBuffer:
     Args:
         group_size: G, the number of completions of a regular group; buckets are 1..G-1.
         capacity: maximum number of stored trajectories (eviction rule in the module doc).
-        bucket_weighting: one of :data:`BUCKET_WEIGHTINGS`.
+        bucket_weighting: a name registered in :data:`BUCKET_WEIGHTING`.
         mu, sigma: Gaussian bucket weighting on the rate scale k/G.
         logp_dtype: one of :data:`LOGP_DTYPES`.
         seed: seed of the buffer's own numpy Generator (part of the state).
@@ -335,7 +357,7 @@ class ExperienceBuffer:
             raise ValueError(f"sigma must be > 0, got {sigma}")
         if max_trajectories_per_question is not None and int(max_trajectories_per_question) < 1:
             raise ValueError("max_trajectories_per_question must be >= 1 or None")
-        _check_weighting(bucket_weighting)
+        bucket_weighting_fn(bucket_weighting)  # an unknown name fails here, naming the choices
         _storage_dtype(logp_dtype)
         self.group_size = int(group_size)
         self.capacity = int(capacity)
@@ -347,10 +369,8 @@ class ExperienceBuffer:
         self.max_trajectories_per_question = (
             None if max_trajectories_per_question is None else int(max_trajectories_per_question)
         )
-        self._logw = (
-            None if bucket_weighting == "uniform"
-            else bucket_weights(self.group_size, bucket_weighting, self.mu, self.sigma)
-        )
+        #: None: draws are uniform over questions (see BUCKET_WEIGHTING).
+        self._logw = bucket_weights(self.group_size, bucket_weighting, self.mu, self.sigma)
         self._rng = np.random.default_rng(seed)
         self._reset_storage()
 
@@ -431,7 +451,7 @@ class ExperienceBuffer:
         sizes = self._sizes()
         if sizes.sum() == 0:
             return {k: 0.0 for k in range(1, self.group_size)}
-        if self.bucket_weighting == "uniform":
+        if self._logw is None:
             p = sizes / sizes.sum()
         else:
             p = self._probs(sizes > 0)
@@ -651,7 +671,7 @@ class ExperienceBuffer:
         if n <= 0:
             return []
         rng = self._rng
-        if self.bucket_weighting == "uniform":
+        if self._logw is None:
             counts = rng.multivariate_hypergeometric(sizes, n)
         else:
             counts = rng.multinomial(n, self._probs(sizes > 0))
@@ -849,32 +869,49 @@ def choose_trajectory(trajectory_stats: Sequence[Any], mode: str, rng: Any = Non
     ``trajectory_stats[i]``: a dict with ``"mean_entropy"`` / ``"mean_logp"`` or a tuple
     ``(mean_entropy, mean_logp)``, the per-token means over trajectory i's response tokens
     under the current policy (see :func:`mean_over_tokens`); only the key the mode needs is
-    read. Modes (:data:`TRAJECTORY_SELECTIONS`): ``"lowest_entropy"`` (official),
+    read. Modes (:data:`TRAJECTORY_SELECTION`): ``"lowest_entropy"`` (official),
     ``"highest_entropy"`` (the paper's ablation), ``"highest_logp"``, ``"lowest_logp"``, ``"random"`` (uniform, needs ``rng``: a numpy
     Generator or ``random.Random``). Ties go to the lowest index; NaN values are never
     chosen unless every value is NaN (then index 0).
     """
-    n = len(trajectory_stats)
-    if n == 0:
+    if len(trajectory_stats) == 0:
         raise ValueError("choose_trajectory needs at least one trajectory")
-    if mode == "random":
-        if rng is None:
-            raise ValueError("mode 'random' needs an rng (numpy Generator or random.Random)")
-        if hasattr(rng, "integers"):
-            return int(rng.integers(n))
-        return int(rng.randrange(n))
-    if mode == "lowest_entropy":
-        vals, sign = [_stat(s, "mean_entropy", 0) for s in trajectory_stats], 1.0
-    elif mode == "highest_entropy":
-        vals, sign = [_stat(s, "mean_entropy", 0) for s in trajectory_stats], -1.0
-    elif mode == "highest_logp":
-        vals, sign = [_stat(s, "mean_logp", 1) for s in trajectory_stats], -1.0
-    elif mode == "lowest_logp":
-        vals, sign = [_stat(s, "mean_logp", 1) for s in trajectory_stats], 1.0
-    else:
-        raise ValueError(
-            f"unknown trajectory selection {mode!r}; expected one of {TRAJECTORY_SELECTIONS}"
-        )
-    arr = sign * np.asarray(vals, dtype=np.float64)
+    return int(TRAJECTORY_SELECTION.get(mode)(trajectory_stats, rng))
+
+
+def _argmin_of(trajectory_stats: Sequence[Any], key: str, pos: int, sign: float) -> int:
+    """Index of the smallest ``sign * stat`` (ties: lowest index; NaN never chosen unless all)."""
+    arr = sign * np.asarray([_stat(s, key, pos) for s in trajectory_stats], dtype=np.float64)
     arr = np.where(np.isnan(arr), np.inf, arr)
     return int(np.argmin(arr))  # argmin returns the first (lowest) index on ties
+
+
+@register_trajectory_selection("lowest_entropy")
+def lowest_entropy(trajectory_stats, rng=None) -> int:
+    """The official choice: the trajectory the current policy is most certain of."""
+    return _argmin_of(trajectory_stats, "mean_entropy", 0, 1.0)
+
+
+@register_trajectory_selection("highest_entropy")
+def highest_entropy(trajectory_stats, rng=None) -> int:
+    """The paper's ablation."""
+    return _argmin_of(trajectory_stats, "mean_entropy", 0, -1.0)
+
+
+@register_trajectory_selection("highest_logp")
+def highest_logp(trajectory_stats, rng=None) -> int:
+    return _argmin_of(trajectory_stats, "mean_logp", 1, -1.0)
+
+
+@register_trajectory_selection("lowest_logp")
+def lowest_logp(trajectory_stats, rng=None) -> int:
+    return _argmin_of(trajectory_stats, "mean_logp", 1, 1.0)
+
+
+@register_trajectory_selection("random")
+def random_trajectory(trajectory_stats, rng=None) -> int:
+    """Uniform; needs ``rng`` (a numpy Generator or ``random.Random``)."""
+    if rng is None:
+        raise ValueError("mode 'random' needs an rng (numpy Generator or random.Random)")
+    n = len(trajectory_stats)
+    return int(rng.integers(n)) if hasattr(rng, "integers") else int(rng.randrange(n))

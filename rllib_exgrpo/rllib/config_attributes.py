@@ -54,12 +54,12 @@ class ExGRPOConfigFields:
     experience_ratio: float
     delayed_start_solve_rate: float
     fill_pool_before_start: bool
-    bucket_weighting: Literal['gaussian', 'uniform', 'uniform_buckets']
+    bucket_weighting: str
     replay_cooldown_steps: int
     bucket_mu: float
     bucket_sigma: float
     replay_content: Literal['trajectory', 'prompt']
-    trajectory_selection: Literal['lowest_entropy', 'highest_entropy', 'highest_logp', 'lowest_logp', 'random']
+    trajectory_selection: str
     replay_candidates_per_question: Optional[int]
     policy_shaping: bool
     policy_shaping_beta: float

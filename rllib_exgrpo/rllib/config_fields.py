@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from rllib_exgrpo.core.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, RATIO_MODES
 from rllib_exgrpo.core.minibatches import MINIBATCH_SHUFFLES
-from rllib_exgrpo.exgrpo.buffer import BUCKET_WEIGHTINGS, LOGP_DTYPES, REPLAY_CONTENTS, TRAJECTORY_SELECTIONS
+from rllib_exgrpo.exgrpo.buffer import BUCKET_WEIGHTING, LOGP_DTYPES, REPLAY_CONTENTS, TRAJECTORY_SELECTION
 from rllib_exgrpo.generation.base import GENERATION_BACKENDS, HF_DECODERS
 from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from rllib_exgrpo.core.attention import ATTN_IMPLEMENTATIONS
@@ -279,7 +279,7 @@ _EXPERIENCE = [
     _f("fill_pool_before_start", False, boolean,
        "Collect experience before the delayed start fires (official: False, the pool starts "
        "filling at the switch)."),
-    _f("bucket_weighting", "gaussian", one_of(BUCKET_WEIGHTINGS),
+    _f("bucket_weighting", "gaussian", BUCKET_WEIGHTING.choice_check(),
        "How pooled questions are drawn: 'gaussian' over correctness buckets (official), "
        "'uniform' over questions (ablation), 'uniform_buckets'. On a small pool 'gaussian' "
        "spends most replays on the few half-solved questions; 'uniform' spreads them over "
@@ -297,7 +297,7 @@ _EXPERIENCE = [
        "pooled question is drawn the same way but sampled G times afresh, no stored trajectory; "
        "mixed mode and the clip removal as with 'trajectory'). 'prompt' separates the effect of "
        "replaying a trajectory from that of re-selecting its question."),
-    _f("trajectory_selection", "lowest_entropy", one_of(TRAJECTORY_SELECTIONS),
+    _f("trajectory_selection", "lowest_entropy", TRAJECTORY_SELECTION.choice_check(),
        "Which stored trajectory of a replayed question is used: 'lowest_entropy' under the "
        "current policy (official), 'highest_entropy' (the paper's ablation), 'highest_logp', "
        "'lowest_logp', 'random'."),
