@@ -1,7 +1,7 @@
 """PPO (RLlib's own) vs GRPO vs ExGRPO vs XRPO (vs ExGRPO+XRPO) on the embedded default,
 at the same budget of sampled completion tokens, 3 seeds each. One command:
 
-    python benchmarks/compare.py [--algos ppo grpo exgrpo xrpo exgrpo_xrpo] [--seeds 0 1 2]
+    python experiments/compare.py [--algos ppo grpo exgrpo xrpo exgrpo_xrpo] [--seeds 0 1 2]
         [--iterations 40] [--eval-interval 10] [--out benchmarks/out]
 
 Same model (the embedded tiny Qwen2), same task (arithmetic family), same questions x
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import _paths  # noqa: F401  (benchmarks/ on sys.path: _common, _runs)
 from _runs import (accuracy_at_step, accuracy_at_tokens, budget_of, collect_from_command_line, mean_std,
                    median_step_s, steps_to_budget, wall_to)
 from learning_curves import LABELS, plot_curves, summary_lines, write_csv

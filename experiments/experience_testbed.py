@@ -1,12 +1,12 @@
 """Experience testbed: GRPO vs ExGRPO where experience can matter.
 
-    python benchmarks/experience_testbed.py --phase diag   [--seeds 0]
-    python benchmarks/experience_testbed.py --phase search [--seeds 0]
-    python benchmarks/experience_testbed.py --phase final  [--seeds 0 1 2 3 4] --best '{...}'
-    python benchmarks/experience_testbed.py --phase ablate [--seeds 0] --best '{...}'
-    python benchmarks/experience_testbed.py --phase weak   [--seeds 0 1 2] --model "tiny:target_pass1=0.12,threads=1"
-    python benchmarks/experience_testbed.py --phase weak_format [--seeds 0 1 2] --model "tiny:boxed=0.02,threads=1" --weak-lr 1e-4
-    python benchmarks/experience_testbed.py --variants '{"name": ["grpo_finite", {"lr": 1e-4}], ...}'
+    python experiments/experience_testbed.py --phase diag   [--seeds 0]
+    python experiments/experience_testbed.py --phase search [--seeds 0]
+    python experiments/experience_testbed.py --phase final  [--seeds 0 1 2 3 4] --best '{...}'
+    python experiments/experience_testbed.py --phase ablate [--seeds 0] --best '{...}'
+    python experiments/experience_testbed.py --phase weak   [--seeds 0 1 2] --model "tiny:target_pass1=0.12,threads=1"
+    python experiments/experience_testbed.py --phase weak_format [--seeds 0 1 2] --model "tiny:boxed=0.02,threads=1" --weak-lr 1e-4
+    python experiments/experience_testbed.py --variants '{"name": ["grpo_finite", {"lr": 1e-4}], ...}'
 
 Testbed (tuned_examples/grpo_finite_tiny.yaml and exgrpo_finite_tiny.yaml, twins): the
 embedded tiny Qwen2 on a FINITE training set of 600 arithmetic questions (levels 1-4, the
@@ -49,6 +49,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+import _paths  # noqa: F401  (benchmarks/ on sys.path: _common, _runs)
 import _common
 from _common import ROOT
 import _runs

@@ -1,6 +1,6 @@
 """How rarely a format-weak warm start writes the rewarded answer format, at a sampling temperature.
 
-    python benchmarks/format_rate.py --model "tiny:boxed=0.005,threads=1" [--temperatures 1.0 0.9] \
+    python experiments/format_rate.py --model "tiny:boxed=0.005,threads=1" [--temperatures 1.0 0.9] \
         [--questions 1280] [--seed 0]
 
 A format-weak warm start (``tiny:boxed=F``, ``models/tiny.py``) ends a worked solution in
@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+import _paths  # noqa: F401  (benchmarks/ on sys.path: _common, _runs)
 import _common
 import _runs
 from _common import ROOT, start_ray

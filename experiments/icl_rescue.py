@@ -1,7 +1,7 @@
 """XRPO's in-context seeding: how often it rescues an all-failing question, against resampling.
 
-    python benchmarks/icl_rescue.py [--models tiny "tiny:icl=0.3,threads=1"] [--questions 2000]
-    python benchmarks/icl_rescue.py --dataset "operators:seed=0" --models "tiny:task=operators,..."
+    python experiments/icl_rescue.py [--models tiny "tiny:icl=0.3,threads=1"] [--questions 2000]
+    python experiments/icl_rescue.py --dataset "operators:seed=0" --models "tiny:task=operators,..."
 
 XRPO gives a question whose G completions all failed a few extra completions from a prompt
 that starts with worked examples of similar questions the model has solved (BM25 over the
@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+import _paths  # noqa: F401  (benchmarks/ on sys.path: _common, _runs)
 import _common
 from _common import ROOT, start_ray
 import _runs

@@ -28,7 +28,7 @@ Figures, per corpus size (256 / 2048 / 10000 by default):
   questions with their own id excluded) whose ordered top-k ids equal the reference's
   (same ranking rule for all: score > 0, best first, ties to the most recent insertion).
 
-Usage: ``python benchmarks/icl_retrieval.py [--sizes 256 2048 10000] [--queries 300]``
+Usage: ``python experiments/icl_retrieval.py [--sizes 256 2048 10000] [--queries 300]``
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Held-out accuracy against training steps for GRPO, ExGRPO, XRPO and ExGRPO+XRPO.
 
-    python benchmarks/learning_curves.py [--algos grpo exgrpo xrpo exgrpo_xrpo]
+    python experiments/learning_curves.py [--algos grpo exgrpo xrpo exgrpo_xrpo]
         [--seeds 0 1 2] [--iterations 40] [--eval-interval 10] [--out benchmarks/out]
 
 Each (method, seed) run trains the embedded default (tiny model, arithmetic family;
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+import _paths  # noqa: F401  (benchmarks/ on sys.path: _common, _runs)
 from _runs import accuracy_at_step, collect_from_command_line, mean_std, median_step_s
 
 LABELS = {"ppo": "PPO (RLlib)", "grpo": "GRPO", "exgrpo": "ExGRPO", "xrpo": "XRPO", "exgrpo_xrpo": "ExGRPO+XRPO"}

@@ -1,8 +1,8 @@
 """LoRA GRPO against full fine-tuning GRPO on the tiny model, and colocated placement
 against the default one (docs/results.md, "LoRA against full fine-tuning").
 
-    python benchmarks/lora_compare.py --workers 2               # the grid, the colocated arm, the report
-    python benchmarks/lora_compare.py --report                  # the report from cached runs only
+    python experiments/lora_compare.py --workers 2               # the grid, the colocated arm, the report
+    python experiments/lora_compare.py --report                  # the report from cached runs only
 
 Recipe: tuned_examples/grpo_tiny.yaml (1280 training questions, 80 iterations). Each arm
 gets its own learning-rate grid, three seeds at every grid point, equal iterations:
@@ -33,6 +33,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
+import _paths  # noqa: F401  (benchmarks/ on sys.path: _common, _runs)
 import _common
 from _common import ROOT
 import _parallel_runs

@@ -1,8 +1,8 @@
 """Where the main job and its twin differ: held-out accuracy per difficulty level.
 
-    python benchmarks/main_job_levels.py [--storage-path benchmarks/out/main_job] [--seeds 0 1 2 3 4]
+    python experiments/main_job_levels.py [--storage-path benchmarks/out/main_job] [--seeds 0 1 2 3 4]
 
-Reads the runs ``benchmarks/main_job_seeds.py`` left under ``--storage-path`` (one folder
+Reads the runs ``experiments/main_job_seeds.py`` left under ``--storage-path`` (one folder
 per file and seed), loads each run's last checkpoint and scores it greedily, with the
 project's evaluator (``rllib_exgrpo.evaluation.evaluate``, the one ``rllib evaluate``
 uses), on the large final set of the experience testbed: the first 2400 arithmetic test
@@ -37,7 +37,7 @@ def last_checkpoint(folder: Path) -> Path:
     """The newest ``checkpoint_*`` of the one trial under a run folder."""
     found = sorted(folder.glob("*/*/checkpoint_*"))
     if not found:
-        raise SystemExit(f"{folder}: no checkpoint (run benchmarks/main_job_seeds.py first)")
+        raise SystemExit(f"{folder}: no checkpoint (run experiments/main_job_seeds.py first)")
     return found[-1]
 
 

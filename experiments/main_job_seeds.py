@@ -1,6 +1,6 @@
 """The main job against its on-policy twin, through the real ``rllib train`` command.
 
-    python benchmarks/main_job_seeds.py [--seeds 0 1] [--storage-path /tmp/main-job]
+    python experiments/main_job_seeds.py [--seeds 0 1] [--storage-path /tmp/main-job]
         [--files exgrpo_tiny.yaml grpo_tiny.yaml] [--main-config '{"retire_solved": false}']
 
 For each seed, runs ``rllib train file tuned_examples/<file> --config '{"seed": s}'`` for

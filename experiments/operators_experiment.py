@@ -1,12 +1,12 @@
 """The hidden-operator experiment: GRPO against ExGRPO where replayed successes should carry
 over (docs/experience/operators_task.md, where the protocol is declared).
 
-    python benchmarks/operators_experiment.py --phase search  [--task-seed 0]
-    python benchmarks/operators_experiment.py --phase final   [--task-seed 0] --seeds 0 1 2 3 4 --best '{...}'
-    python benchmarks/operators_experiment.py --phase ablate  [--task-seed 0] --seeds 0 1 2 --best '{...}'
-    python benchmarks/operators_experiment.py --phase xrpo    [--task-seed 0] --seeds 0 1 2 3 4 --best '{...}'
-    python benchmarks/operators_experiment.py --phase positive [--task-seed 0] [--shuffled] --seeds 5 6 7 --best '{...}'
-    python benchmarks/operators_experiment.py --variants '{"name": ["grpo", {"lr": 1e-4}], ...}'
+    python experiments/operators_experiment.py --phase search  [--task-seed 0]
+    python experiments/operators_experiment.py --phase final   [--task-seed 0] --seeds 0 1 2 3 4 --best '{...}'
+    python experiments/operators_experiment.py --phase ablate  [--task-seed 0] --seeds 0 1 2 --best '{...}'
+    python experiments/operators_experiment.py --phase xrpo    [--task-seed 0] --seeds 0 1 2 3 4 --best '{...}'
+    python experiments/operators_experiment.py --phase positive [--task-seed 0] [--shuffled] --seeds 5 6 7 --best '{...}'
+    python experiments/operators_experiment.py --variants '{"name": ["grpo", {"lr": 1e-4}], ...}'
 
 ``--workers 2`` trains the runs two at a time, each in a child process pinned to one core
 (``_parallel_runs``: every seed's GRPO reference first, the runs that spend its tokens after
@@ -63,6 +63,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import yaml
 
+import _paths  # noqa: F401  (benchmarks/ on sys.path: _common, _runs)
 import _common
 import _parallel_runs
 from _common import ROOT

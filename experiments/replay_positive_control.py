@@ -1,6 +1,6 @@
 """Positive control of replay: does ExGRPO get better than GRPO at what it replays?
 
-    python benchmarks/replay_positive_control.py [--seeds 0 1 2] [--train-dataset SPEC] [--exgrpo JSON]
+    python experiments/replay_positive_control.py [--seeds 0 1 2] [--train-dataset SPEC] [--exgrpo JSON]
 
 On the arithmetic testbed (``grpo_finite_tiny.yaml`` / ``exgrpo_finite_tiny.yaml`` on
 ``arithmetic:levels=1-4,n=1280``, the testbed's selected settings: GRPO lr 1e-4, ExGRPO
@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 from typing import Dict
 
+import _paths  # noqa: F401  (benchmarks/ on sys.path: _common, _runs)
 import _common
 from _common import ROOT, start_ray
 import _runs

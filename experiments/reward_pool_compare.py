@@ -34,7 +34,7 @@ intact?), ``atexit`` (normal exit with a hang in flight: exit time, orphans),
 ``parent_death`` (SIGKILL the caller while a worker hangs: orphans), ``killed``
 (every worker SIGKILLed from outside, then a batch).
 
-Usage: python benchmarks/reward_pool_compare.py [--backends current,pebble:fork,...]
+Usage: python experiments/reward_pool_compare.py [--backends current,pebble:fork,...]
            [--scenarios throughput,hang,...] [--throughput-limit 500] [--repeat 3] [--only arithmetic]
 Needs ``pip install pebble`` for the pebble backends.
 """
@@ -435,7 +435,7 @@ def sc_ray(backend: str) -> dict:
     @ray.remote(max_concurrency=4)
     class Scorer:
         def __init__(self, backend):
-            from benchmarks import reward_pool_compare as c
+            from experiments import reward_pool_compare as c
 
             c.install(backend)
             self.c = c
@@ -568,7 +568,7 @@ def sc_os_fork(backend: str) -> dict:
 _ATEXIT_CHILD = """
 import sys, threading, time
 sys.path.insert(0, {repo!r})
-from benchmarks import reward_pool_compare as c
+from experiments import reward_pool_compare as c
 c.install({backend!r})
 from rllib_exgrpo.envs import rewards
 rewards.warm_up()

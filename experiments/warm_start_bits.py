@@ -17,10 +17,10 @@ builds differ from each other (and from the pinned one) wherever the CPUs differ
 
 Usage::
 
-    python benchmarks/warm_start_bits.py                         # pinned vs native, here
-    python benchmarks/warm_start_bits.py --qemu-cpu Haswell      # and on an emulated Haswell
-    python benchmarks/warm_start_bits.py --fast --qemu-cpu Haswell   # the hash the tests pin
-    python benchmarks/warm_start_bits.py --max-steps 0           # the full default recipe
+    python experiments/warm_start_bits.py                         # pinned vs native, here
+    python experiments/warm_start_bits.py --qemu-cpu Haswell      # and on an emulated Haswell
+    python experiments/warm_start_bits.py --fast --qemu-cpu Haswell   # the hash the tests pin
+    python experiments/warm_start_bits.py --max-steps 0           # the full default recipe
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The comparison benchmark's machinery (benchmarks/_runs.py, compare.py, learning_curves.py)
+"""The studies' machinery (benchmarks/_runs.py, experiments/compare.py, learning_curves.py)
 on a two-step budget: every method is evaluated the same way, runs stop at GRPO's token
 budget, and finished runs are cached and reused."""
 import json
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+REPO = Path(__file__).resolve().parents[1]
+# the studies, and the helpers (_common, _runs) they share with the benchmarks
+sys.path[:0] = [str(REPO / "experiments"), str(REPO / "benchmarks")]
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +99,7 @@ def test_testbed_reading_report_and_plot_on_hand_made_runs(tmp_path):
 
 
 def test_icl_rescue_counts_add_up(ray_local, quick_tiny_model):
-    """benchmarks/icl_rescue.py end to end on the quick model (which solves little): the
+    """experiments/icl_rescue.py end to end on the quick model (which solves little): the
     counts it reports are consistent, whatever the rates."""
     import icl_rescue
 
@@ -202,7 +203,7 @@ def test_replay_control_sets_and_accuracies_on_hand_made_records():
 
 
 def test_format_rate_finds_the_format_decision_and_scores_it_in_a_padded_batch(quick_tiny_model):
-    """benchmarks/format_rate.py: the decision index is the token after the worked steps'
+    """experiments/format_rate.py: the decision index is the token after the worked steps'
     last "." in either answer format (none when the answer is cut off), and the batched
     probability of the boxed form's first token (the backend's scoring pass, padded rows of
     different lengths) equals a one-row forward's."""
@@ -239,7 +240,7 @@ def test_format_rate_finds_the_format_decision_and_scores_it_in_a_padded_batch(q
 
 
 def test_format_rate_measure_end_to_end_counts_are_consistent(ray_local, quick_tiny_model):
-    """benchmarks/format_rate.py's measurement through the env runner, the generation
+    """experiments/format_rate.py's measurement through the env runner, the generation
     backend (the forced boxes) and the verifier, on the quick model: whatever its rates,
     the expected shares are bounded by what they are shares of."""
     import _common

@@ -171,7 +171,7 @@ def test_the_build_ran_with_the_pinned_kernels(tiny_path):
 
 #: sha256 of the FAST build's model.safetensors with the pinned numerics, per (torch,
 #: transformers, tokenizers) version: the same bits on an AMD EPYC (Zen 4, AVX-512) and on an
-#: emulated Intel Haswell (AVX2 only): `python benchmarks/warm_start_bits.py --fast --qemu-cpu
+#: emulated Intel Haswell (AVX2 only): `python experiments/warm_start_bits.py --fast --qemu-cpu
 #: Haswell`. (Recipe version 2's pin gave a3e74e48... on Intel CPUs and 4aca9abb... on the EPYC.)
 #: transformers 5.25.0 builds the same bits as 5.24.0 (measured on an AMD EPYC, 2 cores). The
 #: default recipe's full build is the shipped model (tests/test_shipped_model.py).

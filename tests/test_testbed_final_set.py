@@ -1,4 +1,4 @@
-"""The experience testbed's large final set (benchmarks/experience_testbed.py): which
+"""The experience testbed's large final set (experiments/experience_testbed.py): which
 questions it holds, its level-mean score and the two-way bootstrap of a paired
 difference, on the real dataset and on hand-made outcomes."""
 import sys
@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+REPO = Path(__file__).resolve().parents[1]
+# the studies, and the helpers (_common, _runs) they share with the benchmarks
+sys.path[:0] = [str(REPO / "experiments"), str(REPO / "benchmarks")]
 
 import experience_testbed as tb  # noqa: E402
 from rllib_exgrpo.envs.datasets import load_problems  # noqa: E402

@@ -1,11 +1,12 @@
-"""The experience testbed's ``--train-dataset`` (benchmarks/experience_testbed.py): every
+"""The experience testbed's ``--train-dataset`` (experiments/experience_testbed.py): every
 variant of a phase trains on the named set, through the real recipe configs, and the
 held-out questions stay outside it."""
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+REPO = Path(__file__).resolve().parents[1]
+# the studies, and the helpers (_common, _runs) they share with the benchmarks
+sys.path[:0] = [str(REPO / "experiments"), str(REPO / "benchmarks")]
 
 import _common  # noqa: E402
 import _runs  # noqa: E402
