@@ -144,3 +144,66 @@ def test_the_cuda_allocator_default_yields_to_the_users_setting(monkeypatch):
     assert set_cuda_allocator_default() == CUDA_ALLOC_CONF == os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert set_cuda_allocator_default() == "max_split_size_mb:128"
+
+
+# ------------------------------------------------------------------ a search on GPUs
+
+EIGHT_GPU_NODE = ClusterResources(cpus=64, gpus=8, max_node_cpus=64)
+
+
+def _plan(trials, cluster=EIGHT_GPU_NODE, **resources):
+    from rllib_exgrpo.rllib.resources import plan_trials
+
+    cfg = _cfg(**resources)
+    return plan_trials(cfg, trials, cluster), cfg
+
+
+def test_a_gpu_search_runs_as_many_trials_at_once_as_the_gpus_allow_and_divides_the_cpus():
+    # one learner GPU per trial: 4 trials on 8 GPUs all at once, 64 CPUs divided by 4
+    plan, cfg = _plan(4, num_learners=1, num_gpus_per_learner=1)
+    assert (plan.concurrent, plan.gpus_per_trial, plan.cpus_per_trial) == (4, 1, 16)
+    assert cfg.num_cpus_for_main_process == 16  # "auto" resolved to the trial's share
+    assert plan.line() == "4 trials, 4 at once (1 GPU each of 8; 16 CPUs each of 64)"
+    assert not plan.notes
+    # the local learner (num_learners: 0) holds its GPU in the main process's bundle
+    assert _plan(4, num_learners=0, num_gpus_per_learner=1)[0].concurrent == 4
+    # more trials than GPUs: the GPUs decide, the CPUs are divided among those at once
+    plan, cfg = _plan(12, num_learners=1, num_gpus_per_learner=1)
+    assert plan.line() == "12 trials, 8 at once (1 GPU each of 8; 8 CPUs each of 64)"
+    # runners and learners: 4 + 2 GPUs per trial, one trial at a time, every CPU the runners leave
+    plan, cfg = _plan(4, num_learners=2, num_gpus_per_learner=1, num_env_runners=4, num_gpus_per_env_runner=1)
+    assert (plan.concurrent, plan.gpus_per_trial) == (1, 6)
+    assert cfg.num_cpus_for_main_process == 60 and plan.line().startswith("4 trials, 1 at a time (6 GPUs each of 8")
+
+
+def test_fixed_cpus_per_trial_limit_the_trials_at_once_and_say_so():
+    plan, cfg = _plan(4, num_learners=1, num_gpus_per_learner=1, num_cpus_for_main_process=32)
+    assert plan.concurrent == 2 and cfg.num_cpus_for_main_process == 32
+    assert plan.line().startswith("4 trials, 2 at once (1 GPU each of 8; 32 CPUs each of 64): the GPUs would hold 4")
+    assert "num_cpus_for_main_process" in plan.line()
+
+
+def test_fewer_cores_than_trials_at_once_share_cores():
+    plan, cfg = _plan(4, ClusterResources(cpus=2, gpus=4, max_node_cpus=2), num_learners=1, num_gpus_per_learner=1)
+    assert plan.line() == "4 trials, 4 at once (1 GPU each of 4; 0.5 CPU each of 2)"
+    assert cfg.num_cpus_for_main_process == 0.5 and not plan.notes
+
+
+def test_a_cpu_search_keeps_one_trial_at_a_time_with_auto():
+    plan, cfg = _plan(4, TWO_CORES)
+    assert plan.line() == "4 trials, 1 at a time (no GPUs; 2 CPUs each of 2)"
+    assert cfg.num_cpus_for_main_process == 2
+    plan, _ = _plan(4, ClusterResources(cpus=8, gpus=0, max_node_cpus=8), num_cpus_for_main_process=2)
+    assert plan.concurrent == 4  # fixed CPUs: as many as the cores hold
+
+
+def test_fractional_gpus_put_two_trials_on_a_gpu_and_one_learner_per_trial():
+    plan, cfg = _plan(8, ClusterResources(cpus=32, gpus=4, max_node_cpus=32), num_learners=1, num_gpus_per_learner=0.5)
+    assert plan.line() == "8 trials, 8 at once (0.5 GPU each of 4, 2 trials to a GPU; 4 CPUs each of 32)"
+    with pytest.raises(ResourceError, match=r"^num_gpus_per_learner: 0.5 with num_learners: 2: .*NCCL"):
+        _plan(4, num_learners=2, num_gpus_per_learner=0.5)
+
+
+def test_a_search_the_cluster_cannot_place_fails_as_before():
+    with pytest.raises(ResourceError, match=r"asks for 4 GPU.*cluster has 2"):
+        _plan(4, ClusterResources(64, 2, 64), num_learners=4, num_gpus_per_learner=1)

@@ -132,6 +132,9 @@ class Experiment:
     notes: List[str] = field(default_factory=list)
     #: The checked ``scheduler:`` section (``cli/scheduler.py``), or None.
     scheduler: Optional[Dict[str, Any]] = None
+    #: Trials Tune runs at once (``TuneConfig.max_concurrent_trials``), set when the
+    #: resources are fitted to the cluster (``tune_runner.fit_experiment_resources``).
+    max_concurrent_trials: Optional[int] = None
 
     @property
     def param_space(self) -> Dict[str, Any]:
@@ -419,6 +422,8 @@ def _build_checked(
     if run.scheduler and isinstance(run.scheduler.get("metric"), str):
         msg = preflight.metric_problem(run.scheduler["metric"], algo_cls, config, "scheduler.metric")
         errors += [msg] if msg else []
+        msg = None if msg else heldout_grace_problem(run.scheduler, config, found)
+        errors += [msg] if msg else []
     _stop_if(errors)
     return Experiment(
         name=name, algo_cls=algo_cls, config=config, stop=run.stop, num_samples=run.num_samples,
@@ -427,6 +432,42 @@ def _build_checked(
         search_space=found, env=env, mlflow=run.mlflow, source=src_name, notes=notes + variant_notes,
         scheduler=run.scheduler,
     )
+
+
+#: ASHA's ``grace_period`` when the ``scheduler:`` section leaves it out (``ASHAScheduler``).
+ASHA_DEFAULT_GRACE_PERIOD = 1
+
+
+def heldout_grace_problem(scheduler: Mapping[str, Any], config: Any, found: Mapping[str, Any]) -> Optional[str]:
+    """ASHA comparing trials on a ``heldout/*`` metric before the first held-out evaluation
+    after training: held-out accuracy is measured before training and every
+    ``heldout_interval`` iterations, and each result carries the last measurement; with
+    ``heldout_interval`` longer than ``grace_period`` ASHA's first rung (iteration
+    ``grace_period``) would compare every trial on the accuracy of the model they all started
+    from, and stop trials at random. One line naming both keys, or None."""
+    metric = scheduler.get("metric")
+    if scheduler.get("type") != "asha" or not isinstance(metric, str) or not metric.startswith("heldout/"):
+        return None
+    if scheduler.get("time_attr", "training_iteration") != "training_iteration":
+        return None  # rungs in another unit: not comparable with iterations
+    if not hasattr(config, "heldout_interval"):
+        return None
+    grace = scheduler.get("grace_period") or ASHA_DEFAULT_GRACE_PERIOD
+    dom = found.get("config/heldout_interval")
+    values = preflight._domain_values(dom) if dom is not None else [config.heldout_interval]
+    ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    if not ints:
+        return None
+    worst = 0 if 0 in ints else max(ints)
+    if worst and worst <= grace:
+        return None
+    given = "" if scheduler.get("grace_period") else f" (ASHA's default {ASHA_DEFAULT_GRACE_PERIOD})"
+    when = ("is measured only before training (heldout_interval 0)" if worst == 0 else
+            f"is measured before training and every {worst} iterations")
+    return (f"scheduler.grace_period: ASHA compares trials on {metric} from iteration {grace}{given}, "
+            f"but it {when}: the first comparison would rank every trial by the model they all started "
+            f"from; set config.heldout_interval <= scheduler.grace_period (heldout_interval: {grace}"
+            + (f", or grace_period: {worst}" if worst else "") + ").")
 
 
 @dataclass

@@ -261,15 +261,18 @@ def _build_train_experiments(args: argparse.Namespace):
 
 
 def _dry_run(args: argparse.Namespace, experiments: list) -> int:
-    """``--dry-run``: each experiment's resources fitted to this machine, its summary and
-    GPU memory plan printed; nothing started."""
+    """``--dry-run``: each experiment's resources fitted to this machine (or to the local
+    instance ``--ray-num-cpus`` / ``--ray-num-gpus`` describe), how many of a search's trials
+    would run at once, its summary and GPU memory plan printed; nothing started."""
     from rllib_exgrpo.cli import preflight
     from rllib_exgrpo.cli.tune_runner import fit_experiment_resources
     from rllib_exgrpo.rllib.resources import ClusterResources, ResourceError
 
     here = ClusterResources.detect()
-    if args.ray_num_gpus is not None:  # the local instance the run would start
-        here = ClusterResources(here.cpus, float(args.ray_num_gpus), here.max_node_cpus)
+    if args.ray_num_cpus is not None or args.ray_num_gpus is not None:  # the local instance the run would start
+        cpus = float(args.ray_num_cpus) if args.ray_num_cpus is not None else here.cpus
+        gpus = float(args.ray_num_gpus) if args.ray_num_gpus is not None else here.gpus
+        here = ClusterResources(cpus, gpus, cpus)
     for exp in experiments:
         try:  # against this machine (a cluster given by --ray-address is not contacted)
             fit_experiment_resources(exp, here)

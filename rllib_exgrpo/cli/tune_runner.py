@@ -48,23 +48,34 @@ RESOURCE_FIELDS = (
 
 def fit_experiment_resources(exp: "Experiment", cluster: Any = None) -> List[str]:
     """Fit the experiment's CPU/GPU request to the cluster before Tune sees it (see
-    ``rllib_exgrpo.rllib.resources.fit_resources``): a trial that cannot be placed would stay
-    PENDING forever. Notes go to stderr; a GPU shortfall raises ``ResourceError`` naming
-    the keys and the file. Resource fields under a search space are left to Tune."""
-    from rllib_exgrpo.rllib.resources import ResourceError, fit_resources
+    ``rllib_exgrpo.rllib.resources.plan_trials``): a trial that cannot be placed would stay
+    PENDING forever, and a GPU search runs as many trials at once as the GPUs allow, the
+    CPUs divided among them. Sets ``exp.max_concurrent_trials`` (what Tune is told) and, for
+    a search, prints one line saying how many trials run at once and what each gets. Notes
+    go to stderr; a GPU shortfall raises ``ResourceError`` naming the keys and the file.
+    Resource fields under a search space are left to Tune. Returns the lines printed."""
+    from rllib_exgrpo.rllib.resources import ResourceError, plan_trials
 
     from ray.tune.search.sample import Domain
 
     config = exp.config
-    if any(isinstance(getattr(config, k, None), (dict, Domain)) for k in RESOURCE_FIELDS):
-        return []
+    trials = exp.num_trials or 1
+    searched = [k for k in RESOURCE_FIELDS if isinstance(getattr(config, k, None), (dict, Domain))]
+    if searched:
+        exp.max_concurrent_trials = None
+        line = (f"{trials} trials; resources searched ({', '.join(searched)}): Tune starts each trial as the "
+                "cluster's free resources allow")
+        print(f"rllib train: experiment {exp.name!r}: {line}", file=sys.stderr, flush=True)
+        return [line]
     try:
-        notes = fit_resources(config, cluster)
+        plan = plan_trials(config, trials, cluster)
     except ResourceError as e:
         raise ResourceError(f"{exp.source or 'experiment'}: experiment {exp.name!r}: {e}") from None
-    for note in notes:
-        print(f"rllib train: experiment {exp.name!r}: {note}", file=sys.stderr, flush=True)
-    return notes
+    exp.max_concurrent_trials = plan.concurrent if trials > 1 else None
+    lines = list(plan.notes) + ([plan.line()] if trials > 1 else [])
+    for line in lines:
+        print(f"rllib train: experiment {exp.name!r}: {line}", file=sys.stderr, flush=True)
+    return lines
 
 
 def run_experiments(
@@ -130,7 +141,8 @@ def _new_tuner(exp: Experiment, verbose: int) -> Any:
     return tune.Tuner(
         exp.algo_cls,
         param_space=exp.param_space,
-        tune_config=tune.TuneConfig(num_samples=exp.num_samples, **_scheduling(exp)),
+        tune_config=tune.TuneConfig(num_samples=exp.num_samples, max_concurrent_trials=exp.max_concurrent_trials,
+                                    **_scheduling(exp)),
         run_config=tune.RunConfig(
             name=exp.name,
             storage_path=exp.storage_path,

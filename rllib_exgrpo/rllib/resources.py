@@ -20,6 +20,14 @@ Two things RLlib gets wrong for an LLM on a small machine, fixed here in one pla
 ``num_cpus_for_main_process: "auto"`` (the ExGRPO default) gives the main process every
 CPU of one node that the env runners and learners leave free, at least 1: a local run with
 no remote runners trains on all the machine's cores.
+
+**A Tune search on GPUs.** :func:`plan_trials` decides how many trials of a search run at
+once: as many as the GPUs allow (``floor(cluster GPUs / GPUs per trial)``, at most the number
+of trials; fewer when each trial asks for a fixed number of CPUs the cluster cannot give that
+many times), and divides the CPUs among them: each trial is fitted against its share, so its
+``"auto"`` main process takes that share, not every free CPU (which would let one trial run at
+a time while the other GPUs idle). A search that asks for no GPU keeps the rule above: an
+``"auto"`` trial takes the free CPUs of a node, and the trials run as many at once as fit.
 """
 from __future__ import annotations
 
@@ -47,6 +55,8 @@ class ClusterResources:
     gpus: float
     #: CPUs of the largest node: no single bundle (the main process) can be bigger.
     max_node_cpus: float
+    #: What these resources are, in messages ("the cluster", or one trial's share of it).
+    label: str = "the cluster"
 
     @classmethod
     def detect(cls) -> "ClusterResources":
@@ -138,6 +148,9 @@ def fit_resources(config, cluster: Optional[ClusterResources] = None) -> List[st
             f"the config asks for {gpus:g} GPU(s) ({detail}) but the cluster has {cluster.gpus:g}: "
             "lower num_gpus_per_env_runner / num_gpus_per_learner or run on a node with GPUs"
         )
+    shared_learner_gpu = shared_learner_gpu_problem(config)
+    if shared_learner_gpu:
+        raise ResourceError(shared_learner_gpu)
     main = main_process_cpus(config, cluster)
     remote = _remote_cpus(config)
     config.num_cpus_for_main_process = main
@@ -157,7 +170,7 @@ def fit_resources(config, cluster: Optional[ClusterResources] = None) -> List[st
         f"the config asks for {main + remote:g} CPUs (main process {main:g}, "
         f"num_env_runners={config.num_env_runners} x {float(config.num_cpus_per_env_runner):g}"
         + (f", num_learners={config.num_learners} x {learner_cpus(config):g}" if config.num_learners > 0 else "")
-        + f") but the cluster has {cluster.cpus:g}: giving the main process and each of the {actors} "
+        + f") but {cluster.label} has {cluster.cpus:g}: giving the main process and each of the {actors} "
         f"remote actor(s) {share:g} CPU (they share cores; set num_cpus_per_env_runner / "
         "num_cpus_per_learner / num_cpus_for_main_process to choose yourself)"
     )
@@ -169,6 +182,116 @@ def fit_resources(config, cluster: Optional[ClusterResources] = None) -> List[st
     if learners or config.num_learners == 0:
         config.num_cpus_per_learner = share
     return notes
+
+
+def shared_learner_gpu_problem(config) -> Optional[str]:
+    """A fractional ``num_gpus_per_learner`` with several learners: Ray may put two learners
+    of the same run on one GPU, and NCCL (DDP's and DeepSpeed's process group) refuses two
+    ranks on one device. Fractions are for sharing a GPU between trials (one learner each)."""
+    per = float(config.num_gpus_per_learner or 0)
+    if config.num_learners > 1 and 0 < per < 1:
+        return (f"num_gpus_per_learner: {per:g} with num_learners: {config.num_learners}: two learners of one "
+                "trial could land on the same GPU, which NCCL refuses (one device per rank); give each learner a "
+                "whole GPU (num_gpus_per_learner: 1), or use num_learners: 1 to let trials share GPUs")
+    return None
+
+
+def trial_gpus(config) -> float:
+    """GPUs one trial (one run of ``config``) holds: its remote env runners'
+    (``num_env_runners x num_gpus_per_env_runner``) and its learners'
+    (``num_learners x num_gpus_per_learner``; with ``num_learners: 0`` the local learner's
+    ``num_gpus_per_learner``, which RLlib bundles with the main process). ``colocate`` runs
+    have no remote env runners: their learners' GPUs are all."""
+    return _gpus_requested(config)[0]
+
+
+def trial_cpus(config) -> float:
+    """CPUs one trial of a fitted ``config`` holds (``num_cpus_for_main_process`` a number):
+    the main process (with the local learner when there is no remote one) and the remote env
+    runners and learners."""
+    return main_process_cpus(config, ClusterResources(0.0, 0.0, 0.0)) + _remote_cpus(config)
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    """How many trials of a search run at once, and each one's GPUs and CPUs
+    (:func:`plan_trials`)."""
+
+    trials: int
+    concurrent: int
+    gpus_per_trial: float
+    cpus_per_trial: float
+    cluster: ClusterResources
+    #: Why fewer run at once than the GPUs allow ("" when the GPUs or the trials decide).
+    limit: str = ""
+    #: What fitting the config changed (:func:`fit_resources`' notes).
+    notes: Tuple[str, ...] = ()
+
+    def line(self) -> str:
+        """``4 trials, 4 at once (1 GPU each of 4; 16 CPUs each of 64)``."""
+        at_once = "1 at a time" if self.concurrent == 1 else f"{self.concurrent} at once"
+        c = self.cluster
+        if self.gpus_per_trial > 0:
+            gpus = f"{_count(self.gpus_per_trial, 'GPU')} each of {c.gpus:g}"
+            if self.gpus_per_trial < 1:
+                gpus += f", {math.floor(1 / self.gpus_per_trial + 1e-9)} trials to a GPU"
+        else:
+            gpus = "no GPUs"
+        cpus = f"{_count(self.cpus_per_trial, 'CPU')} each of {c.cpus:g}"
+        return f"{_count(self.trials, 'trial')}, {at_once} ({gpus}; {cpus}){': ' + self.limit if self.limit else ''}"
+
+
+def _count(n: float, what: str) -> str:
+    return f"{n:g} {what}" + ("" if float(n) <= 1 else "s")
+
+
+def plan_trials(config, trials: int, cluster: Optional[ClusterResources] = None) -> TrialPlan:
+    """Fit ``config`` (as :func:`fit_resources`, mutating it) for a search of ``trials`` trials
+    and say how many run at once.
+
+    * GPU trials: ``concurrent = min(trials, floor(cluster GPUs / GPUs per trial))``, lowered
+      only when the trial's CPUs are fixed (``num_cpus_for_main_process`` a number) and the
+      cluster cannot give them that many times. The CPUs are divided: each trial is fitted
+      against ``floor(100 x cluster CPUs / concurrent) / 100`` (at most one node's), so an
+      ``"auto"`` main process takes that share (a fraction of a core where there are fewer
+      cores than trials at once: they share cores).
+    * CPU-only trials (and a single trial): fitted against the whole cluster, as before;
+      ``concurrent`` is how many such trials its CPUs hold (an ``"auto"`` trial takes a whole
+      node's free CPUs, so one at a time on one node).
+
+    Raises :class:`ResourceError` as :func:`fit_resources` does.
+    """
+    cluster = cluster or ClusterResources.detect()
+    trials = max(1, int(trials))
+    gpus = trial_gpus(config)
+    if gpus <= 0 or gpus > cluster.gpus + 1e-9 or trials == 1:
+        notes = fit_resources(config, cluster)  # a GPU shortfall raises here
+        per = trial_cpus(config)
+        concurrent = min(trials, max(1, math.floor(cluster.cpus / per + 1e-9))) if per > 0 else trials
+        if gpus > 0:
+            concurrent = min(concurrent, max(1, math.floor(cluster.gpus / gpus + 1e-9)))
+        return TrialPlan(trials, concurrent, gpus, per, cluster, notes=tuple(notes))
+    concurrent = min(trials, max(1, math.floor(cluster.gpus / gpus + 1e-9)))
+    limit = ""
+    if config.num_cpus_for_main_process != AUTO:
+        fixed = main_process_cpus(config, cluster) + _remote_cpus(config)
+        by_cpus = max(1, math.floor(cluster.cpus / fixed + 1e-9)) if fixed > 0 else concurrent
+        if by_cpus < concurrent:
+            limit = (f"the GPUs would hold {concurrent}, but each trial asks for {fixed:g} CPUs "
+                     f"(num_cpus_for_main_process: {float(config.num_cpus_for_main_process):g}; "
+                     "'auto' divides the CPUs among the trials instead)")
+            concurrent = by_cpus
+    against = cluster
+    if concurrent > 1:
+        share = math.floor(100 * cluster.cpus / concurrent) / 100
+        against = ClusterResources(share, cluster.gpus, min(cluster.max_node_cpus, share),
+                                   label=f"each of the {concurrent} trials at once ({cluster.cpus:g} CPUs / {concurrent})")
+        rest = math.floor(100 * (min(cluster.max_node_cpus, share) - _remote_cpus(config))) / 100
+        if config.num_cpus_for_main_process == AUTO and 0.01 <= rest < 1:
+            # fewer cores than trials at once: "auto" takes the share left, below one core
+            config.num_cpus_for_main_process = rest
+    notes = fit_resources(config, against)
+    return TrialPlan(trials, concurrent, gpus, trial_cpus(config), cluster, limit, tuple(notes))
 
 
 def cpus_held(fallback: float) -> float:
