@@ -82,6 +82,23 @@ class TurnRecord:
         return [e.phase for e in self.events if e.engine_awake and e.optimizer_on_device]
 
 
+def engine_build_is_collective() -> bool:
+    """Whether building a vLLM engine in this process is a collective of the learners.
+
+    vLLM 0.32 takes torch's default process group as its world when one exists
+    (``vllm.distributed.parallel_state.init_distributed_environment`` skips
+    ``init_process_group`` and makes its world group of ``range(get_world_size())``;
+    ``initialize_model_parallel`` then calls ``new_group`` for every tensor/pipeline/data
+    parallel group of that world), on the CPU build as on a GPU (``CPUWorker.init_device``
+    calls the same ``init_worker_distributed_environment``). So with DDP or DeepSpeed
+    learners every learner must build its engine in the same step; each engine still has a
+    tensor-parallel group of one (its own rank) and, built with the uni-process executor, no
+    collective after its build."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 # ---- the sampler inside the learner -------------------------------------------------------
 def is_partitioned(module: torch.nn.Module) -> bool:
     """Whether ``module``'s parameters are ZeRO-3 partitions (DeepSpeed's ``ds_id``)."""
@@ -161,9 +178,13 @@ class ColocatedSampler:
             return self.runner.sample(**kwargs)
 
     def take_part(self) -> None:
-        """A turn without sampling, for a rank with no questions this step: under ZeRO-3 the
-        weight gathers are collectives every rank must enter."""
-        if self.partitioned:
+        """A turn without sampling, for a rank with no questions this step, where the turn
+        holds collectives every rank must enter: under ZeRO-3 the weight gathers; and a vLLM
+        engine's build while the learners' process group exists (DDP or DeepSpeed
+        learners), since vLLM 0.32 then builds its own groups over the learners' world
+        (``torch.distributed.new_group`` on every rank: :func:`engine_build_is_collective`)."""
+        if self.partitioned or (self.uses_engine and getattr(self.backend, "llm", None) is None
+                                and engine_build_is_collective()):
             with self.turn():
                 pass
 
@@ -223,22 +244,33 @@ class ColocatedSampler:
     def push_weights(self) -> int:
         """The learner's current weights into the sampler's copy, one layer at a time
         (gathered under ZeRO-3, LoRA layers merged); returns the tensors pushed. Every rank
-        of a ZeRO-3 group calls it at the same point."""
+        of a ZeRO-3 group calls it at the same point.
+
+        Into a vLLM engine this is one load per turn: the layers go as one stream of buckets
+        that the engine's single reload consumes, each layer gathered only while the
+        engine reads it (``VLLMGenerationBackend.push_weight_buckets``; under ZeRO-3 each
+        tensor is cloned as it goes in, since vLLM may keep a tensor of an unfinished layer
+        after its bucket is released)."""
         from rllib_exgrpo.models.weight_buckets import plain_weight_buckets
 
-        target = None if self.uses_engine else self.runner.module.model.state_dict()
+        buckets = plain_weight_buckets(self.module.model)
+        if self.uses_engine:
+            def stream():
+                for params, read in buckets:
+                    with gathered(params):
+                        yield read()
+
+            pushed = self.backend.push_weight_buckets(stream(), copy=self.partitioned)
+            self.backend.weights_changed()
+            return pushed
+        target = self.runner.module.model.state_dict()
         pushed = 0
-        for params, read in plain_weight_buckets(self.module.model):
+        for params, read in buckets:
             with gathered(params):
                 tensors = read()
-                if target is None:
-                    self.backend.push_named_weights(tensors)
-                else:
-                    for name, value in tensors.items():
-                        target[name].copy_(value)
+                for name, value in tensors.items():
+                    target[name].copy_(value)
                 pushed += len(tensors)
-        if self.uses_engine:
-            self.backend.weights_changed()
         return pushed
 
     # ---- the engine's side (vLLM) -----------------------------------------------------------
@@ -304,6 +336,25 @@ def learner_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def learner_error(error: BaseException, learner: Optional[int], what: str) -> BaseException:
+    """A remote learner's error as the user should see it: the original exception's type
+    (not Ray's ``RayTaskError`` wrapper, whose unpacking would fail as a ``TypeError``) with
+    one line naming what failed, where and why; the original is its ``__cause__``."""
+    cause = getattr(error, "cause", None)
+    original = cause if isinstance(cause, BaseException) else error
+    text = str(original).strip().splitlines()
+    where = f"learner actor {learner}" if learner is not None else "a learner"
+    message = f"{what} failed on {where}: {type(original).__name__}: {text[0] if text else ''}".rstrip(": ")
+    try:
+        new = type(original)(message)
+        if str(new) != message:
+            raise TypeError
+    except Exception:  # an exception type that takes other arguments
+        new = RuntimeError(message)
+    new.__cause__ = original
+    return new
+
+
 def sample_on_learners(learner_group, question_ids: Sequence[str], num_samples: Sequence[int],
                        prompt_prefixes: Optional[Sequence[Optional[str]]] = None, **sample_kwargs):
     """``(episodes, runner metrics)`` as ``RolloutCoordinator.sample`` returns them, sampled
@@ -321,6 +372,8 @@ def sample_on_learners(learner_group, question_ids: Sequence[str], num_samples: 
     )
     by_rank = {}
     for result in results:
+        if not getattr(result, "ok", True):
+            raise learner_error(result.get(), getattr(result, "actor_id", None), "colocated sampling")
         rank, episodes, metrics = result.get()
         by_rank[rank] = (episodes, metrics)
     episodes, metrics = [], []
