@@ -61,9 +61,11 @@ class _Backend:
         self.llm, self.awake = _Engine(self.sleep_mode, self.calls), True
         self.calls.append(("build",))
 
-    def push_named_weights(self, tensors):
+    def push_weight_buckets(self, buckets, copy=False):
         assert self.awake
-        self.calls.append(("push", tuple(tensors)))
+        names = tuple(name for bucket in buckets for name in bucket)  # one load: every bucket
+        self.calls.append(("push", names))
+        return len(names)
 
     def weights_changed(self):
         self.calls.append(("weights_changed",))
@@ -148,6 +150,54 @@ def test_optimizer_state_moves_to_the_host_and_back_on_a_gpu():
     assert offload.reload() > 0 and offload.on_device
     assert all(v.device.type == "cuda" for st in opt.state.values() for k, v in st.items() if k != "step")
     opt.step()
+
+
+# --- a learner's error while it samples ----------------------------------------------------------
+class _FailingLearners:
+    """RLlib's remote learner group as ``sample_on_learners`` sees it: ``foreach_learner``
+    runs the function on each learner and, as Ray and RLlib do, hands back a learner's
+    exception as a ``RayTaskError`` inside RLlib's result object instead of raising it."""
+
+    is_local = False
+
+    def __init__(self, fail_rank: int):
+        self.fail_rank = fail_rank
+
+    def __len__(self):
+        return 2
+
+    def foreach_learner(self, func):
+        import traceback
+
+        from ray.exceptions import RayTaskError
+        from ray.rllib.utils.actor_manager import RemoteCallResults, ResultOrError
+
+        results = RemoteCallResults()
+        for rank in range(2):
+            learner = types.SimpleNamespace(colocated_sample=lambda shards, kw, _r=rank: self._sample(_r, shards))
+            try:
+                out = ResultOrError(result=func(learner))
+            except Exception as e:  # noqa: BLE001 - what Ray does with an actor task's exception
+                out = ResultOrError(error=RayTaskError("colocated_sample", traceback.format_exc(), e))
+            results.add_result(rank + 1, out, None)
+        return results
+
+    def _sample(self, rank, shards):
+        if rank == self.fail_rank:
+            raise ValueError("question q7 has no prompt in this dataset")
+        return rank, [f"episode of {q}" for q in shards[rank][0]], None
+
+
+def test_a_learners_error_while_sampling_reaches_the_user_as_itself_in_one_line():
+    from rllib_exgrpo.rllib.colocation import sample_on_learners
+
+    episodes, _ = sample_on_learners(_FailingLearners(fail_rank=-1), ["q1", "q7"], [2, 2])
+    assert episodes == ["episode of q1", "episode of q7"]
+    with pytest.raises(ValueError) as info:
+        sample_on_learners(_FailingLearners(fail_rank=1), ["q1", "q7"], [2, 2])
+    assert str(info.value) == ("colocated sampling failed on learner actor 2: ValueError: question q7 has no "
+                               "prompt in this dataset")
+    assert isinstance(info.value.__cause__, ValueError)
 
 
 # --- the memory plan's generation turn --------------------------------------------------------------

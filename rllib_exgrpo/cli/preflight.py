@@ -31,6 +31,11 @@ beyond that each value once with the others at their first value):
 * **optional packages**: ``generation_backend: vllm`` needs ``vllm``, of a supported
   release (``generation.vllm.SUPPORTED_VLLM``, from package metadata); a parquet dataset
   ``pyarrow``; MLflow tracking ``mlflow``.
+* **vLLM engines** (``generation.vllm.engine_config_problems``): under ``colocate`` no
+  ``vllm_kwargs.tensor_parallel_size`` / ``pipeline_parallel_size`` above 1; engines that
+  share a node's memory (vLLM's CPU build: ``gpu_memory_utilization`` is the share of the
+  node each reserves) or a GPU (a fraction of a GPU per actor) must not ask for more than
+  all of it.
 * **GPUs and CPUs**: ``rllib_exgrpo.rllib.resources.fit_resources`` against the running Ray
   cluster, else this machine (``torch.cuda.device_count()``), else ``num_gpus`` given.
   Skipped when a Ray address is given (``--ray-address`` / ``RAY_ADDRESS``): that cluster
@@ -459,6 +464,15 @@ def vllm_version_problems(prefix: str) -> List[str]:
     version = installed_vllm_version()
     problem = vllm_version_problem(version) if version is not None else None
     return [f"{prefix}generation_backend: 'vllm': {problem}"] if problem else []
+
+
+def vllm_engine_problems(cfg: Any) -> List[str]:
+    """What the config asks of its vLLM engines that cannot work
+    (``generation.vllm.engine_config_problems``: a parallel engine under ``colocate``;
+    engines whose memory shares add up to more than the node (CPU) or a GPU)."""
+    from rllib_exgrpo.generation.vllm import engine_config_problems
+
+    return [f"config.{p}." for p in engine_config_problems(cfg)]
 
 
 def _find(module: str) -> bool:
@@ -928,6 +942,8 @@ def _llm_model_checks(run, cfg: Any, errors: List[str], notes: List[str], *, dry
             errors.append(missing + ".")
     elif settings.generation_backend == "vllm":
         run(vllm_version_problems, prefix)
+    if settings.generation_backend == "vllm" and _project_config(cfg):
+        run(vllm_engine_problems, cfg)
 
 
 def _metric_key_problems(algo_cls: type, cfg: Any, stop: Mapping[str, Any],

@@ -62,15 +62,91 @@ that lives in the env runner's process next to the runner's RLModule.
   dtype, bfloat16 included: :func:`as_tensor` keeps their dtype, no float32 round trip)
   go into the running engine, without rebuilding it, through
   :class:`WeightSyncWorkerExtension` (vLLM's ``worker_extension_cls``), called with
-  ``llm.collective_rpc``: it hands them to one call, the worker's
-  ``reload_weights(weights_iterator=...)`` (vLLM's in-place reload: it forwards to the
-  model runner's ``reload_weights`` of the same signature, which loads through the
-  model's ``load_weights`` and redoes any kernel-specific weight processing). In-process
-  the tensors are passed as they are; when the workers run in other processes
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, tensor parallelism) they travel as safetensors
-  bytes, since vLLM's RPC transport does not carry tensors. The prefix cache is reset
+  ``llm.collective_rpc``: one call of the worker's ``reload_weights(weights_iterator=...)``
+  per sync (vLLM's in-place reload: it forwards to the model runner's ``reload_weights`` of
+  the same signature, which loads through the model's ``load_weights`` and redoes any
+  kernel-specific weight processing). In-process the tensors are passed as they are; when
+  the workers run in other processes (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) they travel as
+  safetensors bytes, one decoder layer per RPC (:meth:`VLLMGenerationBackend.push_weight_buckets`),
+  since vLLM's RPC transport does not carry tensors. The prefix cache is reset
   afterwards: its KV blocks were computed with the old weights (without the reset,
   prompts seen before keep being answered from stale KV: a test checks this).
+
+* **One load per sync, read off vLLM 0.32's reload**
+  (``vllm/model_executor/model_loader/reload/``). ``reload.inplace.reload_weights`` runs
+  over the *whole* model on every call: ``initialize_layerwise_reload`` puts every layer
+  back on the meta device with its loaders wrapped, ``model.load_weights`` feeds it, and
+  ``finalize_layerwise_reload`` then puts back, with a warning each, the layers that got
+  nothing, and the call ends by listing the weights it did not load. One call per decoder
+  layer (as before) therefore redid the whole model each time and logged ~170 lines per
+  call at 7B. Now a sync is one call: a colocated learner hands the engine a generator
+  over its layer buckets (``models/weight_buckets.py``) and vLLM's reload consumes it
+  lazily, in the same thread (the uni-process executor runs the RPC in place), so under
+  ZeRO-3 each layer is gathered (``GatheredParameters``) only while vLLM reads it. The
+  wrapped loaders *buffer* what they get (``info.loaded_weights`` holds the tensors) until
+  a layer of vLLM's has every element, and a layer that never completes (padding, attention
+  scales) is processed only in ``finalize_layerwise_reload``, after the generator has
+  released its last bucket; so with ``copy=True`` (a ZeRO-3 learner) each tensor is cloned
+  as it goes in (a master copy in another dtype is cast instead, which makes a new tensor
+  too): at most the tensors of vLLM's unfinished layer exist twice. The other design
+  (``model.load_weights`` per bucket, then the post-load processing once, as verl and
+  OpenRLHF do) does not fit 0.32: its kernels keep weights in processed form (the CPU
+  build's packed linear layers hold empty tensors), so a plain ``load_weights`` into a
+  loaded model needs the layer-wise restore that only the reload brackets. vLLM 0.32
+  still warns once per reload for a rotary embedding, whose only tensor (the cos/sin cache)
+  is in no checkpoint; that message alone, for rotary layers alone, is filtered during our
+  load (:func:`quiet_rotary_reload`). Weights in the learner's master dtype (fp32 under
+  bf16 autocast) are cast to the engine's dtype on the way in, as vLLM's loader would, so
+  it has no dtype warning per tensor to give. ``tests/test_vllm_push.py`` counts: one
+  ``reload_weights`` per push, no vLLM warning, nothing printed but its INFO lines.
+
+* **Colocated engines and the learners' process group.** When torch.distributed is
+  initialised in the process (DDP or DeepSpeed learners), vLLM 0.32's
+  ``init_distributed_environment`` skips ``init_process_group`` and builds its world group
+  over ``range(torch.distributed.get_world_size())``, and ``initialize_model_parallel``
+  calls ``new_group`` for every parallel group of that world: the engine's build is a
+  collective of all learners, on the CPU build as on a GPU (``CPUWorker.init_device``
+  calls the same ``init_worker_distributed_environment``). ``distributed_executor_backend=
+  "external_launcher"`` (verl, TRL) does the same plus a MIN all-reduce of the KV-cache
+  size. A world of one per engine would need torch's private default-group state swapped
+  during the build (``torch.distributed.distributed_c10d._world``: group names and
+  counters would then differ between the learners, and the engine's shutdown calls
+  ``destroy_process_group()`` on whatever group is the default) or an engine in another
+  process. So the engines are built collectively: every learner builds its engine in the
+  same step, one with no questions too (``ColocatedSampler.take_part``). Each engine keeps
+  a tensor-parallel group of one, its own rank, and the uni-process executor makes no
+  collective after the build. (An in-process engine's ``close`` would destroy the
+  learners' default group: a colocated engine is never closed while its learner trains.)
+
+* **Parallel and multiprocess engines.** Under ``colocate`` a tensor- or
+  pipeline-parallel engine is refused before start (:func:`engine_config_problems`,
+  ``rllib train``'s preflight; the engine build says it too): it would start vLLM's Ray
+  executor inside RLlib's placement group. An engine in its own process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, or a TP > 1 env runner) gets each sync as one
+  bucket of safetensors bytes per decoder layer (``rllib_exgrpo_stage_weights``, kept in
+  the worker's host memory) and then one ``rllib_exgrpo_load_staged``: one reload whose
+  generator decodes each bucket as it reaches it and drops it; no message carries the
+  whole model. Engines that cannot all fit (several CPU engines each reserving
+  ``gpu_memory_utilization`` of the node, default 0.92; several engines per GPU whose
+  shares add up to more than 1) are refused there too.
+
+* **Model runner V1 and V2.** On CUDA vLLM 0.32 picks its model runner V2 unless
+  ``VLLM_USE_V2_MODEL_RUNNER`` says otherwise or a feature it lacks is asked for
+  (``VllmConfig.use_v2_model_runner``); the CPU build has no Triton and takes V1. The
+  load path is the same function on both: the worker's ``reload_weights`` calls the
+  runner's, and both runners' (``v1/worker/gpu_model_runner.py`` and
+  ``v1/worker/gpu/model_runner.py``) call ``reload.inplace.reload_weights(vllm_config,
+  model, weights_iterator, ...)`` and then reset the LoRA, encoder and multimodal caches.
+  :func:`vllm_api_problems` checks that each runner class still loads through that
+  function (:data:`INPLACE_RELOAD`), so no runner is pinned. What runs only on a GPU:
+  ``enable_sleep_mode``, ``LLM.sleep(level=2)`` (the worker saves the model's buffers to
+  the host, its cumem allocator drops weights and KV cache) and ``LLM.wake_up(tags=...)``
+  (weights first, buffers restored, then the KV cache); the optimizer state's trip to
+  pinned host memory (``offload_states`` / ``reload_states`` under DeepSpeed); the weights
+  written into the woken (uninitialised) weight memory by the reload's copy into the
+  kernel tensors; ``gpu_memory_utilization`` as a share of the GPU; CUDA graphs (the tests
+  run ``enforce_eager``). ``benchmarks/gpu_check.py`` and the GPU-only tests
+  (``tests/test_colocate.py``, ``tests/test_gpu_check.py``) cover them.
 
 * **Sampling.** One request per prompt with ``n = num_samples[i]`` (prompts with 0 are
   skipped); greedy requests are sampled once and copied (vLLM requires ``n == 1`` when
@@ -79,7 +155,8 @@ that lives in the env runner's process next to the runner's RLModule.
   ``"length"``. Each env runner seeds its engine with ``seed + worker index``.
 
 * **Supported vLLM** (:data:`SUPPORTED_VLLM`, ``>=0.32,<0.33``, the pin of setup.py's
-  ``vllm`` extra): the calls above (engine fields, ``collective_rpc``, ``reload_weights``)
+  ``vllm`` extra): the calls above (engine fields, ``collective_rpc``, ``reload_weights``,
+  the runners' :data:`INPLACE_RELOAD`)
   change between vLLM releases, so the release line the code is tested against is pinned.
   When the engine is first built, a vLLM outside the range fails in one line naming the
   installed version and the range (:func:`check_vllm_version`; ``rllib train``'s
@@ -97,11 +174,12 @@ been exercised on a GPU.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -220,6 +298,32 @@ def _keyword_problem(owner: str, func, name: str, *, named: bool) -> Optional[st
     return f"{owner}{inspect.signature(func)} takes no keyword {name!r}"
 
 
+#: The function every model runner's ``reload_weights`` hands the weights to (vLLM 0.32: the
+#: v1 runner, the "v2" one CUDA runs by default, and the CPU classes that subclass them).
+INPLACE_RELOAD = "vllm.model_executor.model_loader.reload.inplace:reload_weights"
+
+
+def _same_reload_problem(cls, owner: str) -> Optional[str]:
+    """Why ``cls.reload_weights`` may not load through :data:`INPLACE_RELOAD` (the module
+    that defines it must call that very function, by the name it imported), or ``None``."""
+    import importlib
+    import inspect
+
+    module_name, _, name = INPLACE_RELOAD.partition(":")
+    want = getattr(importlib.import_module(module_name), name, None)
+    method = getattr(cls, WEIGHT_LOAD_METHOD, None)
+    if want is None or method is None:
+        return f"{INPLACE_RELOAD} does not exist" if want is None else None
+    home = sys.modules.get(getattr(method, "__module__", ""), None)
+    try:
+        calls = inspect.getsource(method).count(f"{name}(") >= 2  # its own def, then the call
+    except (OSError, TypeError):
+        calls = False
+    if getattr(home, name, None) is not want or not calls:
+        return f"{owner} does not load through {INPLACE_RELOAD}"
+    return None
+
+
 def vllm_api_problems(platform: Optional[str] = None) -> List[str]:
     """The calls this backend makes that the installed vLLM does not offer, one line each
     (empty when all are there), checked with ``inspect.signature`` on vLLM's own classes:
@@ -246,6 +350,8 @@ def vllm_api_problems(platform: Optional[str] = None) -> List[str]:
         # The worker may forward **kwargs; a model runner must name the parameter.
         owner = f"{path}.{WEIGHT_LOAD_METHOD}"
         problems.append(_keyword_problem(owner, method, WEIGHT_LOAD_PARAM, named=path != worker))
+        if path != worker:
+            problems.append(_same_reload_problem(cls, owner))
     from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
 
@@ -274,6 +380,88 @@ def check_vllm_api() -> None:
             f"vllm{SUPPORTED_VLLM}): " + "; ".join(problems)
         )
     _api_checked = True
+
+
+#: vLLM's default ``gpu_memory_utilization`` (``vllm.config.CacheConfig``); its CPU build
+#: reads the same field as the share of the node's memory one engine reserves.
+VLLM_DEFAULT_MEMORY_SHARE = 0.92
+#: ``vllm_kwargs`` fields that make an engine span several processes or devices.
+_PARALLEL_FIELDS = ("tensor_parallel_size", "pipeline_parallel_size")
+
+
+def _number(value, default: float = 0.0) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def engine_config_problems(config) -> List[str]:
+    """What a config asks of its vLLM engines that cannot work, one line each starting with
+    the key (``vllm_kwargs.tensor_parallel_size: ...``), checked before anything starts
+    (``rllib train``'s preflight; also meant for config validation). Nothing for other
+    generation backends. Reads only the config (no vLLM import).
+
+    * ``colocate`` with ``vllm_kwargs.tensor_parallel_size`` or ``pipeline_parallel_size``
+      above 1: a colocated engine lives in its learner's process on the learner's device,
+      a world of one (rllib/colocation.py); a larger one would have vLLM start its Ray
+      executor inside RLlib's placement group and get every weight across processes.
+    * engines that cannot all fit: on CPU (an actor without GPUs, vLLM's CPU build) each
+      engine reserves ``gpu_memory_utilization`` (default 0.92) of the node's memory unless
+      ``kv_cache_memory_bytes`` (or ``VLLM_CPU_KVCACHE_SPACE``) fixes its KV cache; on GPUs
+      several engines share a GPU when the actors ask for a fraction of one, and their
+      shares must not add up to more than the GPU.
+    """
+    if getattr(config, "generation_backend", None) != "vllm":
+        return []
+    kwargs = getattr(config, "vllm_kwargs", None) or {}
+    if not isinstance(kwargs, dict):
+        return []
+    out = []
+    colocate = bool(getattr(config, "colocate", False))
+    if colocate:
+        for field in _PARALLEL_FIELDS:
+            size = kwargs.get(field, 1)
+            if _number(size, 1) > 1:
+                out.append(
+                    f"vllm_kwargs.{field}: must be 1 with colocate (got {size!r}): each learner runs one "
+                    "engine in its own process on its own device; a parallel engine would start vLLM's Ray "
+                    "executor inside RLlib's placement group and need every weight sent across processes"
+                )
+    if colocate:
+        learners = int(_number(getattr(config, "num_learners", 0)))
+        engines, gpus, who = max(1, learners), _number(getattr(config, "num_gpus_per_learner", 0)), "learner"
+    else:
+        runners = int(_number(getattr(config, "num_env_runners", 0)))
+        engines, gpus, who = max(1, runners), _number(getattr(config, "num_gpus_per_env_runner", 0)), "env runner"
+    if kwargs.get("kv_cache_memory_bytes") is not None:
+        return out  # a fixed KV cache: the share is not what the engine sizes itself by
+    share = _number(kwargs.get("gpu_memory_utilization", VLLM_DEFAULT_MEMORY_SHARE), VLLM_DEFAULT_MEMORY_SHARE)
+    key = "vllm_kwargs.gpu_memory_utilization"
+    if gpus <= 0:
+        if engines > 1 and share * engines > 1 and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            out.append(
+                f"{key}: {engines} vLLM engines on CPU (one per {who}) each reserve {share:g} of the node's "
+                f"memory (the CPU build reads gpu_memory_utilization as that share): {share * engines:.2f} > 1; "
+                f"set vllm_kwargs.kv_cache_memory_bytes (a fixed KV cache per engine) or "
+                f"gpu_memory_utilization <= {1 / engines:.2f}"
+            )
+    elif gpus < 1:
+        per_gpu = min(engines, int(1 / gpus + 1e-9))
+        if per_gpu > 1 and share * per_gpu > 1:
+            field = "num_gpus_per_learner" if colocate else "num_gpus_per_env_runner"
+            out.append(
+                f"{key}: {per_gpu} vLLM engines share each GPU ({field}: {gpus:g}) and each takes {share:g} "
+                f"of it: {share * per_gpu:.2f} > 1; set gpu_memory_utilization <= {1 / per_gpu:.2f}"
+            )
+    return out
+
+
+def check_engine_config(config) -> None:
+    """Raise ``ValueError`` with the first line of :func:`engine_config_problems`, if any."""
+    problems = engine_config_problems(config)
+    if problems:
+        raise ValueError(f"config.{problems[0]}")
 
 
 def import_vllm():
@@ -357,7 +545,10 @@ def as_tensor(value) -> torch.Tensor:
 
 
 def weights_to_bytes(weights: List[Tuple[str, torch.Tensor]]) -> bytes:
-    """Serialise ``(name, tensor)`` pairs with safetensors (tied tensors are copied)."""
+    """Serialise ``(name, tensor)`` pairs with safetensors (tied tensors are copied; their
+    order kept: :func:`pairs_from_bytes`)."""
+    import json
+
     from safetensors.torch import save
 
     seen, out = set(), {}
@@ -368,29 +559,109 @@ def weights_to_bytes(weights: List[Tuple[str, torch.Tensor]]) -> bytes:
             t = t.clone()
         seen.add(t.untyped_storage().data_ptr())
         out[name] = t
-    return save(out)
+    return save(out, metadata={_ORDER_KEY: json.dumps(list(out))})
+
+
+#: The safetensors metadata entry that keeps the order of the pairs.
+_ORDER_KEY = "rllib_exgrpo_order"
+
+
+#: vLLM's layer-wise reload logs this for a layer that got no tensor (then keeps the tensors it
+#: had); a rotary embedding never gets one: its only tensor is the non-persistent cos/sin
+#: cache, computed from the config and in no checkpoint, and its mapper drops the name.
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_NOT_LOADED = "%s: Failed to load weights"
+
+
+class _RotaryNotLoaded(logging.Filter):
+    """Drops :data:`_NOT_LOADED` for rotary-embedding layers only (any other layer that gets
+    no weight is still reported)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _NOT_LOADED and record.args
+                    and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+@contextlib.contextmanager
+def quiet_rotary_reload():
+    """Around one in-place reload: vLLM 0.32 warns once per rotary-embedding module on every
+    reload, although keeping its cache is right (:data:`_NOT_LOADED`); nothing else is
+    filtered."""
+    log = logging.getLogger(_RELOAD_LOGGER)
+    quiet = _RotaryNotLoaded()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
+def pairs_from_bytes(data) -> List[Tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs of :func:`weights_to_bytes`' output (host tensors), in
+    the order they were written (safetensors sorts its entries; the order is kept in the
+    header's metadata)."""
+    import json
+
+    from safetensors.torch import load
+
+    data = bytes(data)
+    tensors = load(data)
+    size = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    order = json.loads(meta.get(_ORDER_KEY, "[]"))
+    if sorted(order) != sorted(tensors):
+        order = list(tensors)
+    return [(name, tensors[name]) for name in order]
 
 
 class WeightSyncWorkerExtension:
     """Mixed into every vLLM worker (``worker_extension_cls``): weight loading callable by
     name through ``llm.collective_rpc``, which is how RLHF code talks to vLLM workers.
 
-    ``weights`` is a list of ``(HF name, tensor)`` pairs when the worker runs in this
-    process, or safetensors bytes when it runs in another one (vLLM's msgpack transport
-    does not round-trip tensors in RPC arguments, and pickling needs
-    ``VLLM_ALLOW_INSECURE_SERIALIZATION``).
+    Every method ends in the one weight-load call (:data:`WEIGHT_LOAD_METHOD`, the worker's
+    ``reload_weights(weights_iterator=...)``), once per sync, over the whole model:
+
+    * :meth:`rllib_exgrpo_load_weights`: ``(HF name, tensor)`` pairs, any iterable (a
+      generator over a colocated learner's layers is consumed lazily inside the one call),
+      or safetensors bytes when the worker runs in another process (vLLM's msgpack
+      transport does not round-trip tensors in RPC arguments, and pickling needs
+      ``VLLM_ALLOW_INSECURE_SERIALIZATION``);
+    * :meth:`rllib_exgrpo_stage_weights` then :meth:`rllib_exgrpo_load_staged`: a worker in
+      another process receives the model one bucket (a decoder layer) of bytes per call, kept
+      in its host memory, and then loads them all in one reload, each bucket decoded as the
+      reload reaches it and dropped after.
     """
 
     def rllib_exgrpo_load_weights(self, weights) -> int:
         if isinstance(weights, (bytes, bytearray, memoryview)):
-            from safetensors.torch import load
+            weights = pairs_from_bytes(weights)
+        count = [0]
 
-            weights = list(load(bytes(weights)).items())
+        def counted():
+            for pair in weights:
+                count[0] += 1
+                yield pair
+
         # The one weight-load call (WEIGHT_LOAD_METHOD): the worker's in-place reload,
         # which vLLM's own collective_rpc("reload_weights") reaches too; check_vllm_api
         # checks it against the installed vLLM when the engine starts.
-        self.reload_weights(weights_iterator=weights)
-        return len(weights)
+        with quiet_rotary_reload():
+            self.reload_weights(weights_iterator=counted())
+        return count[0]
+
+    def rllib_exgrpo_stage_weights(self, data) -> int:
+        staged = self.__dict__.setdefault("_rllib_exgrpo_staged", [])
+        staged.append(bytes(data))
+        return len(staged)
+
+    def rllib_exgrpo_load_staged(self) -> int:
+        staged = self.__dict__.pop("_rllib_exgrpo_staged", [])
+
+        def pairs():
+            while staged:
+                yield from pairs_from_bytes(staged.pop(0))  # each bucket freed once loaded
+
+        return self.rllib_exgrpo_load_weights(pairs())
 
 
 #: ``worker_extension_cls`` of the engine (a qualified name the workers import).
@@ -505,6 +776,8 @@ class VLLMGenerationBackend:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = import_vllm()  # a vLLM outside SUPPORTED_VLLM fails here, in one line
         check_vllm_api()  # and one without the calls below, before the engine is built
+        if getattr(self.config, "colocate", False):
+            check_engine_config(self.config)  # (preflight says it before anything starts)
         kwargs = self.engine_kwargs()
         self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")  # vLLM's default
         logger.info("Building vLLM %s engine: %s", vllm.__version__, kwargs)
@@ -646,7 +919,7 @@ class VLLMGenerationBackend:
         return scorer.score(prompts, completions, temperature=temperature, with_entropy=with_entropy)
 
     def load_weights(self, state_dict: Dict[str, Any]) -> None:
-        """Push an RLModule (or HF) state dict into the running engine.
+        """Push an RLModule (or HF) state dict into the running engine: one load.
 
         The env runner passes its module's own ``state_dict()`` (live tensors: nothing is
         copied on the way in; the engine's loader copies into its weights). Before the
@@ -663,16 +936,91 @@ class VLLMGenerationBackend:
                 "load_weights: no entry of the state dict is a parameter of the model "
                 f"(keys like {list(state_dict)[:3]})"
             )
-        self._push_weights([(name, as_tensor(state_dict[key])) for key, name in pairs])
+        from rllib_exgrpo.models.weight_buckets import layer_buckets
+
+        named = {name: as_tensor(state_dict[key]) for key, name in pairs}
+        self.push_weight_buckets(layer_buckets(named))
         self.weights_changed()
 
-    def push_named_weights(self, tensors: Dict[str, torch.Tensor]) -> None:
-        """Part of the model's weights (HF names; other keys skipped) into the running engine,
-        e.g. one layer of a colocated learner's (rllib/colocation.py). Call
-        :meth:`weights_changed` once the last part is in."""
-        pairs = hf_weight_names(tensors, self._hf_names())
-        if pairs:
-            self._push_weights([(name, tensors[key]) for key, name in pairs])
+    def push_weight_buckets(self, buckets: Iterable[Dict[str, torch.Tensor]], *, copy: bool = False) -> int:
+        """Every weight of the model into the running engine in **one** load, given as
+        buckets (dicts of HF name -> tensor, other keys skipped; e.g. one decoder layer of a
+        colocated learner's each, rllib/colocation.py). Returns the tensors pushed. Call
+        :meth:`weights_changed` afterwards.
+
+        ``buckets`` is consumed lazily, one bucket after the other: in process, by vLLM's
+        reload itself (a generator), so a bucket's tensors need to stay valid only until
+        the next bucket is asked for, if ``copy``: then each tensor is cloned as it goes in,
+        because vLLM keeps the tensors of a layer it has not finished (one split over two
+        buckets, a padded vocabulary, an attention layer's scales) past that point (module
+        doc). Into an engine in another process each bucket travels as safetensors bytes
+        (copied to the host inside its bucket) and the engine loads them all at the end."""
+        names = self._hf_names()
+        dtype = self._engine_dtype()
+
+        def stream():
+            try:
+                for bucket in buckets:
+                    for key, name in hf_weight_names(bucket, names):
+                        value = bucket[key]
+                        if dtype is not None and value.is_floating_point() and value.dtype != dtype:
+                            # A master copy (fp32 under bf16 autocast): cast as vLLM's loader would
+                            # (a new tensor, so nothing to clone), without its warning per tensor.
+                            value = value.to(dtype)
+                        elif copy:
+                            value = value.clone()
+                        yield name, value
+            finally:
+                close = getattr(buckets, "close", None)
+                if close is not None:  # a generator left early closes its open bucket (gathered)
+                    close()
+
+        if self._has_extension and not self._weights_in_process:
+            return self._push_staged(stream())
+        if not self._has_extension and not self._weights_in_process:
+            # vllm_kwargs brought another worker_extension_cls: the same call, straight to
+            # vLLM's worker method, which takes tensors only in this process.
+            raise RuntimeError(
+                "load_weights: with a custom worker_extension_cls the vLLM workers must "
+                "run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker)"
+            )
+        pairs = stream()
+        try:
+            if not self._has_extension:
+                counted = _Counter(pairs)
+                self.llm.collective_rpc(WEIGHT_LOAD_METHOD, kwargs={WEIGHT_LOAD_PARAM: iter(counted)})
+                return counted.count
+            return int(self.llm.collective_rpc("rllib_exgrpo_load_weights", args=(pairs,))[0])
+        finally:
+            pairs.close()
+
+    def _engine_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the engine keeps its weights in (``None`` when it cannot be read)."""
+        dtype = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+
+    def _push_staged(self, pairs: Iterator[Tuple[str, torch.Tensor]]) -> int:
+        """Workers in other processes: one bucket (a decoder layer) of bytes per RPC, then
+        one load of all of them (:class:`WeightSyncWorkerExtension`)."""
+        from rllib_exgrpo.models.weight_buckets import bucket_name
+
+        bucket: List[Tuple[str, torch.Tensor]] = []
+        sent = 0
+
+        def flush():
+            nonlocal bucket, sent
+            if bucket:
+                self.llm.collective_rpc("rllib_exgrpo_stage_weights", args=(weights_to_bytes(bucket),))
+                sent += len(bucket)
+                bucket = []
+
+        for name, value in pairs:
+            if bucket and bucket_name(name) != bucket_name(bucket[-1][0]):
+                flush()
+            bucket.append((name, value.detach().cpu()))  # a host copy while the bucket is valid
+        flush()
+        loaded = self.llm.collective_rpc("rllib_exgrpo_load_staged")
+        return int(loaded[0]) if loaded else sent
 
     def weights_changed(self) -> None:
         """Cached KV blocks were computed with the old weights: drop them."""
@@ -688,21 +1036,6 @@ class VLLMGenerationBackend:
             self._model_names = parameter_names(self.config.model_name_or_path)
         return self._model_names
 
-    def _push_weights(self, weights: List[Tuple[str, torch.Tensor]]) -> None:
-        if not self._has_extension:
-            # vllm_kwargs brought another worker_extension_cls: the same call, straight to
-            # vLLM's worker method, which takes tensors only in this process.
-            if not self._weights_in_process:
-                raise RuntimeError(
-                    "load_weights: with a custom worker_extension_cls the vLLM workers must "
-                    "run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker)"
-                )
-            self.llm.collective_rpc(WEIGHT_LOAD_METHOD, kwargs={WEIGHT_LOAD_PARAM: weights})
-        elif self._weights_in_process:
-            self.llm.collective_rpc("rllib_exgrpo_load_weights", args=(weights,))
-        else:
-            self.llm.collective_rpc("rllib_exgrpo_load_weights", args=(weights_to_bytes(weights),))
-
     def close(self) -> None:
         """Shut the engine down (it is rebuilt on the next ``generate``)."""
         llm, self.llm = self.llm, None
@@ -711,6 +1044,18 @@ class VLLMGenerationBackend:
                 llm.llm_engine.engine_core.shutdown()
             except Exception as e:  # best effort: garbage collection does it too
                 logger.debug("vLLM shutdown: %s", e)
+
+
+class _Counter:
+    """An iterable that counts the items it hands out."""
+
+    def __init__(self, items):
+        self.items, self.count = items, 0
+
+    def __iter__(self):
+        for item in self.items:
+            self.count += 1
+            yield item
 
 
 def vllm_sampling_kwargs(params: SamplingParams, n: int, max_tokens: int, with_logprobs: bool) -> Dict[str, Any]:

@@ -9,15 +9,17 @@ dict:
   before its tensors are read, so no rank holds more than one layer gathered;
 * a LoRA layer's merged weight ``W + (alpha / r) B A`` is computed per layer, so the merged
   copies of a 7B model (~13 GiB in bf16) never exist at once;
-* a bucket is a whole decoder layer (``...layers.<i>``) because vLLM's in-place reload
-  finishes each of its layers (a fused q/k/v projection, say) with what one call brought:
-  a layer split over two calls would be finished half-loaded. Everything outside the
-  decoder layers (embeddings, final norm, output head) is one last bucket.
+* a bucket is a whole decoder layer (``...layers.<i>``): vLLM's in-place reload processes
+  each of its own layers (a fused q/k/v projection, say) once every tensor of it has
+  arrived, so with whole decoder layers in order it finishes a layer within its bucket and
+  holds at most one layer's tensors waiting. Everything outside the decoder layers
+  (embeddings, final norm, output head) is one last bucket. The sampler hands all buckets
+  to one load per turn (``generation/vllm.py``: ``push_weight_buckets``).
 
 A bucket is ``(params, read)``: ``params`` the parameters to gather first, ``read()`` its
 tensors under the plain model's names (a LoRA layer's base weight merged, adapter tensors
 left out). The tensors ``read`` returns are only valid while the bucket is gathered: copy
-them inside it.
+them inside it (or have the engine clone them as they go in: ``push_weight_buckets(copy=True)``).
 """
 from __future__ import annotations
 
@@ -50,9 +52,22 @@ def _lora_owner(key: str, lora_layers: Dict[str, torch.nn.Module]):
     return lora_layers.get(key[: -len(lora._BASE + "weight")])
 
 
-def _bucket_name(key: str) -> str:
+def bucket_name(key: str) -> str:
+    """The bucket of a state-dict key: its decoder layer's prefix, or ``""`` for the rest."""
     match = _LAYER.match(key)
     return match.group(1) if match else ""
+
+
+def layer_buckets(named: Dict[str, torch.Tensor]) -> Iterator[Dict[str, torch.Tensor]]:
+    """Tensors already at hand (an env runner's state dict) in the same buckets as
+    :func:`plain_weight_buckets`: the decoder layers in order, then the rest."""
+    groups: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, value in named.items():
+        groups.setdefault(bucket_name(key), {})[key] = value
+    rest = groups.pop("", None)
+    yield from groups.values()
+    if rest:
+        yield rest
 
 
 def plain_weight_buckets(model: torch.nn.Module) -> Iterator[Bucket]:
@@ -63,10 +78,10 @@ def plain_weight_buckets(model: torch.nn.Module) -> Iterator[Bucket]:
     keys_of: Dict[str, List[str]] = {}
     for key in state:
         if not lora.is_adapter_key(key):
-            keys_of.setdefault(_bucket_name(key), []).append(key)
+            keys_of.setdefault(bucket_name(key), []).append(key)
     params_of: Dict[str, List[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():  # adapters included: a merge reads them
-        params_of.setdefault(_bucket_name(name + "."), []).append(param)
+        params_of.setdefault(bucket_name(name + "."), []).append(param)
     rest = keys_of.pop("", [])
     order = list(keys_of) + ([""] if rest else [])
     keys_of[""] = rest
