@@ -481,3 +481,88 @@ def test_recipe_settings_read_from_the_yaml(gpu_check):
     assert recipe["max_prompt_tokens"] + recipe["max_response_tokens"] == 9216
     spec = gpu_check.SHAPES["qwen2.5-1.5b"]["slice"]
     assert (spec["rows"], spec["prompt"], spec["response"]) == (4, 1024, 8192)
+
+
+# ---- the table of stages, --cpu, and the stages after the measuring ones ------------------------
+def _table(stdout: str) -> dict:
+    """``stage -> (status, note)`` from the table of stages the run ends with."""
+    rows = {}
+    lines = stdout.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("stage ") and "| status" in x)
+    for line in lines[start + 2:]:
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) < 4:
+            break
+        rows[parts[0]] = (parts[1], parts[3])
+    return rows
+
+
+def _deepspeed_here() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def test_gpu_check_cpu_runs_every_stage_a_cpu_allows(tmp_path):
+    """``--cpu``: exit 0, a table of every stage; the ZeRO offload round trip ran (bitwise equal
+    to the run without offload, at ZeRO-1, 2 and 3); the GPU-only stages skipped with why."""
+    out = tmp_path / "cpu.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT.relative_to(REPO)), "--cpu", "--steps", "1", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = _table(proc.stdout)
+    assert list(table) == ["learner", "packed", "drift", "slice", "transfer", "generation", "colocate",
+                           "zero3-colocate-offload", "nccl-broadcast", "packed-flash", "vllm-reload",
+                           "vllm-sleep-wake"]
+    assert all(table[s][0] == "ran" for s in ("learner", "packed", "drift", "slice", "transfer", "generation",
+                                               "colocate")), table
+    assert table["packed-flash"] == ("skipped", "flash-attention needs a CUDA device")
+    assert table["vllm-sleep-wake"][0] == "skipped"
+    res = json.loads(out.read_text())
+    assert [r["stage"] for r in res["summary"]] == list(table)
+    if _deepspeed_here():
+        assert table["zero3-colocate-offload"][0] == "ran", table
+        z = res["zero3_colocate_offload"]
+        for stage in ("1", "2", "3"):
+            r = z["per_stage"][stage]
+            assert r["ok"] and r["bitwise_equal_to_reference"] and r["lp_params_kept"], r
+            assert r["bytes_offloaded"] == r["bytes_reloaded"] > 0 and r["moved_by_kind"]["optim_states"] > 0
+            assert r["plan"]["status"] == "ok" and 0.99 < r["plan"]["moved_over_plan"] < 1.01, r["plan"]
+        assert set(z["per_stage"]["3"]["moved_by_kind"]) >= {"hp_params", "optim_states"}
+    else:
+        assert table["zero3-colocate-offload"][0] == "skipped"
+    if res["optional_dependencies"]["ray"]:
+        assert table["nccl-broadcast"][0] == "ran", table
+        b = res["nccl_broadcast"]
+        assert b["backend"] == "gloo" and b["tensors_equal"] == b["tensors"] > 0 and b["layout_buckets"] >= 2
+    if not res["optional_dependencies"]["vllm"]:
+        assert table["vllm-reload"] == ("skipped", "vllm is not installed")
+
+
+def test_stage_table_status_of_the_measuring_stages(gpu_check):
+    from gpucheck.legacy import legacy_outcome
+
+    assert legacy_outcome("packed", {"packed": {"status": "ok"}}) == ("ran", "1/1 ok")
+    assert legacy_outcome("packed", {"packed": {"status": "error", "error": "E: x"}}) == ("failed", "E: x")
+    assert legacy_outcome("slice", {"slice": {"depths": [{"status": "skipped", "why": "w"}] * 2}})[0] == "skipped"
+    assert legacy_outcome("learner", {"learner": [{"status": "ok"}, {"status": "oom"}]}) == (
+        "ran", "1/2 ok, 1 out of memory")
+    bad = {"colocate": {"status": "ok", "round_trip": {"ok": False}}}
+    assert legacy_outcome("colocate", bad)[0] == "failed"
+    assert legacy_outcome("transfer", {})[0] == "skipped"
+
+
+def test_a_failing_stage_fails_the_run(tmp_path, monkeypatch, gpu_check, capsys):
+    """A stage that raises is a row ``failed`` with the error in one line; the run goes on
+    and exits non-zero."""
+    from gpucheck import newstages
+
+    def boom(ctx):
+        raise RuntimeError("broken on purpose\nsecond line")
+
+    monkeypatch.setitem(newstages.NEW_RUNNERS, "packed-flash", boom)
+    rc = gpu_check.main(["--cpu", "--stages", "packed-flash,vllm-sleep-wake", "--out", str(tmp_path / "f.json")])
+    assert rc == 1
+    table = _table(capsys.readouterr().out)
+    assert table["packed-flash"] == ("failed", "RuntimeError: broken on purpose")
+    assert table["vllm-sleep-wake"][0] == "skipped"
