@@ -43,16 +43,16 @@ VLLM_DEFAULT_UTILIZATION = 0.9
 #: Per GPU process, not counted by torch's allocator: CUDA context, cuBLAS / NCCL workspaces.
 #: An assumption (typically 0.5-1 GiB), printed as such.
 PROCESS_OVERHEAD_BYTES = 1 << 30
-#: The share of a card the plan leaves unused: an "80 GB" H100 / A100 reports 79.2-79.6 GiB
-#: to torch (up to 0.8 GiB under a nominal ``gpu_memory_gb: 80``), and the caching
-#: allocator loses some to fragmentation between passes of different sizes (less with
-#: ``expandable_segments``, which every actor sets: ``rllib/resources.py``). 3%: 2.4 GiB of 80.
-CARD_RESERVE_FRACTION = 0.03
 
 
 def usable_memory(total: int) -> int:
-    """What the plan lets one GPU's actors use: ``total`` less :data:`CARD_RESERVE_FRACTION`."""
-    return int(total * (1.0 - CARD_RESERVE_FRACTION))
+    """What the plan lets one GPU's actors use of a card of ``total`` bytes (its nominal size,
+    ``gpu_memory_gb``, or as detected): the card table's usable memory
+    (:func:`rllib_exgrpo.planning.cards.usable_bytes`: 79.2 GiB of an A100 / H100 80 GB, 22.5
+    GiB of a 24 GB card, 139.8 GiB of an H200; 97% of a size the table does not know)."""
+    from rllib_exgrpo.planning.cards import usable_bytes
+
+    return usable_bytes(total)
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -214,25 +214,72 @@ def _mode(dtype_bytes: int, autocast: bool) -> str:
     return "fp32" if int(dtype_bytes) >= 4 else "half"
 
 
+#: torch's SDPA pads an additive mask's last dimension to a multiple of this for CUDA's
+#: memory-efficient kernel (``preprocess_mask`` in aten/src/ATen/native/transformers/attention.cpp,
+#: ``mem_eff_alignment``), a copy of the mask when the length is not one.
+MASK_ALIGN = 8
+
+
+def masked_attention_bytes(shape: ModelShape, rows: int, q_len: int, kv_len: int, *,
+                           dtype_bytes: int = 2) -> Dict[str, int]:
+    """What one decoder layer's masked attention call makes, in bytes (``core/attention.py``:
+    ``sdpa_varlen`` on padded rows, :func:`~rllib_exgrpo.core.attention.masked_sdpa`;
+    transformers' ``sdpa`` makes the same tensors, its boolean mask once per forward):
+
+    * ``boolean_mask``: the causal-and-padding mask ``[B, 1, q, kv]``, 1 byte an entry;
+      ``building``: what its construction holds at once (two ``[B, q, kv]`` boolean
+      temporaries and the ``[q, kv]`` causal one);
+    * ``float_mask``: SDPA's additive copy of it in the query's dtype (``dtype_bytes``), the
+      last dimension padded to a multiple of :data:`MASK_ALIGN`; CUDA's memory-efficient
+      kernel keeps it for the backward;
+    * ``repeated_kv``: k and v repeated to the query's heads, ``2 x B x Hq x kv x D`` elements
+      (the kernel keeps both for the backward). None when key/value heads equal the query's,
+      and none for a decoding step (``q_len == 1``), whose query heads fold onto their
+      key/value head instead;
+    * ``in_flight``: the three together, what the call holds beyond q, k, v and the output.
+
+    Before this call matched the heads it passed ``enable_gqa=True`` with the mask, which on
+    CUDA only SDPA's math kernel takes: ``[B, Hq, q, kv]`` float scores and their softmax, the
+    tensors this plan never counted (at 7B, 7 rows of 5120 tokens: 2 x 19.2 GiB a layer)."""
+    rows, q_len, kv_len = int(rows), int(q_len), int(kv_len)
+    b = 4 if int(dtype_bytes) >= 4 else 2
+    entries = rows * q_len * kv_len
+    padded = rows * q_len * (-(-kv_len // MASK_ALIGN) * MASK_ALIGN)
+    grouped = shape.num_attention_heads != shape.num_key_value_heads
+    repeated = 2 * rows * kv_len * shape.attention_width * b if grouped and q_len > 1 else 0
+    out = dict(boolean_mask=entries, building=2 * entries + q_len * kv_len, float_mask=padded * b,
+               repeated_kv=repeated)
+    out["in_flight"] = out["boolean_mask"] + out["float_mask"] + out["repeated_kv"]
+    return {k: int(v) for k, v in out.items()}
+
+
 def layer_saved_bytes(shape: ModelShape, rows: int, tokens: int, mode: str, *, dense_mask: bool = True) -> int:
     """What autograd keeps of one decoder layer for the backward (no checkpointing).
 
-    Per token: the RMSNorms' fp32 inputs and outputs, the projections' inputs, q and k, v
-    repeated to every head plus the attention output, its log-sum-exp, the MLP's gate, up,
-    activation and product; per row, SDPA's float mask ``[S, S]`` when the pass is padded
-    (``dense_mask``; a packed pass under a variable-length kernel has none). Counted tensor
-    by tensor with ``saved_tensors_hooks`` (bytes per token, h hidden, ad = heads x head
-    dim, i intermediate, a heads)::
+    Per token: the RMSNorms' fp32 inputs and outputs, the projections' inputs, q, the
+    attention output and its log-sum-exp, the MLP's gate, up, activation and product; and
+    the attention's keys and values: in a padded pass (``dense_mask``) k and v repeated to
+    every head and SDPA's float mask ``[S, S]`` per row (:func:`masked_attention_bytes`), in
+    a packed pass under a variable-length kernel k and v as they are (the kernel takes
+    grouped heads), and no mask. Counted tensor by tensor with ``saved_tensors_hooks`` (bytes
+    per token, h hidden, ad = heads x head dim, kd = kv heads x head dim, i intermediate,
+    a heads; S a multiple of 8)::
 
-        bf16 (DeepSpeed)        16h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row
-        fp32                    24h + 16ad + 16i + 4a + 8,   mask 4 S^2 per row
-        autocast (DDP, bf16)    26h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row
+        bf16 (DeepSpeed)        16h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row   (packed: 4ad + 4kd, no mask)
+        fp32                    24h + 16ad + 16i + 4a + 8,   mask 4 S^2 per row   (packed: 8ad + 8kd)
+        autocast (DDP, bf16)    26h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row   (packed: 4ad + 4kd)
     """
-    h, ad, i, a = shape.hidden_size, shape.attention_width, shape.intermediate_size, shape.num_attention_heads
+    h, ad, kd, i, a = (shape.hidden_size, shape.attention_width, shape.kv_width, shape.intermediate_size,
+                       shape.num_attention_heads)
     t = rows * tokens
-    coef = {"half": (16, 8, 8, 2), "fp32": (24, 16, 16, 4), "autocast": (26, 8, 8, 2)}[mode]
-    mask = coef[3] * rows * tokens * tokens if dense_mask else 0
-    return t * (coef[0] * h + coef[1] * ad + coef[2] * i + 4 * a + 8) + mask
+    coef = {"half": (16, 4, 8, 2), "fp32": (24, 8, 16, 4), "autocast": (26, 4, 8, 2)}[mode]
+    b = coef[3]
+    if dense_mask:
+        masked = masked_attention_bytes(shape, rows, tokens, tokens, dtype_bytes=b)
+        attention = masked["float_mask"] + (masked["repeated_kv"] or 2 * t * kd * b)
+    else:
+        attention = 2 * t * kd * b
+    return t * (coef[0] * h + coef[1] * ad + coef[2] * i + 4 * a + 8) + attention
 
 
 def logit_chunk_bytes(vocab: int, chunk: int, *, half: bool) -> int:
@@ -311,7 +358,8 @@ def _saved_activation_bytes(shape: ModelShape, rows: int, tokens: int, r: int, m
     outside = 8 * t + final_norm + 4 * t + rows * r * h * compute + rope
     if gradient_checkpointing:
         layers = n_layers * t * h * residual
-        outside += rows * tokens * tokens if dense_mask else 0
+        # transformers' sdpa hands every layer one boolean mask (sdpa_varlen builds it per layer)
+        outside += masked_attention_bytes(shape, rows, tokens, tokens)["boolean_mask"] if dense_mask else 0
     else:
         layers = n_layers * per_layer
     return layers, outside, per_layer
@@ -377,8 +425,8 @@ def scoring_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, respo
     ``generation_batch_size`` chunk, or the learner's frozen KL reference.
 
     The larger of the layer phase (the boolean mask and the input embeddings for the whole
-    forward; in the attention q, k and v, both repeated to every head, the float mask and
-    the output; in the MLP the activation, up and their product) and the logit phase (the
+    forward; in the attention q, k and v, k and v repeated to every head and the float mask
+    of the masked call (:func:`masked_attention_bytes`), and the output; in the MLP the activation, up and their product) and the logit phase (the
     final hidden states and the scored positions' copy, one chunk's logits and softmax:
     :func:`logit_chunk_bytes`). ``dense_mask`` False: a packed pass, no ``[S, S]`` mask.
     """
@@ -388,14 +436,160 @@ def scoring_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, respo
     h, ad, kd, i, v, d = (shape.hidden_size, shape.attention_width, shape.kv_width, shape.intermediate_size,
                           shape.vocab_size, shape.head_dim)
     t = rows * tokens
-    masks = rows * tokens * tokens if dense_mask else 0
+    masked = masked_attention_bytes(shape, rows, tokens, tokens, dtype_bytes=b) if dense_mask else None
+    masks = masked["boolean_mask"] if masked else 0
     base = 8 * t + 2 * t * d * b + masks + t * h * b
-    attention = base + 2 * t * h * b + t * b * (4 * ad + 2 * kd) + b * masks
+    # q, k, v, the output; a padded pass's masked call: k and v repeated, SDPA's float mask
+    attention = base + 2 * t * h * b + t * b * (2 * ad + 2 * kd) + (
+        masked["repeated_kv"] + masked["float_mask"] if masked else 0)
     mlp = base + 3 * t * h * b + 3 * t * i * b
     norm = base + 2 * t * h * b + (2 * 4 * t * h if b == 2 else 0)
     chunk = min(_default_chunk() if chunk_tokens is None else int(chunk_tokens), max(1, rows * r))
     logits = t * h * b + rows * r * h * b + logit_chunk_bytes(v, chunk, half=b == 2)
     return int(max(attention, mlp, norm, logits))
+
+
+# ------------------------------------------------------------------ weight sync and push
+
+#: NCCL's own buffers for one member of a communicator, counted for the weight-sync group
+#: (``rllib/weight_broadcast.py``) on each GPU member: a broadcast runs over a ring, so each
+#: rank connects to 2 peers (the one it receives from, the one it sends to), on up to 32
+#: channels (NCCL opens 32 per GPU pair between H100s: NVIDIA/nccl issue 1685), each
+#: connection with a buffer per protocol: SIMPLE ``NCCL_BUFFSIZE`` (4 MiB by default), LL128
+#: (4.69 MiB) and LL (0.5 MiB) (``DEFAULT_*BUFFSIZE`` in NCCL's src/init.cc): 9.2 MiB, 10 MiB
+#: in the allocation granularity NCCL's allocations show in that issue. 32 x 2 x 10 MiB =
+#: 640 MiB per member: an upper figure (NCCL connects only the protocols it runs, and
+#: fewer channels on slower links), outside torch's allocator and vLLM's share.
+NCCL_CHANNELS = 32
+NCCL_RING_PEERS = 2
+NCCL_BYTES_PER_CONNECTION = 10 << 20
+NCCL_BUFFER_BYTES = NCCL_CHANNELS * NCCL_RING_PEERS * NCCL_BYTES_PER_CONNECTION
+#: ``weight_sync_bucket_mb``'s default (``rllib/config_fields.py``).
+DEFAULT_SYNC_BUCKET_MB = 512
+
+_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora_target_sizes(shape: ModelShape, target_modules: Any = "all-linear") -> List[int]:
+    """Elements of each LoRA-targeted weight of one decoder layer."""
+    h, ad, kd, i = shape.hidden_size, shape.attention_width, shape.kv_width, shape.intermediate_size
+    sizes = {"q_proj": h * ad, "k_proj": h * kd, "v_proj": h * kd, "o_proj": ad * h,
+             "gate_proj": h * i, "up_proj": h * i, "down_proj": i * h}
+    names = _LORA_TARGETS if target_modules in (None, "all-linear") else [str(n) for n in target_modules]
+    return [sizes[n] for n in names if n in sizes]
+
+
+def lora_merge_bytes(shape: ModelShape, *, target_modules: Any = "all-linear", base_bytes: int = 2,
+                     adapter_bytes: int = 4) -> Dict[str, int]:
+    """What computing LoRA's merged weights ``W + (alpha / r) B A`` for a push holds
+    (``models/lora.py``, ``MergedWeight``: the base weight cloned, peft's
+    ``get_delta_weight``: ``B @ A``, then that times the scaling, both in the adapters'
+    dtype, the sum cast to the base's dtype and added). One weight at a time, so:
+
+    * ``temporaries``: the float32 (the DDP learner's adapters; bf16 under DeepSpeed) ``B @ A``
+      and its scaled copy of the largest targeted weight, ``2 x adapter_bytes`` an element
+      (the cast to the base dtype comes after ``B @ A`` is freed, within that);
+    * ``merged_layer``: a decoder layer's merged weights in the base's dtype, all held until
+      the layer is pushed (``models/weight_buckets.py``: a colocated push goes a decoder layer
+      at a time, the clone of the weight being merged among them);
+    * ``one_weight``: the clone of the largest weight (a collective sync,
+      ``rllib/weight_broadcast.py``, merges each tensor as it copies it into the bucket).
+    """
+    sizes = _lora_target_sizes(shape, target_modules) or [0]
+    largest = max(sizes)
+    return dict(temporaries=int(2 * adapter_bytes * largest), merged_layer=int(base_bytes * sum(sizes)),
+                one_weight=int(base_bytes * largest))
+
+
+def weight_sync_bytes(shape: ModelShape, *, bucket_mb: float = DEFAULT_SYNC_BUCKET_MB, dtype_bytes: int = 2) -> int:
+    """The flat buffer one bucket of a collective weight sync lands in
+    (``rllib/weight_broadcast.py``: ``plan_buckets`` cuts the shipped tensors, in order, into
+    buckets of at most ``weight_sync_bucket_mb``, a larger tensor alone in its own; ``_Scratch``
+    makes one buffer per dtype as large as the largest bucket). At most the larger of the
+    bucket size and the largest tensor (the embedding, or the untied LM head: ``V x h``; 1.09
+    GB at 7B in bf16, more than the 512 MiB default), and at most the whole model. The first
+    learner (the broadcast's root) flattens each bucket into it and every env runner receives
+    into it, on the GPU over NCCL (in host memory over gloo); under ZeRO-3 every learner also
+    holds a bucket's parameters gathered while it is sent, the same size."""
+    b = int(dtype_bytes)
+    model = int(shape.num_parameters) * b
+    bucket = max(1, int(float(bucket_mb) * 2 ** 20))
+    return int(min(model, max(min(bucket, model), int(shape.largest_module_parameters) * b)))
+
+
+def _collective_sync(config: Any) -> Optional[str]:
+    """The weight sync's backend when the config syncs over the collective to remote env
+    runners ("nccl" when the learners and the runners both hold GPUs, else "gloo"), or None
+    (the object store, colocated learners, no remote runners)."""
+    if config.colocate or int(_get(config, "num_env_runners", 0)) <= 0:
+        return None
+    if str(_get(config, "weight_sync", "collective")) != "collective":
+        return None
+    on_gpus = float(_get(config, "num_gpus_per_learner", 0)) > 0 and float(_get(config, "num_gpus_per_env_runner", 0)) > 0
+    return "nccl" if on_gpus else "gloo"
+
+
+def _sync_bucket_mb(config: Any) -> float:
+    return float(_get(config, "weight_sync_bucket_mb", DEFAULT_SYNC_BUCKET_MB))
+
+
+def _lora_adapter_bytes(config: Any) -> int:
+    """The adapters' dtype: fp32 on a DDP learner, bf16 under DeepSpeed."""
+    return 2 if config.learner_backend == "deepspeed" else 4
+
+
+def _learner_sync_items(plan: ActorPlan, config: Any, shape: ModelShape, b: int, after: int) -> None:
+    """The collective weight sync on a learner (the root, learner 0, holds the most): NCCL's
+    buffers for the whole run; after the update (its activations freed: ``after`` is the
+    largest of what the update and the optimiser step held beyond the model states) the
+    bucket buffer (on the GPU over NCCL), the gathered bucket (ZeRO-3) and, with LoRA, the
+    merge of the largest weight; only what exceeds ``after`` is an item."""
+    backend = _collective_sync(config)
+    if backend is None:
+        return
+    bucket_mb = _sync_bucket_mb(config)
+    bucket = weight_sync_bytes(shape, bucket_mb=bucket_mb, dtype_bytes=b)
+    parts = []
+    if backend == "nccl":
+        plan.items.insert(len(plan.items) - 1, Item(
+            "weight-sync NCCL buffers", NCCL_BUFFER_BYTES,
+            f"learner 0's NCCL buffers in the weight-sync group: {NCCL_CHANNELS} channels x {NCCL_RING_PEERS} ring "
+            f"peers x {NCCL_BYTES_PER_CONNECTION >> 20} MiB (assumed, NCCL's defaults)"))
+        parts.append(("bucket buffer", bucket))
+    if _zero3(config):
+        parts.append(("gathered bucket (ZeRO-3)", bucket))
+    if config.lora_rank:
+        merge = lora_merge_bytes(shape, target_modules=config.lora_target_modules, base_bytes=b,
+                                 adapter_bytes=_lora_adapter_bytes(config))
+        parts.append(("LoRA merge of the largest weight", merge["one_weight"] + merge["temporaries"]))
+    if not parts:
+        return
+    during = sum(n for _, n in parts)
+    what = ", ".join(f"{w} {_gib(n)}" for w, n in parts)
+    if during > after:
+        plan.items.insert(len(plan.items) - 1, Item(
+            "weight sync buffers", during - after,
+            f"after the update, beyond its freed activations: {what} (buckets of {bucket_mb:g} MiB)"))
+    else:
+        plan.notes.append(f"weight sync ({backend}, buckets of {bucket_mb:g} MiB): {what}, after the update, "
+                          f"below the activations it frees")
+
+
+def _runner_sync_items(plan: ActorPlan, config: Any, shape: ModelShape, b: int) -> None:
+    """The collective weight sync on a GPU env runner: over NCCL its bucket buffer on the GPU
+    (kept by torch's allocator beside vLLM's share) and NCCL's buffers."""
+    if _collective_sync(config) != "nccl":
+        return
+    bucket_mb = _sync_bucket_mb(config)
+    it = plan.items.insert
+    at = len(plan.items) - 1
+    it(at, Item("weight-sync NCCL buffers", NCCL_BUFFER_BYTES,
+                f"{NCCL_CHANNELS} channels x {NCCL_RING_PEERS} ring peers x {NCCL_BYTES_PER_CONNECTION >> 20} MiB "
+                f"(assumed, NCCL's defaults)"))
+    largest = shape.largest_module_parameters * b
+    alone = (f"; the largest tensor, {_gib(largest)}, alone in one" if largest > bucket_mb * 2 ** 20 else "")
+    it(at, Item("weight sync receive buffer", weight_sync_bytes(shape, bucket_mb=bucket_mb, dtype_bytes=b),
+                f"the largest bucket of a sync, received on the GPU (buckets of {bucket_mb:g} MiB{alone})"))
 
 
 # ------------------------------------------------------------------ the plan
@@ -472,9 +666,11 @@ class MemoryPlan:
         if self.gpu_memory is None:
             lines.append(f"{indent}GPU memory: unknown ({self.gpu_memory_source})")
         else:
+            from rllib_exgrpo.planning.cards import describe
+
             lines.append(f"{indent}GPU memory: {_gib(self.gpu_memory)} ({self.gpu_memory_source}); the plan uses "
-                         f"{_gib(usable_memory(self.gpu_memory))} (a {CARD_RESERVE_FRACTION:.0%} reserve: what torch "
-                         f"cannot allocate of a nominal size, allocator fragmentation)")
+                         f"{_gib(usable_memory(self.gpu_memory))} ({describe(self.gpu_memory)}: what CUDA gives "
+                         f"torch on it)")
         for note in self.notes:
             lines.append(f"{indent}note: {note}")
         for a in self.actors:
@@ -566,9 +762,17 @@ def _torch_memory(count: int) -> Optional[Tuple[int, str]]:
 
 
 def gpu_memory_for(config: Any) -> Tuple[Optional[int], str]:
-    """``gpu_memory_gb`` (GiB) when set, else :func:`detect_gpu_memory`."""
+    """``gpu_memory_gb`` (GiB; or a card's name, "H100", from the card table) when set, else
+    :func:`detect_gpu_memory`."""
     given = config.gpu_memory_gb
     if given is not None:
+        if isinstance(given, str) and not given.replace(".", "", 1).isdigit():
+            from rllib_exgrpo.planning.cards import card_by_name
+
+            card = card_by_name(given)
+            if card is None:
+                raise ValueError(f"gpu_memory_gb: {given!r} is neither a size in GiB nor a card of the card table")
+            return int(card.nominal_gb * GIB), f"gpu_memory_gb: {given}"
         return int(float(given) * GIB), "gpu_memory_gb"
     return detect_gpu_memory()
 
@@ -708,6 +912,14 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     if step_extra > 0:
         it(Item("optimizer step extra", step_extra, "fp32 temporaries of the step beyond the pass's activations"))
     it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
+    _learner_sync_items(plan, config, shape, dtype_bytes(model_dtype),
+                        max(act["peak"], states["step_extra"] - states["autocast_copies"]))
+    if not lp.packed:
+        m = masked_attention_bytes(shape, lp.rows, lp.tokens, lp.tokens, dtype_bytes=2 if autocast else mode_bytes)
+        plan.notes.append(f"padded passes: masked attention with key/value heads matched to the query's (CUDA's "
+                          f"memory-efficient kernel, not the math kernel): per layer k and v repeated to "
+                          f"{shape.num_attention_heads} heads {_gib(m['repeated_kv'])}, SDPA's additive mask "
+                          f"{_gib(m['float_mask'])}, boolean mask {_gib(m['boolean_mask'])}; in the activations above")
     if gpu is not None and per > 0:
         plan.budget = int(min(1.0, per) * usable_memory(gpu))
         if plan.fits is False:
@@ -947,6 +1159,7 @@ def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int
         what = "behaviour log-probs and lowest-entropy scoring" if backend == "vllm" else "scoring"
         it(Item("scoring pass", score, f"{what}: generation_batch_size {chunk} rows x {tokens} tokens, no grad"))
     it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
+    _runner_sync_items(plan, config, shape, b)
     if gpu is not None and per > 0:
         plan.budget = int(min(1.0, per) * usable_memory(gpu))
         if not plan.failed and plan.fits is False:
@@ -971,9 +1184,9 @@ def _vllm_engine_items(plan: ActorPlan, config: Any, shape: ModelShape, gpu: Opt
                                                 f"gpu_memory_utilization {util:g} x the GPU"))
         plan.notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token")
         return None
-    vllm_share = int(util * gpu)
+    vllm_share = int(util * usable_memory(gpu))  # vLLM's fraction of the total CUDA reports
     kv = vllm_share - weights
-    it(Item("vLLM engine", vllm_share, f"gpu_memory_utilization {util:g} x GPU: weights {_gib(weights)} + "
+    it(Item("vLLM engine", vllm_share, f"gpu_memory_utilization {util:g} x the GPU's usable memory: weights {_gib(weights)} + "
                                        f"KV cache and vLLM's activations {_gib(kv)}"))
     seqs = int(vk.get("max_num_seqs", chunk))
     tokens_kv = max(0, kv) // kv_token
@@ -995,7 +1208,7 @@ def _runner_advice(plan: ActorPlan, shape: ModelShape, gpu: int, chunk: int, tok
     it, else ``generation_batch_size`` (the largest that fits)."""
     others = plan.total - (vllm_share or 0)
     if vllm_share is not None and score < plan.budget // 4:
-        most = (plan.budget - others) / gpu
+        most = (plan.budget - others) / usable_memory(gpu)
         plan.key = "vllm_kwargs.gpu_memory_utilization"
         plan.advice = (f"vLLM takes {_gib(vllm_share)} and the runner's own module and scoring "
                        f"{_gib(others)}: at most {math.floor(most * 100) / 100:.2f} leaves them room")
@@ -1065,7 +1278,7 @@ def _add_sleeping_engine(plan: ActorPlan, config: Any, gpu: Optional[int]) -> No
                              if _zero3(config) else ""))
         return
     util = float(dict(config.vllm_kwargs or {}).get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
-    share = int(util * gpu) if gpu is not None else 0
+    share = int(util * usable_memory(gpu)) if gpu is not None else 0
     plan.items.insert(len(plan.items) - 1 if plan.items else 0, Item(
         "vLLM engine asleep (level 2)", max(SLEEPING_ENGINE_MIN_BYTES, int(SLEEPING_ENGINE_SHARE * share)),
         f"no weights, no KV cache; its CUDA graphs and buffers: assumed {SLEEPING_ENGINE_SHARE:.0%} of its "
@@ -1109,10 +1322,18 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
     if config.generation_backend == "vllm" or zero3:
         plan.notes.append(f"optimizer state ({_gib(states['optimizer'])}) and gradients offloaded / dropped "
                           "while the sampler is awake")
-    if zero3 or (config.lora_rank and config.generation_backend == "vllm"):
-        what = " and ".join(w for w, on in (("gathered", zero3), ("merged", config.lora_rank)) if on)
-        it(Item(f"one decoder layer {what} for the push", (2 if config.lora_rank else 1) * _layer_bytes(shape, b),
-                "the weights reach the sampler a decoder layer at a time"))
+    if zero3:
+        it(Item("one decoder layer gathered for the push", _layer_bytes(shape, b),
+                "the weights reach the sampler a decoder layer at a time, each gathered (ZeRO-3)"))
+    if config.lora_rank and (config.generation_backend == "vllm" or zero3):
+        ab = _lora_adapter_bytes(config)
+        merge = lora_merge_bytes(shape, target_modules=config.lora_target_modules, base_bytes=b, adapter_bytes=ab)
+        it(Item("one decoder layer merged for the push", merge["merged_layer"],
+                f"the layer's merged weights W + (alpha / r) B A in {config.model_dtype}, held until it is pushed"))
+        it(Item("LoRA merge temporaries", merge["temporaries"],
+                f"B @ A and its scaled copy, {'fp32' if ab == 4 else 'bf16'}, of the largest targeted weight "
+                f"({max(_lora_target_sizes(shape, config.lora_target_modules) or [0]) / 1e6:.1f} M elements), "
+                f"one weight at a time"))
     if config.generation_backend == "vllm":
         vllm_share = _vllm_engine_items(plan, config, shape, gpu, b, chunk, max_len)
     elif zero3:
@@ -1141,7 +1362,7 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
             if vllm_share is not None:
                 plan.key = "vllm_kwargs.gpu_memory_utilization"
                 plan.advice = (f"the learner keeps {_gib(others)} through the turn: at most "
-                               f"{max(0.0, math.floor((plan.budget - others) / gpu * 100) / 100):.2f} leaves it room")
+                               f"{max(0.0, math.floor((plan.budget - others) / usable_memory(gpu) * 100) / 100):.2f} leaves it room")
             else:
                 plan.key = "generation_batch_size"
                 plan.advice = "the HF KV cache and scoring pass of a generation chunk do not fit beside the learner"
@@ -1156,8 +1377,8 @@ def plan_problems(config: Any) -> List[str]:
 
 
 __all__ = [
-    "ActorPlan", "GIB", "Item", "MemoryPlan", "deepspeed_estimate_bytes", "detect_gpu_memory", "dtype_bytes",
-    "gpu_memory_for", "layer_saved_bytes", "learner_activation_breakdown", "learner_activation_bytes",
-    "model_state_bytes", "plan_memory", "plan_problems", "scoring_activation_bytes", "sequence_lengths",
-    "uses_gpus",
+    "ActorPlan", "GIB", "Item", "MemoryPlan", "NCCL_BUFFER_BYTES", "deepspeed_estimate_bytes", "detect_gpu_memory",
+    "dtype_bytes", "gpu_memory_for", "layer_saved_bytes", "learner_activation_breakdown", "learner_activation_bytes",
+    "lora_merge_bytes", "masked_attention_bytes", "model_state_bytes", "plan_memory", "plan_problems",
+    "scoring_activation_bytes", "sequence_lengths", "usable_memory", "uses_gpus", "weight_sync_bytes",
 ]
