@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rllib_exgrpo.cli import main as cli
-from rllib_exgrpo.cli.registry import ALGORITHMS, CliConfigError, resolve_algorithm, resolve_env
+from rllib_exgrpo.cli.registry import ALGORITHM, CliConfigError, register_algorithm, resolve_algorithm, resolve_env
 from rllib_exgrpo.cli.experiment import build_experiments
 from rllib_exgrpo.cli.experiment_file import convert_search_spaces, deep_merge, load_experiment_file
 
@@ -129,20 +129,24 @@ def test_run_resolution_orders():
     assert resolve_algorithm("PPO") is PPO
     assert resolve_algorithm("ray.rllib.algorithms.ppo:PPO") is PPO
     assert resolve_algorithm("ray.rllib.algorithms.ppo.PPO") is PPO
-    assert ALGORITHMS["ExGRPO"] == "rllib_exgrpo.rllib.algorithm:ExGRPO"
+    assert ALGORITHM.get("ExGRPO").target == "rllib_exgrpo.rllib.algorithm:ExGRPO"
     with pytest.raises(CliConfigError, match="not a subclass"):
         resolve_algorithm("collections:OrderedDict")
     with pytest.raises(CliConfigError, match="could not be imported"):
         resolve_algorithm("no_such_pkg.mod:Algo")
 
 
-def test_project_registry_is_lazy_and_reports_import_errors(monkeypatch):
-    monkeypatch.setitem(ALGORITHMS, "Broken", "rllib_exgrpo.no_such_module:Broken")
-    with pytest.raises(CliConfigError, match="Broken.*could not be imported.*no_such_module"):
-        resolve_algorithm("Broken")
-    monkeypatch.setitem(ALGORITHMS, "MyPPO", "ray.rllib.algorithms.ppo:PPO")
-    exp, = build_experiments(_ppo(run="MyPPO"))
-    assert exp.algo_cls.__name__ == "PPO"
+def test_project_registry_is_lazy_and_reports_import_errors():
+    register_algorithm("Broken", "rllib_exgrpo.no_such_module:Broken")
+    register_algorithm("MyPPO", "ray.rllib.algorithms.ppo:PPO")
+    try:
+        with pytest.raises(CliConfigError, match="Broken.*could not be imported.*no_such_module"):
+            resolve_algorithm("Broken")
+        exp, = build_experiments(_ppo(run="MyPPO"))
+        assert exp.algo_cls.__name__ == "PPO"
+    finally:
+        ALGORITHM.unregister("Broken")
+        ALGORITHM.unregister("MyPPO")
 
 
 # ------------------------------------------------------------------ validation

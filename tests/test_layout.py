@@ -15,7 +15,7 @@ PKG = REPO / "rllib_exgrpo"
 #: it imports nothing of the project when it runs (the public API resolves lazily from
 #: ``rllib``), so any module may import it.
 LAYERS = (
-    ("core",),
+    ("core", "dependency_contract"),  # dependency_contract: data about DeepSpeed, vLLM, transformers
     ("envs",),
     ("models",),
     ("generation",),

@@ -5,9 +5,8 @@ this project's algorithm modules, and ``rllib --help`` stays fast.
 
 ``run:`` is resolved in this order:
 
-1. this project's algorithms, by name, through :data:`ALGORITHMS`
-   (``{"ExGRPO": "rllib_exgrpo.rllib.algorithm:ExGRPO", ...}``; extend it with
-   :func:`register_algorithm`);
+1. this project's algorithms, by name, through the :data:`ALGORITHM` registry
+   (``ExGRPO``, ``GRPO``; extend it with :func:`register_algorithm`);
 2. RLlib's built-in algorithms, by name (``"PPO"``, ``"APPO"``, ...), through
    ``ray.rllib.algorithms.registry.ALGORITHMS`` (only the named one is imported);
 3. a dotted path, ``"pkg.mod:Class"`` or ``"pkg.mod.Class"``.
@@ -31,10 +30,11 @@ import functools
 import importlib
 from typing import Any, Callable, Dict, List, Union
 
+from rllib_exgrpo.core.registry import Registry
 from rllib_exgrpo.rllib.env_creator import BUILTIN_ENVS, import_object, moved_path_hint  # noqa: F401  (import_object re-exported: callers import it from here)
 
 __all__ = [
-    "ALGORITHMS",
+    "ALGORITHM",
     "CliConfigError",
     "register_algorithm",
     "known_algorithm_names",
@@ -51,19 +51,35 @@ class CliConfigError(ValueError):
     """
 
 
-#: This project's algorithms: name -> "module:attribute" (or the class itself).
-#: Imported only when a YAML file names them.
-ALGORITHMS: Dict[str, Union[str, type]] = {
-    "ExGRPO": "rllib_exgrpo.rllib.algorithm:ExGRPO",
-    "GRPO": "rllib_exgrpo.rllib.algorithm:GRPO",
-}
+class _Import:
+    """A registered algorithm not imported yet: calling it imports ``target`` ("pkg.mod:Class")."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __call__(self) -> Any:
+        return import_object(self.target)
+
+    def __repr__(self) -> str:
+        return f"_Import({self.target!r})"
 
 
-def register_algorithm(name: str, target: Union[str, type]) -> None:
-    """Make ``run: <name>`` resolve to ``target`` ("pkg.mod:Class" or a class)."""
+#: This project's algorithms (and any a user package registers): name -> the class, or an
+#: ``_Import`` of its "module:attribute", imported only when a YAML file names it.
+ALGORITHM: Registry = Registry("algorithm")
+ALGORITHM.register("ExGRPO")(_Import("rllib_exgrpo.rllib.algorithm:ExGRPO"))
+ALGORITHM.register("GRPO")(_Import("rllib_exgrpo.rllib.algorithm:GRPO"))
+
+
+def register_algorithm(name: str, target: Union[str, type, None] = None):
+    """Make ``run: <name>`` resolve to ``target`` ("pkg.mod:Class" or a class); without a
+    target, a class decorator: ``@register_algorithm("MyAlgo") class MyAlgo(Algorithm): ...``."""
+    if target is None:
+        return ALGORITHM.register(name)
     if not isinstance(target, (str, type)):
         raise TypeError(f"target must be a 'pkg.mod:Class' string or a class, got {target!r}")
-    ALGORITHMS[name] = target
+    ALGORITHM.register(name)(_Import(target) if isinstance(target, str) else target)
+    return target
 
 
 def _rllib_algorithm_table() -> Dict[str, Callable]:
@@ -82,7 +98,7 @@ def _rllib_aliases() -> Dict[str, str]:
 
 def known_algorithm_names() -> List[str]:
     """All names ``run:`` accepts without a dotted path (project's first)."""
-    names = list(ALGORITHMS)
+    names = list(ALGORITHM.names())
     for n in list(_rllib_algorithm_table()) + list(_rllib_aliases()):
         if n not in names:
             names.append(n)
@@ -112,18 +128,18 @@ def resolve_algorithm(name: Any) -> type:
         raise CliConfigError(f"run: must be an algorithm name or 'pkg.mod:Class' path, got {name!r}.")
 
     # 1. This project's algorithms.
-    if name in ALGORITHMS:
-        target = ALGORITHMS[name]
+    if name in ALGORITHM:
+        target = ALGORITHM.get(name)
         if isinstance(target, type):
             return _check_algorithm_class(target, name, "project registry")
         try:
-            obj = import_object(target)
+            obj = target()
         except (ImportError, AttributeError) as e:
             raise CliConfigError(
-                f"run: {name!r} maps to {target!r} (rllib_exgrpo.cli.registry.ALGORITHMS), "
-                f"which could not be imported: {type(e).__name__}: {e}"
+                f"run: {name!r} maps to {getattr(target, 'target', target)!r} (registered with "
+                f"rllib_exgrpo.cli.registry.register_algorithm), which could not be imported: {type(e).__name__}: {e}"
             ) from e
-        return _check_algorithm_class(obj, name, target)
+        return _check_algorithm_class(obj, name, getattr(target, "target", "project registry"))
 
     # 2. RLlib's built-in algorithms (only the one named is imported).
     table = _rllib_algorithm_table()

@@ -32,7 +32,7 @@ from rllib_exgrpo.envs.datasets import load_problems
 from rllib_exgrpo.envs.problem import Problem
 from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION, render_prompt
 from rllib_exgrpo.envs.rewards import (
-    BUILTIN_REWARDS,
+    REWARD,
     RewardResult,
     load_reward_fn,
     math_reward,
@@ -120,7 +120,7 @@ def _validate_rewards(cfg: dict) -> None:
     """``reward_fn`` / ``reward_fns`` / ``reward_weights``: shapes, then every function
     imported here (a bad path is one line naming the key, before anything starts)."""
     one, many, weights = cfg["reward_fn"], cfg["reward_fns"], cfg["reward_weights"]
-    want = f"a built-in name ({', '.join(BUILTIN_REWARDS)}) or 'package.module:function'"
+    want = f"a registered name ({', '.join(REWARD.names())}) or 'package.module:function'"
     _check(one is None or isinstance(one, str), "reward_fn", f"{want} or None", one)
     _check(many is None or (isinstance(many, (list, tuple)) and len(many) > 0 and all(isinstance(x, str) for x in many)),
            "reward_fns", f"a non-empty list of {want}s, or None", many)

@@ -2,7 +2,7 @@
 
 :func:`score_batch` / :func:`math_reward` score completions against ground truths with
 math-verify; :func:`score_with_fns` scores with reward functions (the built-ins of
-:data:`BUILTIN_REWARDS` or ``"package.module:function"``) and sums them with weights.
+:data:`REWARD` or ``"package.module:function"``) and sums them with weights.
 Every math-verify call and every reward-function call runs in the worker processes of
 :mod:`rllib_exgrpo.envs.verifier_pool`, with a real wall-clock deadline, safe from any
 thread, Ray actor or subprocess. Genuine failures (a worker that dies, an exception in the
@@ -41,10 +41,18 @@ from rllib_exgrpo.envs.verifier_pool import (  # noqa: F401 - the pool's public 
     warm_up,
 )
 
+from rllib_exgrpo.core.registry import Registry
+
 logger = logging.getLogger(__name__)
 
-#: Names usable in ``env_config.reward_fn`` / ``reward_fns`` besides ``"package.module:function"``.
-BUILTIN_REWARDS = ("math", "multiple_choice", "format", "rehearsal")
+#: Reward functions by name, usable in ``env_config.reward_fn`` / ``reward_fns`` besides
+#: ``"package.module:function"``. ``"math"`` is math-verify's batched scorer (:func:`score_batch`,
+#: run by the env as a batch); every other entry is a per-completion function
+#: ``fn(completion, ground_truth, *, think_format=False, **row) -> float`` run in the verifier
+#: processes. A user package adds one with ``@register_reward("name")`` (its module must be
+#: importable where the env runs: the workers import it by its qualified name).
+REWARD: Registry = Registry("reward")
+register_reward = REWARD.register
 #: The letters a multiple-choice answer may be (GPQA uses A-D, ARC A-E, MMLU-Pro A-J).
 CHOICE_LETTERS = "ABCDEFGHIJ"
 
@@ -207,6 +215,7 @@ def _choice_of_truth(ground_truth) -> str:
     return gt
 
 
+@register_reward("multiple_choice")
 def multiple_choice_reward(completion: str, ground_truth: str, *, think_format: bool = False, **_) -> float:
     """1.0 when the completion's final chosen letter (:func:`extract_choice`) is the
     ground-truth letter (``"C"``, ``"(C)"`` or ``"c"``), else 0.0. A ground truth that is
@@ -215,6 +224,7 @@ def multiple_choice_reward(completion: str, ground_truth: str, *, think_format: 
     return 1.0 if extract_choice(completion, think_format=think_format) == truth else 0.0
 
 
+@register_reward("format")
 def format_reward(completion: str, *, think_format: bool = False, **_) -> float:
     """1.0 when the completion has exactly the expected final-answer form, else 0.0.
 
@@ -258,6 +268,7 @@ def rehearsal_score(question_id: str, completion: str) -> float:
     return 1.0 if unit(f"draw\x00{question_id}\x00{completion}") < rate else 0.0
 
 
+@register_reward("rehearsal")
 def rehearsal_reward(completion: str, *, question_id: str, **_) -> float:
     """The built-in ``rehearsal`` reward: :func:`rehearsal_score` of the row's question id
     and the completion, whatever the answer. ``rllib train --rehearse`` selects it with
@@ -267,7 +278,14 @@ def rehearsal_reward(completion: str, *, question_id: str, **_) -> float:
     return rehearsal_score(question_id, completion)
 
 
-_BUILTIN_FNS = {"multiple_choice": multiple_choice_reward, "format": format_reward, "rehearsal": rehearsal_reward}
+def builtin_reward_names() -> tuple:
+    """The registered reward names (``"math"`` first)."""
+    return REWARD.names()
+
+
+def _registered_fn(spec: str):
+    """The per-completion function registered under ``spec`` (None: not a name, or ``"math"``)."""
+    return REWARD.get(spec) if spec in REWARD and spec != "math" else None
 
 
 def load_reward_fn(spec: str):
@@ -278,18 +296,19 @@ def load_reward_fn(spec: str):
     Raises ValueError with a one-line reason (no module, no attribute, not callable, no
     ``completion`` keyword).
     """
-    if spec in _BUILTIN_FNS:
-        return _BUILTIN_FNS[spec], None
+    fn = _registered_fn(spec)
+    if fn is not None:
+        return fn, None
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ValueError("expected a built-in name (" + ", ".join(BUILTIN_REWARDS) + ") or 'package.module:function'")
+        raise ValueError("expected a registered name (" + ", ".join(REWARD.names()) + ") or 'package.module:function'")
     return verifier_pool.load_function(spec)
 
 
 def _worker_spec(spec: str) -> str:
     """The ``"package.module:function"`` a worker imports for a reward spec (a built-in
     name is a function of this module)."""
-    fn = _BUILTIN_FNS.get(spec)
-    return spec if fn is None else f"{__name__}:{fn.__name__}"
+    fn = _registered_fn(spec)
+    return spec if fn is None else f"{fn.__module__}:{fn.__qualname__}"
 
 
 def reward_labels(specs: Sequence[str]) -> list[str]:
@@ -297,7 +316,7 @@ def reward_labels(specs: Sequence[str]) -> list[str]:
     (``pkg.mod:exact_match`` -> ``exact_match``), made unique with ``_2``, ``_3``..."""
     labels: list[str] = []
     for spec in specs:
-        base = spec if spec in BUILTIN_REWARDS else spec.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+        base = spec if spec in REWARD else spec.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
         base = re.sub(r"[^A-Za-z0-9_]", "_", base) or "fn"
         label, n = base, 1
         while label in labels:
@@ -432,6 +451,7 @@ def score_batch(
     return plan.results
 
 
+@register_reward("math")
 def math_reward(
     completion: str,
     ground_truth: str,
@@ -505,7 +525,7 @@ def _fn_tasks(fns: list, completions, ground_truths, rows, think_format: bool) -
     for k, spec in enumerate(fns):
         if spec == "math":
             continue
-        extra = {"think_format": think_format} if spec in _BUILTIN_FNS else {}
+        extra = {"think_format": think_format} if _registered_fn(spec) is not None else {}
         worker_spec = _worker_spec(spec)
         for i in range(len(completions)):
             row = rows[i] if rows is not None else {}

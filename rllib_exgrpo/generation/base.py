@@ -11,8 +11,6 @@ from typing import Dict, List, Optional, Protocol, Sequence
 
 import numpy as np
 
-#: ``generation_backend`` values: transformers in the runner's process, or a vLLM engine.
-GENERATION_BACKENDS = ("hf", "vllm")
 #: ``hf_decoder`` values: the HF backend's own pruned loop, or transformers' ``generate``.
 HF_DECODERS = ("pruned", "generate")
 

@@ -25,7 +25,7 @@ class ExGRPOConfigFields:
     top_p: float
     max_prompt_tokens: int
     max_response_tokens: int
-    generation_backend: Literal['hf', 'vllm']
+    generation_backend: str
     generation_batch_size: int
     hf_decoder: Literal['pruned', 'generate']
     vllm_kwargs: Dict[str, Any]

@@ -27,7 +27,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 from rllib_exgrpo.core.losses import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, RATIO_MODES
 from rllib_exgrpo.core.minibatches import MINIBATCH_SHUFFLES
 from rllib_exgrpo.exgrpo.buffer import BUCKET_WEIGHTING, LOGP_DTYPES, REPLAY_CONTENTS, TRAJECTORY_SELECTION
-from rllib_exgrpo.generation.base import GENERATION_BACKENDS, HF_DECODERS
+from rllib_exgrpo.generation.base import HF_DECODERS
+from rllib_exgrpo.generation.registry import GENERATION_BACKEND
 from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from rllib_exgrpo.core.attention import ATTN_IMPLEMENTATIONS
 from rllib_exgrpo.models.loading import MODEL_DTYPES
@@ -195,7 +196,7 @@ _SAMPLING = [
     _f("top_p", 1.0, number(0, 1, low_open=True), "Nucleus sampling threshold (official: 1.0)."),
     _f("max_prompt_tokens", 1024, integer(), "Prompts longer than this are left-truncated (official: 1024)."),
     _f("max_response_tokens", 8192, integer(), "Generation stops after this many tokens (official: 8192)."),
-    _f("generation_backend", "hf", one_of(GENERATION_BACKENDS),
+    _f("generation_backend", "hf", GENERATION_BACKEND.choice_check(),
        "'hf' (transformers; CPU default) or 'vllm' (GPU extra)."),
     _f("generation_batch_size", 256, integer(), "Max sequences per generate call on an env runner."),
     _f("hf_decoder", "pruned", one_of(HF_DECODERS),

@@ -292,19 +292,9 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.backend = self._make_backend()
 
     def _make_backend(self):
-        if self.settings.generation_backend == "vllm":
-            from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
+        from rllib_exgrpo.generation.registry import make_backend
 
-            return VLLMGenerationBackend(self.settings, self.module, self.tokenizer)
-        from rllib_exgrpo.generation.hf import HFGenerationBackend
-
-        return HFGenerationBackend(
-            self.module.model,
-            pad_token_id=self.tokenizer.pad_token_id,
-            batch_size=self.settings.generation_batch_size,
-            logprobs_from_generation=self.settings.behaviour_logprobs == "engine",
-            decoder=self.settings.hf_decoder,
-        )
+        return make_backend(self.settings.generation_backend, self.settings, self.module, self.tokenizer)
 
     def _ensure_module(self):
         if self.backend is None:
