@@ -6,7 +6,13 @@ Workloads:
   * arithmetic answers: 256-completion "training steps" (half right, half wrong), as the
     trainer sees them (fast path on) and all through math-verify.
 
-Usage: python benchmarks/reward_throughput.py [--data ../shared/data] [--workers N] [--limit 500]
+The last line: ``arithmetic_batched_per_s=A arithmetic_verify_per_s=B arithmetic_single_per_s=C``
+(verifications per second: batched with the fast path, batched all through math-verify,
+single calls), after ``math500_correct_batched_per_s=D math500_incorrect_batched_per_s=E``
+when the math500 file is there.
+
+Usage: python benchmarks/reward_throughput.py [--data ../shared/data] [--workers N] [--limit 500] [--steps 10]
+       python benchmarks/reward_throughput.py --limit 16 --steps 1 --workers 1     # seconds
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ def main(argv=None) -> None:
     ap.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
     ap.add_argument("--workers", type=int, default=None, help="verifier processes (default: pool default)")
     ap.add_argument("--limit", type=int, default=500, help="math500 rows to use")
+    ap.add_argument("--steps", type=int, default=10, help="arithmetic training steps of 256 completions")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -61,6 +68,7 @@ def main(argv=None) -> None:
     print(f"pool: {args.workers or rewards.default_num_workers()} worker process(es), "
           f"started in {time.perf_counter() - t0:.2f} s")
 
+    figures = {}
     math500 = args.data / "simplerl_eval" / "math500_test.jsonl"
     if math500.exists():
         truths, wrong = _math500_pairs(math500, args.limit)
@@ -71,14 +79,16 @@ def main(argv=None) -> None:
             # on a restarted pool, then single on another restarted pool.
             rewards.shutdown_workers()
             rewards.warm_up(args.workers)
-            print(f"math500 {label:9s} batched: {_rate(len(answers), _batched(completions, truths, False, args.workers))}")
+            seconds = _batched(completions, truths, False, args.workers)
+            print(f"math500 {label:9s} batched: {_rate(len(answers), seconds)}")
+            figures[f"math500_{label}_batched_per_s"] = len(answers) / seconds
             rewards.shutdown_workers()
             rewards.warm_up(args.workers)
             print(f"math500 {label:9s} single : {_rate(len(answers), _single(completions, truths, False))}")
     else:
         print(f"math500 skipped: {math500} absent")
 
-    problems = arithmetic.generate(2560, seed=0, levels=(1, 2, 3, 4))
+    problems = arithmetic.generate(256 * args.steps, seed=0, levels=(1, 2, 3, 4))
     steps = [problems[i:i + 256] for i in range(0, len(problems), 256)]
 
     def step_data(step, k):
@@ -95,11 +105,20 @@ def main(argv=None) -> None:
         n = sum(len(s) for s in steps)
         print(f"arithmetic 256/step batched fast_path={fast_path!s:5}: {_rate(n, sum(times))}; "
               f"per step mean {1000 * sum(times) / len(times):.0f} ms, max {1000 * max(times):.0f} ms")
+        figures["arithmetic_batched_per_s" if fast_path else "arithmetic_verify_per_s"] = n / sum(times)
     rewards.shutdown_workers()
     rewards.warm_up(args.workers)
     comps, truths = step_data(steps[0], 0)
-    print(f"arithmetic single (math_reward loop), fast_path=False: {_rate(len(comps), _single(comps, truths, False))}")
+    seconds = _single(comps, truths, False)
+    print(f"arithmetic single (math_reward loop), fast_path=False: {_rate(len(comps), seconds)}")
+    figures["arithmetic_single_per_s"] = len(comps) / seconds
     print(f"stats: {rewards.reward_stats()}")
+    rewards.shutdown_workers()
+    math500_figures = {k: v for k, v in figures.items() if k.startswith("math500")}
+    if math500_figures:
+        print(" ".join(f"{k}={v:.1f}" for k, v in math500_figures.items()))
+    print(" ".join(f"{k}={figures[k]:.1f}" for k in
+                   ("arithmetic_batched_per_s", "arithmetic_verify_per_s", "arithmetic_single_per_s")))
 
 
 if __name__ == "__main__":

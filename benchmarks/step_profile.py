@@ -1,6 +1,8 @@
 """Where a training step's time goes, on the embedded default (tiny model, arithmetic).
 
     python benchmarks/step_profile.py [--iterations 6] [--warmup 2] [--algos grpo exgrpo] [--overrides JSON]
+    python benchmarks/step_profile.py --iterations 1 --warmup 0 --algos exgrpo \
+        --overrides '{"questions_per_step": 2, "minibatch_size": 16, "max_response_tokens": 16}'   # seconds
 
 ``--algos`` takes the names of ``_common.RECIPES`` (``grpo_ops`` / ``exgrpo_ops``:
 the hidden-operator twins).
@@ -13,6 +15,9 @@ own bookkeeping). Then the ExGRPO / GRPO step-time ratio at the same batch.
 ExGRPO runs with its delayed start at 0 so that replay (and the entropy re-scoring of the
 replayed questions' trajectories) is active in every measured step. Held-out evaluation
 is off: it is not part of a training step.
+
+The last line is ``<algo>_step_s=S ...`` per algorithm, then ``exgrpo_over_grpo=R`` when
+both ran.
 """
 from __future__ import annotations
 
@@ -78,6 +83,10 @@ def main():
         print(f"  outside generation+scoring+learner: {outside / p['wall']:.1%}")
     if "grpo" in profiles and "exgrpo" in profiles:
         print(f"\nExGRPO / GRPO step time: {profiles['exgrpo']['wall'] / profiles['grpo']['wall']:.3f}x")
+    figures = [f"{name}_step_s={p['wall']:.3f}" for name, p in profiles.items()]
+    if "grpo" in profiles and "exgrpo" in profiles:
+        figures.append(f"exgrpo_over_grpo={profiles['exgrpo']['wall'] / profiles['grpo']['wall']:.3f}")
+    print(" ".join(figures))
 
 
 if __name__ == "__main__":
