@@ -3,13 +3,14 @@
 Registered in :data:`rllib_exgrpo.cli.main.SUBCOMMANDS`. The work is done by
 :func:`rllib_exgrpo.evaluation.evaluate.evaluate`; this module is the command line around it.
 
-Exit codes: 0 done, 2 bad command line or benchmark file (nothing generated; a malformed
-row is reported as ``path:line: reason``), 130 interrupted.
+Exit codes: 0 done, 2 bad command line, benchmark file or backend (nothing generated; a
+malformed row is reported as ``path:line: reason``), 130 interrupted.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import json
 import sys
 from typing import Any
 
@@ -30,12 +31,27 @@ max_response_tokens are its defaults. Paths are relative to the working director
 folder that is neither a checkpoint nor a model folder is an error (exit 2).
 
 --data takes benchmark files (.jsonl / .json / .parquet; malformed rows are errors)
-or "arithmetic[:opts]" specs (the held-out "test" split), and can be repeated.
+or "arithmetic[:opts]" specs (the held-out "test" split), and can be repeated. A row
+repeated in a file is one question (counted once, sampled k times).
+
+--backend auto uses vLLM where vLLM is installed and a GPU is visible: one engine per
+--tensor-parallel-size GPUs on every GPU of the machine (or of the Ray cluster at
+--ray-address / RAY_ADDRESS), the questions split across them; HF otherwise. --backend
+vllm without a GPU runs one engine of vLLM's CPU build. Each question's completion budget
+is capped by the model's context: max_position_embeddings - prompt length.
+
+--protocol exgrpo runs the ExGRPO paper's evaluation: temperature 0.6, top-p 1.0, budget
+min(8192, context), avg@32 for AIME/AMC and avg@1 elsewhere, each row's chat messages
+(system message kept; the official system message for files without one), the official
+think format, and the in-distribution (AIME24, AIME25, AMC, MATH-500, Minerva,
+OlympiadBench) and out-of-distribution (ARC-c, GPQA-diamond, MMLU-Pro) averages. --k,
+--max-new-tokens, --temperature and --top-p still override it.
 
 examples:
   rllib evaluate --model tiny --data arithmetic --limit 200 --temperature 0
   rllib evaluate --model results/exp/GRPO_xxx/checkpoint_000010 \\
       --data data/aime24_test.jsonl --data data/math500_test.jsonl --output eval.json
+  rllib evaluate --model results/exp/GRPO_xxx --protocol exgrpo --data data/valid.parquet
 """
 
 
@@ -49,8 +65,20 @@ def _pass_k(text: str):
     return positive_int(text)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def add_evaluate_parser(subparsers: Any) -> None:
+    from rllib_exgrpo.evaluation.engines import BACKENDS
     from rllib_exgrpo.evaluation.metrics import DEFAULT_BATCH_SIZE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+    from rllib_exgrpo.evaluation.protocol import PROTOCOLS
 
     p = subparsers.add_parser(
         "evaluate",
@@ -67,13 +95,17 @@ def add_evaluate_parser(subparsers: Any) -> None:
                    help="benchmark file or arithmetic spec (repeatable)")
     p.add_argument("--k", type=positive_int, default=None, metavar="K",
                    help="samples per question for every source (default: 32 for aime/amc, else 1)")
-    p.add_argument("--temperature", type=non_negative_float, default=DEFAULT_TEMPERATURE, metavar="T",
-                   help="sampling temperature; 0: greedy (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, metavar="P", help="nucleus sampling threshold (default: %(default)s)")
+    p.add_argument("--temperature", type=non_negative_float, default=None, metavar="T",
+                   help=f"sampling temperature; 0: greedy (default: {DEFAULT_TEMPERATURE})")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help=f"nucleus sampling threshold (default: {DEFAULT_TOP_P})")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N",
                    help="first N questions of each benchmark")
     p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
-                   help="completion budget (default: the checkpoint's max_response_tokens, else 1024)")
+                   help="completion budget, capped by the model's context (default: the protocol's 8192, else "
+                   "the checkpoint's max_response_tokens, else 1024)")
+    p.add_argument("--max-prompt-tokens", type=positive_int, default=None, metavar="N",
+                   help="left-truncate prompts to N tokens (default: no limit)")
     p.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
                    help="sequences per generate call (default: %(default)s)")
     p.add_argument("--pass-k", type=_pass_k, action="append", default=None, metavar="J",
@@ -88,7 +120,22 @@ def add_evaluate_parser(subparsers: Any) -> None:
     p.add_argument("--think-format", action="store_true", default=None,
                    help="ask for <think>...</think> and verify only the text after it")
     p.add_argument("--split", default="test", help="split of arithmetic specs (default: %(default)s)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default=None,
+                   help="a paper's evaluation protocol by name (exgrpo: see below)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="generation: vLLM engines or transformers (default: auto: vLLM where vLLM and a GPU "
+                   "are present, else hf)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="GPUs per vLLM engine (default: %(default)s); engines = GPUs // N")
+    p.add_argument("--num-engines", type=positive_int, default=None, metavar="N",
+                   help="vLLM engines (default: as many as the GPUs allow)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="Ray cluster whose GPUs the vLLM engines use (default: RAY_ADDRESS, else this machine)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weights' dtype (default: float32 with hf, the model config's with vllm)")
+    p.add_argument("--vllm-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="extra vllm.LLM arguments, e.g. '{\"gpu_memory_utilization\": 0.85}'")
+    p.add_argument("--device", default=None, help="torch device of the hf backend (default: cuda when available, else cpu)")
     p.add_argument("--keep-completions", action="store_true", help="store completion texts in the JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=run_evaluate, _evaluate_parser=p)
@@ -97,6 +144,7 @@ def add_evaluate_parser(subparsers: Any) -> None:
 def run_evaluate(args: argparse.Namespace) -> int:
     """Handler of ``rllib evaluate``; returns the exit code."""
     from rllib_exgrpo.evaluation import EvalDataError, evaluate, load_eval_problems
+    from rllib_exgrpo.evaluation.engines import BackendError
     from rllib_exgrpo.evaluation.metrics import DEFAULT_PASS_KS
     from rllib_exgrpo.evaluation.paths import PolicyPathError, policy_source
 
@@ -108,8 +156,13 @@ def run_evaluate(args: argparse.Namespace) -> int:
         model = policy_source(args.model)  # a path: absolute, and checked to be a checkpoint or model folder
     except PolicyPathError as e:
         return fail(f"--model {e}")
-    if not 0 < args.top_p <= 1:
+    if args.top_p is not None and not 0 < args.top_p <= 1:
         return fail(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.protocol:
+        given = [flag for flag, v in (("--instruction", args.instruction), ("--system-prompt", args.system_prompt),
+                                      ("--think-format", args.think_format)) if v is not None]
+        if given:
+            return fail(f"--protocol {args.protocol} sets the prompt; drop {', '.join(given)}")
     # Check every benchmark before loading a model (cheap, and errors come first).
     try:
         load_eval_problems(args.data, limit=args.limit, split=args.split)
@@ -139,9 +192,17 @@ def run_evaluate(args: argparse.Namespace) -> int:
             keep_completions=args.keep_completions,
             device=args.device,
             progress=not args.quiet,
+            max_prompt_tokens=args.max_prompt_tokens,
+            backend=args.backend,
+            tensor_parallel_size=args.tensor_parallel_size,
+            num_engines=args.num_engines,
+            ray_address=args.ray_address,
+            dtype=args.dtype,
+            vllm_kwargs=args.vllm_kwargs,
+            protocol=args.protocol,
             **kwargs,
         )
-    except (EvalDataError, PolicyPathError) as e:
+    except (EvalDataError, PolicyPathError, BackendError) as e:
         return fail(str(e))
     output = args.output or f"eval-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
     path = report.to_json(output)

@@ -256,6 +256,7 @@ class EvalReport:
         overall: :func:`aggregate` over every question, plus ``macro_avg_at_k``.
         wall_time_s: Whole evaluation, model loading included.
         questions: Every question's samples.
+        groups: With a protocol, its averages over groups of benchmarks.
     """
 
     model: str
@@ -264,6 +265,9 @@ class EvalReport:
     overall: dict
     wall_time_s: float
     questions: List[QuestionResult] = field(default_factory=list)
+    #: With a protocol: the in- and out-of-distribution averages
+    #: (:func:`rllib_exgrpo.evaluation.protocol.group_averages`).
+    groups: Optional[dict] = None
     created: str = field(default_factory=lambda: _dt.datetime.now().isoformat(timespec="seconds"))
 
     def to_dict(self, *, include_questions: bool = True) -> dict:
@@ -276,6 +280,8 @@ class EvalReport:
             "overall": self.overall,
             "wall_time_s": self.wall_time_s,
         }
+        if self.groups is not None:
+            d["groups"] = self.groups
         if include_questions:
             d["questions"] = [q.to_dict() for q in self.questions]
         return d
@@ -339,6 +345,12 @@ class EvalReport:
         unscored = self.overall.get("unscored", 0)
         if unscored:
             lines.append(f"note: {unscored} sample(s) could not be verified (verifier error) and count as wrong")
+        if self.groups is not None:
+            from rllib_exgrpo.evaluation.protocol import protocol_lines
+
+            lines.append(rule)
+            lines.append(f"protocol {s.get('protocol')}: per data source its distinct questions, k and avg@k (%)")
+            lines += protocol_lines(self.sources, self.groups)
         return "\n".join(lines)
 
 
