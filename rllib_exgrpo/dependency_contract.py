@@ -10,9 +10,10 @@ quotes (``source_has``). ``tests/test_dependency_contract.py`` checks every entr
 installed dependency (vLLM's in the vLLM venv), so an upgrade that renames, reshapes or
 changes the precondition of a call fails in CI, naming the call, instead of on a GPU.
 
-Private names (a leading underscore) are allowed only when listed here; the test scans
-the package for ``from <dependency> import`` and ``<dependency>.<name>`` references
-and for the private attribute names below used anywhere else.
+Private names (a leading underscore) of these and of torch and llvmlite are allowed only
+when listed here (Ray's in ``rllib/rllib_contract.py``); the test scans the package for
+``from <dependency> import`` and ``<dependency>.<name>`` references, and for private
+attribute names that a third-party package defines and this package does not.
 
 RLlib's private names live in ``rllib/rllib_contract.py`` (the same idea, for Ray).
 """
@@ -45,6 +46,14 @@ class DependencyCall:
     source_has: Tuple[str, ...] = ()
     precondition: str = ""
     used_in: str = ""
+    #: ``"module:function"`` returning False where the dependency's build lacks the target
+    #: (torch's NCCL classes in a CPU build): there the entry is not checked.
+    present_if: str = ""
+
+    def present(self) -> bool:
+        if not self.present_if:
+            return True
+        return bool(_resolve(self.present_if)[1]())
 
     @property
     def name(self) -> str:
@@ -194,7 +203,21 @@ VLLM = (
           used_in="generation/vllm.py vllm_sampling_kwargs"),
 )
 
-CALLS = DEEPSPEED + TRANSFORMERS + VLLM
+#: Private names of torch and llvmlite the package touches (no public route exists).
+OTHER_PRIVATE = (
+    DependencyCall("torch", "torch.distributed:ProcessGroupGloo._Options", "value",
+                   values=("_timeout", "_devices"),
+                   used_in="rllib/weight_broadcast.py: a gloo group of the learners and runners, its "
+                           "timeout and the device bound to this node's address (no public constructor)"),
+    DependencyCall("torch", "torch.distributed:ProcessGroupNCCL.Options", "value", values=("_timeout",),
+                   used_in="rllib/weight_broadcast.py: the NCCL group's timeout",
+                   present_if="torch.distributed:is_nccl_available"),
+    DependencyCall("llvmlite", "llvmlite.binding.ffi:_lib_wrapper", "value",
+                   used_in="generation/vllm.py: dunder lookups on llvmlite's library wrapper raise "
+                           "AttributeError, so vLLM's CPU kernel scan can start an engine"),
+)
+
+CALLS = DEEPSPEED + TRANSFORMERS + VLLM + OTHER_PRIVATE
 
 
 # ---- checking an entry -------------------------------------------------------------------------
@@ -266,4 +289,8 @@ def calls_of(package: str) -> Tuple[DependencyCall, ...]:
 
 def private_names(package: Optional[str] = None) -> List[str]:
     """The private names listed (of one package, or all)."""
-    return sorted({c.name for c in CALLS if c.private and (package is None or c.package == package)})
+    names = set()
+    for c in CALLS:
+        if package is None or c.package == package:
+            names.update(n for n in (c.name, *c.values) if n.startswith("_") and not n.startswith("__"))
+    return sorted(names)

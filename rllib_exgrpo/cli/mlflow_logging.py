@@ -68,7 +68,7 @@ def _chunks(items: List[Any], n: int) -> Iterable[List[Any]]:
 def mlflow_callback_class() -> type:
     """``MLflowLoggerCallback`` with two fixes for Ray 2.60:
 
-    * ``log_trial_end`` indexes ``self._trial_runs[trial]`` unguarded: a trial whose
+    * ``log_trial_end`` indexes its ``_trial_runs[trial]`` unguarded: a trial whose
       actor dies in ``__init__`` (bad env, bad config) never got a run, and the
       KeyError aborts the whole Tune run instead of marking one trial errored;
     * params and metrics are logged one call (one DB transaction) per key: an
@@ -81,9 +81,11 @@ def mlflow_callback_class() -> type:
         from ray.air.integrations.mlflow import MLflowLoggerCallback
         from ray.rllib.utils.annotations import override
 
+        from rllib_exgrpo.rllib import rllib_contract as rc
+
         class BatchedMLflowLoggerCallback(MLflowLoggerCallback):
             def _client(self):
-                return self.mlflow_util._get_client()
+                return rc.mlflow_client(self)
 
             def _log_params_batched(self, run_id: str, config: Dict[str, Any]) -> None:
                 client = self._client()
@@ -94,21 +96,21 @@ def mlflow_callback_class() -> type:
             def log_trial_start(self, trial):
                 if self.log_params_on_trial_end:
                     return super().log_trial_start(trial)
-                if trial not in self._trial_runs:
+                if trial not in rc.mlflow_trial_runs(self):
                     tags = dict(self.tags)
                     tags["trial_name"] = str(trial)
                     run = self.mlflow_util.start_run(tags=tags, run_name=str(trial))
-                    self._trial_runs[trial] = run.info.run_id
+                    rc.mlflow_trial_runs(self)[trial] = run.info.run_id
                 try:
-                    self._log_params_batched(self._trial_runs[trial], trial.config)
+                    self._log_params_batched(rc.mlflow_trial_runs(self)[trial], trial.config)
                 except Exception:  # e.g. a restored trial whose params exist
-                    self.mlflow_util.log_params(run_id=self._trial_runs[trial], params_to_log=trial.config)
+                    self.mlflow_util.log_params(run_id=rc.mlflow_trial_runs(self)[trial], params_to_log=trial.config)
 
             @override(MLflowLoggerCallback)
             def log_trial_result(self, iteration: int, trial, result: Dict):
-                if trial not in self._trial_runs:
+                if trial not in rc.mlflow_trial_runs(self):
                     return
-                run_id = self._trial_runs[trial]
+                run_id = rc.mlflow_trial_runs(self)[trial]
                 heldout_step = new_heldout_step(self.__dict__.setdefault("_heldout_seen", {}), trial, result)
                 metrics = _mlflow_metrics(result, heldout_step)
                 try:
@@ -120,7 +122,7 @@ def mlflow_callback_class() -> type:
 
             @override(MLflowLoggerCallback)
             def log_trial_end(self, trial, failed: bool = False):
-                if trial not in self._trial_runs:
+                if trial not in rc.mlflow_trial_runs(self):
                     return
                 super().log_trial_end(trial, failed=failed)
 

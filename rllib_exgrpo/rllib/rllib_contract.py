@@ -25,6 +25,7 @@ _TORCH_LEARNER = "ray.rllib.core.learner.torch.torch_learner:TorchLearner"
 _LEARNER = "ray.rllib.core.learner.learner:Learner"
 _CONFIG = "ray.rllib.algorithms.algorithm_config:AlgorithmConfig"
 _CHECKPOINTABLE = "ray.rllib.utils.checkpoints:Checkpointable"
+_MLFLOW_CALLBACK = "ray.air.integrations.mlflow:MLflowLoggerCallback"
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,10 @@ PRIVATE_NAMES = (
     PrivateName(_LEARNER, "_weights_seq_no", "attribute", None, "skip weights already held"),
     PrivateName(_LEARNER, "_device", "attribute", None, "the learner's device"),
     PrivateName(_TORCH_LEARNER, "_grad_scalers", "attribute", None, "fp16 loss scaling in the passes"),
+    # --- Ray AIR's MLflow callback (cli/mlflow_logging.py logs in batches through its client) ----
+    PrivateName(_MLFLOW_CALLBACK, "_trial_runs", "attribute", None, "the MLflow run id of each trial"),
+    PrivateName("ray.air._internal.mlflow:_MLflowLoggerUtil", "_get_client", "method",
+                '(self) -> \'MlflowClient\'', "the MLflow client the callback logs through (batched calls)"),
 )
 
 PRIVATE_NAMES_BY_NAME: Dict[str, PrivateName] = {p.name: p for p in PRIVATE_NAMES}
@@ -257,3 +262,14 @@ def learner_device(learner) -> Any:
 
 def weights_seq_no(learner) -> int:
     return int(getattr(learner, "_weights_seq_no", 0) or 0)
+
+
+# --- Ray AIR's MLflow callback -----------------------------------------------------------------
+def mlflow_trial_runs(callback) -> Dict[Any, str]:
+    """The trial -> MLflow run id table of an ``MLflowLoggerCallback`` (read and written)."""
+    return callback._trial_runs
+
+
+def mlflow_client(callback) -> Any:
+    """The ``MlflowClient`` an ``MLflowLoggerCallback`` logs through."""
+    return callback.mlflow_util._get_client()
