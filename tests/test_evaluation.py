@@ -258,8 +258,17 @@ def test_cli_on_math500_with_the_tiny_model(shared_data, tmp_path, capsys):
     assert data["settings"]["temperature"] == 0.6 and data["settings"]["top_p"] == 1.0
     assert data["settings"]["max_new_tokens"] == 32
     assert len(data["questions"]) == 8 and all(len(q["correct"]) == 1 for q in data["questions"])
-    assert all(0 < n <= 32 for q in data["questions"] for n in q["response_tokens"])
     assert all(q["prompt_tokens"] > 0 for q in data["questions"])
+    # The tiny model's context is 512 positions: each budget is min(32, 512 - prompt), and a
+    # prompt that fills the context gets no completion (scored wrong, said in one line).
+    for q in data["questions"]:
+        room = 512 - q["prompt_tokens"]
+        if room <= 0:
+            assert q["response_tokens"] == [0] and q["correct"] == [False] and q["truncated"] == [True]
+        else:
+            assert all(0 < n <= min(32, room) for n in q["response_tokens"])
+    full = sum(q["prompt_tokens"] >= 512 for q in data["questions"])
+    assert data["settings"]["no_room"] == full and data["settings"]["backend"] == "hf"
 
 
 @pytest.fixture(scope="module")

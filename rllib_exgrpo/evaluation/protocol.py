@@ -41,9 +41,9 @@ EXGRPO_SYSTEM_PROMPT = (
     "Your task is to follow a systematic, thorough reasoning process before providing the final solution. "
     "This involves analyzing, summarizing, exploring, reassessing, and refining your thought process through "
     "multiple iterations. Structure your response into two sections: Thought and Solution. In the Thought "
-    "section, present your reasoning using the format: \"<think>\\n {thoughts} </think>\\n\". Each thought "
+    "section, present your reasoning using the format: \"<think>\n {thoughts} </think>\n\". Each thought "
     "should include detailed analysis, brainstorming, verification, and refinement of ideas. After "
-    "\"</think>\\n,\" in the Solution section, provide the final, logical, and accurate answer, clearly "
+    "\"</think>\n,\" in the Solution section, provide the final, logical, and accurate answer, clearly "
     "derived from the exploration in the Thought section. If applicable, include the answer in \\boxed{} for "
     "closed-form results like multiple choices or mathematical solutions."
 )
