@@ -1,6 +1,8 @@
 """Rollouts that overlap training against strict alternation, on the GRPO recipe.
 
-    python benchmarks/async_rollouts.py [--seeds 0 1 2] [--iterations 80] [--out FILE]
+    python benchmarks/async_rollouts.py [--seeds 0 1 2] [--iterations 80] [--out FILE] [--overrides JSON]
+    python benchmarks/async_rollouts.py --seeds 0 --iterations 2 --overrides \
+        '{"questions_per_step": 2, "minibatch_size": 16, "heldout_num_questions": 4, "heldout_interval": 2}'  # seconds
 
 Declared before the runs: ``tuned_examples/grpo_tiny.yaml`` as written (32 questions x 8
 completions per iteration, 200 held-out questions every 10 iterations, greedy), with one
@@ -17,7 +19,8 @@ excluded: iterations whose result carries a held-out evaluation are left out of 
 median), and held-out accuracy at the last iteration, per seed and as the mean paired
 difference (async - sync) over seeds. The last lines are
 ``async_over_sync_iteration_time=X`` (the median over seeds of each seed's ratio of
-medians) and ``heldout_async_minus_sync=Y`` (mean over seeds, accuracy points).
+medians) and ``heldout_async_minus_sync=Y`` (mean over seeds, accuracy points). ``--overrides`` (JSON)
+changes both arms' config (smaller iterations for a quick check).
 """
 from __future__ import annotations
 
@@ -33,17 +36,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def build(seed: int, async_rollouts: bool, iterations: int):
+def build(seed: int, async_rollouts: bool, iterations: int, extra: dict | None = None):
     from rllib_exgrpo.cli.experiment import build_experiments
 
-    overrides = {"seed": seed, "async_rollouts": async_rollouts, "num_env_runners": 1, "num_cpus_per_env_runner": 1}
+    overrides = {**(extra or {}), "seed": seed, "async_rollouts": async_rollouts, "num_env_runners": 1,
+                 "num_cpus_per_env_runner": 1}
     exp = build_experiments(str(ROOT / "tuned_examples" / "grpo_tiny.yaml"), config_overrides=overrides,
                             stop={"training_iteration": iterations})[0]
     return exp.config.build_algo()
 
 
-def run_arm(seed: int, async_rollouts: bool, iterations: int) -> dict:
-    algo = build(seed, async_rollouts, iterations)
+def run_arm(seed: int, async_rollouts: bool, iterations: int, extra: dict | None = None) -> dict:
+    algo = build(seed, async_rollouts, iterations, extra)
     times, evaluated, curve = [], [], []
     try:
         for _ in range(iterations):
@@ -67,6 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--iterations", type=int, default=80)
     ap.add_argument("--out", type=Path, default=None, help="write every arm's figures as JSON")
+    ap.add_argument("--overrides", type=json.loads, default={}, help="JSON config overrides of both arms")
     args = ap.parse_args(argv)
     import ray
 
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
     try:
         for seed in args.seeds:
             for mode in (False, True):
-                arm = run_arm(seed, mode, args.iterations)
+                arm = run_arm(seed, mode, args.iterations, args.overrides)
                 arms.append(arm)
                 print(f"seed {seed} {'async' if mode else 'sync '}: median iteration {arm['median_iteration_s']:.2f} s, "
                       f"held-out {arm['heldout_final']:.3f} at iteration {args.iterations}, "

@@ -1,6 +1,7 @@
 """Memory of each learner while a DeepSpeed ZeRO checkpoint is saved and restored.
 
-    python benchmarks/checkpoint_memory.py [--learners 4] [--stage 2] [--layers 16] [--hidden 768]
+    python benchmarks/checkpoint_memory.py [--learners 4] [--stage 2] [--layers 16] [--hidden 768] [--out FILE]
+    python benchmarks/checkpoint_memory.py --learners 2 --layers 1 --hidden 64 --repeats 1 --out /tmp/checkpoint_memory.json  # small
 
 Builds a randomly initialised Qwen2 model (no download: the config is written here, the
 tokenizer is the embedded tiny one; 16 layers x 768 wide = about 101 M parameters), then an
@@ -138,6 +139,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "checkpoint_memory.json",
+                        help="where the figures go as JSON")
     args = parser.parse_args()
 
     import ray
@@ -184,9 +187,8 @@ def main() -> None:
                                        lambda: algo.learner_group.restore_from_path(str(path / "learner_group")), rows))
             measure(algo, "sync", lambda: algo.env_runner_group.sync_weights(
                 from_worker_or_learner_group=algo.learner_group, inference_only=True), rows)
-        out = ROOT / "benchmarks" / "out"
-        out.mkdir(exist_ok=True)
-        (out / "checkpoint_memory.json").write_text(json.dumps(
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(
             {"n_params": n_params, "learners": args.learners, "stage": args.stage, "rows": rows}, indent=1))
         algo.stop()
         ray.shutdown()

@@ -1,6 +1,7 @@
 """Token positions and time of a learner update: rows cut into passes vs token-budget passes.
 
-    python benchmarks/learner_padding.py [--seeds 5] [--scale 32] [--repeats 3]
+    python benchmarks/learner_padding.py [--seeds 5] [--scale 32] [--repeats 3] [--timing-rows 128]
+    python benchmarks/learner_padding.py --seeds 1 --scale 256 --repeats 1 --timing-rows 16   # seconds
 
 The length mix (declared, long-tailed as RLVR completions are): per learner 128 rows, the
 7B recipe's ``minibatch_size`` (tuned_examples/exgrpo_qwen.yaml); prompts log-normal with
@@ -23,7 +24,8 @@ over the real tokens of its rows:
 Timed on CPU: one learner update (``LearnerGroup.update``, forward + backward of every pass
 and the AdamW step) of the same rows with lengths divided by ``--scale`` (32: completions up
 to 256 tokens), on ``rehearsal:qwen2`` (a random Qwen2 of hidden size 128 and 2 layers, no
-download), for each layout; median of ``--repeats`` updates after one warm-up. The last
+download), for each layout; median of ``--repeats`` updates after one warm-up
+(``--timing-rows``: the first that many rows of the mix, 128 by default). The last
 line is ``padded_over_real=X``: the packed layout's positions over real tokens, the worst
 seed.
 """
@@ -82,7 +84,7 @@ def _batch(prompt, completion, vocab: int, seed: int):
     return learner_batch(trajs, adv, pad_id=0)
 
 
-def time_update(prompt, completion, scale: int, repeats: int, seed: int):
+def time_update(prompt, completion, scale: int, repeats: int, seed: int, rows: int = ROWS):
     """Median seconds of one learner update per layout, lengths divided by ``scale``."""
     from ray.rllib.core import DEFAULT_MODULE_ID
 
@@ -91,8 +93,8 @@ def time_update(prompt, completion, scale: int, repeats: int, seed: int):
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
     from rllib_exgrpo.rllib.env_runner import token_spaces
 
-    p = np.maximum(1, prompt // scale)
-    c = np.maximum(1, completion // scale)
+    p = np.maximum(1, prompt[:rows] // scale)
+    c = np.maximum(1, completion[:rows] // scale)
     max_p, max_c = 1024 // scale, 8192 // scale
     layouts = {
         "rows": {"learner_micro_batch_rows": MICRO_ROWS},
@@ -103,7 +105,7 @@ def time_update(prompt, completion, scale: int, repeats: int, seed: int):
     for name, fields in layouts.items():
         cfg = ExGRPOConfig().training(
             model_name_or_path="rehearsal:qwen2", max_prompt_tokens=max_p, max_response_tokens=max_c, lr=1e-6,
-            minibatch_size=ROWS, loss_agg_mode="seq-mean-token-sum-norm-official", entropy_coeff=0.001, **fields,
+            minibatch_size=len(p), loss_agg_mode="seq-mean-token-sum-norm-official", entropy_coeff=0.001, **fields,
         )
         vocab = len(load_tokenizer("rehearsal:qwen2"))
         group = cfg.build_learner_group(spaces={DEFAULT_MODULE_ID: token_spaces(vocab, max_p, max_c)})
@@ -124,6 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--scale", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--timing-rows", type=int, default=ROWS, help="rows of the timed update (the first of the mix)")
     ap.add_argument("--no-timing", action="store_true", help="count positions only")
     args = ap.parse_args(argv)
     import torch
@@ -140,8 +143,9 @@ def main(argv=None) -> int:
               + ", ".join(f"{k} {ratios[k]:.3f} ({pos['passes'][k]})" for k in worst))
     if not args.no_timing:
         prompt, completion = length_mix(0)
-        secs = time_update(prompt, completion, args.scale, args.repeats, seed=0)
-        print(f"learner update on rehearsal:qwen2, lengths / {args.scale}, 1 thread, median of {args.repeats}: "
+        secs = time_update(prompt, completion, args.scale, args.repeats, seed=0, rows=args.timing_rows)
+        print(f"learner update of {min(args.timing_rows, ROWS)} rows on rehearsal:qwen2, lengths / {args.scale}, "
+              f"1 thread, median of {args.repeats}: "
               + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items())
               + f"; packed / rows = {secs['packed'] / secs['rows']:.2f}")
     print(f"padded_over_real_rows={worst['rows']:.3f}")

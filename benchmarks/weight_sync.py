@@ -1,6 +1,7 @@
 """Weight sync from the learner to the env runners, on both paths: bytes, memory, time.
 
-    python benchmarks/weight_sync.py [--layers 20] [--hidden 1024] [--syncs 3] [--bucket-mb 512]
+    python benchmarks/weight_sync.py [--layers 20] [--hidden 1024] [--syncs 3] [--bucket-mb 512] [--out FILE]
+    python benchmarks/weight_sync.py --layers 1 --hidden 64 --syncs 1 --out /tmp/weight_sync.json   # seconds
 
 Builds a randomly initialised Qwen2 model (no download: the config is written here, the
 tokenizer is the embedded tiny one; 20 layers x 1024 wide = 226 M parameters) in bf16,
@@ -59,7 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT  # noqa: F401  (puts the repository on sys.path)
+from _common import ROOT  # (also puts the repository on sys.path)
 
 
 def build_model(folder: Path, layers: int, hidden: int) -> int:
@@ -188,6 +189,8 @@ def main() -> None:
     parser.add_argument("--plain-tensors", action="store_true",
                         help="check of the measure: ship bf16 as plain torch tensors (pickled through "
                              "bytes) instead of zero-copy")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "weight_sync.json",
+                        help="where the figures go as JSON")
     args = parser.parse_args()
     if args.plain_tensors:
         import torch
@@ -255,9 +258,8 @@ def main() -> None:
         extra_copies = max(r["extra"] for r in store_rows)
         coll_extra = max(r["extra"] for r in coll_rows)
         coll_store_bytes = max(c["store_bytes"] for c in coll_counts)
-        out = ROOT / "benchmarks" / "out"
-        out.mkdir(exist_ok=True)
-        (out / "weight_sync.json").write_text(json.dumps(
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(
             {"n_params": n_params, "bucket_mb": args.bucket_mb, "rows": store_rows + coll_rows,
              "seconds": {"object_store": store_seconds, "collective": coll_seconds},
              "collective_serialised": coll_counts, "runners_equal_learner": equal,
