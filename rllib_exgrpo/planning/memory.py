@@ -240,7 +240,7 @@ def masked_attention_bytes(shape: ModelShape, rows: int, q_len: int, kv_len: int
 
     Before this call matched the heads it passed ``enable_gqa=True`` with the mask, which on
     CUDA only SDPA's math kernel takes: ``[B, Hq, q, kv]`` float scores and their softmax, the
-    tensors this plan never counted (at 7B, 7 rows of 5120 tokens: 2 x 19.2 GiB a layer)."""
+    tensors this plan never counted (at 7B, 7 rows of 5120 tokens: 2 x 19.1 GiB a layer)."""
     rows, q_len, kv_len = int(rows), int(q_len), int(kv_len)
     b = 4 if int(dtype_bytes) >= 4 else 2
     entries = rows * q_len * kv_len
@@ -259,15 +259,16 @@ def layer_saved_bytes(shape: ModelShape, rows: int, tokens: int, mode: str, *, d
     Per token: the RMSNorms' fp32 inputs and outputs, the projections' inputs, q, the
     attention output and its log-sum-exp, the MLP's gate, up, activation and product; and
     the attention's keys and values: in a padded pass (``dense_mask``) k and v repeated to
-    every head and SDPA's float mask ``[S, S]`` per row (:func:`masked_attention_bytes`), in
-    a packed pass under a variable-length kernel k and v as they are (the kernel takes
-    grouped heads), and no mask. Counted tensor by tensor with ``saved_tensors_hooks`` (bytes
-    per token, h hidden, ad = heads x head dim, kd = kv heads x head dim, i intermediate,
-    a heads; S a multiple of 8)::
+    every head and SDPA's float mask ``[S, S]`` per row (:func:`masked_attention_bytes`); a
+    packed pass under a variable-length kernel has no mask, and its keys and values are
+    counted as large as the repeated pair (its kernel takes grouped heads, but the CPU
+    measurement of a packed step, ``benchmarks/memory_plan.py``, matches this count, and
+    not the smaller one). Counted tensor by tensor with ``saved_tensors_hooks`` (bytes per
+    token, h hidden, ad = heads x head dim, i intermediate, a heads; S a multiple of 8)::
 
-        bf16 (DeepSpeed)        16h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row   (packed: 4ad + 4kd, no mask)
-        fp32                    24h + 16ad + 16i + 4a + 8,   mask 4 S^2 per row   (packed: 8ad + 8kd)
-        autocast (DDP, bf16)    26h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row   (packed: 4ad + 4kd)
+        bf16 (DeepSpeed)        16h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row
+        fp32                    24h + 16ad + 16i + 4a + 8,   mask 4 S^2 per row
+        autocast (DDP, bf16)    26h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row
     """
     h, ad, kd, i, a = (shape.hidden_size, shape.attention_width, shape.kv_width, shape.intermediate_size,
                        shape.num_attention_heads)
@@ -278,7 +279,9 @@ def layer_saved_bytes(shape: ModelShape, rows: int, tokens: int, mode: str, *, d
         masked = masked_attention_bytes(shape, rows, tokens, tokens, dtype_bytes=b)
         attention = masked["float_mask"] + (masked["repeated_kv"] or 2 * t * kd * b)
     else:
-        attention = 2 * t * kd * b
+        # A packed pass's kernel takes grouped heads, yet on CPU it was measured keeping as
+        # much as the repeated pair (benchmarks/memory_plan.py, packed step): counted so.
+        attention = 2 * t * ad * b
     return t * (coef[0] * h + coef[1] * ad + coef[2] * i + 4 * a + 8) + attention
 
 
