@@ -77,6 +77,17 @@ def _pip(python: Path, package: str, spec: str, *extra: str) -> None:
         raise RuntimeError(f"TRL venv: installing {package} ({spec}) failed: {last}")
 
 
+def trl_venv_ready(path: os.PathLike | str = DEFAULT_VENV) -> Optional[str]:
+    """The python of the TRL venv at ``path`` when it is there with the current pins, else
+    None (nothing is installed: :func:`ensure_trl_venv` makes it)."""
+    path = Path(path).resolve()
+    python, marker = venv_python(path), path / MARKER
+    try:
+        return str(python) if python.exists() and json.loads(marker.read_text()) == _pins() else None
+    except (OSError, ValueError):
+        return None
+
+
 def ensure_trl_venv(path: os.PathLike | str = DEFAULT_VENV, *, verbose: bool = False) -> str:
     """The python executable of a venv holding TRL 1.16.0 and the runner's needs (created once).
 

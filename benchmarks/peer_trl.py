@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/peer_trl.py                 # 3 seeds x 40 iterations, both
     .venv/bin/python benchmarks/peer_trl.py --seeds 0 --iterations 5
+    .venv/bin/python benchmarks/peer_trl.py --seeds 0 --iterations 1 --heldout 8 --out /tmp/peer_trl   # small
 
 * **Model**: the embedded tiny model (``model_name_or_path: tiny``), the same folder for both.
 * **Prompts**: iteration i of seed s trains on the 32 questions our ``QuestionSampler``
@@ -23,8 +24,12 @@
   reward, old log-probs, both steps).
 
 The runs are made one after another (never two at once: they share the cores). Finished
-runs are cached under ``benchmarks/out/peer_trl/`` (delete a folder to redo it). Prints
-the table and writes ``peer_trl.json``, ``peer_trl.csv`` and ``peer_trl.png`` there.
+runs are cached under ``--out`` (default ``benchmarks/out/peer_trl/``; delete a folder to
+redo it; a small check belongs in a folder of its own, as the cache is keyed by seed).
+Prints the table and writes ``peer_trl.json``, ``peer_trl.csv`` and ``peer_trl.png`` there.
+``--heldout`` scores on fewer held-out questions (200 by default). The last line is
+``ours_over_trl_time=R gain_ours_minus_trl=P`` (the mean ratio of median seconds per
+iteration; held-out gain difference in points).
 """
 from __future__ import annotations
 
@@ -58,12 +63,12 @@ def _env() -> dict:
     return env
 
 
-def evaluate(model: str, dest: Path) -> float:
+def evaluate(model: str, dest: Path, heldout: int = HELDOUT) -> float:
     """Greedy accuracy of ``model`` (name, folder or checkpoint) on the held-out questions."""
     if not dest.exists():
         subprocess.run(
             [RLLIB, "evaluate", "--model", model, "--data", "arithmetic", "--temperature", "0",
-             "--limit", str(HELDOUT), "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(dest)],
+             "--limit", str(heldout), "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(dest)],
             check=True, env=_env(), stdout=subprocess.DEVNULL,
         )
     return _accuracy(json.loads(dest.read_text()))
@@ -73,9 +78,9 @@ def _accuracy(report: dict) -> float:
     return float(report["overall"]["avg_at_k"])
 
 
-def run_ours(seed: int, iterations: int, overrides: dict, tag: str) -> dict:
+def run_ours(seed: int, iterations: int, overrides: dict, tag: str, out: Path = OUT) -> dict:
     """``rllib train file tuned_examples/grpo_stream_tiny.yaml`` for one seed; per-iteration times."""
-    where = OUT / tag / f"seed{seed}"
+    where = out / tag / f"seed{seed}"
     summary = where / "summary.json"
     if summary.exists():
         return json.loads(summary.read_text())
@@ -105,8 +110,8 @@ def run_ours(seed: int, iterations: int, overrides: dict, tag: str) -> dict:
     return out
 
 
-def run_theirs(seed: int, iterations: int) -> dict:
-    where = OUT / "trl" / f"seed{seed}"
+def run_theirs(seed: int, iterations: int, out: Path = OUT) -> dict:
+    where = out / "trl" / f"seed{seed}"
     result = where / "trl_result.json"
     if result.exists():
         return json.loads(result.read_text())
@@ -124,22 +129,25 @@ def main(argv=None) -> int:
     ap.add_argument("--config", type=json.loads, default={},
                     help="JSON overrides of our recipe (an ablation; its runs are cached under --tag)")
     ap.add_argument("--tag", default="ours", help="cache folder of our runs (default: ours)")
+    ap.add_argument("--heldout", type=int, default=HELDOUT, help="held-out questions scored")
+    ap.add_argument("--out", type=Path, default=OUT, help="runs, evaluations and the report")
     args = ap.parse_args(argv)
-    OUT.mkdir(parents=True, exist_ok=True)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
     from rllib_exgrpo.models import resolve_model_path
 
     resolve_model_path("tiny")  # build the shared starting model once, before timing anything
     ensure_trl_venv(verbose=True)
-    start_acc = evaluate("tiny", OUT / "eval_start.json")
+    start_acc = evaluate("tiny", out / "eval_start.json", args.heldout)
 
     rows = []
     for seed in args.seeds:
-        ours = run_ours(seed, args.iterations, args.config, args.tag)
-        theirs = run_theirs(seed, args.iterations)
+        ours = run_ours(seed, args.iterations, args.config, args.tag, out)
+        theirs = run_theirs(seed, args.iterations, out)
         rows.append({
             "seed": seed,
-            "ours_acc": evaluate(ours["checkpoint"], OUT / f"eval_{args.tag}_seed{seed}.json"),
-            "trl_acc": evaluate(theirs["model_dir"], OUT / f"eval_trl_seed{seed}.json"),
+            "ours_acc": evaluate(ours["checkpoint"], out / f"eval_{args.tag}_seed{seed}.json", args.heldout),
+            "trl_acc": evaluate(theirs["model_dir"], out / f"eval_trl_seed{seed}.json", args.heldout),
             "ours_s_it": statistics.median(ours["s_per_iteration"]),
             "trl_s_it": float(theirs["median_s_per_iteration"]),
             "ours_sample_s": statistics.median(ours["sample_s"]),
@@ -156,7 +164,7 @@ def main(argv=None) -> int:
     ours_gain = [r["ours_acc"] - start_acc for r in rows]
     trl_gain = [r["trl_acc"] - start_acc for r in rows]
     ratio = [r["ours_s_it"] / r["trl_s_it"] for r in rows]
-    print(f"\nheld-out greedy accuracy on {HELDOUT} arithmetic test questions; start {start_acc:.3f}")
+    print(f"\nheld-out greedy accuracy on {args.heldout} arithmetic test questions; start {start_acc:.3f}")
     print("| | held-out after {} it. ({}) | gain (mean +- sd) | median s / iteration |".format(
         args.iterations, " / ".join(f"seed {r['seed']}" for r in rows)))
     print("|---|---|---|---|")
@@ -178,18 +186,20 @@ def main(argv=None) -> int:
                "ours_gain": ours_gain, "trl_gain": trl_gain, "time_ratio": ratio}
     name = "peer_trl" if args.tag == "ours" else f"peer_trl_{args.tag}"
     summary["ours_config"] = args.config
-    (OUT / f"{name}.json").write_text(json.dumps(summary, indent=1))
-    with (OUT / f"{name}.csv").open("w", newline="") as f:
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=1))
+    with (out / f"{name}.csv").open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["seed", "ours_acc", "trl_acc", "ours_s_per_it", "trl_s_per_it"])
         for r in rows:
             w.writerow([r["seed"], r["ours_acc"], r["trl_acc"], r["ours_s_it"], r["trl_s_it"]])
-    _plot(rows, start_acc, OUT / f"{name}.png")
-    print(f"wrote {OUT / name}.json, .csv, .png")
+    _plot(rows, start_acc, out / f"{name}.png", args.heldout)
+    print(f"wrote {out / name}.json, .csv, .png")
+    print(f"ours_over_trl_time={statistics.mean(ratio):.3f} "
+          f"gain_ours_minus_trl={100 * (statistics.mean(ours_gain) - statistics.mean(trl_gain)):.1f}")
     return 0
 
 
-def _plot(rows, start_acc, dest: Path) -> None:
+def _plot(rows, start_acc, dest: Path, heldout: int = HELDOUT) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -202,7 +212,7 @@ def _plot(rows, start_acc, dest: Path) -> None:
     a.bar([i + 0.2 for i in x], [r["ours_acc"] for r in rows], 0.4, label="rllib-exgrpo GRPO")
     a.axhline(start_acc, color="k", ls="--", lw=1, label="start")
     a.set_xticks(list(x), [f"seed {s}" for s in seeds])
-    a.set_ylabel(f"held-out greedy accuracy ({HELDOUT} q.)")
+    a.set_ylabel(f"held-out greedy accuracy ({heldout} q.)")
     a.legend()
     for r in rows:
         b.plot(r["trl_reward"], color="tab:blue", alpha=0.6)
