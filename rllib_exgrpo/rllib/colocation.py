@@ -41,6 +41,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import sys
 from typing import Callable, Deque, Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -135,6 +136,9 @@ class ColocatedSampler:
                  optimizers: Callable[[], Sequence[torch.optim.Optimizer]] = lambda: (),
                  engines: Callable[[], Sequence] = lambda: (), runner=None):
         self.module = module
+        self.index = index
+        #: Lines for the user not yet handed to the driver (:meth:`pop_notes`), said once.
+        self.notes: List[str] = []
         #: ZeRO-3: the learner's weights are partitions, gathered layer by layer for each turn.
         self.partitioned = is_partitioned(module)
         if runner is None:
@@ -171,6 +175,12 @@ class ColocatedSampler:
         """Whether the sampler generates from a copy of the weights (vLLM's, or the HF copy
         under ZeRO-3) that each turn refills, rather than from the learner's model itself."""
         return self.uses_engine or self.runner.module is not self.module
+
+    def pop_notes(self) -> List[str]:
+        """The lines noted since the last call (the driver prints them: a learner actor's
+        own output may not reach the user)."""
+        notes, self.notes = self.notes, []
+        return notes
 
     def sample(self, **kwargs) -> list:
         """``LLMEnvRunner.sample`` in one turn (see :meth:`turn`)."""
@@ -220,8 +230,9 @@ class ColocatedSampler:
             self._note("generate")
             return
         self.offload.offload()
-        if not self.offload.said:  # once per learner: what the turn moves off the device
-            print(self.offload.describe(), flush=True)
+        if not self.offload.said:  # once, by the first learner: what a turn moves off the device
+            if self.index == 0:
+                self.notes.append(self.offload.describe())
             self.offload.said = True
         self._note("offload_optimizer")
         try:
@@ -314,8 +325,8 @@ class ColocatedSampler:
     def _sleep(self) -> None:
         backend = self.backend
         if not self.uses_engine:
-            if torch.cuda.is_available():  # the copy waits on the host while the learner trains
-                self.runner.module.to("cpu")
+            self.runner.module.to("cpu")  # the copy waits on the host while the learner trains
+            if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         elif getattr(backend, "llm", None) is not None and self._sleep_mode():
             backend.llm.sleep(level=SLEEP_LEVEL)
@@ -374,8 +385,10 @@ def sample_on_learners(learner_group, question_ids: Sequence[str], num_samples: 
     for result in results:
         if not getattr(result, "ok", True):
             raise learner_error(result.get(), getattr(result, "actor_id", None), "colocated sampling")
-        rank, episodes, metrics = result.get()
+        rank, episodes, metrics, notes = result.get()
         by_rank[rank] = (episodes, metrics)
+        for line in notes:
+            print(line, file=sys.stderr, flush=True)
     episodes, metrics = [], []
     for rank in sorted(by_rank):
         episodes += by_rank[rank][0]

@@ -262,7 +262,7 @@ class ExGRPOTorchLearner(TorchLearner):
     def colocated_sample(self, shards, sample_kwargs):
         """``colocate``: sample this learner's share (``shards[rank]``: question ids,
         completions per question, prompt prefixes) with its colocated sampler. Returns
-        ``(rank, episodes, runner metrics or None)``."""
+        ``(rank, episodes, runner metrics or None, lines for the user)``."""
         from rllib_exgrpo.rllib.colocation import learner_rank
 
         rank = learner_rank()
@@ -270,11 +270,11 @@ class ExGRPOTorchLearner(TorchLearner):
         sampler = self.colocated_sampler()
         if not mine:
             sampler.take_part()  # ZeRO-3: the weight gathers need every rank
-            return rank, [], None
+            return rank, [], None, sampler.pop_notes()
         question_ids, num_samples, prefixes = mine
         episodes = sampler.sample(question_ids=question_ids, num_samples=num_samples,
                                   prompt_prefixes=prefixes, **sample_kwargs)
-        return rank, episodes, sampler.get_metrics()
+        return rank, episodes, sampler.get_metrics(), sampler.pop_notes()
 
     # ---- scoring where the training weights are (scoring_on: learners) ------------------------
     @torch.no_grad()
