@@ -142,7 +142,9 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("-v", "--verbose", action="count", default=S,
                    help="more output: -v Tune verbosity 2 and RLlib log_level INFO; -vv verbosity 3 and DEBUG")
     r.add_argument("--dry-run", action="store_true", default=S,
-                   help="parse and validate the file, print the experiments, start nothing")
+                   help="parse and validate the file, print the experiments (how many of a search's trials run at "
+                   "once, each GPU memory plan), start nothing; --ray-num-cpus / --ray-num-gpus describe the "
+                   "local Ray instance to plan for")
     r.add_argument("--rehearse", action="store_true", default=S,
                    help="run the file as written on this (CPU) machine, swapping only what it cannot hold "
                    "(the model for a random one of its architecture family at tiny width, GPUs for CPU "
