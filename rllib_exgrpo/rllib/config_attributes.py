@@ -6,7 +6,7 @@ checks and documentation are in ``config_fields.FIELDS``.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Dict, Literal, Optional, Union
 
 
 class ExGRPOConfigFields:
@@ -117,4 +117,4 @@ class ExGRPOConfigFields:
     weight_sync_bucket_mb: float
 
     # GPU memory plan (docs/memory_plan.md)
-    gpu_memory_gb: Optional[float]
+    gpu_memory_gb: Optional[Union[float, str]]

@@ -101,6 +101,23 @@ def one_of(choices: Sequence[Any]) -> Check:
     return check
 
 
+def gib_or_card() -> Check:
+    """A size in GiB (> 0) or a card name the memory plan's card table knows."""
+    size = number(0, low_open=True)
+    what = f"a size in GiB ({size.describe}) or a card name of the card table (e.g. 'H100', 'A10')"
+
+    def check(v):
+        if isinstance(v, str):
+            from rllib_exgrpo.planning.cards import card_by_name
+
+            return None if card_by_name(v) is not None else what
+        return None if size(v) is None else what
+
+    check.describe = what
+    check.annotation = "Union[float, str]"
+    return check
+
+
 def optional(inner: Check) -> Check:
     """``None`` or what ``inner`` accepts."""
     what = f"None or {inner.describe}"
@@ -488,8 +505,9 @@ _WEIGHT_SYNC = [
 
 _SECTION = "GPU memory plan (docs/memory_plan.md)"
 _MEMORY = [
-    _f("gpu_memory_gb", None, optional(number(0, low_open=True)),
-       "Memory of one GPU in GiB (2**30 bytes; an '80 GB' A100 / H100 has about 80) that the memory "
+    _f("gpu_memory_gb", None, optional(gib_or_card()),
+       "Memory of one GPU in GiB (2**30 bytes; an '80 GB' A100 / H100 has about 80), or a card's name "
+       "from the plan's card table ('H100', 'A10', 'L4', 'H200', ...: docs/memory_plan.md), that the memory "
        "plan printed before a run checks each learner and env runner against; a run that does not "
        "fit stops before it starts, naming the key to change (rllib train --no-validate skips the "
        "check). None: the smallest GPU visible here (NVML, nvidia-smi or torch.cuda; none visible: the "
@@ -667,7 +685,7 @@ def attributes_module() -> str:
            '"""',
            "from __future__ import annotations",
            "",
-           "from typing import Any, Dict, Literal, Optional",
+           "from typing import Any, Dict, Literal, Optional, Union",
            "",
            "",
            f"class {ATTRIBUTES_CLASS}:",
