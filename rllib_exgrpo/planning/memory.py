@@ -526,14 +526,14 @@ def _collective_sync(config: Any) -> Optional[str]:
     (the object store, colocated learners, no remote runners)."""
     if config.colocate or int(_get(config, "num_env_runners", 0)) <= 0:
         return None
-    if str(_get(config, "weight_sync", "collective")) != "collective":
+    if str(config.weight_sync) != "collective":
         return None
     on_gpus = float(_get(config, "num_gpus_per_learner", 0)) > 0 and float(_get(config, "num_gpus_per_env_runner", 0)) > 0
     return "nccl" if on_gpus else "gloo"
 
 
 def _sync_bucket_mb(config: Any) -> float:
-    return float(_get(config, "weight_sync_bucket_mb", DEFAULT_SYNC_BUCKET_MB))
+    return float(config.weight_sync_bucket_mb)
 
 
 def _lora_adapter_bytes(config: Any) -> int:
