@@ -178,3 +178,53 @@ def test_colocated_push_is_one_reload_and_vllm_says_nothing(quick_tiny_model, ca
         logging.getLogger("vllm").removeHandler(said)
         sampler.backend.close()
         group.shutdown()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_an_engine_in_its_own_process_takes_the_weights_a_layer_of_bytes_at_a_time(quick_tiny_model, monkeypatch):
+    """``VLLM_ENABLE_V1_MULTIPROCESSING=1``: the engine (and on the CPU build its worker) in
+    processes of their own. A sync sends one decoder layer of bytes per RPC, then one load;
+    the engine then scores as a plain HF model with the new weights."""
+    pytest.importorskip("vllm", reason="vllm not installed (bash tests/run.sh vllm)")
+    import gymnasium as gym
+
+    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
+    from rllib_exgrpo.rllib.module import LLMTorchRLModule
+    from test_colocate_sync import IDS, _engine_prompt_logprobs, _plain_logprobs
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    cfg = ExGRPOConfig()
+    cfg.model_name_or_path, cfg.model_dtype, cfg.seed = quick_tiny_model, "float32", 0
+    cfg.max_prompt_tokens, cfg.max_response_tokens, cfg.generation_batch_size = 96, 8, 8
+    cfg.vllm_kwargs = {"kv_cache_memory_bytes": 64 << 20, "block_size": 32, "enforce_eager": True}
+    space = gym.spaces.Discrete(2)
+    module = LLMTorchRLModule(observation_space=space, action_space=space,
+                              model_config={"model": quick_tiny_model, "dtype": "float32"}).eval()
+    backend = VLLMGenerationBackend(cfg, module, None)
+    try:
+        backend.build_engine()
+        assert not backend._weights_in_process
+        rpcs = []
+        rpc = backend.llm.collective_rpc
+
+        def counting(method, *args, **kwargs):
+            payload = sum(len(a) for a in kwargs.get("args", ()) if isinstance(a, (bytes, bytearray)))
+            rpcs.append((method, payload))
+            return rpc(method, *args, **kwargs)
+
+        backend.llm.collective_rpc = counting
+        gen = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for p in module.model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+        backend.load_weights(module.get_state())
+        layers = module.model.config.num_hidden_layers
+        assert [m for m, _ in rpcs] == ["rllib_exgrpo_stage_weights"] * (layers + 1) + ["rllib_exgrpo_load_staged"]
+        total = sum(v.numel() * v.element_size() for v in module.model.state_dict().values())
+        assert max(size for _, size in rpcs) < total / 2  # a layer (or the embeddings) per message, not the model
+        weights = {k: v.detach().float() for k, v in module.model.state_dict().items()}
+        gap = np.abs(_engine_prompt_logprobs(backend.llm) - _plain_logprobs(module.model.config, weights))
+        assert float(gap.max()) <= 2e-3 and len(gap) == len(IDS) - 1
+    finally:
+        backend.close()
