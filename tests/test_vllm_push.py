@@ -116,6 +116,24 @@ def test_an_engine_in_another_process_gets_a_bucket_of_bytes_per_call_then_one_l
 
 
 # ---- the real engine (vLLM's CPU build) ------------------------------------------------------
+@pytest.mark.vllm
+def test_every_model_runner_loads_through_vllms_inplace_reload():
+    """The CPU build runs model runner V1, CUDA V2 by default: both load through the same
+    function (``reload.inplace.reload_weights``), checked on the installed vLLM's classes,
+    the GPU ones included; a runner that loads another way is named."""
+    pytest.importorskip("vllm", reason="vllm not installed (bash tests/run.sh vllm)")
+    from rllib_exgrpo.generation.vllm import _same_reload_problem, vllm_api_problems
+
+    assert vllm_api_problems("cpu") == [] and vllm_api_problems("gpu") == []
+
+    class Elsewhere:
+        def reload_weights(self, weights_iterator=None):
+            self.model.load_weights(weights_iterator)
+
+    assert "does not load through" in _same_reload_problem(Elsewhere, "Elsewhere.reload_weights")
+
+
+
 class _Said(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
