@@ -115,6 +115,11 @@ def check_config_keys(config: Any, user_config: Mapping[str, Any], algo_name: st
             errors.append(f"{where}: keys must be strings.")
             continue
         problems = _special_key_problems(key, value, where)
+        if key == "model_config":
+            problems = _llm_model_config_problems(config, value, "config.model_config")
+        elif key == "rl_module_spec" and not problems and isinstance(value, dict) and "model_config" in value:
+            problems = _llm_model_config_problems(config, value["model_config"], "config.rl_module_spec.model_config",
+                                                  module_class=value.get("module_class"))
         if problems is None:
             problems = _attribute_key_problems(config, deprecated, key, value, where, algo_name)
         errors += problems
@@ -138,8 +143,10 @@ def _special_key_problems(key: str, value: Any, where: str) -> Optional[List[str
             return [f"{where}: must be a mapping."]
         return [f"config key 'multiagent/{sub}': unknown.{suggest(str(sub), _MULTIAGENT_KEYS)} "
                 f"Known: {', '.join(_MULTIAGENT_KEYS)}." for sub in value if sub not in _MULTIAGENT_KEYS]
-    if key in ("model_config", "learner_class"):
+    if key == "learner_class":
         return []
+    if key == "model_config":
+        return None  # checked with the config (_llm_model_config_problems)
     if key == "learner_connector":
         if value is not None and not (isinstance(value, str) and _looks_like_class_path(value)):
             return [f"{where}: must be a 'pkg.mod:Callable' path (a ConnectorV2 class or a "
@@ -148,6 +155,42 @@ def _special_key_problems(key: str, value: Any, where: str) -> Optional[List[str
     if key == "rl_module_spec":
         return _check_rl_module_spec(value, where)
     return None
+
+
+def _is_llm_module_config(config: Any, model_config: Any, module_class: Any = None) -> bool:
+    """Whether a ``model_config`` is read by this project's LLM module and env runner under an
+    algorithm that is not this project's (RLlib's PPO): the config samples with
+    ``LLMEnvRunner``, its module spec (or ``module_class``) is an ``LLMTorchRLModule``, or the
+    mapping names an LLM ``model`` (any order of the YAML's keys)."""
+    if hasattr(config, "model_name_or_path"):
+        return False  # ExGRPO / GRPO: the module's model_config is built from the fields
+    from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
+    from rllib_exgrpo.rllib.module import LLMTorchRLModule
+
+    runner = getattr(config, "env_runner_cls", None)
+    if isinstance(runner, type) and issubclass(runner, LLMEnvRunner):
+        return True
+    classes = [module_class, getattr(rllib_contract.rl_module_spec(config), "module_class", None)]
+    for cls in classes:
+        if isinstance(cls, str):
+            try:
+                cls = import_object(cls)
+            except Exception:  # noqa: BLE001 - the module spec's own check reports it
+                continue
+        if isinstance(cls, type) and issubclass(cls, LLMTorchRLModule):
+            return True
+    return isinstance(model_config, dict) and isinstance(model_config.get("model"), str)
+
+
+def _llm_model_config_problems(config: Any, model_config: Any, where: str, module_class: Any = None) -> List[str]:
+    """The ``model_config`` of RLlib's PPO on this project's LLM, one line per key it would not
+    read as meant (``ppo_module.model_config_problems``); any other ``model_config`` is the
+    module's own business."""
+    if model_config is None or not _is_llm_module_config(config, model_config, module_class):
+        return []
+    from rllib_exgrpo.rllib.ppo_module import model_config_problems
+
+    return model_config_problems(model_config, where)
 
 
 def _attribute_key_problems(config: Any, deprecated: frozenset, key: str, value: Any, where: str,

@@ -466,15 +466,6 @@ def vllm_version_problems(prefix: str) -> List[str]:
     return [f"{prefix}generation_backend: 'vllm': {problem}"] if problem else []
 
 
-def vllm_engine_problems(cfg: Any) -> List[str]:
-    """What the config asks of its vLLM engines that cannot work
-    (``generation.vllm.engine_config_problems``: a parallel engine under ``colocate``;
-    engines whose memory shares add up to more than the node (CPU) or a GPU)."""
-    from rllib_exgrpo.generation.vllm import engine_config_problems
-
-    return [f"config.{p}." for p in engine_config_problems(cfg)]
-
-
 def _find(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -808,7 +799,9 @@ def memory_problems(cfg: Any) -> Tuple[List[str], List[str]]:
     request GPUs, against ``gpu_memory_gb`` or the GPU seen here (none: not checked)."""
     from rllib_exgrpo.planning.memory import plan_memory, uses_gpus
 
-    if not _project_config(cfg) or not uses_gpus(cfg) or field_problems(cfg):
+    if not _project_config(cfg):
+        return llm_ppo_memory_problems(cfg)
+    if not uses_gpus(cfg) or field_problems(cfg):
         return [], []
     try:
         plan = plan_memory(cfg)
@@ -843,7 +836,9 @@ def memory_plan_text(exp: Any, indent: str = "  ") -> Optional[str]:
 
     try:
         cfg = _first_variant_config(exp)
-        if not _project_config(cfg) or not uses_gpus(cfg):
+        if not _project_config(cfg):
+            return llm_ppo_memory_plan_text(cfg, indent)
+        if not uses_gpus(cfg):
             return None
         text = plan_memory(cfg).render(indent=indent)
     except Exception as e:  # noqa: BLE001 - printing a plan must never stop a run
@@ -851,6 +846,36 @@ def memory_plan_text(exp: Any, indent: str = "  ") -> Optional[str]:
     memory_keys = {p.split("/")[1] for p in (exp.search_space or {})} & _MEMORY_KEYS
     if memory_keys:
         text += f"\n{indent}{indent}(first value of the search over {', '.join(sorted(memory_keys))})"
+    return "\n".join(indent + line for line in text.splitlines())
+
+
+# ------------------------------------------------------------------ GPU memory: RLlib's PPO on the LLM
+
+
+def llm_ppo_memory_problems(cfg: Any) -> Tuple[List[str], List[str]]:
+    """:func:`memory_problems` for RLlib's PPO sampling with this project's LLM env runner
+    (``rllib_exgrpo.planning.ppo``: its settings read from ``model_config``, the value head
+    counted); nothing for other configs."""
+    from rllib_exgrpo.planning.memory import uses_gpus
+    from rllib_exgrpo.planning.ppo import plan_ppo_memory, ppo_plan_view
+
+    if ppo_plan_view(cfg) is None or not uses_gpus(cfg):
+        return [], []
+    try:
+        plan = plan_ppo_memory(cfg)
+    except Exception as e:  # noqa: BLE001 - a plan that cannot be made is a note, not a verdict
+        return [], [f"memory plan: could not be made ({type(e).__name__}: {one_line(str(e))})"]
+    return plan.problems(), []
+
+
+def llm_ppo_memory_plan_text(cfg: Any, indent: str = "  ") -> Optional[str]:
+    """:func:`memory_plan_text` of RLlib's PPO on the LLM (None for other configs)."""
+    from rllib_exgrpo.planning.memory import uses_gpus
+    from rllib_exgrpo.planning.ppo import plan_ppo_memory, ppo_plan_view
+
+    if ppo_plan_view(cfg) is None or not uses_gpus(cfg):
+        return None
+    text = plan_ppo_memory(cfg).render(indent=indent)
     return "\n".join(indent + line for line in text.splitlines())
 
 
@@ -942,8 +967,6 @@ def _llm_model_checks(run, cfg: Any, errors: List[str], notes: List[str], *, dry
             errors.append(missing + ".")
     elif settings.generation_backend == "vllm":
         run(vllm_version_problems, prefix)
-    if settings.generation_backend == "vllm" and _project_config(cfg):
-        run(vllm_engine_problems, cfg)
 
 
 def _metric_key_problems(algo_cls: type, cfg: Any, stop: Mapping[str, Any],

@@ -64,6 +64,7 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 from rllib_exgrpo.core.scoring import score_completions
 from rllib_exgrpo.core.tokens import position_ids_from_mask, prompt_completion_from_padded
 from rllib_exgrpo.rllib.module import LLMTorchRLModule
+from ray.rllib.callbacks.callbacks import RLlibCallback
 
 #: Extra batch columns written by :class:`PadLLMEpisodes`.
 OBS_LEN = "obs_len"  # int64 [N]: real prompt tokens of each (left-padded) obs row
@@ -238,6 +239,9 @@ class LLMPPOTorchRLModule(LLMTorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     """
 
     def setup(self):
+        # The GPU path's keys (docs/ppo.md): flat LoRA keys as ExGRPO spells them, and a
+        # half-precision learner keeps fp32 master weights (as ExGRPO's DDP learner does).
+        self.model_config = ppo_model_config(self.model_config)
         super().setup()
         self.vf_share_layers = bool(self.model_config.get("vf_share_layers", False))
         self.value_batch_size = int(self.model_config.get("value_batch_size", 64))
@@ -287,10 +291,14 @@ class LLMPPOTorchRLModule(LLMTorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         p = max(1, int(obs_len.max()))
         r = max(1, int(act_len.max()))
         input_ids, attention_mask, token_mask = prompt_completion_from_padded(obs, obs_len, act, act_len, p, r)
-        logp, entropy, hidden = score_completions(
-            self.model, input_ids, attention_mask, r,
-            temperature=self.temperature, with_entropy=True, with_hidden=True,
-        )
+        # The decoder, then the LM head over the R scored positions in chunks of
+        # logit_chunk_tokens (core/chunked_logprobs.py): never [tokens x vocabulary] logits.
+        with self.autocast():
+            logp, entropy, hidden = score_completions(
+                self.model, input_ids, attention_mask, r,
+                temperature=self.temperature, with_entropy=True, with_hidden=True,
+                chunk_tokens=self.logit_chunk_tokens,
+            )
         packed = pack_dist_inputs(logp, entropy, token_mask, input_ids[:, -r:])
         if r < width:
             packed = nn.functional.pad(packed, (0, 0, 0, width - r))
@@ -324,9 +332,10 @@ class LLMPPOTorchRLModule(LLMTorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             p = max(1, int(ln.max()))
             ids = o[:, -p:].long()
             mask = (torch.arange(p, device=o.device)[None, :] >= (p - ln)[:, None]).long()
-            h = decoder(
-                input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
-            ).last_hidden_state
+            with self.autocast():
+                h = decoder(
+                    input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
+                ).last_hidden_state
             out.append(h[:, -1].float())
         return torch.cat(out, 0) if out else torch.zeros((0, self.value_head.in_features), device=obs.device)
 
@@ -408,3 +417,182 @@ class PadLLMEpisodes(ConnectorV2):
             )
             self.add_n_batch_items(batch, Columns.ACTION_DIST_INPUTS, dist_rows, n, e)
         return batch
+
+
+# ---------------------------------------------------------------- the model_config keys
+
+#: Every ``model_config`` key that RLlib's PPO on this project's LLM reads: name ->
+#: (default, who reads it, meaning). ``None`` defaults of the runner's and held-out keys are
+#: ExGRPOConfig's field defaults (``rllib/config_fields.py``), filled in by
+#: :func:`ppo_model_config_keys`. docs/ppo.md has the same table (a test checks).
+_MODULE_KEYS: Dict[str, tuple] = {
+    "model": ("tiny", "module, env runner", "model name, folder or hub id (the env runner loads its tokenizer too)"),
+    "dtype": ("float32", "module, env runner", "compute dtype: float32 | bfloat16 | float16 (vLLM samples in it)"),
+    "master_dtype": ("float32 when dtype is half and no LoRA", "learner module",
+                     "the learner keeps its weights in this dtype and computes under autocast in dtype "
+                     "(mixed precision); env runners build the model in dtype"),
+    "gradient_checkpointing": (False, "learner module", "recompute activations in the backward pass"),
+    "attn_implementation": ("auto", "module", "attention kernel (core/attention.py)"),
+    "logit_chunk_tokens": ("core.chunked_logprobs.DEFAULT_CHUNK_TOKENS", "module",
+                           "positions per chunk of the LM head and log-softmax (no [tokens x vocabulary] logits)"),
+    "temperature": (1.0, "module, env runner", "sampling temperature; log-probs are computed at it"),
+    "lora_rank": (0, "learner module", "LoRA adapters of this rank on the learner (0: full fine-tuning)"),
+    "lora_alpha": (32.0, "learner module", "LoRA alpha (scale alpha / rank)"),
+    "lora_dropout": (0.0, "learner module", "LoRA dropout"),
+    "lora_target_modules": ("all-linear", "learner module", "LoRA targets: all-linear or a list of module names"),
+    "lora": (None, "learner module", "the nested form {rank, alpha, dropout, target_modules} (lora_* are its flat keys)"),
+    "vf_share_layers": (False, "learner module", "True: value-loss gradients reach the LM too"),
+    "value_batch_size": (64, "learner module", "rows per prompt-only pass of compute_values (PPO's GAE pass)"),
+    "value_scale": (1.0, "learner module", "V = value_scale x value_head(h): the value head's effective lr under Adam"),
+}
+#: The env runner's keys (``RunnerSettings``), besides model / dtype / temperature above.
+_RUNNER_KEYS = ("group_size", "top_p", "max_prompt_tokens", "max_response_tokens", "generation_backend",
+                "generation_batch_size", "hf_decoder", "vllm_kwargs", "behaviour_logprobs", "scoring_on",
+                "heldout_dataset", "heldout_split")
+#: :class:`LLMHeldoutCallback`'s keys.
+_HELDOUT_KEYS = ("heldout_num_questions", "heldout_interval", "heldout_samples", "heldout_temperature",
+                 "heldout_max_response_tokens")
+#: Read by the memory plan only (``planning/ppo.py``).
+_PLAN_KEYS = ("gpu_memory_gb",)
+
+#: What the PPO path cannot do: model_config key -> why (one line each; docs/ppo.md).
+PPO_REFUSED = {
+    "colocate": "RLlib's PPO cannot colocate: its learners never hand the GPU to a sampler between "
+                "updates; give the env runners GPUs of their own (num_gpus_per_env_runner, a fraction of "
+                "one GPU included) instead",
+    "learner_backend": "RLlib's PPO trains on its own PPOTorchLearner (torch DDP over num_learners); DeepSpeed "
+                       "ZeRO is ExGRPO / GRPO's learner only: use LoRA (lora_rank) where the model states do not "
+                       "fit a GPU",
+    "deepspeed_zero_stage": "RLlib's PPO has no DeepSpeed learner (see learner_backend)",
+    "deepspeed": "RLlib's PPO has no DeepSpeed learner (see learner_backend)",
+    "learner_micro_batch_tokens": "RLlib's PPO makes one forward/backward pass per minibatch: set minibatch_size "
+                                  "(learner rows, 2 per completion) to what fits",
+    "learner_micro_batch_rows": "RLlib's PPO makes one forward/backward pass per minibatch: set minibatch_size "
+                                "(learner rows, 2 per completion) to what fits",
+    "model_name_or_path": "the model is model_config's `model` under RLlib's PPO",
+    "model_dtype": "the dtype is model_config's `dtype` under RLlib's PPO",
+}
+
+
+def ppo_model_config_keys() -> Dict[str, tuple]:
+    """Every ``model_config`` key PPO reads: name -> (default, reader, meaning)."""
+    from rllib_exgrpo.rllib.config_fields import FIELDS_BY_NAME, field_defaults
+
+    defaults = field_defaults()
+    out = dict(_MODULE_KEYS)
+    for name in _RUNNER_KEYS:
+        out[name] = (defaults[name], "env runner", FIELDS_BY_NAME[name].doc)
+    for name in _HELDOUT_KEYS:
+        out[name] = (defaults[name], "held-out callback (LLMHeldoutCallback)", FIELDS_BY_NAME[name].doc)
+    for name in _PLAN_KEYS:
+        out[name] = (defaults[name], "memory plan (--dry-run)", FIELDS_BY_NAME[name].doc)
+    return out
+
+
+def ppo_model_config(model_config: Dict[str, Any]) -> Dict[str, Any]:
+    """``model_config`` as :class:`LLMPPOTorchRLModule` builds from it: the flat ``lora_*``
+    keys gathered into the module's ``lora`` entry, and ``master_dtype: float32`` for a
+    half-precision learner without LoRA where it is not given (an AdamW step at an LLM's lr
+    rounds away on bf16 weights; ExGRPO's DDP learner keeps the same fp32 master copy)."""
+    mc = dict(model_config or {})
+    rank = int(mc.get("lora_rank") or 0)
+    if rank > 0 and not mc.get("lora"):
+        mc["lora"] = {"rank": rank, "alpha": float(mc.get("lora_alpha", 32.0)),
+                      "dropout": float(mc.get("lora_dropout", 0.0)),
+                      "target_modules": mc.get("lora_target_modules", "all-linear")}
+    half = str(mc.get("dtype", "float32")) in ("bfloat16", "float16")
+    if half and "master_dtype" not in mc and not (mc.get("lora") or {}).get("rank"):
+        mc["master_dtype"] = "float32"
+    return mc
+
+
+def model_config_problems(model_config: Any, where: str = "config.model_config") -> List[str]:
+    """One line per ``model_config`` key that RLlib's PPO on this project's LLM would not
+    read as meant: unknown keys ("did you mean"), what the PPO path cannot do
+    (:data:`PPO_REFUSED`), and a learner scoring that leaves PPO without behaviour log-probs."""
+    import difflib
+
+    if not isinstance(model_config, dict):
+        return [f"{where}: must be a mapping, got {model_config!r}."]
+    known = ppo_model_config_keys()
+    out = []
+    for key, value in model_config.items():
+        if key in PPO_REFUSED:
+            if (key == "colocate" and not value) or (key == "learner_backend" and value == "ddp"):
+                continue  # what PPO does anyway
+            out.append(f"{where}.{key}: {PPO_REFUSED[key]} (docs/ppo.md).")
+        elif key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=3, cutoff=0.6)
+            hint = f" Did you mean: {', '.join(repr(c) for c in close)}?" if close else ""
+            out.append(f"{where}.{key}: not a key RLlib's PPO on the LLM reads (LLMPPOTorchRLModule, "
+                       f"LLMEnvRunner).{hint} Known keys: docs/ppo.md.")
+    if model_config.get("scoring_on") == "learners" and model_config.get("behaviour_logprobs", "recompute") == "recompute":
+        out.append(f"{where}.scoring_on: 'learners' with behaviour_logprobs 'recompute' leaves PPO's episodes "
+                   "without behaviour log-probs (its learners take them from the env runners): scoring_on: "
+                   "runners, or behaviour_logprobs: engine (vLLM's own) (docs/ppo.md).")
+    return out
+
+
+# ---------------------------------------------------------------- held-out evaluation
+
+
+class LLMHeldoutCallback(RLlibCallback):
+    """ExGRPO's held-out evaluation under RLlib's PPO (``callbacks:
+    rllib_exgrpo.rllib.ppo_module:LLMHeldoutCallback``): the same questions (the first
+    ``heldout_num_questions`` of ``heldout_dataset`` / ``heldout_split``), samples, temperature
+    and token limit, before training and after every ``heldout_interval`` iterations, through
+    the first env runner; reported as ``heldout/accuracy``, ``heldout/after_iteration`` and
+    ``heldout/initial_accuracy``. Settings from the module's ``model_config`` (field defaults
+    where missing); without ``heldout_dataset`` it does nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self._evaluator = None
+        self._settings = None
+
+    def _setup(self, algorithm):
+        if self._settings is not None:
+            return self._evaluator
+        from types import SimpleNamespace
+
+        from rllib_exgrpo.rllib.config_fields import field_defaults
+        from rllib_exgrpo.rllib.env_runner import module_model_config
+        from rllib_exgrpo.rllib.heldout import HeldoutEvaluator
+
+        mc = module_model_config(algorithm.config)
+        defaults = field_defaults()
+        names = ("heldout_dataset", "heldout_split", "max_response_tokens") + _HELDOUT_KEYS
+        values = {n: (mc[n] if mc.get(n) is not None else defaults[n]) for n in names}
+        self._settings = SimpleNamespace(env_config=dict(algorithm.config.env_config or {}), **values)
+        if self._settings.heldout_dataset:
+            self._evaluator = HeldoutEvaluator(self._settings, lambda q, n, **kw: (self._sample(algorithm, q, n, **kw), None))
+        return self._evaluator
+
+    @staticmethod
+    def _sample(algorithm, question_ids, num_samples, **kwargs):
+        group = algorithm.env_runner_group
+        if group.num_remote_env_runners() > 0:
+            return group.foreach_env_runner(
+                lambda r: r.sample(question_ids=question_ids, num_samples=num_samples, **kwargs),
+                remote_worker_ids=[group.healthy_worker_ids()[0]], local_env_runner=False)[0]
+        return group.local_env_runner.sample(question_ids=question_ids, num_samples=num_samples, **kwargs)
+
+    def on_algorithm_init(self, *, algorithm, metrics_logger=None, **kwargs) -> None:
+        ev = self._setup(algorithm)
+        if ev is not None and algorithm.iteration == 0:
+            ev.initial_accuracy = ev.evaluate()["accuracy"]
+
+    def on_train_result(self, *, algorithm, metrics_logger=None, result, **kwargs) -> None:
+        ev = self._setup(algorithm)
+        if ev is None:
+            return
+        done = int(result.get("training_iteration", algorithm.iteration))
+        if not ev.due(done) or done == 0:
+            if ev.initial_accuracy is not None:
+                result.setdefault("heldout", {})["initial_accuracy"] = ev.initial_accuracy
+            return
+        accuracy = ev.evaluate()["accuracy"]
+        heldout = result.setdefault("heldout", {})
+        heldout.update(accuracy=accuracy, after_iteration=done)
+        if ev.initial_accuracy is not None:
+            heldout["initial_accuracy"] = ev.initial_accuracy
