@@ -187,7 +187,8 @@ VLLM = (
     _vllm("vllm.engine.arg_utils:EngineArgs",
           params=("model", "dtype", "seed", "max_model_len", "enable_prefix_caching", "max_num_seqs",
                   "logprobs_mode", "worker_extension_cls", "generation_config", "enable_sleep_mode",
-                  "gpu_memory_utilization", "tensor_parallel_size"),
+                  "gpu_memory_utilization", "tensor_parallel_size", "pipeline_parallel_size",
+                  "kv_cache_memory_bytes"),
           used_in="generation/vllm.py engine_kwargs: vllm.LLM(**kwargs) passes them to EngineArgs"),
     _vllm("vllm:LLM.generate", params=("prompts", "sampling_params", "use_tqdm"), used_in="generation/vllm.py"),
     _vllm("vllm:LLM.collective_rpc", params=("method", "args", "kwargs"),
@@ -197,6 +198,23 @@ VLLM = (
           used_in="rllib/colocation.py: the engine sleeps while the learner trains (CUDA)"),
     _vllm("vllm:LLM.wake_up", params=("tags",), precondition='tags "weights" then "kv_cache"',
           used_in="rllib/colocation.py: weights woken before the push, KV cache after it (CUDA)"),
+    _vllm("vllm.v1.worker.gpu_worker:Worker.reload_weights",
+          used_in="generation/vllm.py WeightSyncWorkerExtension: the worker's in-place reload (the CPU "
+                  "worker subclasses it); generation/vllm.py vllm_api_problems checks each runner class at "
+                  "engine start"),
+    _vllm("vllm.model_executor.model_loader.reload.inplace:reload_weights",
+          params=("vllm_config", "model", "weights_iterator"),
+          precondition="every model runner (V1 and V2, CPU and GPU) loads through this function",
+          used_in="generation/vllm.py: one reload per push with a generator over the layer buckets"),
+    _vllm("vllm.model_executor.model_loader.reload.layerwise", "value",
+          source_has=("Failed to load weights",),
+          precondition="a layer that got no tensor is reported at WARNING with this message",
+          used_in="generation/vllm.py quiet_rotary_reload: the message dropped for rotary layers only"),
+    _vllm("vllm.distributed.parallel_state:init_distributed_environment",
+          source_has=("torch.distributed.is_initialized()",),
+          precondition="with torch.distributed already initialised (the learners' group) the engine's world "
+                       "is built over the learners: colocated engines are built by every learner together",
+          used_in="rllib/colocation.py ColocatedSampler.take_part / engine_build_is_collective"),
     _vllm("vllm:SamplingParams",
           params=("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "max_tokens", "stop_token_ids", "logprobs", "detokenize"),
@@ -226,7 +244,7 @@ def _resolve(target: str) -> Tuple[Any, Any]:
     module_name, _, qualname = target.partition(":")
     obj: Any = importlib.import_module(module_name)
     owner = obj
-    for part in qualname.split("."):
+    for part in qualname.split(".") if qualname else ():
         owner, obj = obj, getattr(obj, part)
     return owner, obj
 

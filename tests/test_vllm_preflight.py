@@ -37,14 +37,14 @@ def test_a_parallel_engine_under_colocate_is_refused_in_one_line(field):
     lines = _lines(_spec(colocate=True, num_learners=2, vllm_kwargs={field: 2, "kv_cache_memory_bytes": 1 << 26}))
     ours = [ln for ln in lines if f"vllm_kwargs.{field}" in ln]
     assert len(ours) == 1, lines
-    assert ours[0].startswith(f"experiment 'bad': config.vllm_kwargs.{field}: must be 1 with colocate (got 2)")
+    assert ours[0].startswith(f"experiment 'bad': config: vllm_kwargs.{field}: must be 1 with colocate (got 2)")
 
 
 def test_cpu_engines_that_each_ask_for_most_of_the_node_are_refused():
     lines = _lines(_spec(colocate=True, num_learners=2, vllm_kwargs={"gpu_memory_utilization": 0.92}))
     ours = [ln for ln in lines if "vllm_kwargs.gpu_memory_utilization" in ln]
     assert len(ours) == 1, lines
-    assert ours[0].startswith("experiment 'bad': config.vllm_kwargs.gpu_memory_utilization: 2 vLLM engines on CPU "
+    assert ours[0].startswith("experiment 'bad': config: vllm_kwargs.gpu_memory_utilization: 2 vLLM engines on CPU "
                               "(one per learner) each reserve 0.92 of the node's memory"), ours
     assert "1.84 > 1" in ours[0] and "kv_cache_memory_bytes" in ours[0]
 

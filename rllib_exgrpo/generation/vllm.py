@@ -412,13 +412,14 @@ def engine_config_problems(config) -> List[str]:
       several engines share a GPU when the actors ask for a fraction of one, and their
       shares must not add up to more than the GPU.
     """
-    if getattr(config, "generation_backend", None) != "vllm":
+    # A config without these fields (not an ExGRPOConfig or runner settings) runs no vLLM engine.
+    if not hasattr(config, "generation_backend") or config.generation_backend != "vllm":
         return []
-    kwargs = getattr(config, "vllm_kwargs", None) or {}
+    kwargs = config.vllm_kwargs or {}
     if not isinstance(kwargs, dict):
         return []
     out = []
-    colocate = bool(getattr(config, "colocate", False))
+    colocate = bool(config.colocate)
     if colocate:
         for field in _PARALLEL_FIELDS:
             size = kwargs.get(field, 1)
@@ -776,7 +777,7 @@ class VLLMGenerationBackend:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = import_vllm()  # a vLLM outside SUPPORTED_VLLM fails here, in one line
         check_vllm_api()  # and one without the calls below, before the engine is built
-        if getattr(self.config, "colocate", False):
+        if self.config.colocate:
             check_engine_config(self.config)  # (preflight says it before anything starts)
         kwargs = self.engine_kwargs()
         self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")  # vLLM's default

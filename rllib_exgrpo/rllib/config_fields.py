@@ -601,6 +601,12 @@ def cross_field_errors(config: Any) -> Iterator[str]:
         yield ("lora_rank > 0 with learner_backend: deepspeed needs colocate: true: only the colocated "
                "sampler merges the adapters layer by layer from the ZeRO partitions; the sync to env runners "
                "would ship the wrapped model's own tensors (use learner_backend: ddp with env runners)")
+    if config.generation_backend == "vllm":
+        # Parallel engines under colocate, engines that overfill a node or a GPU (reads only
+        # the config; vLLM is not imported).
+        from rllib_exgrpo.generation.vllm import engine_config_problems
+
+        yield from engine_config_problems(config)
     if config.model_dtype == "float16" and config.learner_backend == "ddp":
         # The DDP learner's mixed precision keeps fp32 master weights but scales no loss:
         # fp16 gradients underflow without it. bf16 needs no scaling; DeepSpeed scales fp16.
