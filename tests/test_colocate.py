@@ -185,14 +185,17 @@ class _FailingLearners:
     def _sample(self, rank, shards):
         if rank == self.fail_rank:
             raise ValueError("question q7 has no prompt in this dataset")
-        return rank, [f"episode of {q}" for q in shards[rank][0]], None, []
+        notes = ["colocate: optimizer offload (torch optimizer) moved to host: optim_states 1.00 MiB"]
+        return rank, [f"episode of {q}" for q in shards[rank][0]], None, notes if rank == 0 else []
 
 
-def test_a_learners_error_while_sampling_reaches_the_user_as_itself_in_one_line():
+def test_a_learners_error_while_sampling_reaches_the_user_as_itself_in_one_line(capsys):
     from rllib_exgrpo.rllib.colocation import sample_on_learners
 
     episodes, _ = sample_on_learners(_FailingLearners(fail_rank=-1), ["q1", "q7"], [2, 2])
     assert episodes == ["episode of q1", "episode of q7"]
+    # A learner's note for the user is printed by the driver, once.
+    assert capsys.readouterr().err.count("colocate: optimizer offload (torch optimizer) moved to host") == 1
     with pytest.raises(ValueError) as info:
         sample_on_learners(_FailingLearners(fail_rank=1), ["q1", "q7"], [2, 2])
     assert str(info.value) == ("colocated sampling failed on learner actor 2: ValueError: question q7 has no "

@@ -140,6 +140,8 @@ _ENV_RUNNER = (
     "generation_time_s", "scoring_time_s", "response_length_mean", "num_response_tokens",
     "num_response_tokens_lifetime", "truncated_fraction", "reward_timeouts", "reward_errors",
     "behaviour_logprob_mismatch_mean", "behaviour_logprob_mismatch_max",
+    # ColocatedSampler.turn (rllib/colocation.py)
+    "optimizer_offload_bytes",
 )
 # ExperienceManager.metrics / observe / replayed_trajectories, ExGRPO._log_experience_metrics
 _EXPERIENCE = (
@@ -221,6 +223,8 @@ def _when(cfg: Any, key: str) -> Optional[str]:
         return "it is logged with learner_micro_batch_rows or learner_micro_batch_tokens only"
     if key == "learners/default_policy/kl" and not (field_value(cfg, "kl_coeff") or 0) > 0:
         return "kl_coeff is 0 (no KL term)"
+    if key == "env_runners/optimizer_offload_bytes" and not field_value(cfg, "colocate"):
+        return "it is logged with colocate: true only (a turn that offloads the optimizer state)"
     if key.startswith("env_runners/behaviour_logprob_mismatch") and field_value(cfg, "generation_backend") != "vllm":
         return "it is measured with generation_backend 'vllm' only"
     m = _PROJECT_PATTERNS[0].fullmatch(key)

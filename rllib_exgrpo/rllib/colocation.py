@@ -229,7 +229,9 @@ class ColocatedSampler:
                 yield
             self._note("generate")
             return
-        self.offload.offload()
+        moved = self.offload.offload()
+        # The bytes a turn moved off the device (env_runners/optimizer_offload_bytes).
+        self.runner.metrics.log_value("optimizer_offload_bytes", moved, window=1)
         if not self.offload.said:  # once, by the first learner: what a turn moves off the device
             if self.index == 0:
                 self.notes.append(self.offload.describe())
