@@ -338,6 +338,8 @@ def _dry_run(monkeypatch, capsys, tmp_path, extra: dict, recipe: str = QWEN):
     # a search's scheduler reads held-out accuracy: keep a held-out set (the built-in one)
     heldout = "arithmetic" if spec.get("scheduler") else None
     overrides = {"env_config": {"dataset": "arithmetic"}, "heldout_dataset": heldout, **extra}
+    if spec["run"] == "PPO":  # RLlib's PPO on the LLM: the project's settings are model_config's
+        overrides = {"env_config": {"dataset": "arithmetic"}, "model_config": {"heldout_dataset": heldout, **extra}}
     rc = main.main(["train", "file", recipe, "--dry-run", "--ray-num-gpus", "8", "--storage-path", str(tmp_path / "r"),
                     "--config", json.dumps(overrides)])
     out, err = capsys.readouterr()
@@ -443,7 +445,7 @@ def test_every_gpu_recipe_fits_its_card_and_the_readme_table_shows_its_plan(reci
 
     monkeypatch.chdir(REPO)
     spec = next(iter(yaml.safe_load(recipe.read_text()).values()))
-    card = spec["config"].get("gpu_memory_gb") or 80
+    card = spec["config"].get("gpu_memory_gb") or spec["config"].get("model_config", {}).get("gpu_memory_gb") or 80
     rc, out, err = _dry_run(monkeypatch, capsys, tmp_path, {"gpu_memory_gb": card}, str(recipe.relative_to(REPO)))
     assert rc == 0, out + err
     actors = re.findall(r"^    (\S.*?) x\d+ \(.*?\): ([\d.]+) GiB of ([\d.]+) GiB: (\w+)", out, flags=re.M)

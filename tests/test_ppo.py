@@ -336,3 +336,102 @@ def test_rllib_ppo_trains_the_llm_and_its_value_loss_goes_down(tmp_path, quick_t
     assert late < 0.6 * float(np.mean(ret)), (vf, ret)
     assert all(0.0 <= r <= 1.0 for r in ret)
     assert any(p.name.startswith("checkpoint_") for p in trial.iterdir())  # the file's checkpoint_at_end
+
+
+# ------------------------------------------------------------------ the GPU path's pieces
+
+
+def _train_batch(prompts, completions):
+    from ray.rllib.connectors.learner import AddOneTsToEpisodesAndTruncate, BatchIndividualItems
+
+    eps = [_episode(p, c, [0.0] * len(c)) for p, c in zip(prompts, completions)]
+    batch = {}
+    for piece in (AddOneTsToEpisodesAndTruncate(), PadLLMEpisodes(), BatchIndividualItems()):
+        batch = piece(rl_module=None, batch=batch, episodes=eps, shared_data={})
+    return {k: torch.as_tensor(v) for k, v in batch.items()}
+
+
+def test_bf16_lora_module_scores_in_chunks_under_autocast(quick_tiny_model, monkeypatch):
+    """bf16: fp32 master weights and autocast on the learner (bf16 on runners); flat LoRA keys
+    give adapters; the training pass goes through the chunked log-prob code, logit_chunk_tokens
+    positions at a time (never whole [tokens x vocabulary] logits)."""
+    import gymnasium as gym
+
+    from rllib_exgrpo.core import chunked_logprobs
+
+    space = gym.spaces.Box(0, 300, shape=(16,), dtype=np.int64)
+    build = lambda mc, inf=False: LLMPPOTorchRLModule(  # noqa: E731
+        observation_space=space, action_space=space, inference_only=inf, model_config={"model": quick_tiny_model, **mc})
+    learner = build({"dtype": "bfloat16", "logit_chunk_tokens": 2})
+    assert learner.compute_dtype == torch.bfloat16
+    assert next(learner.model.parameters()).dtype == torch.float32  # master weights
+    assert next(build({"dtype": "bfloat16"}, inf=True).model.parameters()).dtype == torch.bfloat16
+    calls = []
+    real = chunked_logprobs.logprobs_entropy_from_hidden
+
+    def spy(hidden, head, targets, **kw):
+        calls.append((tuple(hidden.shape), kw.get("chunk_tokens"), torch.is_autocast_enabled("cpu")))
+        return real(hidden, head, targets, **kw)
+
+    monkeypatch.setattr("rllib_exgrpo.core.scoring.logprobs_entropy_from_hidden", spy)
+    batch = _train_batch([[11, 12, 13], [15, 16]], [[20, 21, 22], [23]])
+    out = learner.forward_train(batch)
+    (shape, chunk, autocast), = calls
+    assert shape[0] == 2 * 3 and chunk == 2 and autocast  # 2 real rows x 3 positions: hidden states, not logits
+    assert CompletionDistribution.from_logits(out[Columns.ACTION_DIST_INPUTS]).logp(batch[Columns.ACTIONS]).requires_grad
+
+    lora = build({"dtype": "bfloat16", "lora_rank": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"]})
+    assert lora.lora_model is not None and lora.compute_dtype is None  # the base stays bf16, no master copy
+    trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n or n.startswith("value_head") for n in trainable)
+    assert any(n.startswith("value_head") for n in trainable)
+    state = lora.get_state(inference_only=True)
+    assert not any(".lora_" in k or k.startswith("value_head") for k in state)  # merged weights for the runners
+
+
+def test_model_config_keys_are_checked_and_documented():
+    from rllib_exgrpo.rllib.ppo_module import PPO_REFUSED, model_config_problems, ppo_model_config_keys
+
+    keys = ppo_model_config_keys()
+    doc = (REPO / "docs" / "ppo.md").read_text()
+    for key, (default, _, _) in keys.items():
+        assert f"| `{key}` | `{default!r}` |" in doc, key
+    for key in PPO_REFUSED:
+        assert f"`{key}" in doc, key
+    # Both shipped CPU recipes and every ppo_qwen* twin pass; one line per bad key, naming it.
+    for path in [PPO_TINY, REPO / "tuned_examples" / "ppo_smollm2_cpu.yaml",
+                 *sorted((REPO / "tuned_examples").glob("ppo_qwen*.yaml"))]:
+        import yaml
+
+        spec = next(iter(yaml.safe_load(path.read_text()).values()))
+        assert model_config_problems(spec["config"]["model_config"]) == [], path
+    (line,) = model_config_problems({"model": "tiny", "lroa": 8})
+    assert line.startswith("config.model_config.lroa: ") and "Did you mean: 'lora'" in line
+    assert model_config_problems({"colocate": False, "learner_backend": "ddp"}) == []
+    assert model_config_problems({"scoring_on": "learners", "behaviour_logprobs": "engine"}) == []
+
+
+def test_ppo_memory_plan_counts_the_value_head_and_one_pass_per_minibatch():
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    from rllib_exgrpo.cli.config_keys import apply_config
+    from rllib_exgrpo.planning.memory import plan_memory
+    from rllib_exgrpo.planning.ppo import plan_ppo_memory, ppo_plan_view, value_head_bytes
+    import yaml
+
+    spec = next(iter(yaml.safe_load((REPO / "tuned_examples" / "ppo_qwen1.5b.yaml").read_text()).values()))
+    cfg = PPOConfig()
+    assert apply_config(cfg, spec["config"]) == []
+    plan = plan_ppo_memory(cfg)
+    learner, runner = plan.actors
+    head = next(it for it in learner.items if it.what == "value head")
+    assert head.bytes == value_head_bytes(1536) == 16 * 1537
+    assert plan.fits and "32 learner rows (16 completions" in plan.render()
+    # Without the value head it is the ExGRPO plan of the same settings, DDP, 16 rows a pass.
+    base = plan_memory(ppo_plan_view(cfg))
+    assert learner.total - base.actors[0].total == head.bytes
+    assert "16 rows x 5120 tokens" in base.render()
+    # A minibatch too large for the GPU names minibatch_size, with a size that fits.
+    cfg.training(minibatch_size=256)
+    (problem,) = plan_ppo_memory(cfg).problems()
+    assert problem.startswith("config.minibatch_size: ") and "minibatch_size: " in problem.split("are left")[1]

@@ -478,8 +478,11 @@ def ppo_model_config_keys() -> Dict[str, tuple]:
     """Every ``model_config`` key PPO reads: name -> (default, reader, meaning)."""
     from rllib_exgrpo.rllib.config_fields import FIELDS_BY_NAME, field_defaults
 
+    from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
+
     defaults = field_defaults()
     out = dict(_MODULE_KEYS)
+    out["logit_chunk_tokens"] = (DEFAULT_CHUNK_TOKENS,) + out["logit_chunk_tokens"][1:]
     for name in _RUNNER_KEYS:
         out[name] = (defaults[name], "env runner", FIELDS_BY_NAME[name].doc)
     for name in _HELDOUT_KEYS:
