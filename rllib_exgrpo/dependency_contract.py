@@ -188,8 +188,9 @@ VLLM = (
           params=("model", "dtype", "seed", "max_model_len", "enable_prefix_caching", "max_num_seqs",
                   "logprobs_mode", "worker_extension_cls", "generation_config", "enable_sleep_mode",
                   "gpu_memory_utilization", "tensor_parallel_size", "pipeline_parallel_size",
-                  "kv_cache_memory_bytes"),
-          used_in="generation/vllm.py engine_kwargs: vllm.LLM(**kwargs) passes them to EngineArgs"),
+                  "kv_cache_memory_bytes", "distributed_executor_backend"),
+          used_in="generation/vllm.py engine_kwargs: vllm.LLM(**kwargs) passes them to EngineArgs; "
+                  "evaluation/engines.py engine_kwargs"),
     _vllm("vllm:LLM.generate", params=("prompts", "sampling_params", "use_tqdm"), used_in="generation/vllm.py"),
     _vllm("vllm:LLM.collective_rpc", params=("method", "args", "kwargs"),
           used_in="generation/vllm.py: weights into the workers by name"),
