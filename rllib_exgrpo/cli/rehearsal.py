@@ -102,6 +102,7 @@ def rehearse_experiments(
         config = spec.get("config") if isinstance(spec.get("config"), dict) else {}
         config = deep_merge(config, config_overrides) if config_overrides else config
         spec["config"] = _rehearse_config(config, spec.get("run"), vllm, found)
+        _rehearse_search(spec, found)
         _rehearse_run_settings(spec, stop_given, found)
         out[f"{name}{SUFFIX}"] = spec
         swaps[f"{name}{SUFFIX}"] = found
@@ -125,6 +126,28 @@ def _rehearse_run_settings(spec: Dict[str, Any], stop_given: bool, found: List[S
         now = mlflow["experiment_name"] + SUFFIX
         found.append(Swap("mlflow.experiment_name", mlflow["experiment_name"], now, "kept apart from real runs"))
         spec["mlflow"] = {**mlflow, "experiment_name": now}
+
+
+def _rehearse_search(spec: Dict[str, Any], found: List[Swap]) -> None:
+    """A search rehearses as one trial: each grid or choice at its first value, other search
+    spaces sampled once (``num_samples: 1``). The rehearsal checks the recipe's path on this
+    machine; the search itself is Tune's (one trial of a GPU search is minutes on a CPU)."""
+    def first(settings: Dict[str, Any], where: str) -> None:
+        for key, value in list(settings.items()):
+            if _is_space(value) and next(iter(value)) in ("grid_search", "choice"):
+                options = next(iter(value.values()))
+                if isinstance(options, list) and options:
+                    _set(settings, where, key, options[0], "a search rehearses as one trial: its first value",
+                         found)
+            elif isinstance(value, dict) and not _is_space(value):
+                first(value, f"{where}{key}.")
+
+    config = spec.get("config")
+    if isinstance(config, dict):
+        first(config, "")
+    if int(spec.get("num_samples", 1) or 1) > 1:
+        found.append(Swap("num_samples", spec["num_samples"], 1, "a search rehearses as one trial"))
+        spec["num_samples"] = 1
 
 
 def _is_space(value: Any) -> bool:
