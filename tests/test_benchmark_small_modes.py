@@ -7,7 +7,7 @@ none). A benchmark that writes its figures as JSON writes them under the test's 
 folder, never over a real measurement in benchmarks/out. peer_trl needs the TRL venv that
 it makes on first use (benchmarks/out/trl-venv, a few GB of installs): it is skipped where
 that venv is not there. memory_plan.py is not here: its smallest setting (``--quick``) takes
-one to two minutes, more than this whole module's other benchmarks together spend on Ray.
+one to two minutes on 2 cores, most of what all the others here take together.
 """
 from __future__ import annotations
 
