@@ -122,8 +122,10 @@ def test_overrides_stop_and_search_spaces():
     assert c["num_learners"] == 2
     assert spec["stop"] == GPU_SPEC["stop"] and "stop" not in swaps  # the command line's --stop is merged later
     searched = {**GPU_SPEC, "config": {**GPU_SPEC["config"], "questions_per_step": {"grid_search": [64, 128]}}}
-    spec, swaps = _one(searched, vllm=False)
-    assert spec["config"]["questions_per_step"] == {"grid_search": [64, 128]}
+    spec, swaps = _one({**searched, "num_samples": 3}, vllm=False)
+    # A search rehearses as one trial: its first value, then scaled like any value.
+    assert spec["num_samples"] == 1 and "num_samples" in swaps
+    assert isinstance(spec["config"]["questions_per_step"], int) and spec["config"]["questions_per_step"] <= 64
 
 
 def test_rllib_ppo_on_the_llm_runner_and_a_non_llm_recipe():

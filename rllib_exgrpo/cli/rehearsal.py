@@ -101,8 +101,9 @@ def rehearse_experiments(
         found: List[Swap] = []
         config = spec.get("config") if isinstance(spec.get("config"), dict) else {}
         config = deep_merge(config, config_overrides) if config_overrides else config
-        spec["config"] = _rehearse_config(config, spec.get("run"), vllm, found)
-        _rehearse_search(spec, found)
+        spec["config"] = config
+        _rehearse_search(spec, found)  # first: the rules below then see the values that run
+        spec["config"] = _rehearse_config(spec["config"], spec.get("run"), vllm, found)
         _rehearse_run_settings(spec, stop_given, found)
         out[f"{name}{SUFFIX}"] = spec
         swaps[f"{name}{SUFFIX}"] = found
