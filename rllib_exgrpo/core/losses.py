@@ -693,8 +693,8 @@ def streamed_entropy(logits: Tensor) -> Tensor:
     :func:`entropy_from_logits`, but autograd keeps no ``[..., V]`` intermediate (the plain
     version keeps about four: the softmax, its product with the logits, masks), and the
     forward / backward work in chunks of :data:`ENTROPY_CHUNK_ROWS` positions. On
-    SmolLM2's 49k vocabulary and 16 x 256 completion tokens that is ~3 GB less at peak
-    (benchmarks/learner_memory.py).
+    SmolLM2's 49k vocabulary and 16 x 256 completion tokens that was ~3 GB less at peak
+    (benchmarks/learner_memory.py now measures the learner's chunked scoring pass that uses it).
     """
     # Without a graph (no-grad input or torch.no_grad) apply() records nothing and the
     # saved logits are released with the output.

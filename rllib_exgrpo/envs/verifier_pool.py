@@ -21,7 +21,7 @@ ground truth) come back as the task's error and are counted in :func:`reward_sta
 turned into a silent 0.
 
 Why not ``pebble.ProcessPool`` (per-task timeout, kills and replaces an overrunning
-worker)? Measured with ``benchmarks/reward_pool_compare.py`` (pebble 5.2.3, same caller
+worker)? Measured with ``experiments/reward_pool_compare.py`` (pebble 5.2.3, same caller
 code, only the pool swapped): it cannot start workers inside a daemonic multiprocessing
 worker at all ("daemonic processes are not allowed to have children", every start
 method), which this module supports. Where it does work, it matched this pool on hangs

@@ -21,7 +21,7 @@ round differently: the one branch MKL runs alike on every vendor's CPU), oneDNN 
 AVX2, and a fixed OpenMP team (the recipe fixes the thread count). The build's optimiser
 is the fused AdamW, whose square root is ATen's own: the default AdamW's goes through
 MKL's vector maths, which differed between AMD and Intel even on the COMPATIBLE branch.
-Measured (``benchmarks/warm_start_bits.py``, docs/warm_start.md): an AMD EPYC and an
+Measured (``experiments/warm_start_bits.py``, docs/warm_start.md): an AMD EPYC and an
 emulated Intel Haswell build the same bits. Cost: MKL's SSE2 matrix products are about
 half the speed of its AVX2 ones, once per recipe.
 

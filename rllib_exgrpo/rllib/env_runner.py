@@ -458,7 +458,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.metrics.log_value("scoring_time_s", scoring_s, reduce="sum")
         lengths = [len(e.actions[0]) for e in episodes]
         self.metrics.log_value("response_length_mean", float(np.mean(lengths)) if n else 0.0, window=1)
-        # Sampled completion tokens: the budget benchmarks/compare.py equalises across methods.
+        # Sampled completion tokens: the budget experiments/compare.py equalises across methods.
         self.metrics.log_value("num_response_tokens", int(sum(lengths)), reduce="sum")
         self.metrics.log_value("num_response_tokens_lifetime", int(sum(lengths)), reduce="lifetime_sum")
         self.metrics.log_value(

@@ -53,7 +53,7 @@ Retrieval (:meth:`SolvedCorpus.retrieve`)
   to ~1e-15 relative. bm25s has no incremental update, so the index is rebuilt lazily, on
   the first query after the corpus changed: once per training step (adds happen before
   the step's retrievals).
-* Measured with ``benchmarks/icl_retrieval.py`` (arithmetic-like questions, a shared
+* Measured with ``experiments/icl_retrieval.py`` (arithmetic-like questions, a shared
   2-core CPU, so +-2x noise; one step = 512 adds + 64 retrievals, k = 2). At the default
   size 2048: rebuild 17-47 ms, retrieval ~0.08 ms (numpy ranking of the score array),
   add ~3 us, step ~15-25 ms; the former hand-written index: add 4-14 us, retrieval
