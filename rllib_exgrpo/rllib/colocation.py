@@ -232,7 +232,7 @@ class ColocatedSampler:
         moved = self.offload.offload()
         # The bytes a turn moved off the device (env_runners/optimizer_offload_bytes).
         self.runner.metrics.log_value("optimizer_offload_bytes", moved, window=1)
-        if not self.offload.said:  # once, by the first learner: what a turn moves off the device
+        if not self.offload.said and moved:  # once, by the first learner: what a turn moves
             if self.index == 0:
                 self.notes.append(self.offload.describe())
             self.offload.said = True

@@ -248,7 +248,8 @@ class ExGRPOTorchLearner(TorchLearner):
 
             sampler = ColocatedSampler(
                 self.config, self.module[DEFAULT_MODULE_ID].unwrapped(), index=learner_rank(),
-                optimizers=lambda: [opt for _, opt in self.get_optimizers_for_module()],
+                # The module's own optimizers (RLlib's default, ALL_MODULES, names none here).
+                optimizers=lambda: [opt for _, opt in self.get_optimizers_for_module(DEFAULT_MODULE_ID)],
                 engines=self.colocation_engines,
             )
             apply_threads_for(self.config, "learner")  # the runner sized them for itself
