@@ -187,7 +187,7 @@ def test_tuned_examples_pass_preflight_on_this_machine():
     from rllib_exgrpo.models import smollm2_available
 
     for f in sorted((REPO / "tuned_examples").glob("*.yaml")):
-        if f.name.startswith("exgrpo_qwen") or ("smollm2" in f.name and not smollm2_available()):  # GPU recipes
+        if f.name.startswith(("exgrpo_qwen", "grpo_qwen", "ppo_qwen")) or ("smollm2" in f.name and not smollm2_available()):  # GPU recipes
             continue
         exp, = build_experiments(str(f))
         assert exp.name, f
