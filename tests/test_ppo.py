@@ -416,7 +416,7 @@ def test_ppo_memory_plan_counts_the_value_head_and_one_pass_per_minibatch():
 
     from rllib_exgrpo.cli.config_keys import apply_config
     from rllib_exgrpo.planning.memory import plan_memory
-    from rllib_exgrpo.planning.ppo import plan_ppo_memory, ppo_plan_view, value_head_bytes
+    from rllib_exgrpo.rllib.ppo_memory_plan import plan_ppo_memory, ppo_plan_view, value_head_bytes
     import yaml
 
     spec = next(iter(yaml.safe_load((REPO / "tuned_examples" / "ppo_qwen1.5b.yaml").read_text()).values()))

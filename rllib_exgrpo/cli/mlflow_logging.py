@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 
 from rllib_exgrpo.cli.config_keys import suggest
+from rllib_exgrpo.rllib import rllib_contract as rc
 
 MLFLOW_KEYS = (
     "tracking_uri",
@@ -81,14 +82,9 @@ def mlflow_callback_class() -> type:
         from ray.air.integrations.mlflow import MLflowLoggerCallback
         from ray.rllib.utils.annotations import override
 
-        from rllib_exgrpo.rllib import rllib_contract as rc
-
         class BatchedMLflowLoggerCallback(MLflowLoggerCallback):
-            def _client(self):
-                return rc.mlflow_client(self)
-
             def _log_params_batched(self, run_id: str, config: Dict[str, Any]) -> None:
-                client = self._client()
+                client = rc.mlflow_client(self)
                 for chunk in _chunks(_mlflow_params(config), 100):
                     client.log_batch(run_id, params=chunk, synchronous=True)
 
@@ -114,7 +110,7 @@ def mlflow_callback_class() -> type:
                 heldout_step = new_heldout_step(self.__dict__.setdefault("_heldout_seen", {}), trial, result)
                 metrics = _mlflow_metrics(result, heldout_step)
                 try:
-                    client = self._client()
+                    client = rc.mlflow_client(self)
                     for chunk in _chunks(metrics, 1000):
                         client.log_batch(run_id, metrics=chunk, synchronous=True)
                 except Exception:

@@ -858,10 +858,10 @@ def memory_plan_text(exp: Any, indent: str = "  ") -> Optional[str]:
 
 def llm_ppo_memory_problems(cfg: Any) -> Tuple[List[str], List[str]]:
     """:func:`memory_problems` for RLlib's PPO sampling with this project's LLM env runner
-    (``rllib_exgrpo.planning.ppo``: its settings read from ``model_config``, the value head
+    (``rllib_exgrpo.rllib.ppo_memory_plan``: its settings read from ``model_config``, the value head
     counted); nothing for other configs."""
     from rllib_exgrpo.planning.memory import uses_gpus
-    from rllib_exgrpo.planning.ppo import plan_ppo_memory, ppo_plan_view
+    from rllib_exgrpo.rllib.ppo_memory_plan import plan_ppo_memory, ppo_plan_view
 
     if ppo_plan_view(cfg) is None or not uses_gpus(cfg):
         return [], []
@@ -875,7 +875,7 @@ def llm_ppo_memory_problems(cfg: Any) -> Tuple[List[str], List[str]]:
 def llm_ppo_memory_plan_text(cfg: Any, indent: str = "  ") -> Optional[str]:
     """:func:`memory_plan_text` of RLlib's PPO on the LLM (None for other configs)."""
     from rllib_exgrpo.planning.memory import uses_gpus
-    from rllib_exgrpo.planning.ppo import plan_ppo_memory, ppo_plan_view
+    from rllib_exgrpo.rllib.ppo_memory_plan import plan_ppo_memory, ppo_plan_view
 
     if ppo_plan_view(cfg) is None or not uses_gpus(cfg):
         return None

@@ -142,21 +142,10 @@ def evaluate(
     t_start = time.perf_counter()
     say = _progress_printer(progress)
     proto = get_protocol(protocol) if protocol else None
-    if proto is not None:
-        given = [n for n, v in (("instruction", instruction), ("system_prompt", system_prompt),
-                                ("think_format", think_format)) if v is not _UNSET]
-        if given:
-            raise ValueError(f"protocol {proto.name!r} sets the prompt; do not pass {', '.join(given)}")
-    temperature = float((proto.temperature if proto else DEFAULT_TEMPERATURE) if temperature is None else temperature)
-    top_p = float((proto.top_p if proto else DEFAULT_TOP_P) if top_p is None else top_p)
+    temperature, top_p = _sampling(proto, temperature, top_p, instruction, system_prompt, think_format)
     _check_settings(temperature, top_p, batch_size, pass_ks)
     loaded = load_eval_problems(sources, limit=limit, split=split, keep_system=proto is not None)  # 1. data first
-    for src in loaded:
-        if src.merged:
-            say(f"{src.spec}: {sum(src.rows.values())} rows, {sum(src.distinct_by_source.values())} distinct "
-                f"questions (repeated rows counted once: "
-                + ", ".join(f"{n} {src.rows[n]} -> {d}" for n, d in src.distinct_by_source.items() if src.rows[n] != d)
-                + ")")
+    _say_merged_rows(loaded, say)
     target = _Target.load(model, backend, device, dtype, ray_address, say)  # 2. the policy
     run = None
     try:
@@ -177,17 +166,45 @@ def evaluate(
     per_source, overall = _aggregate_sources(questions, seconds, pass_ks)  # 5. aggregate
     settings = _settings_record(run, target, loaded, k=k, k_used=run.k_used, pass_ks=pass_ks, limit=limit,
                                 split=split)
-    groups = None
-    if proto is not None:
-        from rllib_exgrpo.evaluation.protocol import group_averages, rows_and_distinct
-
-        groups = group_averages(per_source)
-        for name, (rows, distinct) in rows_and_distinct(loaded).items():
-            if name in per_source:
-                per_source[name]["rows"] = rows
-                per_source[name]["distinct_questions"] = distinct
+    groups = _protocol_groups(per_source, loaded) if proto is not None else None
     return EvalReport(model=target.label, settings=settings, sources=per_source, overall=overall,
                       wall_time_s=round(time.perf_counter() - t_start, 3), questions=questions, groups=groups)
+
+
+def _sampling(proto, temperature, top_p, instruction, system_prompt, think_format) -> Tuple[float, float]:
+    """``(temperature, top_p)``: given, else the protocol's, else the papers' defaults. A
+    protocol sets the prompt: passing prompt settings with one raises."""
+    if proto is not None:
+        given = [n for n, v in (("instruction", instruction), ("system_prompt", system_prompt),
+                                ("think_format", think_format)) if v is not _UNSET]
+        if given:
+            raise ValueError(f"protocol {proto.name!r} sets the prompt; do not pass {', '.join(given)}")
+    temperature = float((proto.temperature if proto else DEFAULT_TEMPERATURE) if temperature is None else temperature)
+    top_p = float((proto.top_p if proto else DEFAULT_TOP_P) if top_p is None else top_p)
+    return temperature, top_p
+
+
+def _say_merged_rows(loaded, say) -> None:
+    """One line per file whose repeated rows of a question were counted once."""
+    for src in loaded:
+        if src.merged:
+            say(f"{src.spec}: {sum(src.rows.values())} rows, {sum(src.distinct_by_source.values())} distinct "
+                f"questions (repeated rows counted once: "
+                + ", ".join(f"{n} {src.rows[n]} -> {d}" for n, d in src.distinct_by_source.items() if src.rows[n] != d)
+                + ")")
+
+
+def _protocol_groups(per_source: dict, loaded) -> dict:
+    """The protocol's in- and out-of-distribution averages; each source's rows and distinct
+    questions recorded beside its scores."""
+    from rllib_exgrpo.evaluation.protocol import group_averages, rows_and_distinct
+
+    groups = group_averages(per_source)
+    for name, (rows, distinct) in rows_and_distinct(loaded).items():
+        if name in per_source:
+            per_source[name]["rows"] = rows
+            per_source[name]["distinct_questions"] = distinct
+    return groups
 
 
 _PROMPT_KEYS = ("instruction", "system_prompt", "think_format")

@@ -452,7 +452,7 @@ _RUNNER_KEYS = ("group_size", "top_p", "max_prompt_tokens", "max_response_tokens
 #: :class:`LLMHeldoutCallback`'s keys.
 _HELDOUT_KEYS = ("heldout_num_questions", "heldout_interval", "heldout_samples", "heldout_temperature",
                  "heldout_max_response_tokens")
-#: Read by the memory plan only (``planning/ppo.py``).
+#: Read by the memory plan only (``rllib/ppo_memory_plan.py``).
 _PLAN_KEYS = ("gpu_memory_gb",)
 
 #: What the PPO path cannot do: model_config key -> why (one line each; docs/ppo.md).
