@@ -55,7 +55,7 @@ setup(
         # CUDA: pip install 'rllib-exgrpo[gpu]' --no-build-isolation.
         "gpu": ["vllm>=0.32,<0.33", "deepspeed>=0.19,<0.20", "flash-attn>=2.7"],
         "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "ruff>=0.17,<0.18"],
     },
     entry_points={"console_scripts": ["rllib=rllib_exgrpo.cli.main:main"]},
 )

@@ -73,7 +73,7 @@ def _pip(python: Path, package: str, spec: str, *extra: str) -> None:
     cmd = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *extra, spec]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
-        last = next((l.strip() for l in reversed(proc.stdout.splitlines()) if l.strip()), "no output")
+        last = next((line.strip() for line in reversed(proc.stdout.splitlines()) if line.strip()), "no output")
         raise RuntimeError(f"TRL venv: installing {package} ({spec}) failed: {last}")
 
 

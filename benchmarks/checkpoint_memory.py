@@ -125,7 +125,8 @@ def measure(algo, label, call, rows):
         peak = (a["hwm_kb"] - b["rss_kb"]) * 1024
         ratio = peak / shard
         worst = max(worst, ratio)
-        rows.append(dict(call=label, seconds=seconds, peak_bytes=peak, ratio=ratio, **b, hwm_kb=a["hwm_kb"], rss_after_kb=a["rss_after_kb"]))
+        rows.append(dict(call=label, seconds=seconds, peak_bytes=peak, ratio=ratio, **b, hwm_kb=a["hwm_kb"],
+                         rss_after_kb=a["rss_after_kb"]))
         print(f"{label:8s} rank {b['rank']}: RSS {b['rss_kb'] / 1024:.0f} MiB before, peak +{peak / 2**20:.0f} MiB; "
               f"shard {shard / 2**20:.0f} MiB (parameters {b['params_bytes'] / 2**20:.0f} + optimizer "
               f"{b['optimizer_bytes'] / 2**20:.0f}) -> {ratio:.2f} x shard; {seconds:.1f} s", flush=True)

@@ -341,8 +341,6 @@ def main(argv=None) -> int:
             rows.append(m)
             print(f"  measured {m['shape']} {m['mode']} {m['pass']} in {m['seconds']:.1f} s", flush=True)
 
-    import torch
-    import transformers
 
     packed = None
     if args.packed:

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Dict
 
 import _paths  # noqa: F401  (benchmarks/ on sys.path: _common, _runs)
-import _common
 from _common import ROOT, start_ray
 import _runs
 import _replay_control as rc

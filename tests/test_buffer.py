@@ -297,7 +297,7 @@ def test_choose_trajectory_modes():
     assert choose_trajectory(stats, "lowest_entropy", None) == 1  # tie 1/2 -> lowest index
     assert choose_trajectory(stats, "highest_logp", None) == 2  # tie 2/3 -> lowest index
     assert choose_trajectory(stats, "lowest_logp", None) == 1
-    dicts = [{"mean_entropy": e, "mean_logp": l} for e, l in stats]
+    dicts = [{"mean_entropy": e, "mean_logp": lp} for e, lp in stats]
     assert choose_trajectory(dicts, "lowest_entropy", None) == 1
     assert choose_trajectory([{"mean_entropy": 3.0}, {"mean_entropy": 1.0}], "lowest_entropy") == 1
     rng = np.random.default_rng(0)

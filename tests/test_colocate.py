@@ -272,7 +272,6 @@ def _rows(algo, n=6):
 def _sampler_and_learner_logps(learner, prompts, completions, pad_id):
     """The learner's colocated sampler's and the learner's own log-probs of the same rows,
     and (LoRA) the base model's."""
-    import contextlib
 
     from ray.rllib.core import DEFAULT_MODULE_ID
 

@@ -152,7 +152,8 @@ def test_labels_and_loading():
     assert fn is ex.keyword_match and accepted == {"completion", "ground_truth", "keywords"}
     assert load_reward_fn("format")[1] is None  # **kwargs: everything is passed
     for bad, why in [("nocolon", "package.module:function"), ("no_such_mod:f", "ModuleNotFoundError"),
-                     ("rllib_exgrpo.envs.rewards:nope", "no attribute 'nope'"), ("rllib_exgrpo.envs.rewards:CHOICE_LETTERS", "not a function"),
+                     ("rllib_exgrpo.envs.rewards:nope", "no attribute 'nope'"),
+                     ("rllib_exgrpo.envs.rewards:CHOICE_LETTERS", "not a function"),
                      ("rllib_exgrpo.envs.rewards:last_boxed", "no 'completion' keyword")]:
         with pytest.raises(ValueError, match=why):
             load_reward_fn(bad)

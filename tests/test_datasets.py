@@ -55,7 +55,8 @@ def test_non_strict_skips_warns_and_counts(messy, caplog):
     assert [p.ground_truth for p in problems] == ["2", "8"]
     assert problems.skipped == len(BAD_ROWS)
     assert [e.line for e in problems.errors] == list(range(2, 2 + len(BAD_ROWS)))
-    row_warnings = [r for r in caplog.records if r.name == "rllib_exgrpo.envs.datasets" and r.getMessage().startswith("skipping malformed row")]
+    row_warnings = [r for r in caplog.records
+                    if r.name == "rllib_exgrpo.envs.datasets" and r.getMessage().startswith("skipping malformed row")]
     assert len(row_warnings) == len(BAD_ROWS)
     assert any(f"skipped {len(BAD_ROWS)} malformed" in r.getMessage() for r in caplog.records)
 

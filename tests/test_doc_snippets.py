@@ -27,8 +27,6 @@ product page (at most 250 lines, its "Results in brief" at most 25).
 from __future__ import annotations
 
 import copy
-import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path

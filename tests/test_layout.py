@@ -121,7 +121,7 @@ def test_every_package_imports_only_from_lower_layers():
                 if not path.is_file():
                     path = PKG.parent / module.replace(".", "/") / "__init__.py"
                 wrong.append(f"{path.relative_to(REPO)}:{line}: imports {dep} ({mine} -> {theirs})")
-    assert not wrong, "imports against the layering (" + " < ".join("/".join(l) for l in LAYERS) + "):\n" + "\n".join(wrong)
+    assert not wrong, "imports against the layering (" + " < ".join("/".join(layer) for layer in LAYERS) + "):\n" + "\n".join(wrong)
 
 
 def test_public_api_at_the_package_top():

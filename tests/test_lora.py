@@ -38,7 +38,8 @@ def test_fields_default_off_and_are_checked():
                          ({"lora_alpha": 0}, "lora_alpha must be > 0"),
                          ({"lora_dropout": 1.0}, "lora_dropout must be in [0, 1)"),
                          ({"lora_target_modules": []}, "lora_target_modules must be 'all-linear' or a non-empty"),
-                         ({"lora_rank": 4, "learner_backend": "deepspeed"}, "lora_rank > 0 with learner_backend: deepspeed needs colocate: true")]:
+                         ({"lora_rank": 4, "learner_backend": "deepspeed"},
+                          "lora_rank > 0 with learner_backend: deepspeed needs colocate: true")]:
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
             ExGRPOConfig().training(**bad).validate()
 

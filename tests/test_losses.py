@@ -630,7 +630,8 @@ def test_extreme_log_ratios_give_finite_loss_and_gradient(shift, ratio_mode, cli
     logp, _, mask, adv = _ragged()
     old = torch.full_like(logp, float("-inf"))
     for ratio_mode in L.RATIO_MODES:
-        loss, _ = L.mixed_policy_loss(logp, old, adv, mask, torch.tensor([True, False, False, False]), ratio_mode=ratio_mode, clip_fresh=False)
+        loss, _ = L.mixed_policy_loss(logp, old, adv, mask, torch.tensor([True, False, False, False]), ratio_mode=ratio_mode,
+                                      clip_fresh=False)
         (g,) = torch.autograd.grad(loss, logp)
         assert torch.isfinite(loss) and torch.isfinite(g).all()
 

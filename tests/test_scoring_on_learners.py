@@ -95,6 +95,6 @@ def test_two_learners_score_their_shares(quick_tiny_model, backend):
     algo = config.env_runners(num_env_runners=0).build_algo()
     try:
         _assert_same_numbers(algo)
-        result = _train_scored_on_learners(algo, config)
+        _train_scored_on_learners(algo, config)
     finally:
         algo.stop()

@@ -53,7 +53,7 @@ def test_shard_files_round_trip_and_are_written_atomically(tmp_path):
 @pytest.mark.usefixtures("ray_local")
 def test_zero2_learners_write_and_read_their_own_shards(quick_tiny_model, tmp_path):
     pytest.importorskip("deepspeed")
-    from ray.rllib.core import COMPONENT_LEARNER, COMPONENT_OPTIMIZER
+    from ray.rllib.core import COMPONENT_OPTIMIZER
 
     from rllib_exgrpo.rllib.algorithm import ExGRPO
     from test_ddp import two_learner_config

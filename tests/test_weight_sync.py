@@ -5,7 +5,6 @@ store), and the driver's local env runner keeps no copy of the synced weights.
 """
 import pickle
 
-import numpy as np
 import pytest
 import torch
 

@@ -106,7 +106,6 @@ def check_config_keys(config: Any, user_config: Mapping[str, Any], algo_name: st
     :func:`_special_key_problems`), then the config class's properties, attributes and
     methods (:func:`_attribute_key_problems`).
     """
-    cls = type(config)
     deprecated = _deprecated_attributes(config)
     errors: List[str] = []
     for key, value in user_config.items():

@@ -39,8 +39,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-logger = logging.getLogger(__name__)
-
 from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION
 from rllib_exgrpo.evaluation.checkpoints import (
     CheckpointInfo,
@@ -68,6 +66,8 @@ from rllib_exgrpo.evaluation.metrics import (
     resolve_k,
 )
 
+
+logger = logging.getLogger(__name__)
 _UNSET: Any = object()
 
 

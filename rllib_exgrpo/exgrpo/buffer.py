@@ -103,7 +103,7 @@ from typing import Any, Collection, Dict, Iterator, KeysView, List, Optional, Se
 
 import numpy as np
 
-from rllib_exgrpo.core.registry import Registry, RegistryError
+from rllib_exgrpo.core.registry import Registry
 
 __all__ = [
     "BUCKET_WEIGHTING",

@@ -140,7 +140,8 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 512, min_frequenc
 
 def merges_of(tok) -> list:
     """The BPE merges of a fast tokenizer, as ``[left, right]`` pairs."""
-    return [list(m) if isinstance(m, (list, tuple)) else m.split(" ") for m in json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]]
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    return [list(m) if isinstance(m, (list, tuple)) else m.split(" ") for m in merges]
 
 
 def check_tokenizer_stable(saved_tok, folder: str, sample_texts: Sequence[str]):

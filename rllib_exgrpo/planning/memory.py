@@ -10,7 +10,8 @@ comes from and the measured check, ``benchmarks/memory_plan.py``):
   forward + backward pass of the learner (``core/scoring.py`` + ``core/losses.py``) on
   ``rows x tokens`` (or one packed sequence): the activations autograd saves per layer (or
   the layer inputs with gradient checkpointing), one chunk of log-prob logits at the
-  vocabulary size (``core/chunked_logprobs.py``), and the backward's temporaries; :func:`scoring_activation_bytes`: the same pass without gradients
+  vocabulary size (``core/chunked_logprobs.py``), and the backward's temporaries;
+  :func:`scoring_activation_bytes`: the same pass without gradients
   (an env runner's behaviour log-probs and lowest-entropy scoring, the KL reference);
 * :func:`plan_memory`: both for an ``ExGRPOConfig``, per actor kind, against the GPU's
   memory (``gpu_memory_gb``, else detected with ``torch.cuda``), with one line per actor
@@ -429,7 +430,8 @@ def scoring_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, respo
 
     The larger of the layer phase (the boolean mask and the input embeddings for the whole
     forward; in the attention q, k and v, k and v repeated to every head and the float mask
-    of the masked call (:func:`masked_attention_bytes`), and the output; in the MLP the activation, up and their product) and the logit phase (the
+    of the masked call (:func:`masked_attention_bytes`), and the output; in the MLP the activation, up and their
+    product) and the logit phase (the
     final hidden states and the scored positions' copy, one chunk's logits and softmax:
     :func:`logit_chunk_bytes`). ``dense_mask`` False: a packed pass, no ``[S, S]`` mask.
     """

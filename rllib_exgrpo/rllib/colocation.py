@@ -42,7 +42,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from typing import Callable, Deque, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Deque, List, Optional, Sequence
 
 import torch
 

@@ -417,7 +417,8 @@ _LEARNERS = [
        "ppo_max_token_len_per_gpu: each learner's share of a minibatch is packed into passes "
        "under the budget (learner_sequence_packing: end to end, no padding; else sorted by "
        "length and each pass trimmed to its longest row), so a few long completions no longer "
-       "widen every row. A row longer than the budget gets a pass of its own. With learner_micro_batch_rows both caps hold. The update equals one pass "
+       "widen every row. A row longer than the budget gets a pass of its own. With learner_micro_batch_rows both caps "
+       "hold. The update equals one pass "
        "(float tolerance), as with learner_micro_batch_rows. None: passes cut by rows only."),
     _f("learner_sequence_packing", True, boolean,
        "With learner_micro_batch_tokens: lay a pass's rows end to end without padding, "

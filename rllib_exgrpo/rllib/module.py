@@ -20,7 +20,7 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 
 from rllib_exgrpo.core import columns as C
-from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy, score_learner_batch
+from rllib_exgrpo.core.scoring import score_learner_batch
 from rllib_exgrpo.core.tokens import position_ids_from_mask
 from rllib_exgrpo.models import lora
 from rllib_exgrpo.models.loading import load_causal_lm, resolve_dtype
