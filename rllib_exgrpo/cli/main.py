@@ -352,8 +352,10 @@ def _last_error_line(err_file: Optional[str]) -> Optional[str]:
 SUBCOMMANDS: List[Callable[[Any], None]] = [add_train_parser]
 from rllib_exgrpo.cli.evaluate import add_evaluate_parser  # noqa: E402
 from rllib_exgrpo.cli.export import add_export_parser  # noqa: E402
+from rllib_exgrpo.cli.compare import add_compare_parser  # noqa: E402
 SUBCOMMANDS.append(add_evaluate_parser)
 SUBCOMMANDS.append(add_export_parser)
+SUBCOMMANDS.append(add_compare_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="RLlib command line of rllib-exgrpo: runs classic RLlib experiment YAML "
         "files on Ray RLlib's new API stack (Ray removed its own `rllib` command after 2.40).",
         epilog="Run `rllib train --help` for the experiment file schema and all options; "
-        "`rllib evaluate --help` and `rllib export --help` for the others.",
+        "`rllib evaluate --help`, `rllib export --help` and `rllib compare --help` for the others.",
         formatter_class=_Formatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
