@@ -91,6 +91,8 @@ def add_evaluate_parser(subparsers: Any) -> None:
     )
     p.add_argument("--model", required=True, metavar="NAME_PATH_OR_CHECKPOINT",
                    help="model name/path or RLlib checkpoint folder")
+    p.add_argument("--best", action="store_true",
+                   help="--model is a run or trial folder: evaluate its checkpoint of highest heldout/accuracy")
     p.add_argument("--data", required=True, action="append", metavar="FILE_OR_SPEC",
                    help="benchmark file or arithmetic spec (repeatable)")
     p.add_argument("--k", type=positive_int, default=None, metavar="K",
@@ -152,6 +154,15 @@ def run_evaluate(args: argparse.Namespace) -> int:
         print(f"{PROG} evaluate: error: {msg}", file=sys.stderr)
         return 2
 
+    if args.best:
+        from rllib_exgrpo.evaluation.checkpoints import BEST_METRIC, best_checkpoint
+
+        try:
+            folder, value = best_checkpoint(args.model)
+        except FileNotFoundError as e:
+            return fail(f"--best: {e}")
+        print(f"{PROG} evaluate: best checkpoint by {BEST_METRIC}: {folder} ({value:.4f})", file=sys.stderr)
+        args.model = str(folder)
     try:
         model = policy_source(args.model)  # a path: absolute, and checked to be a checkpoint or model folder
     except PolicyPathError as e:

@@ -44,6 +44,8 @@ def add_export_parser(subparsers: Any) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint, Tune trial or module folder")
     p.add_argument("out", metavar="OUT", help="model folder to write")
     p.add_argument("--force", action="store_true", help="replace an existing, non-empty OUT")
+    p.add_argument("--best", action="store_true",
+                   help="CHECKPOINT is a run or trial folder: export its checkpoint of highest heldout/accuracy")
     p.add_argument("--dtype", choices=MODEL_DTYPES, default=None,
                    help="cast the weights (default: the dtype they were saved in)")
     p.set_defaults(func=run_export)
@@ -53,6 +55,16 @@ def run_export(args: argparse.Namespace) -> int:
     """Handler of ``rllib export``; returns the exit code."""
     from rllib_exgrpo.evaluation.export import ExportError, export_checkpoint
 
+    if args.best:
+        from rllib_exgrpo.evaluation.checkpoints import BEST_METRIC, best_checkpoint
+
+        try:
+            folder, value = best_checkpoint(args.checkpoint)
+        except FileNotFoundError as e:
+            print(f"{PROG} export: error: --best: {e}", file=sys.stderr)
+            return 2
+        print(f"{PROG} export: best checkpoint by {BEST_METRIC}: {folder} ({value:.4f})")
+        args.checkpoint = str(folder)
     try:
         result = export_checkpoint(args.checkpoint, args.out, force=args.force, dtype=args.dtype)
     except ExportError as e:

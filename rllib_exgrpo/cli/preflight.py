@@ -272,6 +272,8 @@ def metric_problem(key: str, algo_cls: type, cfg: Any, what: str) -> Optional[st
                 "time_total_s, reward_mean, solve_rate, env_runners/*, learners/default_policy/*, "
                 "experience/*, heldout/* (with heldout_dataset), xrpo/* (with XRPO), timers/*.")
     candidates = list(TUNE_RESULT_KEYS) + list(RLLIB_TOP_LEVEL_KEYS) + list(RLLIB_NESTED_EXAMPLES)
+    if key in _HELDOUT_KEYS and _reports_heldout(cfg):
+        return None  # RLlib's PPO with this project's held-out callback (rllib/ppo_module.py)
     if kind == "rllib":
         if _rllib_known(key):
             return None
@@ -290,6 +292,21 @@ def metric_problem(key: str, algo_cls: type, cfg: Any, what: str) -> Optional[st
         return (f"{what}: {key!r} is not a metric {name} is known to report. Did you mean: "
                 f"{close[0]!r}? (a metric of your own is fine: rename it if it clashes)")
     return None
+
+
+#: What ``LLMHeldoutCallback`` reports under any algorithm that runs it.
+_HELDOUT_KEYS = ("heldout/accuracy", "heldout/after_iteration", "heldout/initial_accuracy")
+
+
+def _reports_heldout(cfg: Any) -> bool:
+    """An RLlib config whose callbacks include the held-out evaluator, with a held-out set."""
+    callbacks = getattr(cfg, "callbacks_class", None)
+    classes = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
+    if not any(getattr(c, "__name__", str(c)).endswith("LLMHeldoutCallback") for c in classes):
+        return False
+    from rllib_exgrpo.rllib.env_runner import module_model_config
+
+    return bool(module_model_config(cfg).get("heldout_dataset"))
 
 
 def flatten_stop(stop: Mapping[str, Any]) -> Dict[str, Any]:

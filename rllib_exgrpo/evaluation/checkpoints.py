@@ -244,3 +244,47 @@ def restore_module(info: CheckpointInfo):
         return LLMTorchRLModule.from_checkpoint(str(written[module_path.name]))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: What ``--best`` ranks checkpoints by (the recipes' ``checkpoint_score_attribute``).
+BEST_METRIC = "heldout/accuracy"
+
+
+def best_checkpoint(path: Union[str, os.PathLike], metric: str = BEST_METRIC,
+                    mode: str = "max") -> Tuple[Path, float]:
+    """``(checkpoint folder, its metric)``: the best checkpoint kept in a run (experiment)
+    folder, or in one of its trial folders, by ``metric`` as recorded when the checkpoint was
+    saved (Tune's checkpoint records in the experiment state, read with
+    ``ray.tune.ExperimentAnalysis``). Raises ``FileNotFoundError`` (one line) when there is no
+    run or no checkpoint carries the metric."""
+    from ray.tune import ExperimentAnalysis
+
+    p = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    run = p if any(p.glob("experiment_state-*.json")) else p.parent
+    if not any(run.glob("experiment_state-*.json")):
+        raise FileNotFoundError(f"{p}: no Tune run here (a run folder with experiment_state-*.json, or one "
+                                "of its trial folders)")
+    analysis = ExperimentAnalysis(str(run))
+    found = []
+    for trial in analysis.trials:
+        if p != run and Path(trial.path) != p:
+            continue
+        for saved in trial.run_metadata.checkpoint_manager.best_checkpoint_results:
+            value = _lookup(saved.metrics, metric)
+            if value is not None and value == value:  # not NaN
+                found.append((float(value), Path(saved.checkpoint.path)))
+    if not found:
+        raise FileNotFoundError(f"{p}: no kept checkpoint recorded {metric!r} (set heldout_dataset, and "
+                                "checkpoints at iterations with a held-out evaluation)")
+    value, folder = (max if mode == "max" else min)(found, key=lambda x: x[0])
+    return folder, value
+
+
+def _lookup(metrics: dict, key: str):
+    """``metrics[key]`` of Tune's nested result dict (``"heldout/accuracy"``)."""
+    node = metrics
+    for part in key.split("/"):
+        if not isinstance(node, dict) or part not in node:
+            return metrics.get(key) if isinstance(metrics, dict) else None
+        node = node[part]
+    return node
