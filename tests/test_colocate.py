@@ -73,8 +73,11 @@ class _Backend:
 
 class _Runner:
     def __init__(self, backend):
+        from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
         self.backend = backend
         self.settings = types.SimpleNamespace(generation_backend="vllm")
+        self.metrics = MetricsLogger()  # the env runner's (a turn logs optimizer_offload_bytes)
 
     def sample(self, **kwargs):
         assert self.backend.awake

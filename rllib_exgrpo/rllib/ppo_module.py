@@ -580,11 +580,13 @@ class LLMHeldoutCallback(RLlibCallback):
                 remote_worker_ids=[group.healthy_worker_ids()[0]], local_env_runner=False)[0]
         return group.local_env_runner.sample(question_ids=question_ids, num_samples=num_samples, **kwargs)
 
+    @override(RLlibCallback)
     def on_algorithm_init(self, *, algorithm, metrics_logger=None, **kwargs) -> None:
         ev = self._setup(algorithm)
         if ev is not None and algorithm.iteration == 0:
             ev.initial_accuracy = ev.evaluate()["accuracy"]
 
+    @override(RLlibCallback)
     def on_train_result(self, *, algorithm, metrics_logger=None, result, **kwargs) -> None:
         ev = self._setup(algorithm)
         if ev is None:
