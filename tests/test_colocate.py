@@ -438,3 +438,24 @@ def test_vllm_engine_in_the_learner_takes_turns_and_samples_the_updated_weights(
     finally:
         learner.colocated_sampler().backend.close()
         group.shutdown()
+
+
+def test_a_learners_error_while_scoring_reaches_the_user_as_itself():
+    from rllib_exgrpo.rllib.rollouts import score_on_learners
+
+    class _Scoring(_FailingLearners):
+        def foreach_learner(self, func):
+            import traceback
+
+            from ray.exceptions import RayTaskError
+            from ray.rllib.utils.actor_manager import RemoteCallResults, ResultOrError
+
+            results = RemoteCallResults()
+            try:
+                raise RuntimeError("gloo: connection closed by peer")
+            except RuntimeError as e:
+                results.add_result(1, ResultOrError(error=RayTaskError("score_rows", traceback.format_exc(), e)), None)
+            return results
+
+    with pytest.raises(RuntimeError, match="scoring on the learners failed on learner actor 1: RuntimeError: gloo"):
+        score_on_learners(_Scoring(fail_rank=-1), [[1, 2]], [[3]], 0)

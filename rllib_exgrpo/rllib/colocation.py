@@ -349,32 +349,13 @@ def learner_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def learner_error(error: BaseException, learner: Optional[int], what: str) -> BaseException:
-    """A remote learner's error as the user should see it: the original exception's type
-    (not Ray's ``RayTaskError`` wrapper, whose unpacking would fail as a ``TypeError``) with
-    one line naming what failed, where and why; the original is its ``__cause__``."""
-    cause = getattr(error, "cause", None)
-    original = cause if isinstance(cause, BaseException) else error
-    text = str(original).strip().splitlines()
-    where = f"learner actor {learner}" if learner is not None else "a learner"
-    message = f"{what} failed on {where}: {type(original).__name__}: {text[0] if text else ''}".rstrip(": ")
-    try:
-        new = type(original)(message)
-        if str(new) != message:
-            raise TypeError
-    except Exception:  # an exception type that takes other arguments
-        new = RuntimeError(message)
-    new.__cause__ = original
-    return new
-
-
 def sample_on_learners(learner_group, question_ids: Sequence[str], num_samples: Sequence[int],
                        prompt_prefixes: Optional[Sequence[Optional[str]]] = None, **sample_kwargs):
     """``(episodes, runner metrics)`` as ``RolloutCoordinator.sample`` returns them, sampled
     by the learners (``colocate``): the questions cut into one contiguous share per learner
     (a question's group stays on one learner), each learner sampling its own share with its
     :class:`ColocatedSampler`. Episodes come back in question order."""
-    from rllib_exgrpo.rllib.rollouts import split_evenly
+    from rllib_exgrpo.rllib.rollouts import learner_error, split_evenly
 
     prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
     parts = 1 if learner_group.is_local else max(1, len(learner_group))

@@ -139,6 +139,25 @@ class RolloutCoordinator:
         return logps, entropies
 
 
+def learner_error(error: BaseException, learner: Optional[int], what: str) -> BaseException:
+    """A remote learner's error as the user should see it: the original exception's type
+    (not Ray's ``RayTaskError`` wrapper, whose unpacking would fail as a ``TypeError``) with
+    one line naming what failed, where and why; the original is its ``__cause__``."""
+    cause = getattr(error, "cause", None)
+    original = cause if isinstance(cause, BaseException) else error
+    text = str(original).strip().splitlines()
+    where = f"learner actor {learner}" if learner is not None else "a learner"
+    message = f"{what} failed on {where}: {type(original).__name__}: {text[0] if text else ''}".rstrip(": ")
+    try:
+        new = type(original)(message)
+        if str(new) != message:
+            raise TypeError
+    except Exception:  # an exception type that takes other arguments
+        new = RuntimeError(message)
+    new.__cause__ = original
+    return new
+
+
 def score_on_learners(learner_group, prompts, completions, pad_id: int) -> Tuple[list, list]:
     """``scoring_on: learners``: log-probs and entropies of ``(prompt, completion)`` rows
     under the learners' weights, each learner scoring its share
@@ -153,6 +172,8 @@ def score_on_learners(learner_group, prompts, completions, pad_id: int) -> Tuple
         lambda learner, _p=prompts, _c=completions, _pad=pad_id: learner.score_rows(_p, _c, _pad)
     )
     for result in results:
+        if not getattr(result, "ok", True):
+            raise learner_error(result.get(), getattr(result, "actor_id", None), "scoring on the learners")
         rows, lp, en = result.get()
         for j, i in enumerate(rows):
             logps[i], entropies[i] = lp[j], en[j]
