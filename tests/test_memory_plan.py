@@ -335,8 +335,10 @@ def _dry_run(monkeypatch, capsys, tmp_path, extra: dict, recipe: str = QWEN):
     if ray.is_initialized():
         ray.shutdown()
     spec = next(iter(yaml.safe_load((REPO / recipe).read_text()).values()))
-    # a search's scheduler reads held-out accuracy: keep a held-out set (the built-in one)
-    heldout = "arithmetic" if spec.get("scheduler") else None
+    # a search's scheduler, and the checkpoints kept by held-out accuracy, read held-out
+    # accuracy: keep a held-out set (the built-in one)
+    ranks_heldout = spec.get("scheduler") or (spec.get("checkpoint_config") or {}).get("checkpoint_score_attribute")
+    heldout = "arithmetic" if ranks_heldout else None
     overrides = {"env_config": {"dataset": "arithmetic"}, "heldout_dataset": heldout, **extra}
     if spec["run"] == "PPO":  # RLlib's PPO on the LLM: the project's settings are model_config's
         overrides = {"env_config": {"dataset": "arithmetic"}, "model_config": {"heldout_dataset": heldout, **extra}}
