@@ -373,6 +373,45 @@ def test_dry_run_prints_the_plan_and_fails_in_one_line(monkeypatch, capsys, tmp_
     assert "Traceback" not in out + err and "memory plan" not in out
 
 
+def test_optimizer_steps_match_the_minibatch_plan():
+    """The steps the plan prints are the steps ``plan_minibatches`` makes."""
+    import numpy as np
+
+    from rllib_exgrpo.core.minibatches import optimizer_steps_per_iteration, plan_minibatches
+
+    for rows in (3, 8, 260, 1024):
+        for minibatch in (1, 64, 128, 512, 2000):
+            for learners in (1, 2, 4, 8):
+                for epochs in (1, 2):
+                    plan = plan_minibatches(np.arange(rows) // 8, minibatch_size=minibatch, num_learners=learners,
+                                            num_epochs=epochs, rng=np.random.default_rng(0))
+                    steps = sum(len(epoch) for epoch in plan)
+                    assert optimizer_steps_per_iteration(rows, minibatch, learners, epochs) == steps
+
+
+def test_the_plan_prints_optimizer_steps_and_warns_when_learners_change_them(monkeypatch, capsys, tmp_path):
+    """The recipe: 128 questions x 8 = 1024 completions, minibatch_size 128 on 4 learners: 2
+    steps. Moved to 2 learners on the command line it makes 4, said once with the fix."""
+    monkeypatch.chdir(REPO)
+    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path, {"gpu_memory_gb": 80})
+    assert rc == 0 and "warning" not in out + err, out + err
+    assert ("optimiser steps per iteration: 2 = num_epochs 1 x round(1024 completions / "
+            "(minibatch_size 128 x 4 learner(s)))") in out, out
+    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path, {"gpu_memory_gb": 80, "num_learners": 2})
+    assert rc == 0, out + err
+    assert out.count("warning:") == 1 and ("warning: num_learners 2 (the file has 4) makes 4 optimiser step(s) per "
+                                           "iteration instead of 2") in out and "minibatch_size: 256 keeps 2" in out, out
+    assert "optimiser steps per iteration: 4 = " in out
+    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path,
+                            {"gpu_memory_gb": 80, "num_learners": 2, "minibatch_size": 256})
+    assert rc == 0 and "warning" not in out + err and "optimiser steps per iteration: 2 = " in out, out + err
+    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path,
+                            {"gpu_memory_gb": 80, "num_learners": {"grid_search": [2, 4]}})
+    assert rc == 0, out + err
+    assert ("warning: the search over num_learners gives its trials different optimiser steps per iteration "
+            "(2 learner(s): 4, 4 learner(s): 2)") in out, out
+
+
 def test_gpu_memory_from_the_field_or_the_machine(monkeypatch):
     import subprocess
 
@@ -461,6 +500,12 @@ def test_every_gpu_recipe_fits_its_card_and_the_readme_table_shows_its_plan(reci
     assert row is not None, f"README's recipe table has no row for {recipe.name}"
     for _, used, budget, _ in actors:
         assert f"{used} GiB" in row and f"{budget} GiB" in row, (row, actors)
+    # The time estimate: per iteration and for the recipe's stop, on the card of the plan.
+    time = re.search(r"time per iteration \(ESTIMATE, (.*?), no GPU measurement\): (~\S+ s) .*; \d+ iterations: (~\S+ h)",
+                     out)
+    assert time, out
+    card, per_iteration, per_run = time.groups()
+    assert f"{per_iteration} / iteration, {per_run} a run ({card}" in row, (row, time.group(0))
 
 
 def test_lora_under_deepspeed_is_planned_for_colocated_learners():

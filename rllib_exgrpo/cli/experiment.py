@@ -130,6 +130,9 @@ class Experiment:
     source: Optional[str] = None
     #: What preflight noticed without it being an error (shown by ``--dry-run``).
     notes: List[str] = field(default_factory=list)
+    #: What may make the run differ from what its file intends (``warning: ...`` lines,
+    #: printed by ``rllib train`` and its ``--dry-run``).
+    warnings: List[str] = field(default_factory=list)
     #: The checked ``scheduler:`` section (``cli/scheduler.py``), or None.
     scheduler: Optional[Dict[str, Any]] = None
     #: Trials Tune runs at once (``TuneConfig.max_concurrent_trials``), set when the
@@ -169,6 +172,8 @@ class Experiment:
             lines.append(f"  search:        {path} = {_describe_domain(dom)}")
         for note in self.notes:
             lines.append(f"  note:          {note}")
+        for warning in self.warnings:
+            lines.append(f"  {warning}")
         return "\n".join(lines)
 
 
@@ -431,6 +436,7 @@ def _build_checked(
         callbacks=[make_mlflow_callback(run.mlflow)] if run.mlflow else [],
         search_space=found, env=env, mlflow=run.mlflow, source=src_name, notes=notes + variant_notes,
         scheduler=run.scheduler,
+        warnings=preflight.learner_change_warnings(config, spec.get("config"), config_overrides, found),
     )
 
 

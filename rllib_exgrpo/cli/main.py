@@ -217,6 +217,8 @@ def run_train(args: argparse.Namespace) -> int:
         plan = preflight.memory_plan_text(exp)
         if plan:
             print(f"{PROG} train: experiment {exp.name!r}:\n{plan}", flush=True)
+        for warning in exp.warnings:
+            print(f"{PROG} train: experiment {exp.name!r}: {warning}", file=sys.stderr, flush=True)
     try:
         results = run_experiments(experiments, verbose=min(1 + args.verbose, 3), ray_address=args.ray_address,
                                   ray_init_kwargs=ray_init_kwargs, resume=args.resume)

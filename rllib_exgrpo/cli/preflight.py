@@ -857,11 +857,12 @@ def memory_plan_text(exp: Any, indent: str = "  ") -> Optional[str]:
 
     try:
         cfg = _first_variant_config(exp)
+        iterations = exp.stop.get("training_iteration")
         if not _project_config(cfg):
-            return llm_ppo_memory_plan_text(cfg, indent)
+            return llm_ppo_memory_plan_text(cfg, indent, iterations=iterations)
         if not uses_gpus(cfg):
             return None
-        text = plan_memory(cfg).render(indent=indent)
+        text = _with_iterations(plan_memory(cfg), iterations).render(indent=indent)
     except Exception as e:  # noqa: BLE001 - printing a plan must never stop a run
         return f"{indent}memory plan: could not be made ({type(e).__name__}: {one_line(str(e))})"
     memory_keys = {p.split("/")[1] for p in (exp.search_space or {})} & _MEMORY_KEYS
@@ -889,15 +890,62 @@ def llm_ppo_memory_problems(cfg: Any) -> Tuple[List[str], List[str]]:
     return plan.problems(), []
 
 
-def llm_ppo_memory_plan_text(cfg: Any, indent: str = "  ") -> Optional[str]:
+def _with_iterations(plan: Any, iterations: Any) -> Any:
+    """The plan with its time estimate extended to the run's ``stop`` iterations."""
+    if plan.time is not None and isinstance(iterations, int) and not isinstance(iterations, bool):
+        plan.time.iterations = iterations
+    return plan
+
+
+def llm_ppo_memory_plan_text(cfg: Any, indent: str = "  ", iterations: Any = None) -> Optional[str]:
     """:func:`memory_plan_text` of RLlib's PPO on the LLM (None for other configs)."""
     from rllib_exgrpo.planning.memory import uses_gpus
     from rllib_exgrpo.rllib.ppo_memory_plan import plan_ppo_memory, ppo_plan_view
 
     if ppo_plan_view(cfg) is None or not uses_gpus(cfg):
         return None
-    text = plan_ppo_memory(cfg).render(indent=indent)
+    text = _with_iterations(plan_ppo_memory(cfg), iterations).render(indent=indent)
     return "\n".join(indent + line for line in text.splitlines())
+
+
+# ------------------------------------------------------------------ optimiser steps and learners
+
+
+def learner_change_warnings(cfg: Any, file_config: Any, overrides: Optional[Mapping[str, Any]],
+                            found: Mapping[str, Any]) -> List[str]:
+    """``minibatch_size`` counts completions per learner, so moving a recipe to more learners
+    makes fewer optimiser steps per iteration. One warning when ``--config`` sets
+    ``num_learners`` to a count that changes the file's steps, and one when a search over
+    ``num_learners`` gives its trials different steps; each says the ``minibatch_size`` that
+    keeps the file's steps. Nothing for other configs or for search spaces in the batch keys."""
+    from rllib_exgrpo.planning.memory import optimizer_steps
+
+    if not _project_config(cfg) or not all(
+            isinstance(getattr(cfg, k, None), int) for k in ("questions_per_step", "group_size", "minibatch_size")):
+        return []
+    out = []
+    dom = found.get("config/num_learners")
+    if dom is not None:
+        counts = [v for v in _domain_values(dom) if isinstance(v, int) and not isinstance(v, bool)]
+        steps = {n: optimizer_steps(cfg, n)[1] for n in counts}
+        if len(set(steps.values())) > 1:
+            out.append("warning: the search over num_learners gives its trials different optimiser steps per "
+                       "iteration (" + ", ".join(f"{max(1, n)} learner(s): {s}" for n, s in steps.items())
+                       + "): minibatch_size counts completions per learner; search minibatch_size with it "
+                       "to compare trials at equal steps.")
+        return out
+    given = (overrides or {}).get("num_learners")
+    file_config = file_config if isinstance(file_config, Mapping) else {}
+    before, file_minibatch = file_config.get("num_learners", 0), file_config.get("minibatch_size", cfg.minibatch_size)
+    if not all(isinstance(v, int) for v in (given, before, file_minibatch)) or max(1, given) == max(1, before):
+        return out
+    (_, now), (_, was) = optimizer_steps(cfg, given), optimizer_steps(cfg, before, file_minibatch)
+    if now != was:
+        keep = max(1, round(file_minibatch * max(1, before) / max(1, given)))
+        out.append(f"warning: num_learners {given} (the file has {before}) makes {now} optimiser step(s) per "
+                   f"iteration instead of {was}: minibatch_size counts completions per learner; "
+                   f"minibatch_size: {keep} keeps {was}.")
+    return out
 
 
 #: Config keys the memory plan reads.

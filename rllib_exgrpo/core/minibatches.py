@@ -71,6 +71,18 @@ def num_minibatches(num_rows: int, minibatch_size: int, num_learners: int = 1) -
     return max(1, min(steps, num_rows // learners))
 
 
+def optimizer_steps_per_iteration(num_rows: int, minibatch_size: int, num_learners: int = 1,
+                                  num_epochs: int = 1) -> int:
+    """Optimiser steps :func:`plan_minibatches` makes of ``num_rows`` rows: ``num_epochs x
+    round(rows / (minibatch_size x learners))``; 0 when there are fewer rows than learners.
+    ``minibatch_size`` counts rows per learner, so the same recipe on more learners makes
+    fewer, larger steps (the memory plan prints this, ``planning/memory.py``)."""
+    learners = max(1, int(num_learners))
+    if num_rows < learners:
+        return 0
+    return max(1, int(num_epochs)) * num_minibatches(num_rows, minibatch_size, learners)
+
+
 def plan_minibatches(
     group_index: Sequence[int],
     *,

@@ -32,7 +32,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from rllib_exgrpo.core.minibatches import optimizer_steps_per_iteration
 from rllib_exgrpo.planning.shapes import ModelShape, model_shape
+from rllib_exgrpo.planning.timing import TimeEstimate, card_for_estimate, estimate_iteration
 
 GIB = float(1 << 30)
 
@@ -644,6 +646,10 @@ class MemoryPlan:
     gpu_memory_source: str
     actors: List[ActorPlan] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    #: How one iteration's rows become optimiser steps (:func:`optimizer_steps_line`).
+    optimizer_steps: str = ""
+    #: Seconds per iteration, an estimate (:func:`time_estimate`); None off the card table.
+    time: Optional[TimeEstimate] = None
 
     @property
     def fits(self) -> Optional[bool]:
@@ -676,6 +682,10 @@ class MemoryPlan:
             lines.append(f"{indent}GPU memory: {_gib(self.gpu_memory)} ({self.gpu_memory_source}); the plan uses "
                          f"{_gib(usable_memory(self.gpu_memory))} ({describe(self.gpu_memory)}: what CUDA gives "
                          f"torch on it)")
+        if self.optimizer_steps:
+            lines.append(f"{indent}{self.optimizer_steps}")
+        if self.time is not None:
+            lines.append(f"{indent}{self.time.describe()}")
         for note in self.notes:
             lines.append(f"{indent}note: {note}")
         for a in self.actors:
@@ -807,6 +817,30 @@ def sequence_lengths(config: Any, shape: ModelShape) -> Tuple[int, int, int, str
             r = max_len
             why = f"completions end at {why}" if why else ""
     return p, r, max_len, why
+
+
+def learner_count(config: Any) -> int:
+    """Learners that split each minibatch: ``num_learners``, 0 meaning RLlib's one local learner."""
+    return max(1, int(_get(config, "num_learners", 0)))
+
+
+def optimizer_steps(config: Any, num_learners: Optional[int] = None,
+                    minibatch_size: Optional[int] = None) -> Tuple[int, int]:
+    """``(rows per iteration, optimiser steps per iteration)`` of an ExGRPO/GRPO config
+    (``questions_per_step x group_size`` rows; the arguments override the config's fields)."""
+    rows = int(config.questions_per_step) * int(config.group_size)
+    learners = learner_count(config) if num_learners is None else max(1, int(num_learners))
+    minibatch = int(minibatch_size or config.minibatch_size or rows)
+    return rows, optimizer_steps_per_iteration(rows, minibatch, learners, int(_get(config, "num_epochs", 1)))
+
+
+def optimizer_steps_line(config: Any) -> str:
+    """The plan's line: how many optimiser steps an iteration makes, and why."""
+    rows, steps = optimizer_steps(config)
+    minibatch = int(config.minibatch_size or rows)
+    return (f"optimiser steps per iteration: {steps} = num_epochs {int(_get(config, 'num_epochs', 1))} x "
+            f"round({rows} completions / (minibatch_size {minibatch} x {learner_count(config)} learner(s))); "
+            f"minibatch_size counts completions per learner")
 
 
 def _learner_rows(config: Any, tokens: int) -> int:
@@ -1246,7 +1280,7 @@ def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_sou
     if gpu_memory is None:
         gpu_memory, gpu_memory_source = gpu_memory_for(config)
     shape = shape or model_shape(name)
-    plan = MemoryPlan(name, shape, gpu_memory, gpu_memory_source)
+    plan = MemoryPlan(name, shape, gpu_memory, gpu_memory_source, optimizer_steps=optimizer_steps_line(config))
     if shape is None:
         plan.notes.append("not a local folder, not in the local Hugging Face cache, not a built embedded model, "
                           "not in the table of published shapes")
@@ -1255,6 +1289,7 @@ def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_sou
     if why:
         plan.notes.append(f"completion tokens per row: {response} ({why}); max_response_tokens "
                           f"{int(config.max_response_tokens)} still sets the loss normalisation")
+    plan.time = time_estimate(config, shape, gpu_memory, prompt, response)
     if float(_get(config, "num_gpus_per_learner", 0)) > 0:
         plan.actors.append(_learner_plan(config, shape, gpu_memory, prompt, response))
     if float(_get(config, "num_gpus_per_learner", 0)) > 0 and config.colocate:
@@ -1263,6 +1298,28 @@ def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_sou
     elif float(_get(config, "num_gpus_per_env_runner", 0)) > 0:
         plan.actors.append(_runner_plan(config, shape, gpu_memory, prompt, response, max_len))
     return plan
+
+
+def time_estimate(config: Any, shape: ModelShape, gpu_memory: Optional[int], prompt: int,
+                  response: int) -> Optional[TimeEstimate]:
+    """Seconds per iteration on the plan's card (``planning/timing.py``), for a config whose
+    learners have GPUs; None off the card table or without a GPU learner."""
+    card = card_for_estimate(gpu_memory)
+    if card is None or float(_get(config, "num_gpus_per_learner", 0)) <= 0:
+        return None
+    learners = learner_count(config)
+    colocate = bool(_get(config, "colocate", False))
+    runners = learners if colocate else max(1, int(_get(config, "num_env_runners", 0)))
+    lora = bool(_get(config, "lora_rank", 0))
+    optimizer_state = 0.0 if lora else 12.0 * shape.num_parameters  # fp32 master weights + AdamW moments
+    if config.learner_backend == "deepspeed":
+        optimizer_state /= learners  # ZeRO shards them
+    rows, _ = optimizer_steps(config)
+    return estimate_iteration(
+        parameters=shape.num_parameters, completions=rows, prompt_cap=prompt, completion_cap=response,
+        generating_gpus=runners, learner_gpus=learners, card=card, lora=lora,
+        gradient_checkpointing=bool(config.gradient_checkpointing), colocate=colocate,
+        optimizer_state_bytes=optimizer_state, value_trunk=bool(_get(config, "ppo_value_trunk", False)))
 
 
 #: What a vLLM engine asleep at level 2 still holds, as a share of its ``gpu_memory_utilization``

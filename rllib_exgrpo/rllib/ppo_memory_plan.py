@@ -81,6 +81,12 @@ def ppo_plan_view(config: Any) -> Optional[SimpleNamespace]:
         torch_ddp_kwargs=dict(getattr(config, "torch_ddp_kwargs", None) or {}),
         ppo_minibatch_rows=rows,
         value_batch_size=int(mc.get("value_batch_size", 64) or 64),
+        # The plan's steps and time count completions per iteration, questions x group_size:
+        # RLlib's train_batch_size_per_learner counts completions (env steps) per learner.
+        questions_per_step=max(1, int(getattr(config, "train_batch_size_per_learner", 0) or 0)
+                               * max(1, int(getattr(config, "num_learners", 0) or 0)) // int(values["group_size"])),
+        # vf_share_layers false (PPO's default): the value network is a second trunk.
+        ppo_value_trunk=not bool(mc.get("vf_share_layers", False)),
     )
     return SimpleNamespace(**values)
 
