@@ -127,14 +127,8 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
     as ``"end"`` after the last step (measurements that need the trained algorithm's state,
     such as its replay pool)."""
     overrides = dict(overrides or {})
-    key = {"algo": name, "seed": seed, "iterations": iterations, "token_budget": token_budget,
-           "eval_interval": eval_interval, "overrides": overrides, "model": model, "format": RUN_FORMAT,
-           **(key_extra or {})}
-    if heldout_dataset != HELDOUT_DATASET:  # (absent by default: older cache files stay valid)
-        key["heldout_dataset"] = heldout_dataset
-    # The built model behind a tiny spec (its folder name carries the build recipe's hash):
-    # a new build of "tiny" must not reuse the runs of an older one.
-    key["model_build"] = model_build(name, model)
+    key = _run_key(name, seed, iterations=iterations, token_budget=token_budget, eval_interval=eval_interval,
+                   overrides=overrides, model=model, key_extra=key_extra, heldout_dataset=heldout_dataset)
     path = _cache_path(out, key)
     if path.exists():
         return json.loads(path.read_text())
@@ -152,10 +146,7 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
     def evaluate(step: int):
         if evals and evals[-1]["step"] == step:
             return
-        t0 = time.perf_counter()
-        record = {"step": step, "tokens": tokens, "accuracy": heldout_accuracy(algo, max_tokens)}
-        record.update(extra_eval(algo, max_tokens) if extra_eval else {})
-        evals.append({**record, "eval_s": time.perf_counter() - t0})
+        evals.append(_evaluation(algo, step, tokens, max_tokens, extra_eval))
         if on_eval:
             on_eval(evals[-1], time.perf_counter() - t_run)
 
@@ -168,15 +159,7 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
             runners = result.get("env_runners", {})
             tokens = float(runners.get("num_response_tokens_lifetime", tokens))
             step = len(steps) + 1
-            steps.append({
-                "step": step, "tokens": tokens, "wall_s": wall,
-                "solve_rate": float(runners.get("episode_return_mean", math.nan)),
-                "episodes": float(runners.get("num_episodes", 0)),
-                "experience": _scalars(result.get("experience")),
-                "xrpo": _scalars(result.get("xrpo")),
-                "stage_s": _scalars(result.get("step_time_s")),
-                **(step_fields(result) if step_fields else {}),
-            })
+            steps.append(_step_record(step, tokens, wall, result, step_fields))
             budget_met = token_budget is None or tokens >= token_budget
             if token_budget is not None and budget_met and crossed_at is None:
                 crossed_at = step
@@ -190,6 +173,49 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
         algo.stop()
     record = {**key, "steps": steps, "evals": evals, "budget_step": crossed_at,
               "wall_s": time.perf_counter() - t_run, **({"end": end} if end_eval else {})}
+    return _write_run(path, record)
+
+
+def _run_key(name: str, seed: int, *, iterations: int, token_budget: Optional[float], eval_interval: int,
+             overrides: dict, model: Optional[str], key_extra: Optional[dict], heldout_dataset: str) -> dict:
+    """The cache key of a run: its settings, the run format and the model build it trains."""
+    key = {"algo": name, "seed": seed, "iterations": iterations, "token_budget": token_budget,
+           "eval_interval": eval_interval, "overrides": overrides, "model": model, "format": RUN_FORMAT,
+           **(key_extra or {})}
+    if heldout_dataset != HELDOUT_DATASET:  # (absent by default: older cache files stay valid)
+        key["heldout_dataset"] = heldout_dataset
+    # The built model behind a tiny spec (its folder name carries the build recipe's hash):
+    # a new build of "tiny" must not reuse the runs of an older one.
+    key["model_build"] = model_build(name, model)
+    return key
+
+
+def _step_record(step: int, tokens: float, wall: float, result: dict, step_fields=None) -> dict:
+    """One training step of a run: its sampled tokens so far, wall time and scalar metrics
+    (plus ``step_fields(result)`` when given)."""
+    runners = result.get("env_runners", {})
+    return {
+        "step": step, "tokens": tokens, "wall_s": wall,
+        "solve_rate": float(runners.get("episode_return_mean", math.nan)),
+        "episodes": float(runners.get("num_episodes", 0)),
+        "experience": _scalars(result.get("experience")),
+        "xrpo": _scalars(result.get("xrpo")),
+        "stage_s": _scalars(result.get("step_time_s")),
+        **(step_fields(result) if step_fields else {}),
+    }
+
+
+def _evaluation(algo, step: int, tokens: float, max_tokens: int, extra_eval=None) -> dict:
+    """One evaluation of a run at ``step``: the greedy held-out accuracy (plus
+    ``extra_eval(algo, max_tokens)``'s figures) and the seconds it took."""
+    t0 = time.perf_counter()
+    record = {"step": step, "tokens": tokens, "accuracy": heldout_accuracy(algo, max_tokens)}
+    record.update(extra_eval(algo, max_tokens) if extra_eval else {})
+    return {**record, "eval_s": time.perf_counter() - t0}
+
+
+def _write_run(path: Path, record: dict) -> dict:
+    """Cache ``record`` at ``path``; returns it as read back from there."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))
     return json.loads(path.read_text())  # the same form whether fresh or cached

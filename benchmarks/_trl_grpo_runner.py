@@ -142,14 +142,9 @@ def score_main(path: str) -> None:
 # --------------------------------------------------------------------------- training
 
 
-def main(path: str) -> dict:
-    t_start = time.perf_counter()
-    spec = json.loads(Path(path).read_text())
-    settings = _settings(spec.get("settings"))
-    out = Path(spec["output_dir"]).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    seed = int(spec["seed"])
-    its = spec["iterations"]
+def _check_iterations(its: list, settings: dict) -> None:
+    """Each iteration holds exactly B prompts, and its B*G completions fill exactly
+    ``steps_per_generation`` optimiser steps of ``per_device_train_batch_size``."""
     B, G = settings["questions_per_step"], settings["group_size"]
     spg, mb = settings["steps_per_generation"], settings["per_device_train_batch_size"]
     if not its:
@@ -162,35 +157,33 @@ def main(path: str) -> dict:
         raise ValueError(f"B*G = {B * G} completions per iteration but steps_per_generation * "
                          f"per_device_train_batch_size = {spg * mb}")
 
+
+def _load_model_and_tokenizer(model_path: str):
+    """The tiny model in float32 and its tokenizer, padding on the left (for generation)."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    threads = int(settings["num_threads"] or os.cpu_count() or 1)
-    torch.set_num_threads(threads)
-
-    import datasets
-    import transformers
-    import trl
-    from torch.utils.data import Sampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    from trl.trainer.utils import RepeatSampler
-
-    rewards_module = _import_project_rewards(spec.get("repo_root"))
-    rewards_module.warm_up()  # start the verifier processes before the clock runs
-
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"], local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], local_files_only=True, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
+    return model, tokenizer
 
-    # TRL tokenises plain-text prompts with the tokenizer's defaults (add_special_tokens=True);
-    # the project with add_special_tokens=False and a left cut at max_prompt_tokens. Both must
-    # give the same ids here, or the two sides would not see the same prompts.
+
+def _check_prompt_tokenisation(tokenizer, its: list, max_prompt_tokens: int) -> None:
+    """TRL tokenises plain-text prompts with the tokenizer's defaults (add_special_tokens=True);
+    the project with add_special_tokens=False and a left cut at max_prompt_tokens. Both must
+    give the same ids here, or the two sides would not see the same prompts."""
     all_prompts = [p for it in its for p in it["prompts"]]
     for p in dict.fromkeys(all_prompts):
         a = tokenizer(text=[p])["input_ids"][0]
         b = tokenizer(p, add_special_tokens=False)["input_ids"]
-        if a != b or len(b) > settings["max_prompt_tokens"]:
+        if a != b or len(b) > max_prompt_tokens:
             raise ValueError(f"prompt tokenisation differs from the project's (or is over max_prompt_tokens): {p!r}")
+
+
+def _train_dataset(its: list, B: int):
+    """One row per prompt, the iterations' prompts one after the other, in their given order."""
+    import datasets
 
     rows = {"prompt": [], "ground_truth": [], "question_id": [], "iteration": []}
     for i, it in enumerate(its):
@@ -198,9 +191,16 @@ def main(path: str) -> dict:
         rows["ground_truth"] += [str(g) for g in it["ground_truths"]]
         rows["question_id"] += list(it.get("question_ids") or [f"it{i}-q{k}" for k in range(B)])
         rows["iteration"] += [i] * B
-    train_dataset = datasets.Dataset.from_dict(rows)
+    return datasets.Dataset.from_dict(rows)
 
-    args = GRPOConfig(
+
+def _grpo_config(out: Path, seed: int, settings: dict, num_iterations: int):
+    """TRL's config for the project's recipe: CPU, float32, no shuffle, ``num_iterations`` iterations."""
+    from trl import GRPOConfig
+
+    G = settings["group_size"]
+    spg, mb = settings["steps_per_generation"], settings["per_device_train_batch_size"]
+    return GRPOConfig(
         output_dir=str(out / "trainer"),
         seed=seed,
         data_seed=seed,
@@ -215,7 +215,7 @@ def main(path: str) -> dict:
         steps_per_generation=spg,
         gradient_accumulation_steps=1,
         num_iterations=1,
-        max_steps=spg * len(its),
+        max_steps=spg * num_iterations,
         dataloader_num_workers=0,
         dataloader_pin_memory=False,
         remove_unused_columns=False,
@@ -250,30 +250,43 @@ def main(path: str) -> dict:
         log_completions=False,
     )
 
-    timings: dict = {"generate": [], "rollout": [], "reward": []}
-    order_log: list = []
 
-    class _OrderedReward(ProjectReward):
-        """The project reward, plus a check that TRL kept the prompt order and grouping."""
+class _OrderedReward(ProjectReward):
+    """The project reward, plus a check that TRL kept the prompt order and grouping.
 
-        def __call__(self, prompts, completions, ground_truth, iteration=None, question_id=None,
-                     completion_ids=None, trainer_state=None, **kwargs):
-            it_index = trainer_state.global_step // spg
-            want = [p for p in its[it_index]["prompts"] for _ in range(G)]
-            if list(prompts) != want or list(iteration) != [it_index] * (B * G):
-                raise RuntimeError(f"iteration {it_index}: TRL fed prompts out of the given order or grouping")
-            if not order_log:
-                order_log.append(list(question_id[: 2 * G + 1]))
-            t0 = time.perf_counter()
-            scores = [r.score for r in self.results(completions, ground_truth)]
-            timings["reward"].append(time.perf_counter() - t0)
-            timings.setdefault("tokens", []).append(sum(len(c) for c in completion_ids))
-            timings.setdefault("reward_mean", []).append(sum(scores) / len(scores))
-            timings.setdefault("n", []).append(len(scores))
-            return scores
+    Records, per iteration, the reward time and the completions' count, tokens and mean
+    reward in ``timings``, and the question ids of the first batch's first rows in ``order_log``."""
 
-    if settings["weight_decay_params"] not in ("all", "trainer"):
-        raise ValueError(f"weight_decay_params must be 'all' or 'trainer', got {settings['weight_decay_params']!r}")
+    def __init__(self, rewards_module, settings: dict, its: list, timings: dict, order_log: list):
+        super().__init__(rewards_module, settings)
+        self.its, self.timings, self.order_log = its, timings, order_log
+        self.B, self.G = settings["questions_per_step"], settings["group_size"]
+        self.spg = settings["steps_per_generation"]
+
+    def __call__(self, prompts, completions, ground_truth, iteration=None, question_id=None,
+                 completion_ids=None, trainer_state=None, **kwargs):
+        B, G, timings = self.B, self.G, self.timings
+        it_index = trainer_state.global_step // self.spg
+        want = [p for p in self.its[it_index]["prompts"] for _ in range(G)]
+        if list(prompts) != want or list(iteration) != [it_index] * (B * G):
+            raise RuntimeError(f"iteration {it_index}: TRL fed prompts out of the given order or grouping")
+        if not self.order_log:
+            self.order_log.append(list(question_id[: 2 * G + 1]))
+        t0 = time.perf_counter()
+        scores = [r.score for r in self.results(completions, ground_truth)]
+        timings["reward"].append(time.perf_counter() - t0)
+        timings.setdefault("tokens", []).append(sum(len(c) for c in completion_ids))
+        timings.setdefault("reward_mean", []).append(sum(scores) / len(scores))
+        timings.setdefault("n", []).append(len(scores))
+        return scores
+
+
+def _ordered_grpo_trainer_class(settings: dict, timings: dict):
+    """A ``GRPOTrainer`` subclass that keeps the given prompt order, decays the parameters
+    ``weight_decay_params`` names, and times generation and rollouts into ``timings``."""
+    from torch.utils.data import Sampler
+    from trl import GRPOTrainer
+    from trl.trainer.utils import RepeatSampler
 
     class OrderedGRPOTrainer(GRPOTrainer):
         def get_decay_parameter_names(self, model):
@@ -308,6 +321,14 @@ def main(path: str) -> dict:
             finally:
                 timings["rollout"].append(time.perf_counter() - t0)
 
+    return OrderedGRPOTrainer
+
+
+def _iteration_clock(spg: int):
+    """A trainer callback timing each iteration (``spg`` optimiser steps) into ``wall`` and
+    keeping TRL's logged metrics of each iteration in ``logs``."""
+    from transformers import TrainerCallback
+
     class IterationClock(TrainerCallback):
         def __init__(self):
             self.begin = {}
@@ -331,18 +352,15 @@ def main(path: str) -> dict:
             if logs and state.global_step % spg == 0 and "train_runtime" not in logs:
                 self.logs.append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
 
-    clock = IterationClock()
-    trainer = OrderedGRPOTrainer(
-        model=model,
-        reward_funcs=[_OrderedReward(rewards_module, settings)],
-        args=args,
-        train_dataset=train_dataset,
-        processing_class=tokenizer,
-        callbacks=[clock],
-    )
+    return IterationClock()
 
-    # What generate will really apply: TRL's GenerationConfig merged with the model's own
-    # generation_config.json and transformers' global defaults, then the logits processors.
+
+def _checked_generation_config(trainer, settings: dict) -> tuple[dict, list]:
+    """What generate will really apply: TRL's GenerationConfig merged with the model's own
+    generation_config.json and transformers' global defaults, then the logits processors.
+    Raises unless that is plain sampling from the softmax at the set temperature."""
+    from transformers import LogitsProcessorList
+
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     merged, _ = unwrapped._prepare_generation_config(trainer.generation_config)
     processors = unwrapped._get_logits_processor(generation_config=merged, input_ids_seq_length=8,
@@ -356,26 +374,21 @@ def main(path: str) -> dict:
         raise RuntimeError(f"generation would not sample the plain softmax: processors {processor_names}")
     if not merged.do_sample or merged.temperature != settings["temperature"]:
         raise RuntimeError(f"unexpected sampling config: {gen_info}")
-    print(f"[trl-runner] generation config: {gen_info}; logits processors: {processor_names or 'none'}",
-          flush=True)
-    print(f"[trl-runner] threads={threads}; {len(its)} iterations of {B}x{G}; "
-          f"{spg} optimiser steps x {mb} completions", flush=True)
+    return gen_info, processor_names
 
+
+def _create_optimizer(trainer) -> dict:
+    """Create the trainer's optimiser now (train() reuses it) and describe its parameter groups."""
     trainer.create_optimizer()
     opt = trainer.optimizer
-    optimizer_info = {"class": type(opt).__name__,
-                      "groups": [{"params": len(g["params"]), "weight_decay": g["weight_decay"], "lr": g["lr"],
-                                  "betas": list(g.get("betas", ())), "eps": g.get("eps")}
-                                 for g in opt.param_groups]}
-    print(f"[trl-runner] optimiser: {optimizer_info}", flush=True)
+    return {"class": type(opt).__name__,
+            "groups": [{"params": len(g["params"]), "weight_decay": g["weight_decay"], "lr": g["lr"],
+                        "betas": list(g.get("betas", ())), "eps": g.get("eps")}
+                       for g in opt.param_groups]}
 
-    setup_s = time.perf_counter() - t_start
-    t_train = time.perf_counter()
-    trainer.train()
-    train_s = time.perf_counter() - t_train
-    print(f"[trl-runner] first batch, question ids of rows 0..{2 * G}: {order_log[0] if order_log else None}",
-          flush=True)
 
+def _save_model(trainer, tokenizer, out: Path) -> float:
+    """Save the trained model and the tokenizer to ``out``; returns the seconds that took."""
     t_save = time.perf_counter()
     trainer.model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
@@ -384,8 +397,11 @@ def main(path: str) -> dict:
         (out / "trainer").rmdir()  # the Trainer's output_dir: empty (no checkpoints are saved)
     except OSError:
         pass
+    return save_s
 
-    n = len(its)
+
+def _iteration_rows(timings: dict, clock, n: int) -> list[dict]:
+    """The result's per-iteration rows, after checking every iteration was recorded once."""
     for key in ("generate", "rollout", "reward", "reward_mean", "tokens", "n"):
         if len(timings.get(key, [])) != n:
             raise RuntimeError(f"recorded {len(timings.get(key, []))} {key} values for {n} iterations")
@@ -405,11 +421,100 @@ def main(path: str) -> dict:
             "mean_completion_tokens": timings["tokens"][i] / timings["n"][i],
             "trl_metrics": clock.logs[i] if i < len(clock.logs) else {},
         })
+    return iterations
+
+
+def _set_torch_threads(settings: dict) -> int:
+    """Set torch's intra-op threads to ``num_threads`` (default: all CPUs); returns that number."""
+    import torch
+
+    threads = int(settings["num_threads"] or os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _write_result(out: Path, result: dict) -> None:
+    """Write ``<out>/trl_result.json`` and print a one-line summary of the run."""
+    iterations = result["iterations"]
+    (out / "trl_result.json").write_text(json.dumps(result, indent=1))
+    print(f"[trl-runner] {len(iterations)} iterations: median {result['median_s_per_iteration']:.2f} s/iteration "
+          f"(generate {result['median_generate_s']:.2f} s), rewards "
+          f"{[round(r['reward_mean'], 3) for r in iterations]}; wrote {out / 'trl_result.json'}", flush=True)
+
+
+def _versions() -> dict:
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    return {"trl": trl.__version__, "transformers": transformers.__version__,
+            "torch": torch.__version__, "datasets": datasets.__version__,
+            "python": sys.version.split()[0]}
+
+
+def _build_trainer(spec: dict, settings: dict, out: Path, seed: int, its: list, rewards_module):
+    """The model, its data and the ordered trainer -> ``(trainer, tokenizer, clock, timings,
+    order_log)``: the clock's ``wall`` and ``logs``, ``timings`` and ``order_log`` fill as it trains."""
+    model, tokenizer = _load_model_and_tokenizer(spec["model_path"])
+    _check_prompt_tokenisation(tokenizer, its, settings["max_prompt_tokens"])
+    train_dataset = _train_dataset(its, settings["questions_per_step"])
+    args = _grpo_config(out, seed, settings, len(its))
+
+    timings: dict = {"generate": [], "rollout": [], "reward": []}
+    order_log: list = []
+    if settings["weight_decay_params"] not in ("all", "trainer"):
+        raise ValueError(f"weight_decay_params must be 'all' or 'trainer', got {settings['weight_decay_params']!r}")
+    clock = _iteration_clock(settings["steps_per_generation"])
+    trainer = _ordered_grpo_trainer_class(settings, timings)(
+        model=model,
+        reward_funcs=[_OrderedReward(rewards_module, settings, its, timings, order_log)],
+        args=args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    return trainer, tokenizer, clock, timings, order_log
+
+
+def main(path: str) -> dict:
+    t_start = time.perf_counter()
+    spec = json.loads(Path(path).read_text())
+    settings = _settings(spec.get("settings"))
+    out = Path(spec["output_dir"]).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    seed = int(spec["seed"])
+    its = spec["iterations"]
+    B, G = settings["questions_per_step"], settings["group_size"]
+    spg, mb = settings["steps_per_generation"], settings["per_device_train_batch_size"]
+    _check_iterations(its, settings)
+
+    threads = _set_torch_threads(settings)
+
+    rewards_module = _import_project_rewards(spec.get("repo_root"))
+    rewards_module.warm_up()  # start the verifier processes before the clock runs
+    trainer, tokenizer, clock, timings, order_log = _build_trainer(spec, settings, out, seed, its, rewards_module)
+
+    gen_info, processor_names = _checked_generation_config(trainer, settings)
+    print(f"[trl-runner] generation config: {gen_info}; logits processors: {processor_names or 'none'}",
+          flush=True)
+    print(f"[trl-runner] threads={threads}; {len(its)} iterations of {B}x{G}; "
+          f"{spg} optimiser steps x {mb} completions", flush=True)
+    optimizer_info = _create_optimizer(trainer)
+    print(f"[trl-runner] optimiser: {optimizer_info}", flush=True)
+
+    setup_s = time.perf_counter() - t_start
+    t_train = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - t_train
+    print(f"[trl-runner] first batch, question ids of rows 0..{2 * G}: {order_log[0] if order_log else None}",
+          flush=True)
+    save_s = _save_model(trainer, tokenizer, out)
+
+    iterations = _iteration_rows(timings, clock, len(its))
     result = {
         "framework": "trl",
-        "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
-                     "torch": torch.__version__, "datasets": datasets.__version__,
-                     "python": sys.version.split()[0]},
+        "versions": _versions(),
         "seed": seed,
         "settings": settings,
         "num_threads": threads,
@@ -427,10 +532,7 @@ def main(path: str) -> dict:
         "model_dir": str(out),
         "reward_stats": rewards_module.reward_stats(),
     }
-    (out / "trl_result.json").write_text(json.dumps(result, indent=1))
-    print(f"[trl-runner] {n} iterations: median {result['median_s_per_iteration']:.2f} s/iteration "
-          f"(generate {result['median_generate_s']:.2f} s), rewards "
-          f"{[round(r['reward_mean'], 3) for r in iterations]}; wrote {out / 'trl_result.json'}", flush=True)
+    _write_result(out, result)
     return result
 
 

@@ -46,6 +46,18 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _time_sampling(b: ExperienceBuffer, calls: int = 600, repeats: int = 5) -> float:
+    """Best of ``repeats`` runs of ``calls`` x sample_questions(64), per sampled question."""
+    b.sample_questions(64)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            b.sample_questions(64)
+        best = min(best, time.perf_counter() - t)
+    return best / (calls * 64)
+
+
 def run_one(n: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     lo, hi = (64, 200) if n <= 100_000 else (16, 48)
@@ -76,21 +88,10 @@ def run_one(n: int, seed: int = 0) -> dict:
     rss1 = _rss_bytes()
     assert len(buf) == n
 
-    def time_sampling(b: ExperienceBuffer, calls: int = 600, repeats: int = 5) -> float:
-        """Best of ``repeats`` runs of ``calls`` x sample_questions(64), per sampled question."""
-        b.sample_questions(64)  # warm-up
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            for _ in range(calls):
-                b.sample_questions(64)
-            best = min(best, time.perf_counter() - t)
-        return best / (calls * 64)
-
-    t_sample = time_sampling(buf)
+    t_sample = _time_sampling(buf)
     # The same pool in uniform mode (switching the private mode fields avoids a rebuild).
     buf.bucket_weighting, buf._logw, saved = "uniform", None, buf._logw
-    t_sample_uniform = time_sampling(buf)
+    t_sample_uniform = _time_sampling(buf)
     buf.bucket_weighting, buf._logw = "gaussian", saved
 
     stats = buf.stats()

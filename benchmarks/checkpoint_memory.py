@@ -133,7 +133,7 @@ def measure(algo, label, call, rows):
     return worst
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--learners", type=int, default=4)
     parser.add_argument("--stage", type=int, default=2)
@@ -142,7 +142,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "checkpoint_memory.json",
                         help="where the figures go as JSON")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
 
     import ray
 

@@ -79,7 +79,7 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         proc.wait(timeout=10)
 
 
-def main(argv=None) -> int:
+def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--file", default=str(ROOT / "tuned_examples" / "exgrpo_tiny.yaml"))
     parser.add_argument("--timeout", type=float, default=1200.0, help="give up after this many seconds")
@@ -90,8 +90,11 @@ def main(argv=None) -> int:
     parser.add_argument("--log", help="also write the job's whole output here")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary folder (model cache, results with the iteration's timers)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="first-iteration-"))
     env = dict(os.environ, RLLIB_EXGRPO_CACHE=str(work / "cache"), PYTHONUNBUFFERED="1")
     if args.rebuild:

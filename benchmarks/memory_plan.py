@@ -307,7 +307,7 @@ def _child(args) -> int:
 # ------------------------------------------------------------------ driver
 
 
-def main(argv=None) -> int:
+def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few small configurations only (tests)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -317,7 +317,11 @@ def main(argv=None) -> int:
     parser.add_argument("--packed-only", action="store_true", help="only the learner step at the real vocabulary")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-configs", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
     if args.child:
         return _child(args)
 

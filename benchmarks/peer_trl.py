@@ -122,7 +122,7 @@ def _mean_sd(xs):
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def main(argv=None) -> int:
+def _parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--iterations", type=int, default=40)
@@ -131,7 +131,32 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="ours", help="cache folder of our runs (default: ours)")
     ap.add_argument("--heldout", type=int, default=HELDOUT, help="held-out questions scored")
     ap.add_argument("--out", type=Path, default=OUT, help="runs, evaluations and the report")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _compare_seed(seed: int, args, out: Path) -> dict:
+    """Both trainings of one seed (cached), each trained model's held-out accuracy, and
+    their timings and training curves."""
+    ours = run_ours(seed, args.iterations, args.config, args.tag, out)
+    theirs = run_theirs(seed, args.iterations, out)
+    return {
+        "seed": seed,
+        "ours_acc": evaluate(ours["checkpoint"], out / f"eval_{args.tag}_seed{seed}.json", args.heldout),
+        "trl_acc": evaluate(theirs["model_dir"], out / f"eval_trl_seed{seed}.json", args.heldout),
+        "ours_s_it": statistics.median(ours["s_per_iteration"]),
+        "trl_s_it": float(theirs["median_s_per_iteration"]),
+        "ours_sample_s": statistics.median(ours["sample_s"]),
+        "ours_learner_s": statistics.median(ours["learner_s"]),
+        "trl_generate_s": float(theirs["median_generate_s"]),
+        "ours_curve": ours["s_per_iteration"],
+        "trl_curve": [it["wall_s"] for it in theirs["iterations"]],
+        "ours_reward": ours["reward_mean"],
+        "trl_reward": [it["reward_mean"] for it in theirs["iterations"]],
+    }
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     from rllib_exgrpo.models import resolve_model_path
@@ -142,22 +167,7 @@ def main(argv=None) -> int:
 
     rows = []
     for seed in args.seeds:
-        ours = run_ours(seed, args.iterations, args.config, args.tag, out)
-        theirs = run_theirs(seed, args.iterations, out)
-        rows.append({
-            "seed": seed,
-            "ours_acc": evaluate(ours["checkpoint"], out / f"eval_{args.tag}_seed{seed}.json", args.heldout),
-            "trl_acc": evaluate(theirs["model_dir"], out / f"eval_trl_seed{seed}.json", args.heldout),
-            "ours_s_it": statistics.median(ours["s_per_iteration"]),
-            "trl_s_it": float(theirs["median_s_per_iteration"]),
-            "ours_sample_s": statistics.median(ours["sample_s"]),
-            "ours_learner_s": statistics.median(ours["learner_s"]),
-            "trl_generate_s": float(theirs["median_generate_s"]),
-            "ours_curve": ours["s_per_iteration"],
-            "trl_curve": [it["wall_s"] for it in theirs["iterations"]],
-            "ours_reward": ours["reward_mean"],
-            "trl_reward": [it["reward_mean"] for it in theirs["iterations"]],
-        })
+        rows.append(_compare_seed(seed, args, out))
         print(f"seed {seed}: ours {rows[-1]['ours_acc']:.3f} ({rows[-1]['ours_s_it']:.2f} s/it), "
               f"TRL {rows[-1]['trl_acc']:.3f} ({rows[-1]['trl_s_it']:.2f} s/it)", flush=True)
 

@@ -55,13 +55,26 @@ def _math500_pairs(path: Path, limit: int):
     return truths, wrong
 
 
-def main(argv=None) -> None:
+def _step_data(step, k):
+    """One training step's completions and ground truths: half right, half wrong, all
+    distinct answers (the expensive case)."""
+    comps = [p.solution if (i + k) % 2 == 0 else
+             p.solution.replace(f"\\boxed{{{p.ground_truth}}}", f"\\boxed{{{int(p.ground_truth) + 1}}}")
+             for i, p in enumerate(step)]
+    return comps, [p.ground_truth for p in step]
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
     ap.add_argument("--workers", type=int, default=None, help="verifier processes (default: pool default)")
     ap.add_argument("--limit", type=int, default=500, help="math500 rows to use")
     ap.add_argument("--steps", type=int, default=10, help="arithmetic training steps of 256 completions")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = _parse_args(argv)
 
     t0 = time.perf_counter()
     rewards.warm_up(args.workers)
@@ -91,24 +104,17 @@ def main(argv=None) -> None:
     problems = arithmetic.generate(256 * args.steps, seed=0, levels=(1, 2, 3, 4))
     steps = [problems[i:i + 256] for i in range(0, len(problems), 256)]
 
-    def step_data(step, k):
-        # Half right, half wrong, all distinct answers: the expensive case.
-        comps = [p.solution if (i + k) % 2 == 0 else
-                 p.solution.replace(f"\\boxed{{{p.ground_truth}}}", f"\\boxed{{{int(p.ground_truth) + 1}}}")
-                 for i, p in enumerate(step)]
-        return comps, [p.ground_truth for p in step]
-
     for fast_path in (True, False):
         rewards.shutdown_workers()
         rewards.warm_up(args.workers)
-        times = [_batched(*step_data(step, k), fast_path, args.workers) for k, step in enumerate(steps)]
+        times = [_batched(*_step_data(step, k), fast_path, args.workers) for k, step in enumerate(steps)]
         n = sum(len(s) for s in steps)
         print(f"arithmetic 256/step batched fast_path={fast_path!s:5}: {_rate(n, sum(times))}; "
               f"per step mean {1000 * sum(times) / len(times):.0f} ms, max {1000 * max(times):.0f} ms")
         figures["arithmetic_batched_per_s" if fast_path else "arithmetic_verify_per_s"] = n / sum(times)
     rewards.shutdown_workers()
     rewards.warm_up(args.workers)
-    comps, truths = step_data(steps[0], 0)
+    comps, truths = _step_data(steps[0], 0)
     seconds = _single(comps, truths, False)
     print(f"arithmetic single (math_reward loop), fast_path=False: {_rate(len(comps), seconds)}")
     figures["arithmetic_single_per_s"] = len(comps) / seconds

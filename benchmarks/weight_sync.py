@@ -180,7 +180,7 @@ def measure(path: str, sync, group, ids, n_params: int, syncs: int, measured_put
     return rows, seconds, serialised
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -191,13 +191,80 @@ def main() -> None:
                              "bytes) instead of zero-copy")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "weight_sync.json",
                         help="where the figures go as JSON")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _ship_bf16_as_plain_tensors() -> None:
+    """``--plain-tensors``: pickle the shipped bf16 weights as plain torch tensors (a copy
+    through bytes) instead of zero-copy, to show what the memory measure catches."""
+    import torch
+
+    from rllib_exgrpo.rllib.module import ShippedBF16
+
+    ShippedBF16.__reduce_ex__ = lambda self, proto: self.as_subclass(torch.Tensor).__reduce_ex__(proto)
+
+
+def _build_algo(work: Path, bucket_mb: float):
+    """Start a local Ray (its files under ``work``) and build ExGRPO on the model in
+    ``work/model``: one local learner, 2 env runners, the collective weight sync."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             object_store_memory=2 * 2**30, _temp_dir=str(work / "ray"),
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
+
+    config = (
+        ExGRPOConfig()
+        .environment("rllib_exgrpo.envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
+        .training(model_name_or_path=str(work / "model"), model_dtype="bfloat16", questions_per_step=2,
+                  group_size=2, max_prompt_tokens=64, max_response_tokens=4, minibatch_size=4,
+                  weight_sync="collective", weight_sync_bucket_mb=bucket_mb)
+        .env_runners(num_env_runners=2, num_cpus_per_env_runner=1)
+        .learners(num_learners=0)
+    )
+    t0 = time.perf_counter()
+    algo = config.build_algo()
+    print(f"algorithm built (1 local learner, 2 env runners) in {time.perf_counter() - t0:.1f} s", flush=True)
+    return algo
+
+
+def _measuring_put() -> tuple:
+    """``(measured_put, put_sizes)``: ``ray.put`` that also appends to ``put_sizes`` the size of
+    each object it puts into the object store (what each object-store sync ships)."""
+    import ray
+
+    put_sizes = []
+    real_put = ray.put
+
+    def measured_put(value, *a, **k):
+        ref = real_put(value, *a, **k)
+        loc = ray.experimental.get_object_locations([ref]).get(ref, {})
+        put_sizes.append(int(loc.get("object_size") or 0))
+        return ref
+
+    return measured_put, put_sizes
+
+
+def _check_runner_weights(algo, group, ids) -> tuple:
+    """``(equal, local_holds)``: whether each remote runner's weights equal the learner's bit for
+    bit, and whether the local env runner holds a copy of them (module or pending state)."""
+    expected = learner_digest(algo)
+    digests = group.foreach_env_runner(runner_digest, local_env_runner=False, remote_worker_ids=ids)
+    equal = all(d == expected for d in digests)
+    print(f"after the collective syncs, each runner's weights equal the learner's bit for bit: "
+          f"{'yes' if equal else 'NO'} ({len(expected)} tensors, sha256)")
+    local = group.local_env_runner
+    local_holds = local.module is not None or local._pending_module_state is not None
+    print(f"local env runner after the syncs: module={'yes' if local.module is not None else 'no'}, "
+          f"pending state={'yes' if local._pending_module_state is not None else 'no'}")
+    return equal, local_holds
+
+
+def main() -> None:
+    args = _parse_args()
     if args.plain_tensors:
-        import torch
-
-        from rllib_exgrpo.rllib.module import ShippedBF16
-
-        ShippedBF16.__reduce_ex__ = lambda self, proto: self.as_subclass(torch.Tensor).__reduce_ex__(proto)
+        _ship_bf16_as_plain_tensors()
 
     import ray
 
@@ -207,35 +274,12 @@ def main() -> None:
         n_params = build_model(work / "model", args.layers, args.hidden)
         print(f"model: random Qwen2, {args.layers} layers x {args.hidden}, {n_params / 1e6:.1f} M parameters, "
               f"bf16 ({n_params * 2 / 2**20:.0f} MiB); built in {time.perf_counter() - t0:.1f} s", flush=True)
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 object_store_memory=2 * 2**30, _temp_dir=str(work / "ray"),
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-        from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
-
-        config = (
-            ExGRPOConfig()
-            .environment("rllib_exgrpo.envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
-            .training(model_name_or_path=str(work / "model"), model_dtype="bfloat16", questions_per_step=2,
-                      group_size=2, max_prompt_tokens=64, max_response_tokens=4, minibatch_size=4,
-                      weight_sync="collective", weight_sync_bucket_mb=args.bucket_mb)
-            .env_runners(num_env_runners=2, num_cpus_per_env_runner=1)
-            .learners(num_learners=0)
-        )
-        t0 = time.perf_counter()
-        algo = config.build_algo()
-        print(f"algorithm built (1 local learner, 2 env runners) in {time.perf_counter() - t0:.1f} s", flush=True)
+        algo = _build_algo(work, args.bucket_mb)
         group = algo.env_runner_group
         ids = group.healthy_worker_ids()
 
         # The size of what each object-store sync puts into the object store (the driver's ray.put).
-        put_sizes = []
-        real_put = ray.put
-
-        def measured_put(value, *a, **k):
-            ref = real_put(value, *a, **k)
-            loc = ray.experimental.get_object_locations([ref]).get(ref, {})
-            put_sizes.append(int(loc.get("object_size") or 0))
-            return ref
+        measured_put, put_sizes = _measuring_put()
 
         def object_store_sync():
             group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True,
@@ -245,15 +289,7 @@ def main() -> None:
                                                measured_put, put_sizes)
         coll_rows, coll_seconds, coll_counts = measure("collective", algo._sync_runner_weights, group, ids, n_params,
                                                        args.syncs, measured_put, put_sizes)
-        expected = learner_digest(algo)
-        digests = group.foreach_env_runner(runner_digest, local_env_runner=False, remote_worker_ids=ids)
-        equal = all(d == expected for d in digests)
-        print(f"after the collective syncs, each runner's weights equal the learner's bit for bit: "
-              f"{'yes' if equal else 'NO'} ({len(expected)} tensors, sha256)")
-        local = group.local_env_runner
-        local_holds = local.module is not None or local._pending_module_state is not None
-        print(f"local env runner after the syncs: module={'yes' if local.module is not None else 'no'}, "
-              f"pending state={'yes' if local._pending_module_state is not None else 'no'}")
+        equal, local_holds = _check_runner_weights(algo, group, ids)
         bytes_per_param = max(r["shipped"] for r in store_rows) / n_params
         extra_copies = max(r["extra"] for r in store_rows)
         coll_extra = max(r["extra"] for r in coll_rows)

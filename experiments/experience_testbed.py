@@ -501,7 +501,7 @@ def with_train_dataset(variants: Dict[str, list], dataset: str) -> Dict[str, lis
             for name, (recipe, ov) in variants.items()}
 
 
-def main():
+def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase", choices=["diag", "search", "search2", "final", "weak", "weak_format", "ablate", "custom"],
                    default="custom")
@@ -532,27 +532,37 @@ def main():
     p.add_argument("--iterations", type=int, default=80)
     p.add_argument("--eval-interval", type=int, default=10)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "testbed"))
-    args = p.parse_args()
+    return p.parse_args()
 
+
+def search_variants(args) -> Dict[str, list]:
+    """The search phase: each of ``--methods`` at each of ``--lrs`` x its key switch (ExGRPO's
+    experience ratio from ``--rhos``). GRPO is always there: its first lr sets the budget."""
+    methods = ["grpo"] + [m for m in args.methods if m != "grpo"]
+    variants = {}
+    for method in methods:
+        recipe, base, short, switch = METHODS[method]
+        base = {**base, **(json.loads(args.ex_base) if method == "exgrpo" else {})}
+        lrs = args.lrs[:1] if method == "grpo" and "grpo" not in args.methods else args.lrs
+        for lr in lrs:
+            if switch is None:
+                variants[f"{short}_lr{lr:.0e}"] = [recipe, {**base, "lr": lr}]
+                continue
+            key, values = switch
+            values = args.rhos if method == "exgrpo" else values
+            for v in values:
+                label = f"{SWITCH_LABEL[key]}{int(v) if isinstance(v, bool) else v}"
+                variants[f"{short}_lr{lr:.0e}_{label}"] = [recipe, {**base, "lr": lr, key: v}]
+    return variants
+
+
+def phase_variants(args) -> Dict[str, list]:
+    """The variants the command line asks for: the phase's, plus ``--variants``, narrowed to
+    ``--only``, trained on ``--train-dataset`` when given."""
     if args.phase == "diag":
         variants = dict(DIAG)
     elif args.phase == "search":
-        # GRPO is always there: its first lr sets the budget.
-        methods = ["grpo"] + [m for m in args.methods if m != "grpo"]
-        variants = {}
-        for method in methods:
-            recipe, base, short, switch = METHODS[method]
-            base = {**base, **(json.loads(args.ex_base) if method == "exgrpo" else {})}
-            lrs = args.lrs[:1] if method == "grpo" and "grpo" not in args.methods else args.lrs
-            for lr in lrs:
-                if switch is None:
-                    variants[f"{short}_lr{lr:.0e}"] = [recipe, {**base, "lr": lr}]
-                    continue
-                key, values = switch
-                values = args.rhos if method == "exgrpo" else values
-                for v in values:
-                    label = f"{SWITCH_LABEL[key]}{int(v) if isinstance(v, bool) else v}"
-                    variants[f"{short}_lr{lr:.0e}_{label}"] = [recipe, {**base, "lr": lr, key: v}]
+        variants = search_variants(args)
     elif args.phase == "search2":
         variants = dict(SEARCH2)
     elif args.phase in ("weak", "weak_format"):
@@ -586,13 +596,15 @@ def main():
         variants = {k: v for k, v in variants.items() if k in args.only}
     if args.train_dataset:
         variants = with_train_dataset(variants, args.train_dataset)
-    ref = args.ref or next(k for k, (recipe, _) in variants.items() if recipe == G)
-    order = [ref] + [k for k in variants if k != ref]
+    return variants
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    equal_steps = args.equal_steps or args.phase == "weak"
-    final_set = (args.final_set or ("on" if args.phase == "final" else "off")) == "on"
+
+def run_seeds(args, variants: Dict[str, list], order: List[str], out: Path, equal_steps: bool,
+              final_set: bool) -> tuple:
+    """For each seed: the reference variant ``order[0]`` (its tokens after ``--iterations``
+    steps set the seed's budget), then every other variant; the report so far after each
+    seed. Returns ``(runs, budgets)``."""
+    ref = order[0]
     runs: Dict[str, List[dict]] = {k: [] for k in order}
     budgets: Dict[int, float] = {}
     for seed in args.seeds:
@@ -614,23 +626,45 @@ def main():
                   f" ({time.time() - t0:.0f} s)", flush=True)
         runs_so_far = {k: v for k, v in runs.items() if v}
         print("\n".join(report(runs_so_far, budgets, ref)), flush=True)
-    lines = report(runs, budgets, ref)
-    if args.phase in ("final", "weak", "weak_format") and len(args.seeds) > 1:
+    return runs, budgets
+
+
+def comparison_lines(args, runs: Dict[str, List[dict]], budgets, order: List[str], final_set: bool) -> List[str]:
+    """The paired comparisons of the final and weak phases (over several seeds): each variant
+    against the reference ``order[0]``."""
+    ref = order[0]
+    lines = [""]
+    for name in order[1:]:
+        lines += [paired(runs, budgets, name, ref), paired(runs, budgets, name, ref, "val")]
+    if args.phase == "weak_format":
+        lines += [""] + half_budget_lines(runs, budgets, ref) + [""] + takeoff_lines(runs)
+    if final_set:
+        levels = final_set_levels()
         lines.append("")
         for name in order[1:]:
-            lines += [paired(runs, budgets, name, ref), paired(runs, budgets, name, ref, "val")]
-        if args.phase == "weak_format":
-            lines += [""] + half_budget_lines(runs, budgets, ref) + [""] + takeoff_lines(runs)
+            lines += [paired(runs, budgets, name, ref, "final"),
+                      paired_bootstrap(runs, budgets, name, ref, levels)]
+    if all(b is not None for b in budgets.values()):
+        lines += [""] + reach_lines(runs, budgets, ref)
         if final_set:
-            levels = final_set_levels()
-            lines.append("")
-            for name in order[1:]:
-                lines += [paired(runs, budgets, name, ref, "final"),
-                          paired_bootstrap(runs, budgets, name, ref, levels)]
-        if all(b is not None for b in budgets.values()):
-            lines += [""] + reach_lines(runs, budgets, ref)
-            if final_set:
-                lines += reach_lines(runs, budgets, ref, "final")
+            lines += reach_lines(runs, budgets, ref, "final")
+    return lines
+
+
+def main():
+    args = _parse_args()
+    variants = phase_variants(args)
+    ref = args.ref or next(k for k, (recipe, _) in variants.items() if recipe == G)
+    order = [ref] + [k for k in variants if k != ref]
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    equal_steps = args.equal_steps or args.phase == "weak"
+    final_set = (args.final_set or ("on" if args.phase == "final" else "off")) == "on"
+    runs, budgets = run_seeds(args, variants, order, out, equal_steps, final_set)
+    lines = report(runs, budgets, ref)
+    if args.phase in ("final", "weak", "weak_format") and len(args.seeds) > 1:
+        lines += comparison_lines(args, runs, budgets, order, final_set)
     if args.phase in ("final", "weak", "weak_format"):
         png = out / f"plot-{args.phase}{'-final-set' if final_set else ''}.png"
         plot(runs, budgets, png, f"experience testbed, phase {args.phase}" + (f", model {args.model}" if args.model else ""),

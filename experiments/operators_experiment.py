@@ -272,7 +272,7 @@ def parallel_jobs(args, variants: Dict[str, tuple], ref: str) -> List["_parallel
     return refs + [job(name, s, f"{ref}:{s}") for s in args.seeds for name in variants if name != ref]
 
 
-def main():
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phase", choices=("search", "final", "ablate", "xrpo", "positive"), default=None)
     ap.add_argument("--variants", default=None, help="JSON {name: [recipe 'grpo'|'exgrpo', overrides]}")
@@ -291,9 +291,14 @@ def main():
     args = ap.parse_args()
     if args.workers < 1:
         raise SystemExit(f"--workers {args.workers}: must be at least 1")
-    global TASK_OPTIONS
-    TASK_OPTIONS = args.task_options
+    return args
 
+
+def phase_variants(args) -> tuple:
+    """``(variants, ref, best)``: the runs of ``--variants`` or of the phase, as ``{name: (recipe,
+    overrides, shuffled)}`` narrowed to ``--only`` (the reference always kept), the name of the
+    budget's reference, and the parsed ``--best`` (None where the variants do not come from it)."""
+    best = None
     if args.variants:
         raw = json.loads(args.variants)
         variants = {k: ({"grpo": G, "exgrpo": E}[v[0]], v[1], bool(v[2]) if len(v) > 2 else False)
@@ -324,9 +329,14 @@ def main():
                         "exgrpo_xrpo": (E, {**best["exgrpo"], **XRPO_KEYS}, False)}
     if args.only:
         variants = {k: v for k, v in variants.items() if k in set(args.only) | {ref}}
+    return variants, ref, best
 
+
+def run_variants(args, variants: Dict[str, tuple], ref: str, t0: float) -> tuple:
+    """Train (or read from the cache) every variant on every seed -> ``(runs, budgets)``: each
+    seed's reference first, its tokens after ``--iterations`` steps the seed's budget. With
+    ``--workers`` > 1 the runs first train in child processes, and this pass reads them back."""
     positive = args.phase == "positive"
-    t0 = time.time()
     if args.workers > 1:
         # The runs train in child processes, one per core; the pass below then reads them
         # all from the cache and reports as a one-process run would.
@@ -349,6 +359,32 @@ def main():
             runs[name].append(train_run(name, r, o, seed, task_seed=args.task_seed, shuffled=sh,
                                         iterations=args.iterations, token_budget=budget,
                                         eval_interval=args.eval_interval, out=args.out, train_end_eval=positive))
+    return runs, budgets
+
+
+def paired_comparison_lines(runs: Dict[str, List[dict]], budgets: Dict[int, float]) -> tuple:
+    """``(lines, exgrpo_minus_grpo)``: the paired comparison of each pair of arms present (e.g.
+    the shuffled pair run on its own), and ExGRPO's mean difference to GRPO (None without both)."""
+    lines, last = [""], None
+    for a, b in (("exgrpo", "grpo"), ("exgrpo", "exgrpo_prompt"), ("exgrpo_shuffled", "grpo_shuffled"),
+                 ("xrpo", "grpo"), ("exgrpo_xrpo", "grpo"), ("exgrpo_xrpo", "exgrpo")):
+        if a in runs and b in runs:
+            line, m = paired_lines(runs, budgets, a, b)
+            lines.append(line)
+            if (a, b) == ("exgrpo", "grpo"):
+                last = m
+    return lines, last
+
+
+def main():
+    args = _parse_args()
+    global TASK_OPTIONS
+    TASK_OPTIONS = args.task_options
+
+    variants, ref, best = phase_variants(args)
+    positive = args.phase == "positive"
+    t0 = time.time()
+    runs, budgets = run_variants(args, variants, ref, t0)
     from rllib_exgrpo.envs.operators import family_blind_accuracy
 
     blind = family_blind_accuracy(task_spec(args.task_seed))
@@ -358,14 +394,8 @@ def main():
     lines += report(runs, budgets)
     last = None
     if len(args.seeds) > 1:  # each pair present, e.g. the shuffled pair run on its own
-        lines.append("")
-        for a, b in (("exgrpo", "grpo"), ("exgrpo", "exgrpo_prompt"), ("exgrpo_shuffled", "grpo_shuffled"),
-                     ("xrpo", "grpo"), ("exgrpo_xrpo", "grpo"), ("exgrpo_xrpo", "exgrpo")):
-            if a in runs and b in runs:
-                line, m = paired_lines(runs, budgets, a, b)
-                lines.append(line)
-                if (a, b) == ("exgrpo", "grpo"):
-                    last = m
+        paired, last = paired_comparison_lines(runs, budgets)
+        lines += paired
     if positive:
         last = None
         grpo_runs, exgrpo_runs = runs[ref], runs[next(k for k in variants if k != ref)]

@@ -461,32 +461,38 @@ def sc_ray(backend: str) -> dict:
             return os.getpid(), self.c.worker_pids()
 
     out: dict = {}
-    comps, truths, expected = [c for c, _, _ in CASES], [t for _, t, _ in CASES], [e for _, _, e in CASES]
     try:
-        actor = Scorer.remote(backend)
-        start = time.monotonic()
-        batches = ray.get([actor.score.remote(comps, truths) for _ in range(4)], timeout=180)
-        out["4 concurrent batches ok"] = all(b == expected for b in batches)
-        out["first batches s"] = round(time.monotonic() - start, 2)
-        singles = ray.get([actor.one.remote(c, t) for c, t in zip(comps, truths)], timeout=180)
-        out["singles ok"] = singles == expected
-        start = time.monotonic()
-        n = 0
-        while time.monotonic() - start < 3.0:  # steady-state rate through the actor
-            ray.get([actor.score.remote(comps, truths) for _ in range(4)], timeout=60)
-            n += 4 * len(comps)
-        out["actor answers/s"] = round(n / (time.monotonic() - start), 1)
-        elapsed, verdicts = ray.get(actor.timed.remote([HANG, "\\boxed{2.0}"], ["5", "2"], 1.5), timeout=60)
-        out["hang wall s (1.5 s timeout)"] = round(elapsed, 2)
-        out["hang verdicts ok"] = [(s, t) for s, t, _ in verdicts] == [(0.0, True), (1.0, False)]
-        actor_pid, pids = ray.get(actor.pids.remote(), timeout=30)
-        out["worker pids"] = len(pids)
+        pids = _probe_ray_scorer(ray, Scorer.remote(backend), out)
     except Exception as exc:  # noqa: BLE001 - the finding
         out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         pids = []
     ray.shutdown()
     out["orphans after ray.shutdown"] = len(wait_gone(pids))
     return out
+
+
+def _probe_ray_scorer(ray, actor, out: dict) -> list:
+    """The findings of the scorer actor into ``out`` as they come (concurrent batches, single
+    calls, the steady-state rate, a hang under its timeout); returns its worker pids."""
+    comps, truths, expected = [c for c, _, _ in CASES], [t for _, t, _ in CASES], [e for _, _, e in CASES]
+    start = time.monotonic()
+    batches = ray.get([actor.score.remote(comps, truths) for _ in range(4)], timeout=180)
+    out["4 concurrent batches ok"] = all(b == expected for b in batches)
+    out["first batches s"] = round(time.monotonic() - start, 2)
+    singles = ray.get([actor.one.remote(c, t) for c, t in zip(comps, truths)], timeout=180)
+    out["singles ok"] = singles == expected
+    start = time.monotonic()
+    n = 0
+    while time.monotonic() - start < 3.0:  # steady-state rate through the actor
+        ray.get([actor.score.remote(comps, truths) for _ in range(4)], timeout=60)
+        n += 4 * len(comps)
+    out["actor answers/s"] = round(n / (time.monotonic() - start), 1)
+    elapsed, verdicts = ray.get(actor.timed.remote([HANG, "\\boxed{2.0}"], ["5", "2"], 1.5), timeout=60)
+    out["hang wall s (1.5 s timeout)"] = round(elapsed, 2)
+    out["hang verdicts ok"] = [(s, t) for s, t, _ in verdicts] == [(0.0, True), (1.0, False)]
+    actor_pid, pids = ray.get(actor.pids.remote(), timeout=30)
+    out["worker pids"] = len(pids)
+    return pids
 
 
 def _child_score(q):
@@ -644,7 +650,7 @@ def _run_one(backend: str, scenario: str, limit: int, timeout: float = 300) -> d
     return {"error": f"rc={out.returncode}: {out.stderr.strip()[-400:]}"}
 
 
-def main(argv=None) -> None:
+def _parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
@@ -652,7 +658,11 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds of the throughput scenario")
     ap.add_argument("--only", default="", help="paired: only workloads whose name contains this")
     ap.add_argument("--one", nargs=2, metavar=("BACKEND", "SCENARIO"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = _parse_args(argv)
 
     if args.one:
         backend, scenario = args.one

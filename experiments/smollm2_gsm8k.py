@@ -33,7 +33,7 @@ def evaluate_policy(model, data: str, limit: int, max_tokens: int) -> dict:
             "mean_response_tokens": d["overall"]["mean_response_tokens"]}
 
 
-def main():
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "simplerl_eval" / "gsm8k_test.jsonl"))
     parser.add_argument("--limit", type=int, default=200)
@@ -43,23 +43,33 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-6)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def pretrained_score(args, out: Path) -> dict:
+    """The pretrained model's score on the first ``--limit`` problems. It is deterministic
+    (greedy): computed once per setting, then read from ``out``."""
+    from rllib_exgrpo.models import resolve_model_path
+
+    before_path = out / f"smollm2_before_{Path(args.data).stem}_{args.limit}_{args.max_tokens}.json"
+    if before_path.exists():
+        return json.loads(before_path.read_text())
+    before = evaluate_policy(resolve_model_path("smollm2"), args.data, args.limit, args.max_tokens)
+    before_path.write_text(json.dumps(before, default=str))
+    return before
+
+
+def main():
+    args = _parse_args()
     if not Path(args.data).exists():
         raise SystemExit(f"{args.data} not found (GSM8K test jsonl; ../shared/data is not part of a user's clone)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
 
-    from rllib_exgrpo.models import resolve_model_path
     from rllib_exgrpo.cli.experiment import build_experiments
 
-    # The pretrained model's score is deterministic (greedy): computed once per setting.
-    before_path = out / f"smollm2_before_{Path(args.data).stem}_{args.limit}_{args.max_tokens}.json"
-    if before_path.exists():
-        before = json.loads(before_path.read_text())
-    else:
-        before = evaluate_policy(resolve_model_path("smollm2"), args.data, args.limit, args.max_tokens)
-        before_path.write_text(json.dumps(before, default=str))
+    before = pretrained_score(args, out)
     print(f"before: accuracy {before['accuracy']:.3f} on the first {args.limit} GSM8K test problems "
           f"({before['wall_s'] / 60:.1f} min)", flush=True)
 

@@ -192,6 +192,29 @@ def test_two_zero_learners_match_one_learner_and_the_runner(quick_tiny_model, st
           f"max |ZeRO - single learner| = {worst:.2g}")
 
 
+def _check_zero3_checkpoint_layout(path, saved_weights):
+    """The ZeRO-3 checkpoint at ``path`` (two learners): the module folder holds a manifest (no
+    partitioned weights); each rank wrote its own partitions and optimiser shard."""
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
+    from rllib_exgrpo.rllib import zero3_weights
+
+    learner_dir = path / "learner_group" / "learner"
+    manifest = zero3_weights._read_pickle(learner_dir / "rl_module" / MODULE / "module_state.pkl")
+    assert zero3_weights.is_manifest(manifest)
+    entry = manifest[zero3_weights.MANIFEST_KEY]
+    assert entry["world_size"] == 2 and entry["shapes"] and set(entry["shapes"]).isdisjoint(entry["whole"])
+    assert sorted(p.name for p in (learner_dir / "module_shards" / MODULE).iterdir()) == ["rank_0_of_2.pt", "rank_1_of_2.pt"]
+    assert sorted(p.name for p in (learner_dir / "optimizer_shards" / MODULE).iterdir()) == ["rank_0_of_2.pt", "rank_1_of_2.pt"]
+    with pytest.raises(ValueError, match="ZeRO-3 checkpoint's module folder"):
+        RLModule.from_checkpoint(learner_dir / "rl_module" / MODULE)
+    # Consolidated, the full weights are the saved ones, and RLlib's own loader reads them.
+    written = zero3_weights.consolidate(path, path.parent / f"{path.name}_full")
+    module = RLModule.from_checkpoint(written[MODULE])
+    consolidated = {k: v.detach().float().numpy() for k, v in module.state_dict().items()}
+    assert_same_weights([saved_weights, {k: consolidated[k] for k in saved_weights}], ["saved", "consolidated"])
+
+
 @pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.usefixtures("ray_local")
@@ -212,26 +235,7 @@ def test_zero3_checkpoint_restores_weights_and_optimizer_and_trains_on(quick_tin
     finally:
         algo.stop()
 
-    # The module folder holds a manifest (no partitioned weights); each rank wrote its own
-    # partitions and optimiser shard.
-    from ray.rllib.core.rl_module.rl_module import RLModule
-
-    from rllib_exgrpo.rllib import zero3_weights
-
-    learner_dir = tmp_path / "learner_group" / "learner"
-    manifest = zero3_weights._read_pickle(learner_dir / "rl_module" / MODULE / "module_state.pkl")
-    assert zero3_weights.is_manifest(manifest)
-    entry = manifest[zero3_weights.MANIFEST_KEY]
-    assert entry["world_size"] == 2 and entry["shapes"] and set(entry["shapes"]).isdisjoint(entry["whole"])
-    assert sorted(p.name for p in (learner_dir / "module_shards" / MODULE).iterdir()) == ["rank_0_of_2.pt", "rank_1_of_2.pt"]
-    assert sorted(p.name for p in (learner_dir / "optimizer_shards" / MODULE).iterdir()) == ["rank_0_of_2.pt", "rank_1_of_2.pt"]
-    with pytest.raises(ValueError, match="ZeRO-3 checkpoint's module folder"):
-        RLModule.from_checkpoint(learner_dir / "rl_module" / MODULE)
-    # Consolidated, the full weights are the saved ones, and RLlib's own loader reads them.
-    written = zero3_weights.consolidate(tmp_path, tmp_path.parent / f"{tmp_path.name}_full")
-    module = RLModule.from_checkpoint(written[MODULE])
-    consolidated = {k: v.detach().float().numpy() for k, v in module.state_dict().items()}
-    assert_same_weights([saved_weights, {k: consolidated[k] for k in saved_weights}], ["saved", "consolidated"])
+    _check_zero3_checkpoint_layout(tmp_path, saved_weights)
 
     t0 = time.perf_counter()
     restored = ExGRPO.from_checkpoint(str(tmp_path))

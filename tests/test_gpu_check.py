@@ -51,6 +51,24 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert 0.0 <= res["param_update_fraction"] < 0.5
     assert res["stage_times_s"] and all(_positive(v) for v in res["stage_times_s"].values())
 
+    _check_learner(res)
+
+    assert res["stages"][:7] == ["learner", "packed", "drift", "slice", "transfer", "generation", "colocate"]
+    _check_packed(res)
+    assert "packed learner pass" in proc.stdout and "measured_over_planned=" in proc.stdout
+
+    _check_drift(res)
+    _check_slice(res)
+    _check_transfer(res)
+    assert "slice" in proc.stdout and "log-prob drift" in proc.stdout and "transfer" in proc.stdout
+
+    _check_generation(res)
+    assert res["imports"]["rllib_exgrpo.rllib.colocation"] == []
+    _check_colocate(res)
+    assert "colocated cycle" in proc.stdout and "round_trip_ok=True" in proc.stdout
+
+
+def _check_learner(res):
     # two response lengths, each with and without gradient checkpointing
     assert sorted((e["response"], e["gradient_checkpointing"]) for e in res["learner"]) == [
         (16, False), (16, True), (48, False), (48, True)]
@@ -62,10 +80,8 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         assert e["steps"] == 1
         assert e["valid_tokens_per_step"] < e["tokens_per_step"]  # padded like a learner batch
 
-    assert res["stages"][:7] == ["learner", "packed", "drift", "slice", "transfer", "generation", "colocate"]
-    _check_packed(res)
-    assert "packed learner pass" in proc.stdout and "measured_over_planned=" in proc.stdout
 
+def _check_drift(res):
     # drift: the tiny model and the last slice depth, three compositions each
     assert [e["model"] for e in res["drift"]] == ["tiny", "tiny-untied-2-layers"]
     for e in res["drift"]:
@@ -77,6 +93,8 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
             assert math.isfinite(mx) and math.isfinite(mean) and 0.0 <= mean <= mx < 1.0, c
             assert 0.0 <= c["max_abs_ratio_minus_1"] < 2.0
 
+
+def _check_slice(res):
     # the slice: two depths of a 28-layer untied model, bf16 weights + fp32 master + AdamW moments
     sl = res["slice"]
     assert sl["full_layers"] == 28 and sl["slice_layers"] == [1, 2] and sl["gradient_checkpointing"] is True
@@ -106,6 +124,8 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     else:
         assert plan["status"].startswith("unavailable ("), plan
 
+
+def _check_transfer(res):
     # transfer: pageable only on CPU, exactly the bytes asked for, both ways, data intact
     tr = res["transfer"]
     assert tr["status"] == "ok" and tr["bytes_requested"] == tr["bytes"] == 16_000_000
@@ -114,18 +134,15 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert pg["bytes_h2d"] == pg["bytes_d2h"] == 16_000_000 and pg["round_trip_ok"] is True
     for key in ("h2d_s", "d2h_s", "h2d_gb_per_s", "d2h_gb_per_s"):
         assert _positive(pg[key]), key
-    assert "slice" in proc.stdout and "log-prob drift" in proc.stdout and "transfer" in proc.stdout
 
+
+def _check_generation(res):
     assert {e["decoder"] for e in res["generation"]} == {"generate", "pruned"}
     for e in res["generation"]:
         assert e["status"] == "ok", e
         assert e["generated_tokens"] == e["batch"] * e["new_tokens"]  # no stop token: full length
         for key in ("seconds", "tokens_per_s", "peak_gib"):
             assert _positive(e[key]), (e["name"], key, e.get(key))
-
-    assert res["imports"]["rllib_exgrpo.rllib.colocation"] == []
-    _check_colocate(res)
-    assert "colocated cycle" in proc.stdout and "round_trip_ok=True" in proc.stdout
 
 
 def _check_colocate(res):

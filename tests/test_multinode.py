@@ -92,31 +92,8 @@ def drive(address: str, model: str) -> dict:
         )
         algo = config.build_algo()
         try:
-            iterations = []
-            for _ in range(ITERATIONS):
-                r = algo.train()
-                iterations.append({
-                    "training_iteration": int(r["training_iteration"]),
-                    "num_completions": int(r["num_completions"]),
-                    "num_episodes": int(r["env_runners"]["num_episodes"]),
-                    "module_steps_trained": int(r["learners"]["default_policy"]["num_module_steps_trained"]),
-                    "total_loss": float(r["learners"]["default_policy"]["total_loss"]),
-                })
-
-            def where_runner(runner):
-                import rllib_exgrpo as pkg
-
-                return {
-                    "worker_index": runner.worker_index,
-                    "node_id": ray.get_runtime_context().get_node_id(),
-                    "package": pkg.__file__,
-                }
-
-            runners = algo.env_runner_group.foreach_env_runner(where_runner, local_env_runner=False)
-            learners = [
-                r.get() if hasattr(r, "get") else r
-                for r in algo.learner_group.foreach_learner(lambda _: ray.get_runtime_context().get_node_id())
-            ]
+            iterations = _train_iterations(algo)
+            runners, learners = _where_actors_ran(ray, algo)
         finally:
             algo.stop()
         return {
@@ -128,6 +105,42 @@ def drive(address: str, model: str) -> dict:
         }
     finally:
         ray.shutdown()
+
+
+def _train_iterations(algo) -> list:
+    """Train ``ITERATIONS`` iterations; the figures of each that the test checks."""
+    iterations = []
+    for _ in range(ITERATIONS):
+        r = algo.train()
+        iterations.append({
+            "training_iteration": int(r["training_iteration"]),
+            "num_completions": int(r["num_completions"]),
+            "num_episodes": int(r["env_runners"]["num_episodes"]),
+            "module_steps_trained": int(r["learners"]["default_policy"]["num_module_steps_trained"]),
+            "total_loss": float(r["learners"]["default_policy"]["total_loss"]),
+        })
+    return iterations
+
+
+def _where_actors_ran(ray, algo) -> tuple:
+    """``(runners, learners)``: each remote env runner's index, node id and the file its
+    package was imported from; each learner's node id."""
+
+    def where_runner(runner):
+        import rllib_exgrpo as pkg
+
+        return {
+            "worker_index": runner.worker_index,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "package": pkg.__file__,
+        }
+
+    runners = algo.env_runner_group.foreach_env_runner(where_runner, local_env_runner=False)
+    learners = [
+        r.get() if hasattr(r, "get") else r
+        for r in algo.learner_group.foreach_learner(lambda _: ray.get_runtime_context().get_node_id())
+    ]
+    return runners, learners
 
 
 def _wait_alive(ray, count: int, timeout: float = 60.0) -> dict:
