@@ -132,6 +132,15 @@ def test_remote_env_runners_and_xrpo(quick_tiny_model):
         experience = result["experience"]
         assert experience["replayed_questions"] >= 1
         assert experience["replay_scored_trajectories"] >= 3 and experience["replay_scoring_runners"] == 2
+        # Every key of a real result (XRPO, replay, remote runners) is one preflight knows, so
+        # any of them may be a stop key: the declared metric names cover what the code logs.
+        from rllib_exgrpo.cli import preflight
+
+        # (Tune's Trainable adds pid, hostname, ... to every result: not metrics of the algorithm)
+        leaves = preflight.flatten_stop({k: v for k, v in result.items() if k not in ("config", "pid", "node_ip")})
+        unknown = [k for k, v in leaves.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and preflight.metric_problem(k, type(a), a.config, "stop") is not None]
+        assert not unknown, unknown
     finally:
         a.stop()
 

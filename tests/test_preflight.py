@@ -279,44 +279,83 @@ def test_no_gpu_check_when_joining_a_cluster(monkeypatch):
     build_experiments({"ok": spec}, ray_num_gpus=1)
 
 
-def test_project_result_keys_cover_what_the_code_logs():
-    """Every literal metric name logged by the algorithm, env runner and learner is in
-    preflight's list (a renamed metric must not make a valid stop key an error)."""
-    from rllib_exgrpo.rllib import algorithm
-
-    def logged(path: Path):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "log_value" and node.args:
-                yield node.args[0]
-
-    def const(node, module):
+def _log_value_names(path: Path, module) -> set:
+    """The literal names of ``log_value`` calls in a module's source (a tuple key joined by
+    "/"; module constants resolved; calls whose key is computed are left out)."""
+    def const(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return node.value
-        if isinstance(node, ast.Name) and isinstance(getattr(module, node.id, None), str):
-            return getattr(module, node.id)
+        if isinstance(node, ast.Name) and isinstance(getattr(module, node.id, None), (str, tuple)):
+            value = getattr(module, node.id)
+            return "/".join(value) if isinstance(value, tuple) else value
         return None
 
-    from rllib_exgrpo.rllib import env_runner, learner
-
     names = set()
-    for node in logged(REPO / "rllib_exgrpo/rllib/algorithm.py"):
-        parts = node.elts if isinstance(node, ast.Tuple) else [node]
-        values = [const(p, algorithm) for p in parts]
-        if all(values):
-            names.add("/".join(values))
-    for node in logged(REPO / "rllib_exgrpo/rllib/env_runner.py"):
-        if const(node, env_runner):
-            names.add("env_runners/" + const(node, env_runner))
-    for node in logged(REPO / "rllib_exgrpo/rllib/learner.py"):
-        if isinstance(node, ast.Tuple) and const(node.elts[1], learner):
-            names.add("learners/default_policy/" + const(node.elts[1], learner))
-    assert len(names) > 20
-    missing = sorted(n for n in names if n not in preflight.PROJECT_RESULT_KEYS)
-    assert not missing, missing
-    for stage in (algorithm.PLAN_TIMER, algorithm.REPLAY_CHOICE_TIMER, algorithm.BUFFER_TIMER,
-                  algorithm.SAMPLE_TIMER, algorithm.ADVANTAGE_TIMER, algorithm.HELDOUT_TIMER):
-        assert f"timers/{stage}" in preflight.PROJECT_RESULT_KEYS
-        assert f"{algorithm.STEP_TIMES}/{stage}" in preflight.PROJECT_RESULT_KEYS
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "log_value" and node.args:
+            parts = node.args[0].elts if isinstance(node.args[0], ast.Tuple) else [node.args[0]]
+            values = [const(p) for p in parts]
+            if all(values):
+                names.add("/".join(values))
+    return names
+
+
+def test_project_result_keys_cover_what_the_code_logs():
+    """Every literal metric name a ``log_value`` call of the package logs is a known result key
+    (a renamed metric must not make a valid stop key an error): the env runner's under
+    ``env_runners/``, a learner's under ``learners/<module>/`` (any module id), the algorithm's
+    as written."""
+    import importlib
+
+    from rllib_exgrpo.rllib import algorithm
+
+    keys = set(preflight.project_result_keys())
+    learner_keys = {k.split("/", 2)[2] for k in keys if k.startswith("learners/default_policy/")}
+    runner_side = ("env_runner.py", "colocation.py")
+    checked = 0
+    for path in sorted((REPO / "rllib_exgrpo").rglob("*.py")):
+        module = importlib.import_module(".".join(path.relative_to(REPO).with_suffix("").parts))
+        for name in _log_value_names(path, module):
+            checked += 1
+            if path.name in ("learner.py", "deepspeed_learner.py"):
+                assert name.split("/", 1)[-1] in learner_keys, (path.name, name)
+            elif path.name in runner_side:
+                assert f"env_runners/{name}" in keys, (path.name, name)
+            else:
+                assert name in keys, (path.name, name)
+    assert checked > 30
+    for stage in algorithm.STAGES:
+        assert f"timers/{stage}" in keys and f"{algorithm.STEP_TIMES}/{stage}" in keys
+
+
+def test_every_declared_metric_name_is_logged_where_it_is_declared():
+    """The declarations :func:`preflight.project_result_keys` reads sit beside the code that
+    logs or produces each name: every declared name is written in its module (as a string, a
+    module constant, or a key composed there), so a metric that is no longer logged cannot stay
+    declared."""
+    from rllib_exgrpo.core import losses
+    from rllib_exgrpo.exgrpo import experience
+    from rllib_exgrpo.rllib import algorithm, colocation, env_runner, heldout, learner, rollouts
+    from rllib_exgrpo.xrpo import steps
+
+    def strings(module) -> str:
+        return Path(module.__file__).read_text()
+
+    declared = [
+        (losses, losses.LOSS_METRICS), (env_runner, env_runner.ENV_RUNNER_METRICS[4:]),
+        (colocation, colocation.COLOCATION_METRICS), (heldout, heldout.HELDOUT_METRICS),
+        (rollouts, rollouts.ROLLOUT_METRICS), (experience, experience.POOL_METRICS),
+        (experience, experience.REPLAY_CHOICE_METRICS), (experience, experience.OBSERVE_METRICS[:2]),
+        (steps, steps.SEEDING_METRICS + steps.SHARPENING_METRICS), (algorithm, algorithm.WEIGHT_SYNC_METRICS),
+        (algorithm, [m for m in algorithm.TOP_LEVEL_METRICS if m not in rollouts.ROLLOUT_METRICS]),
+        (learner, [m for m in learner.LEARNER_METRICS if m not in losses.LOSS_METRICS]),
+    ]
+    for module, names in declared:
+        text = strings(module)
+        for name in names:  # once in the declaration, at least once where it is logged or produced
+            assert text.count(f'"{name}"') >= 2, f"{module.__name__}: {name!r} is declared but not logged there"
+    # composed keys: one pool_<outcome> per outcome of an update, one statistic per planner stat
+    assert "pool_{k}" in strings(experience) and "completions_per_question_" in strings(steps)
 
 
 def test_dry_run_summary_shows_notes(capsys, tmp_path, monkeypatch):

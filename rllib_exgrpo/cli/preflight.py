@@ -45,9 +45,9 @@ beyond that each value once with the others at their first value):
   ``torch.cuda`` sees here; one line per actor kind that does not fit, naming the key to
   change. :func:`memory_plan_text` is the plan ``rllib train`` prints (``docs/memory_plan.md``).
 * **stop criteria** and ``checkpoint_score_attribute``: against the metrics the algorithm
-  reports. This project's algorithms: the fixed list below (:data:`PROJECT_RESULT_KEYS`,
-  read off ``algorithm.py``, ``env_runner.py``, ``learner.py``, ``core/losses.py``,
-  ``exgrpo/experience.py``, ``xrpo/steps.py``), including whether the config turns a
+  reports. This project's algorithms: :func:`project_result_keys`, the names declared beside
+  the code that logs them (``algorithm.logged_metric_names``: ``algorithm.py``, ``env_runner.py``,
+  ``learner.py``, ``core/losses.py``, ``exgrpo/experience.py``, ``xrpo/steps.py``, ...), including whether the config turns a
   metric on (``heldout/*`` needs ``heldout_dataset``, ``xrpo/*`` the XRPO switches, ...).
   RLlib's algorithms: Tune's and RLlib's top-level names, anything under a known result
   group (``env_runners/*``, ``learners/*``, ``evaluation/*``, ...). Other Algorithm
@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import importlib.util
 import itertools
 import json
@@ -117,14 +118,7 @@ _LEARNER_RLLIB = (
     "num_module_steps_trained_lifetime_throughput/throughput_since_last_reduce",
     "num_module_steps_trained_lifetime_throughput/throughput_since_last_restore",
 )
-# mixed_policy_loss (core/losses.py) and ExGRPOTorchLearner (rllib/learner.py)
-_LEARNER_OWN = (
-    "policy_loss", "entropy", "kl", "clip_fraction", "trust_region_violation_fraction",
-    "ratio_mean", "ratio_max", "ratio_min", "replay_ratio_mean", "replay_shaping_mean",
-    "fresh_token_fraction", "replayed_token_fraction", "total_loss", "clip_on_fresh_tokens",
-    "grad_norm_preclip", "update_skipped", "skipped_nonfinite", "zero_advantage_updates",
-    "learner_passes", "learner_padded_over_real",
-)
+#: RLlib's own per-module learner results, and its ``__all_modules__`` and timer names.
 _ALL_MODULES = (
     "num_env_steps_trained", "num_env_steps_trained_lifetime", "num_env_steps_trained_throughput",
     "num_module_steps_trained", "num_module_steps_trained_lifetime",
@@ -134,62 +128,29 @@ _ALL_MODULES = (
     "num_module_steps_trained_lifetime_throughput/throughput_since_last_reduce",
     "num_module_steps_trained_lifetime_throughput/throughput_since_last_restore",
 )
-# LLMEnvRunner._log_sample_metrics / _log_logprob_mismatch
-_ENV_RUNNER = (
-    "episode_return_mean", "num_episodes", "num_env_steps_sampled", "num_env_steps_sampled_lifetime",
-    "generation_time_s", "scoring_time_s", "response_length_mean", "num_response_tokens",
-    "num_response_tokens_lifetime", "truncated_fraction", "reward_timeouts", "reward_errors",
-    "behaviour_logprob_mismatch_mean", "behaviour_logprob_mismatch_max",
-    # ColocatedSampler.turn (rllib/colocation.py)
-    "optimizer_offload_bytes",
-)
-# ExperienceManager.metrics / observe / replayed_trajectories, ExGRPO._log_experience_metrics
-_EXPERIENCE = (
-    "mixed_mode", "pool_size", "pool_trajectories", "retired", "switch_iteration", "step_solve_rate",
-    "switched", "pool_added", "pool_updated", "pool_retired", "pool_skipped", "pool_unchanged",
-    "replayed_fraction", "replayed_questions", "chosen_trajectory_entropy",
-    "replay_scored_trajectories", "replay_scored_tokens", "replay_scoring_runners",
-)
-# xrpo/steps.py: AdaptiveRollouts.run, InContextSeeder.seed, sharpen_advantages
-_XRPO_PLANNER = ("completions_per_question_mean", "completions_per_question_min",
-                 "completions_per_question_max", "completions_per_question_std")
-_XRPO_SEEDING = ("all_failing_questions", "seeded_questions", "corpus_size", "rescued_fraction",
-                 "rescued_questions")
-_XRPO_SHARPENING = ("sharpening_bonus_mean", "sharpened_fraction")
-# ExGRPO._stage timers (algorithm.py) and RLlib's own around training_step
-_STAGES = ("plan", "replay_choice", "sample", "learner_scoring", "advantages", "learner_update_timer",
-           "buffer_update", "synch_weights", "heldout_eval")
 _RLLIB_TIMERS = ("training_iteration", "training_step", "restore_env_runners", "synch_env_connectors")
-# ExGRPO.training_step / _log_group_metrics / _update_learners / _sample, and RLlib's top level
-_PROJECT_TOP = (
-    "reward_mean", "solve_rate", "zero_variance_group_fraction", "all_correct_group_fraction",
-    "num_completions", "unscored_completions", "optimizer_steps", "minibatch_rows_min",
-    "minibatch_rows_max", "env_runner_failures", "resampled_questions", "num_env_steps_sampled_lifetime",
-    "num_training_step_calls_per_iteration", "async_batch_staleness", "learner_scored_completions",
-    # ExGRPO._sync_runner_weights with weight_sync: collective
-    "weight_sync/seconds", "weight_sync/bytes_per_runner", "weight_sync/group_generation",
+_RLLIB_OTHER = (
+    "num_env_steps_sampled_lifetime", "num_training_step_calls_per_iteration",
+    "fault_tolerance/num_healthy_workers", "fault_tolerance/num_remote_worker_restarts",
+    "fault_tolerance/num_env_runners_dropped_lifetime", "env_runner_group/actor_manager_num_outstanding_async_reqs",
+    "perf/cpu_util_percent", "perf/ram_util_percent",
 )
 
 
-def _project_keys() -> Tuple[str, ...]:
-    keys: List[str] = list(TUNE_RESULT_KEYS) + list(_PROJECT_TOP)
-    keys += [f"env_runners/{k}" for k in _ENV_RUNNER]
-    keys += [f"learners/default_policy/{k}" for k in _LEARNER_OWN + _LEARNER_RLLIB]
+@functools.lru_cache(maxsize=None)
+def project_result_keys() -> Tuple[str, ...]:
+    """Every result key ExGRPO / GRPO report (besides the patterns below): what the project's
+    code logs, read from the declarations beside that code
+    (:func:`rllib_exgrpo.rllib.algorithm.logged_metric_names`), and what RLlib and Tune add."""
+    from rllib_exgrpo.rllib.algorithm import logged_metric_names
+
+    keys: List[str] = list(TUNE_RESULT_KEYS) + list(logged_metric_names()) + list(_RLLIB_OTHER)
+    keys += [f"learners/default_policy/{k}" for k in _LEARNER_RLLIB]
     keys += [f"learners/__all_modules__/{k}" for k in _ALL_MODULES]
-    keys += [f"experience/{k}" for k in _EXPERIENCE]
-    keys += [f"xrpo/{k}" for k in _XRPO_PLANNER + _XRPO_SEEDING + _XRPO_SHARPENING]
-    keys += ["heldout/accuracy", "heldout/after_iteration", "heldout/initial_accuracy"]
-    keys += [f"timers/{k}" for k in _STAGES + _RLLIB_TIMERS]
-    keys += [f"step_time_s/{k}" for k in _STAGES]
-    keys += ["fault_tolerance/num_healthy_workers", "fault_tolerance/num_remote_worker_restarts",
-             "fault_tolerance/num_env_runners_dropped_lifetime",
-             "env_runner_group/actor_manager_num_outstanding_async_reqs",
-             "perf/cpu_util_percent", "perf/ram_util_percent"]
+    keys += [f"timers/{k}" for k in _RLLIB_TIMERS]
     return tuple(dict.fromkeys(keys))
 
 
-#: Every result key ExGRPO / GRPO report (besides the patterns below).
-PROJECT_RESULT_KEYS = _project_keys()
 #: Project keys with a variable part: bucket histogram, one perf entry per GPU.
 _PROJECT_PATTERNS = (re.compile(r"experience/bucket_(\d+)"), re.compile(r"perf/(gpu|vram)_util_percent\d+"),
                      # one per custom reward function (env_config.reward_fn / reward_fns)
@@ -199,6 +160,7 @@ _PROJECT_PATTERNS = (re.compile(r"experience/bucket_(\d+)"), re.compile(r"perf/(
 def _when(cfg: Any, key: str) -> Optional[str]:
     """Why the project algorithm never reports ``key`` under ``cfg`` (None: it does)."""
     from rllib_exgrpo.rllib.config_fields import field_value
+    from rllib_exgrpo.xrpo.steps import PLANNER_METRICS, SEEDING_METRICS, SHARPENING_METRICS
 
     if key.startswith("heldout/") and not field_value(cfg, "heldout_dataset"):
         return "heldout_dataset is not set (no held-out evaluation)"
@@ -207,11 +169,11 @@ def _when(cfg: Any, key: str) -> Optional[str]:
             return "heldout_dataset is not set (no held-out evaluation)"
     tail = key.rpartition("/")[2]
     if key.startswith("xrpo/"):
-        if tail in _XRPO_PLANNER and not field_value(cfg, "xrpo_planner"):
+        if tail in PLANNER_METRICS and not field_value(cfg, "xrpo_planner"):
             return "xrpo_planner is off"
-        if tail in _XRPO_SEEDING and not field_value(cfg, "icl_seeding"):
+        if tail in SEEDING_METRICS and not field_value(cfg, "icl_seeding"):
             return "icl_seeding is off"
-        if tail in _XRPO_SHARPENING and not field_value(cfg, "novelty_sharpening"):
+        if tail in SHARPENING_METRICS and not field_value(cfg, "novelty_sharpening"):
             return "novelty_sharpening is off"
     if key == "async_batch_staleness" and not field_value(cfg, "async_rollouts"):
         return "async_rollouts is off"
@@ -263,11 +225,11 @@ def metric_problem(key: str, algo_cls: type, cfg: Any, what: str) -> Optional[st
 
         group_size = field_value(cfg, "group_size")
         buckets = [f"experience/bucket_{k}" for k in range(1, group_size)] if isinstance(group_size, int) else []
-        known = key in PROJECT_RESULT_KEYS or any(p.fullmatch(key) for p in _PROJECT_PATTERNS)
+        known = key in project_result_keys() or any(p.fullmatch(key) for p in _PROJECT_PATTERNS)
         if known:
             why = _when(cfg, key)
             return None if why is None else f"{what}: {key!r}: {name} does not report it here: {why}."
-        hint = suggest(key, list(PROJECT_RESULT_KEYS) + buckets)
+        hint = suggest(key, list(project_result_keys()) + buckets)
         return (f"{what}: {key!r} is not a metric {name} reports.{hint} Its results: training_iteration, "
                 "time_total_s, reward_mean, solve_rate, env_runners/*, learners/default_policy/*, "
                 "experience/*, heldout/* (with heldout_dataset), xrpo/* (with XRPO), timers/*.")

@@ -38,6 +38,7 @@ from torch import Tensor
 from rllib_exgrpo.core.registry import Registry
 
 __all__ = [
+    "LOSS_METRICS",
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
     "RATIO_MODES",
@@ -880,6 +881,14 @@ def _with_entropy_bonus(
 #: is 0 where its token set is empty, so whoever combines the metrics of several
 #: (micro-/mini-)batches weights them by that set's tokens, not the batch's, and leaves out
 #: a batch that has none (rllib/learner.py).
+#: What :func:`mixed_policy_loss` reports per update (its ``metrics``; keys starting with
+#: ``_`` are internal): logged by the learner under ``learners/<module>/``.
+LOSS_METRICS = (
+    "policy_loss", "entropy", "kl", "zero_advantage_fraction", "clip_fraction", "trust_region_violation_fraction",
+    "ratio_mean", "ratio_max", "ratio_min", "replay_ratio_mean", "replay_shaping_mean", "fresh_token_fraction",
+    "replayed_token_fraction",
+)
+
 STAT_TOKEN_SHARE = {
     **dict.fromkeys(("clip_fraction", "trust_region_violation_fraction", "ratio_mean", "ratio_max", "ratio_min"),
                     "fresh_token_fraction"),

@@ -25,7 +25,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from rllib_exgrpo.core.groups import ScoredGroups, Trajectory
-from rllib_exgrpo.exgrpo.buffer import ExperienceBuffer, choose_trajectory, mean_over_tokens
+from rllib_exgrpo.exgrpo.buffer import UPDATE_RESULTS, ExperienceBuffer, choose_trajectory, mean_over_tokens
+
+#: The metrics the manager reports (logged under ``experience/``): :meth:`ExperienceManager.metrics`
+#: (besides one ``bucket_<k>`` per correctness bucket), :meth:`~ExperienceManager.observe`
+#: (one ``pool_<outcome>`` per outcome of an update) and the replay choice.
+POOL_METRICS = ("mixed_mode", "pool_size", "pool_trajectories", "retired", "switch_iteration")
+OBSERVE_METRICS = ("step_solve_rate", "switched") + tuple(f"pool_{outcome}" for outcome in UPDATE_RESULTS)
+REPLAY_CHOICE_METRICS = ("chosen_trajectory_entropy", "replay_scored_trajectories", "replay_scored_tokens")
 
 #: (prompts, completions) -> (per-token log-probs, per-token entropies), one array per row.
 Scorer = Callable[[Sequence[np.ndarray], Sequence[np.ndarray]], Tuple[List[np.ndarray], List[np.ndarray]]]

@@ -21,6 +21,7 @@ from ray.rllib.utils.annotations import override
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.algorithms.algorithm import Algorithm
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
+from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.utils.metrics import (
     ENV_RUNNER_RESULTS,
@@ -39,11 +40,15 @@ from rllib_exgrpo.core.groups import (
     to_multi_agent_batch,
     trajectories_from_episodes,
 )
-from rllib_exgrpo.exgrpo.experience import ExperienceManager
+from rllib_exgrpo.exgrpo.experience import (
+    OBSERVE_METRICS, POOL_METRICS, REPLAY_CHOICE_METRICS, ExperienceManager,
+)
 from rllib_exgrpo.core.minibatches import plan_minibatches, take_rows
 from rllib_exgrpo.core.question_sampler import QuestionSampler
 from rllib_exgrpo.rllib.resources import apply_threads_for, fit_resources
-from rllib_exgrpo.xrpo.steps import AdaptiveRollouts, InContextSeeder, sharpen_advantages
+from rllib_exgrpo.xrpo.steps import (
+    PLANNER_METRICS, SEEDING_METRICS, SHARPENING_METRICS, AdaptiveRollouts, InContextSeeder, sharpen_advantages,
+)
 from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
 from rllib_exgrpo.rllib.config_attributes import ExGRPOConfigFields
 from rllib_exgrpo.rllib.config_fields import (
@@ -54,12 +59,12 @@ from rllib_exgrpo.rllib.config_fields import (
     training_doc,
     training_signature,
 )
-from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
-from rllib_exgrpo.rllib.heldout import HeldoutEvaluator
-from rllib_exgrpo.rllib.learner import ExGRPOTorchLearner
+from rllib_exgrpo.rllib.env_runner import ENV_RUNNER_METRICS, LLMEnvRunner
+from rllib_exgrpo.rllib.heldout import HELDOUT, HELDOUT_METRICS, HeldoutEvaluator
+from rllib_exgrpo.rllib.learner import LEARNER_METRICS, ExGRPOTorchLearner
 from rllib_exgrpo.rllib.module import LLMTorchRLModule
-from rllib_exgrpo.rllib.colocation import learner_rank, sample_on_learners
-from rllib_exgrpo.rllib.rollouts import RolloutCoordinator, score_on_learners
+from rllib_exgrpo.rllib.colocation import COLOCATION_METRICS, learner_rank, sample_on_learners
+from rllib_exgrpo.rllib.rollouts import ROLLOUT_METRICS, SCORING_RUNNERS_KEY, RolloutCoordinator, score_on_learners
 from rllib_exgrpo.rllib.weight_broadcast import WeightBroadcaster, WeightSyncFailed, chosen_path
 
 logger = logging.getLogger(__name__)
@@ -75,6 +80,37 @@ LEARNER_SCORING_TIMER = "learner_scoring"
 ADVANTAGE_TIMER = "advantages"
 HELDOUT_TIMER = "heldout_eval"
 STATE_KEY = "exgrpo"
+#: The stages each step times (``timers/<stage>`` and ``step_time_s/<stage>``, :meth:`ExGRPO._stage`).
+STAGES = (PLAN_TIMER, REPLAY_CHOICE_TIMER, SAMPLE_TIMER, LEARNER_SCORING_TIMER, ADVANTAGE_TIMER, LEARNER_UPDATE_TIMER,
+          BUFFER_TIMER, SYNCH_WORKER_WEIGHTS_TIMER, HELDOUT_TIMER)
+#: What the algorithm itself logs at the top level of a result.
+TOP_LEVEL_METRICS = (
+    "reward_mean", "solve_rate", "zero_variance_group_fraction", "all_correct_group_fraction",  # _log_group_metrics
+    "num_completions", "unscored_completions", "optimizer_steps", "minibatch_rows_min", "minibatch_rows_max",
+    "async_batch_staleness", "learner_scored_completions",
+) + ROLLOUT_METRICS
+#: What it logs under ``weight_sync/`` (``weight_sync: collective``, :meth:`ExGRPO._sync_runner_weights`).
+WEIGHT_SYNC_METRICS = ("seconds", "bytes_per_runner", "group_generation")
+
+
+def logged_metric_names() -> Tuple[str, ...]:
+    """Every result key this project's code logs, by group, from the declarations beside the
+    code that logs them (the keys with a variable part, ``experience/bucket_<k>`` and
+    ``env_runners/reward_<name>_mean``, are patterns: ``cli/preflight.py``). What RLlib and
+    Tune add is not here."""
+    groups = {
+        "": TOP_LEVEL_METRICS,
+        ENV_RUNNER_RESULTS: ENV_RUNNER_METRICS + COLOCATION_METRICS,
+        f"{LEARNER_RESULTS}/{DEFAULT_MODULE_ID}": LEARNER_METRICS,
+        EXPERIENCE: POOL_METRICS + OBSERVE_METRICS + REPLAY_CHOICE_METRICS + (
+            "replayed_questions", "replayed_fraction", SCORING_RUNNERS_KEY[1]),
+        XRPO: PLANNER_METRICS + SEEDING_METRICS + SHARPENING_METRICS,
+        HELDOUT: HELDOUT_METRICS,
+        "weight_sync": WEIGHT_SYNC_METRICS,
+        TIMERS: STAGES,
+        STEP_TIMES: STAGES,
+    }
+    return tuple(f"{group}/{name}" if group else name for group, names in groups.items() for name in names)
 
 
 class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):

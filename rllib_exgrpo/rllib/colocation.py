@@ -55,6 +55,8 @@ PHASES = ("offload_optimizer", "wake_weights", "push_weights", "wake_kv_cache", 
           "reload_optimizer")
 #: vLLM's sleep level: 2 drops the weights too (they are pushed again on wake).
 SLEEP_LEVEL = 2
+#: What a colocated turn logs on the learner's env runner (``env_runners/``).
+COLOCATION_METRICS = ("optimizer_offload_bytes",)
 
 
 @dataclasses.dataclass

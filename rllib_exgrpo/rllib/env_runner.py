@@ -82,6 +82,14 @@ def token_spaces(vocab_size: int, max_prompt_tokens: int, max_response_tokens: i
 #: LLM settings the runner reads besides RLlib's own (``env``, ``env_config``, ``seed``):
 #: the config fields marked ``runner=True`` in ``config_fields.FIELDS``, in table order.
 RUNNER_SETTINGS = tuple(f.name for f in FIELDS if f.runner)
+#: What a training sample logs (``env_runners/``): :meth:`LLMEnvRunner._log_sample_metrics`
+#: and ``_log_logprob_mismatch`` (plus ``reward_<name>_mean`` per custom reward function).
+ENV_RUNNER_METRICS = (
+    EPISODE_RETURN_MEAN, NUM_EPISODES, NUM_ENV_STEPS_SAMPLED, NUM_ENV_STEPS_SAMPLED_LIFETIME, "generation_time_s",
+    "scoring_time_s", "response_length_mean", "num_response_tokens", "num_response_tokens_lifetime",
+    "truncated_fraction", "reward_timeouts", "reward_errors", "behaviour_logprob_mismatch_mean",
+    "behaviour_logprob_mismatch_max",
+)
 
 #: Where a setting lives in a module ``model_config`` when its name differs there: the
 #: module's own keys (``LLMTorchRLModule`` loads ``model`` in ``dtype``).

@@ -17,6 +17,8 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 HELDOUT = "heldout"
+#: What the held-out evaluation logs under ``heldout/``.
+HELDOUT_METRICS = ("accuracy", "after_iteration", "initial_accuracy")
 
 
 def heldout_env_config(config) -> dict:

@@ -64,11 +64,19 @@ from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from rllib_exgrpo.rllib import rllib_contract as rc
 from rllib_exgrpo.rllib.config_fields import field_value
 from rllib_exgrpo.core import columns as C
-from rllib_exgrpo.core.losses import STAT_TOKEN_SHARE, agg_totals, mixed_policy_loss
+from rllib_exgrpo.core.losses import LOSS_METRICS, STAT_TOKEN_SHARE, agg_totals, mixed_policy_loss
 from rllib_exgrpo.core.minibatches import trim_padding
 from rllib_exgrpo.core.scoring import score_learner_batch
 
 logger = logging.getLogger(__name__)
+
+#: What the learner logs per module (``learners/<module>/``): the loss's metrics, the total
+#: loss and clip switch (``_log_loss_metrics``), the pre-clip norm and skipped updates
+#: (``apply_gradients``) and the pass plan (``_plan_passes``).
+LEARNER_METRICS = LOSS_METRICS + (
+    "total_loss", "clip_on_fresh_tokens", "zero_advantage_updates", "grad_norm_preclip", "update_skipped",
+    "skipped_nonfinite", "learner_passes", "learner_padded_over_real",
+)
 
 
 class ExGRPOTorchLearner(TorchLearner):

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 SAMPLE_ATTEMPTS = 3
 #: Metric: how many remote runners scored the last replay candidates (0: the local one).
 SCORING_RUNNERS_KEY = ("experience", "replay_scoring_runners")
+#: What sampling with replacement of failed runners logs at the top level.
+ROLLOUT_METRICS = ("env_runner_failures", "resampled_questions")
 
 
 class RolloutCoordinator:

@@ -25,6 +25,11 @@ from rllib_exgrpo.xrpo.icl import SolvedCorpus, format_examples
 from rllib_exgrpo.core.losses import novelty_sharpened_advantages
 from rllib_exgrpo.xrpo.planner import RolloutPlanner
 
+#: What each XRPO step reports (logged under ``xrpo/``).
+PLANNER_METRICS = tuple(f"completions_per_question_{stat}" for stat in ("mean", "min", "max", "std"))
+SEEDING_METRICS = ("all_failing_questions", "seeded_questions", "corpus_size", "rescued_fraction", "rescued_questions")
+SHARPENING_METRICS = ("sharpening_bonus_mean", "sharpened_fraction")
+
 SampleFn = Callable[[Sequence[str], Sequence[int], Optional[Sequence[Optional[str]]]], List[Trajectory]]
 
 
