@@ -713,3 +713,43 @@ def test_the_card_table_gives_each_card_its_usable_memory(monkeypatch):
     plan = plan_memory(_config(QWEN15), gpu_memory=24 * gib, gpu_memory_source="test")
     assert all(a.budget == int(22.5 * gib) for a in plan.actors)
     assert "the plan uses 22.5 GiB (card table: 24 GB" in plan.render()
+
+
+# ------------------------------------------------------------------ every mirrored term has its tie
+
+#: Each function of the plan that mirrors tensors the code makes (``planning/memory.py``'s
+#: ``*_bytes`` and ``*_breakdown``), and the test that ties it to those tensors: autograd's
+#: saved tensors, the allocator's peak of the real pass, the buffers the real code allocates,
+#: peft's or DeepSpeed's own counts.
+MIRRORED_TERMS = {
+    "model_state_bytes": "test_model_states_within_ten_percent_of_deepspeeds_estimators",
+    "_lora_state_bytes": "test_lora_learner_plan_holds_a_frozen_base_and_adapter_state",
+    "_lora_adapter_bytes": "test_lora_adapter_count_is_peft_s",
+    "layer_saved_bytes": "test_saved_per_layer_is_what_autograd_keeps",
+    "_saved_activation_bytes": "test_learner_activation_estimate_matches_the_measured_peak",
+    "_layer_backward_bytes": "test_learner_activation_estimate_matches_the_measured_peak",
+    "_logit_chunk_phase_bytes": "test_learner_activation_estimate_matches_the_measured_peak",
+    "logit_chunk_bytes": "test_learner_activation_estimate_matches_the_measured_peak",
+    "learner_activation_breakdown": "test_learner_activation_estimate_matches_the_measured_peak",
+    "learner_activation_bytes": "test_learner_activation_estimate_matches_the_measured_peak",
+    "scoring_activation_bytes": "test_learner_activation_estimate_matches_the_measured_peak",
+    "masked_attention_bytes": "test_masked_attention_terms_are_the_tensors_sdpa_varlen_makes",
+    "lora_merge_bytes": "test_lora_merge_terms_match_the_measured_peak_of_a_layer_push",
+    "weight_sync_bytes": "test_weight_sync_buffer_is_the_largest_bucket_the_broadcast_makes",
+    "_layer_bytes": "test_lora_under_deepspeed_is_planned_for_colocated_learners",
+}
+#: Functions with ``_bytes`` in their name that mirror no tensor of the code.
+NOT_MIRRORED = {"dtype_bytes": "a dtype's size", "deepspeed_estimate_bytes": "DeepSpeed's own estimator, called"}
+
+
+def test_every_mirrored_term_is_tied_to_the_code_it_mirrors():
+    """A new term of the plan must name its tie here, and the tie must exist."""
+    import inspect
+
+    from rllib_exgrpo.planning import memory
+
+    terms = {name for name, f in vars(memory).items() if inspect.isfunction(f) and f.__module__ == memory.__name__
+             and (name.endswith("_bytes") or name.endswith("_breakdown"))}
+    assert terms - set(NOT_MIRRORED) == set(MIRRORED_TERMS), sorted(terms ^ (set(MIRRORED_TERMS) | set(NOT_MIRRORED)))
+    for term, test in MIRRORED_TERMS.items():
+        assert callable(globals().get(test)), f"{term}: its tie {test} is not a test of this module"
