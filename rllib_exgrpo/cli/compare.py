@@ -24,6 +24,7 @@ PROG = "rllib"
 
 
 def add_compare_parser(subparsers: Any) -> None:
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.evaluation.compare import DEFAULT_BOOTSTRAP
 
     p = subparsers.add_parser(
@@ -55,6 +56,7 @@ def _label(run: str) -> str:
 
 def run_compare(args: argparse.Namespace) -> int:
     """Handler of ``rllib compare``; returns the exit code."""
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.evaluation.compare import compare_reports, load_report
 
     def fail(msg: str) -> int:
@@ -89,6 +91,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def _check_runs(runs: List[str], data: Optional[List[str]]) -> Optional[str]:
     """Why the RUNs to evaluate here cannot be (one line), before any model is loaded."""
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.evaluation import EvalDataError, load_eval_problems
     from rllib_exgrpo.evaluation.paths import PolicyPathError, policy_source
 
@@ -108,6 +111,7 @@ def _check_runs(runs: List[str], data: Optional[List[str]]) -> Optional[str]:
 
 def _evaluate(run: str, label: str, args: argparse.Namespace) -> dict:
     """Evaluate one RUN with the shared settings; the report is saved as ``eval-<label>.json``."""
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.evaluation import evaluate
     from rllib_exgrpo.evaluation.paths import policy_source
 

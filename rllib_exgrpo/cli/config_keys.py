@@ -17,6 +17,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from rllib_exgrpo.rllib import rllib_contract
 from rllib_exgrpo.cli.registry import CliConfigError, import_object
+from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
+from rllib_exgrpo.rllib.module import LLMTorchRLModule
+from rllib_exgrpo.rllib.ppo_module import model_config_problems
 
 _OLD_STACK_SWITCHES = ("enable_rl_module_and_learner", "enable_env_runner_and_connector_v2")
 
@@ -163,8 +166,6 @@ def _is_llm_module_config(config: Any, model_config: Any, module_class: Any = No
     mapping names an LLM ``model`` (any order of the YAML's keys)."""
     if hasattr(config, "model_name_or_path"):
         return False  # ExGRPO / GRPO: the module's model_config is built from the fields
-    from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
-    from rllib_exgrpo.rllib.module import LLMTorchRLModule
 
     runner = getattr(config, "env_runner_cls", None)
     if isinstance(runner, type) and issubclass(runner, LLMEnvRunner):
@@ -187,7 +188,6 @@ def _llm_model_config_problems(config: Any, model_config: Any, where: str, modul
     module's own business."""
     if model_config is None or not _is_llm_module_config(config, model_config, module_class):
         return []
-    from rllib_exgrpo.rllib.ppo_module import model_config_problems
 
     return model_config_problems(model_config, where)
 

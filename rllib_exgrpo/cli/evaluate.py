@@ -76,6 +76,7 @@ def _json_object(text: str) -> dict:
 
 
 def add_evaluate_parser(subparsers: Any) -> None:
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.evaluation.engines import BACKENDS
     from rllib_exgrpo.evaluation.metrics import DEFAULT_BATCH_SIZE, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
     from rllib_exgrpo.evaluation.protocol import PROTOCOLS
@@ -145,6 +146,7 @@ def add_evaluate_parser(subparsers: Any) -> None:
 
 def run_evaluate(args: argparse.Namespace) -> int:
     """Handler of ``rllib evaluate``; returns the exit code."""
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.evaluation import EvalDataError, evaluate, load_eval_problems
     from rllib_exgrpo.evaluation.engines import BackendError
     from rllib_exgrpo.evaluation.metrics import DEFAULT_PASS_KS
@@ -155,6 +157,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         return 2
 
     if args.best:
+        # lazy: `rllib --help` and argument errors answer before torch and Ray load
         from rllib_exgrpo.evaluation.checkpoints import BEST_METRIC, best_checkpoint
 
         try:

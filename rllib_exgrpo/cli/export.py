@@ -31,6 +31,7 @@ examples:
 
 
 def add_export_parser(subparsers: Any) -> None:
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.models.loading import MODEL_DTYPES
 
     p = subparsers.add_parser(
@@ -53,9 +54,11 @@ def add_export_parser(subparsers: Any) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """Handler of ``rllib export``; returns the exit code."""
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.evaluation.export import ExportError, export_checkpoint
 
     if args.best:
+        # lazy: `rllib --help` and argument errors answer before torch and Ray load
         from rllib_exgrpo.evaluation.checkpoints import BEST_METRIC, best_checkpoint
 
         try:

@@ -209,6 +209,7 @@ def run_train(args: argparse.Namespace) -> int:
     ray_init_kwargs = _ray_init_kwargs(args)
     if ray_init_kwargs is None:
         return 2
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.cli import preflight
     from rllib_exgrpo.cli.tune_runner import run_experiments
     from rllib_exgrpo.rllib.resources import ResourceError
@@ -244,6 +245,7 @@ def _fill_train_defaults(args: argparse.Namespace) -> None:
 def _build_train_experiments(args: argparse.Namespace):
     """The experiments of the file with the command line's overrides (checked, nothing
     started), or exit code 2 after a one-line error."""
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.cli.experiment import CliConfigError, build_experiments
 
     overrides = dict(args.config or {})
@@ -268,6 +270,7 @@ def _dry_run(args: argparse.Namespace, experiments: list) -> int:
     """``--dry-run``: each experiment's resources fitted to this machine (or to the local
     instance ``--ray-num-cpus`` / ``--ray-num-gpus`` describe), how many of a search's trials
     would run at once, its summary and GPU memory plan printed; nothing started."""
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.cli import preflight
     from rllib_exgrpo.cli.tune_runner import fit_experiment_resources
     from rllib_exgrpo.rllib.resources import ClusterResources, ResourceError
@@ -330,6 +333,7 @@ def _report_trials(results: list) -> int:
 def _rehearsal_source(path: str, overrides: dict, *, stop_given: bool):
     """The experiment file as ``--rehearse`` runs it (``cli/rehearsal.py``), each swap
     printed; the ``--config`` overrides are merged in there, so none are left."""
+    # lazy: `rllib --help` and argument errors answer before torch and Ray load
     from rllib_exgrpo.cli.experiment_file import load_experiment_file
     from rllib_exgrpo.cli.rehearsal import rehearse_experiments
 

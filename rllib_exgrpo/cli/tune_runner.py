@@ -15,11 +15,12 @@ from rllib_exgrpo.cli.experiment import Experiment
 from rllib_exgrpo.cli.mlflow_logging import prepare_mlflow
 from rllib_exgrpo.cli.plots import write_grid_plots
 from rllib_exgrpo.cli.scheduler import make_scheduler
+from rllib_exgrpo.rllib import rllib_contract
+from rllib_exgrpo.rllib.resources import ResourceError, plan_trials
 
 @dataclass
 class ExperimentResult:
     """What :func:`run_experiments` returns per experiment."""
-
     experiment: Experiment
     result_grid: Any  # ray.tune.ResultGrid
     errors: List[Tuple[str, Optional[str]]] = field(default_factory=list)  # (trial path, error file)
@@ -54,8 +55,6 @@ def fit_experiment_resources(exp: "Experiment", cluster: Any = None) -> List[str
     a search, prints one line saying how many trials run at once and what each gets. Notes
     go to stderr; a GPU shortfall raises ``ResourceError`` naming the keys and the file.
     Resource fields under a search space are left to Tune. Returns the lines printed."""
-    from rllib_exgrpo.rllib.resources import ResourceError, plan_trials
-
     from ray.tune.search.sample import Domain
 
     config = exp.config
@@ -223,7 +222,6 @@ def _extend_finished_trials(exp: Experiment, path: str) -> List[str]:
     """
     import json
 
-    from rllib_exgrpo.rllib import rllib_contract
 
     fs, fs_path = rllib_contract.fs_and_path(path)
     found = _read_experiment_state(fs, fs_path)

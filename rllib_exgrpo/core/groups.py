@@ -16,12 +16,12 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.losses import group_advantages, zero_variance_group_mask
+from rllib_exgrpo.core.tokens import prompt_completion_batch
 
 
 @dataclass
 class Trajectory:
     """One completion of one question with what training needs of it."""
-
     question_id: str
     prompt_ids: np.ndarray  # int [P]
     completion_ids: np.ndarray  # int [R]
@@ -68,7 +68,6 @@ def trajectories_from_episodes(episodes) -> List[Trajectory]:
 @dataclass
 class ScoredGroups:
     """Trajectories in group order with their advantages and per-group statistics."""
-
     trajectories: List[Trajectory]
     group_index: np.ndarray  # int64 [N], group of each trajectory
     question_ids: List[str]  # [num_groups]
@@ -115,8 +114,6 @@ def score_groups(
 
 def learner_batch(trajectories: Sequence[Trajectory], advantages: np.ndarray, pad_id: int) -> Dict[str, np.ndarray]:
     """Pad trajectories into the learner's column layout (see ``columns.py``)."""
-    from rllib_exgrpo.core.tokens import prompt_completion_batch
-
     ids, mask, resp_mask = prompt_completion_batch(
         [t.prompt_ids for t in trajectories], [t.completion_ids for t in trajectories], pad_id
     )

@@ -18,6 +18,9 @@ import torch
 
 from rllib_exgrpo.core.chunked_logprobs import logprobs_entropy_from_hidden, split_causal_lm
 from rllib_exgrpo.core.tokens import position_ids_from_mask
+from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
+from rllib_exgrpo.core.columns import MIN_LOGIT_CHUNKS, PACKED_LOGIT_INDEX
+from rllib_exgrpo.core.packing import is_packed, score_packed
 
 
 def completion_logprobs_and_entropy(
@@ -100,9 +103,6 @@ def score_learner_batch(
     """``(logp [N, R], entropy [N, R] or None)`` of a learner pass, padded (``columns.py``)
     or packed without padding (``packing.py``, when the pass carries packed columns); at
     least ``batch[MIN_LOGIT_CHUNKS]`` LM-head calls where the learner set it."""
-    from rllib_exgrpo.core.columns import MIN_LOGIT_CHUNKS
-    from rllib_exgrpo.core.packing import is_packed, score_packed
-
     min_chunks = int(batch.get(MIN_LOGIT_CHUNKS, 0) or 0)
     if is_packed(batch):
         return score_packed(model, batch, temperature=temperature, with_entropy=with_entropy,
@@ -116,9 +116,6 @@ def score_learner_batch(
 def logit_chunks(batch: dict, chunk_tokens: Optional[int] = None) -> int:
     """LM-head calls a learner pass makes: its scored positions (the packed logit index,
     or rows x completion width) in chunks of ``chunk_tokens``."""
-    from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
-    from rllib_exgrpo.core.columns import PACKED_LOGIT_INDEX
-
     step = int(chunk_tokens or DEFAULT_CHUNK_TOKENS)
     if PACKED_LOGIT_INDEX in batch:
         scored = int(batch[PACKED_LOGIT_INDEX].numel())

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple, Union
 
+from rllib_exgrpo.models.loading import load_tokenizer
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,7 +35,6 @@ class CheckpointInfo:
         model_config: The module's ``model_config`` (``model``, ``dtype``, ...).
         algorithm: Name of the algorithm class (``"ExGRPO"``, ``"GRPO"``) when known.
     """
-
     path: Optional[str]
     module_path: str
     config: dict
@@ -186,8 +187,6 @@ def load_policy_from_checkpoint(path: Union[str, os.PathLike], *, device: Option
     its HF model is returned, in eval mode with the KV cache on, and the tokenizer is
     the base model's. Neither Ray nor the Algorithm is started.
     """
-    from rllib_exgrpo.models.loading import load_tokenizer
-
     info = info or read_checkpoint(path)
     module = restore_module(info)
     model = module.plain_model()  # a LoRA learner's merged, under the plain names
@@ -205,6 +204,7 @@ def load_policy_from_checkpoint(path: Union[str, os.PathLike], *, device: Option
 def zero3_shard_folder(module_path: Union[str, os.PathLike]) -> Optional[Path]:
     """The per-rank weight partitions of a ZeRO-3 checkpoint's module folder (its module
     state is a manifest then: :mod:`rllib_exgrpo.rllib.zero3_weights`), else None."""
+    # lazy: the CLI's parsers import evaluation/; Ray loads only when a command runs
     from rllib_exgrpo.rllib import zero3_weights
 
     module = Path(module_path)
@@ -224,6 +224,7 @@ def restore_module(info: CheckpointInfo):
     import shutil
     import tempfile
 
+    # lazy: the CLI's parsers import evaluation/; Ray loads only when a command runs
     from rllib_exgrpo.rllib import zero3_weights
     from rllib_exgrpo.rllib.module import LLMTorchRLModule
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
+from rllib_exgrpo.envs.datasets import DataFormatError, builtin_source, load_problems
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,7 +32,6 @@ class EvalDataError(ValueError):
 @dataclass
 class EvalSource:
     """One ``sources`` entry, loaded."""
-
     spec: str
     problems: list  # envs.Problem, distinct questions
     #: data source -> rows in the file (repeats included), in first-seen order.
@@ -65,8 +66,6 @@ def load_eval_problems(sources: Sequence[Union[str, os.PathLike]], *, limit: Opt
     into ``EvalSource.systems``. Raises :class:`EvalDataError` with a one-line message
     (``path:line: reason`` for a malformed row).
     """
-    from rllib_exgrpo.envs.datasets import DataFormatError, builtin_source, load_problems
-
     if not sources:
         raise EvalDataError("no benchmark given")
     out = []

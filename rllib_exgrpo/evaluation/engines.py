@@ -36,6 +36,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from rllib_exgrpo.generation.base import Completion, SamplingParams
+from rllib_exgrpo.generation.hf import HFGenerationBackend
+from rllib_exgrpo.generation.vllm import guard_llvmlite_lib_against_vllm_kernel_scan, import_vllm, vllm_sampling_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +106,6 @@ def choose_backend(asked: str, *, device: Optional[str] = None, gpus: Optional[i
 @dataclass(frozen=True)
 class EngineLayout:
     """How many vLLM engines, with how many GPUs each (0: the CPU build)."""
-
     engines: int
     gpus_per_engine: int
     gpus_seen: int
@@ -176,11 +177,9 @@ def completion_budgets(prompt_lengths: Sequence[int], max_new_tokens: int,
 
 class HFGenerator:
     """The HF backend with a budget per prompt (prompts grouped by budget)."""
-
     name = "hf"
 
     def __init__(self, policy, tokenizer, batch_size: int):
-        from rllib_exgrpo.generation.hf import HFGenerationBackend
 
         self.backend = HFGenerationBackend(policy, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size)
 
@@ -217,9 +216,7 @@ def _with_budget(params: SamplingParams, budget: int) -> SamplingParams:
 class VLLMEngine:
     """One ``vllm.LLM`` (in this process or inside a Ray actor): token ids in, token ids
     and finish reasons out (plain lists: they cross process boundaries)."""
-
     def __init__(self, engine_kwargs: Dict[str, Any]):
-        from rllib_exgrpo.generation.vllm import guard_llvmlite_lib_against_vllm_kernel_scan, import_vllm
 
         vllm = import_vllm()  # a vLLM outside the supported range fails here, in one line
         guard_llvmlite_lib_against_vllm_kernel_scan()
@@ -235,7 +232,6 @@ class VLLMEngine:
         (token ids, vLLM's finish reason)."""
         from vllm import SamplingParams as VSamplingParams
 
-        from rllib_exgrpo.generation.vllm import vllm_sampling_kwargs
 
         params = SamplingParams(max_new_tokens=1, temperature=temperature, top_p=top_p,
                                 stop_token_ids=tuple(int(t) for t in stop_token_ids), return_logprobs=False)
@@ -253,7 +249,6 @@ class VLLMEngine:
 
 class VLLMGenerator:
     """vLLM engines laid out by :func:`plan_engines`; questions split across them."""
-
     name = "vllm"
 
     def __init__(self, model_path: str, layout: EngineLayout, *, dtype: str, seed: int, max_model_len: int,

@@ -65,6 +65,18 @@ from rllib_exgrpo.evaluation.metrics import (
     pass_ks_for,
     resolve_k,
 )
+from rllib_exgrpo.envs.prompting import render_prompt
+from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
+from rllib_exgrpo.envs.rewards import RewardResult
+from rllib_exgrpo.evaluation.engines import (
+    HFGenerator, VLLMGenerator, cluster_gpu_count, local_gpu_count, plan_engines, ray_address as pick_address,
+)
+from rllib_exgrpo.evaluation.export import export_checkpoint
+from rllib_exgrpo.evaluation.protocol import get_protocol, group_averages, official_answer_text, rows_and_distinct
+from rllib_exgrpo.generation.base import SamplingParams
+from rllib_exgrpo.generation.sample_and_score import encode_prompt, stop_token_ids
+from rllib_exgrpo.models import resolve_model_path
+from rllib_exgrpo.models.loading import generation_config_holder, load_causal_lm, load_tokenizer, model_config_of, resolve_dtype
 
 
 logger = logging.getLogger(__name__)
@@ -137,8 +149,6 @@ def evaluate(
         vllm_kwargs: Extra ``vllm.LLM`` keyword arguments (``gpu_memory_utilization``, ...).
         protocol: ``"exgrpo"``: the paper's protocol (:mod:`rllib_exgrpo.evaluation.protocol`).
     """
-    from rllib_exgrpo.evaluation.protocol import get_protocol
-
     t_start = time.perf_counter()
     say = _progress_printer(progress)
     proto = get_protocol(protocol) if protocol else None
@@ -197,8 +207,6 @@ def _say_merged_rows(loaded, say) -> None:
 def _protocol_groups(per_source: dict, loaded) -> dict:
     """The protocol's in- and out-of-distribution averages; each source's rows and distinct
     questions recorded beside its scores."""
-    from rllib_exgrpo.evaluation.protocol import group_averages, rows_and_distinct
-
     groups = group_averages(per_source)
     for name, (rows, distinct) in rows_and_distinct(loaded).items():
         if name in per_source:
@@ -327,7 +335,6 @@ def _settings_record(run: "_SourceRun", target: "_Target", loaded, *, k, k_used,
 class _Target:
     """What is evaluated, loaded for its backend: the torch policy (HF) or an HF model
     folder for the vLLM engines; the tokenizer, the context, the stop tokens."""
-
     label: str
     backend: str
     tokenizer: Any
@@ -344,9 +351,6 @@ class _Target:
 
     @classmethod
     def load(cls, model, backend: str, device, dtype, ray_address, say) -> "_Target":
-        from rllib_exgrpo.evaluation.engines import cluster_gpu_count, local_gpu_count
-        from rllib_exgrpo.evaluation.engines import ray_address as pick_address
-        from rllib_exgrpo.generation.sample_and_score import stop_token_ids
 
         address = pick_address(ray_address)
         pair = isinstance(model, (tuple, list))
@@ -368,15 +372,11 @@ class _Target:
 
     @classmethod
     def _load_for_vllm(cls, model, dtype, address, gpus, say) -> "_Target":
-        from rllib_exgrpo.models import resolve_model_path
-        from rllib_exgrpo.models.loading import generation_config_holder, load_tokenizer, model_config_of
-        from rllib_exgrpo.generation.sample_and_score import stop_token_ids
 
         label = os.fspath(model)
         source = policy_source(label)
         ckpt, tmp = None, None
         if os.path.isdir(source) and is_checkpoint(source):
-            from rllib_exgrpo.evaluation.export import export_checkpoint
 
             ckpt = read_checkpoint(source)
             tmp = tempfile.TemporaryDirectory(prefix="rllib-evaluate-")
@@ -431,7 +431,6 @@ def _load_policy(model, say, dtype: Optional[str] = None) -> Tuple[Any, Any, str
         else:
             policy, tokenizer = _load_hf_model(source, say, dtype)
     if dtype is not None:
-        from rllib_exgrpo.models.loading import resolve_dtype
 
         policy.to(resolve_dtype(dtype))
     if tokenizer.pad_token_id is None:
@@ -442,8 +441,6 @@ def _load_policy(model, say, dtype: Optional[str] = None) -> Tuple[Any, Any, str
 def _load_hf_model(source: str, say, dtype: Optional[str] = None) -> Tuple[Any, Any]:
     """(model, tokenizer) of a model name or folder; a model transformers cannot find is a
     :class:`PolicyPathError` (one line)."""
-    from rllib_exgrpo.models.loading import load_causal_lm, load_tokenizer
-
     say(f"loading model {source}")
     try:
         return load_causal_lm({"model": source, "dtype": dtype or "float32"}), load_tokenizer(source)
@@ -458,7 +455,6 @@ def _load_hf_model(source: str, say, dtype: Optional[str] = None) -> Tuple[Any, 
 @dataclass
 class _Prepared:
     """One source, ready to generate: its env, prompts (texts and ids), k and budgets."""
-
     spec: str
     env: Any
     problems: list
@@ -470,10 +466,8 @@ class _Prepared:
 
 class _SourceRun:
     """Generates and verifies the questions of one source after another with one policy."""
-
     def __init__(self, target: _Target, env_config, proto, max_new_tokens, temperature, top_p, batch_size, seed,
                  reward_timeout_s, max_prompt_tokens, keep_completions, say):
-        from rllib_exgrpo.generation.base import SamplingParams
 
         self.target, self.tokenizer, self.env_config, self.proto, self.say = (
             target, target.tokenizer, env_config, proto, say)
@@ -493,8 +487,6 @@ class _SourceRun:
 
     # ---- before generating ----------------------------------------------------------
     def prepare(self, src, k) -> _Prepared:
-        from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
-        from rllib_exgrpo.generation.sample_and_score import encode_prompt
 
         env = ReasoningEnv({**self.env_config, "problems": src.problems, "tokenizer": self.tokenizer,
                             "seed": self.seed, "reward_timeout_s": self.reward_timeout_s, "max_prompt_chars": 10**9})
@@ -511,7 +503,6 @@ class _SourceRun:
     def _prompt_text(self, env, src, p) -> str:
         if self.proto is None:
             return env.prompt_for(p.id)
-        from rllib_exgrpo.envs.prompting import render_prompt
 
         return render_prompt(p.question, tokenizer=self.tokenizer, instruction=None, think_format=False,
                              system_prompt=src.systems.get(p.id, self.proto.system_prompt))
@@ -540,8 +531,6 @@ class _SourceRun:
     def start(self, prepared: List[_Prepared], *, tensor_parallel_size: int = 1, num_engines: Optional[int] = None,
               vllm_kwargs: Optional[dict] = None) -> None:
         """Build the generator: the HF backend, or the vLLM engines."""
-        from rllib_exgrpo.evaluation.engines import HFGenerator, VLLMGenerator, plan_engines
-
         t = self.target
         if t.backend == "hf":
             self.generator = HFGenerator(t.policy, self.tokenizer, self.batch_size)
@@ -581,9 +570,6 @@ class _SourceRun:
 
     def _score(self, prep: _Prepared, chunk: List[int], groups) -> List[list]:
         """The verifier's results, per question of ``chunk`` one per completion."""
-        from rllib_exgrpo.envs.rewards import RewardResult
-        from rllib_exgrpo.evaluation.protocol import official_answer_text
-
         flat = [(pos, c) for pos, group in enumerate(groups) for c in group]
         texts = self.tokenizer.batch_decode([c.token_ids for _, c in flat], skip_special_tokens=True) if flat else []
         answers: List[Optional[str]] = list(texts)

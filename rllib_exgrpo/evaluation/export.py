@@ -25,6 +25,9 @@ from typing import List, Optional, Union
 from rllib_exgrpo.evaluation.checkpoints import CheckpointInfo, read_checkpoint, restore_module
 from rllib_exgrpo.evaluation.paths import PolicyPathError, checkpoint_source, user_path
 from rllib_exgrpo.models.loading import no_progress_bars
+from rllib_exgrpo.evaluation.checkpoints import zero3_shard_folder
+from rllib_exgrpo.models import resolve_model_path
+from rllib_exgrpo.models.loading import resolve_dtype
 
 
 class ExportError(ValueError):
@@ -34,7 +37,6 @@ class ExportError(ValueError):
 @dataclass
 class ExportResult:
     """What :func:`export_checkpoint` wrote."""
-
     out: Path
     checkpoint: CheckpointInfo
     files: List[str]
@@ -57,7 +59,7 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], out: Union[str, os.Pa
     Raises :class:`ExportError` (one line) for a path that is no checkpoint, an ``out``
     that may not be written, or an unknown ``dtype``.
     """
-    from rllib_exgrpo.evaluation.checkpoints import zero3_shard_folder
+    # lazy: the CLI's parsers import evaluation/; Ray loads only when a command runs
     from rllib_exgrpo.rllib.checkpointing import atomic_folder
 
     try:
@@ -79,7 +81,6 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], out: Union[str, os.Pa
 
 
 def _torch_dtype(name: Optional[str]):
-    from rllib_exgrpo.models.loading import resolve_dtype
 
     if name is None:
         return None
@@ -128,6 +129,5 @@ def _load_base_tokenizer(model_name_or_path: str):
     """The base model's tokenizer as it is on disk (no pad token added)."""
     from transformers import AutoTokenizer
 
-    from rllib_exgrpo.models import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(model_name_or_path))

@@ -24,6 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from rllib_exgrpo.evaluation.protocol import protocol_lines
+
 logger = logging.getLogger(__name__)
 
 
@@ -162,7 +164,6 @@ def pass_ks_for(pass_ks: Sequence[Union[int, str]], k: int) -> List[int]:
 @dataclass
 class QuestionResult:
     """Every sample of one question."""
-
     id: str
     data_source: str
     source: str  # the spec / file it came from
@@ -258,7 +259,6 @@ class EvalReport:
         questions: Every question's samples.
         groups: With a protocol, its averages over groups of benchmarks.
     """
-
     model: str
     settings: dict
     sources: Dict[str, dict]
@@ -346,7 +346,6 @@ class EvalReport:
         if unscored:
             lines.append(f"note: {unscored} sample(s) could not be verified (verifier error) and count as wrong")
         if self.groups is not None:
-            from rllib_exgrpo.evaluation.protocol import protocol_lines
 
             lines.append(rule)
             lines.append(f"protocol {s.get('protocol')}: per data source its distinct questions, k and avg@k (%)")

@@ -17,6 +17,9 @@ import re
 from pathlib import Path
 from typing import Union
 
+from rllib_exgrpo.evaluation.checkpoints import is_checkpoint
+from rllib_exgrpo.models.rehearsal import is_rehearsal_spec
+
 #: Model names resolved by :func:`rllib_exgrpo.models.resolve_model_path`, never paths.
 _EMBEDDED = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
 #: A Hugging Face hub id: ``name`` or ``org/name``.
@@ -41,8 +44,6 @@ def user_path(text: Union[str, os.PathLike]) -> str:
 
 def is_model_name(text: str) -> bool:
     """An embedded model name (``tiny``, ``tiny:...``, ``smollm2``, ``rehearsal:...``)."""
-    from rllib_exgrpo.models.rehearsal import is_rehearsal_spec
-
     name = text.strip()
     return name == "tiny" or name.startswith("tiny:") or name.lower() in _EMBEDDED or is_rehearsal_spec(name)
 
@@ -61,8 +62,6 @@ def policy_source(text: Union[str, os.PathLike]) -> str:
     Face model folder. Raises :class:`PolicyPathError` (one line) for a path that does not
     exist or is neither.
     """
-    from rllib_exgrpo.evaluation.checkpoints import is_checkpoint
-
     raw = os.fspath(text)
     if is_model_name(raw):
         return raw
@@ -81,8 +80,6 @@ def policy_source(text: Union[str, os.PathLike]) -> str:
 def checkpoint_source(text: Union[str, os.PathLike]) -> str:
     """A checkpoint argument (``rllib export``) as an absolute path; :class:`PolicyPathError`
     (one line) when it is no checkpoint of this project."""
-    from rllib_exgrpo.evaluation.checkpoints import is_checkpoint
-
     raw = os.fspath(text)
     path = user_path(raw)
     if not os.path.exists(path):

@@ -23,13 +23,13 @@ import torch
 from rllib_exgrpo.generation.base import HF_DECODERS, Completion, SamplingParams
 from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
 from rllib_exgrpo.core.tokens import left_pad, prompt_completion_batch
+from rllib_exgrpo.core.tokens import position_ids_from_mask
 
 logger = logging.getLogger(__name__)
 
 
 class HFGenerationBackend:
     """Sample with ``model.generate`` in chunks of at most ``batch_size`` sequences."""
-
     #: Largest raw-logits tensor (bytes) kept to take log-probs from generation itself;
     #: beyond it (a big vocabulary x long completions) the completions are re-scored.
     MAX_GENERATION_LOGITS_BYTES = 1 << 30
@@ -307,8 +307,6 @@ def _token_picker(params: SamplingParams):
 def _prefill(model, input_ids: torch.Tensor, mask: torch.Tensor):
     """The prompt pass (logits of the last position only) and its KV cache, refused when
     the cache's layers hold more than keys and values (rows could not be dropped from it)."""
-    from rllib_exgrpo.core.tokens import position_ids_from_mask
-
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                 use_cache=True, logits_to_keep=1)
     cache = getattr(out, "cache", None) or out.past_key_values

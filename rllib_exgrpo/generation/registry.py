@@ -18,6 +18,8 @@ not import vLLM anywhere else.
 from __future__ import annotations
 
 from rllib_exgrpo.core.registry import Registry
+from rllib_exgrpo.generation.hf import HFGenerationBackend
+from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
 
 __all__ = ["GENERATION_BACKEND", "register_generation_backend", "make_backend"]
 
@@ -29,8 +31,6 @@ register_generation_backend = GENERATION_BACKEND.register
 @register_generation_backend("hf")
 def hf_backend(settings, module, tokenizer):
     """transformers in the runner's own process, on its module's weights."""
-    from rllib_exgrpo.generation.hf import HFGenerationBackend
-
     return HFGenerationBackend(
         module.model,
         pad_token_id=tokenizer.pad_token_id,
@@ -43,8 +43,6 @@ def hf_backend(settings, module, tokenizer):
 @register_generation_backend("vllm")
 def vllm_backend(settings, module, tokenizer):
     """A vLLM engine in the runner's process (``generation/vllm.py``; vLLM imported on build)."""
-    from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
-
     return VLLMGenerationBackend(settings, module, tokenizer)
 
 

@@ -185,6 +185,10 @@ import numpy as np
 import torch
 
 from rllib_exgrpo.generation.base import Completion, SamplingParams
+from rllib_exgrpo.generation.hf import HFGenerationBackend
+from rllib_exgrpo.models import lora, resolve_model_path
+from rllib_exgrpo.models.loading import model_config_of, parameter_names
+from rllib_exgrpo.models.weight_buckets import bucket_name, layer_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -577,7 +581,6 @@ _NOT_LOADED = "%s: Failed to load weights"
 class _RotaryNotLoaded(logging.Filter):
     """Drops :data:`_NOT_LOADED` for rotary-embedding layers only (any other layer that gets
     no weight is still reported)."""
-
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.msg == _NOT_LOADED and record.args
                     and str(record.args[0]).endswith("RotaryEmbedding"))
@@ -632,7 +635,6 @@ class WeightSyncWorkerExtension:
       in its host memory, and then loads them all in one reload, each bucket decoded as the
       reload reaches it and dropped after.
     """
-
     def rllib_exgrpo_load_weights(self, weights) -> int:
         if isinstance(weights, (bytes, bytearray, memoryview)):
             weights = pairs_from_bytes(weights)
@@ -698,7 +700,6 @@ class VLLMGenerationBackend:
     ``config`` is an ``ExGRPOConfig`` or the env runner's ``RunnerSettings`` (which carries
     the runner's settings of any RLlib config): it is read as ``config.<field>``.
     """
-
     def __init__(self, config, module, tokenizer, *, seed_offset: Optional[int] = None):
         self.config = config
         self.module = module
@@ -726,14 +727,11 @@ class VLLMGenerationBackend:
     # ---- engine ----------------------------------------------------------------------
     def engine_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of ``vllm.LLM`` (``vllm_kwargs`` override the defaults)."""
-        from rllib_exgrpo.models import resolve_model_path
-
         cfg = self.config
         max_len = int(cfg.max_prompt_tokens) + int(cfg.max_response_tokens)
         if self.module is not None:
             model_config = getattr(self.module.model, "config", None)
         else:
-            from rllib_exgrpo.models.loading import model_config_of
 
             model_config = model_config_of(cfg.model_name_or_path)
         model_max = getattr(model_config, "max_position_embeddings", None)
@@ -805,7 +803,6 @@ class VLLMGenerationBackend:
         inference = getattr(self.module, "inference_tensors", None)
         if inference is None or getattr(self.module, "lora_model", None) is None:
             return self.module.model.state_dict()
-        from rllib_exgrpo.models import lora
 
         return {key: lora.resolve(value).detach() for key, value in inference().items()}
 
@@ -900,7 +897,6 @@ class VLLMGenerationBackend:
                 "this vLLM env runner holds no torch module (scoring_on: learners): the learners score"
             )
         if self._scorer is None:
-            from rllib_exgrpo.generation.hf import HFGenerationBackend
 
             pad = self.tokenizer.pad_token_id
             if pad is None:
@@ -937,7 +933,6 @@ class VLLMGenerationBackend:
                 "load_weights: no entry of the state dict is a parameter of the model "
                 f"(keys like {list(state_dict)[:3]})"
             )
-        from rllib_exgrpo.models.weight_buckets import layer_buckets
 
         named = {name: as_tensor(state_dict[key]) for key, name in pairs}
         self.push_weight_buckets(layer_buckets(named))
@@ -1003,8 +998,6 @@ class VLLMGenerationBackend:
     def _push_staged(self, pairs: Iterator[Tuple[str, torch.Tensor]]) -> int:
         """Workers in other processes: one bucket (a decoder layer) of bytes per RPC, then
         one load of all of them (:class:`WeightSyncWorkerExtension`)."""
-        from rllib_exgrpo.models.weight_buckets import bucket_name
-
         bucket: List[Tuple[str, torch.Tensor]] = []
         sent = 0
 
@@ -1032,7 +1025,6 @@ class VLLMGenerationBackend:
         if self.module is not None and getattr(self.module, "lora_model", None) is None:
             return list(self.module.model.state_dict().keys())
         if self._model_names is None:  # no module, or a LoRA learner's (peft's names): the plain ones
-            from rllib_exgrpo.models.loading import parameter_names
 
             self._model_names = parameter_names(self.config.model_name_or_path)
         return self._model_names
@@ -1049,7 +1041,6 @@ class VLLMGenerationBackend:
 
 class _Counter:
     """An iterable that counts the items it hands out."""
-
     def __init__(self, items):
         self.items, self.count = items, 0
 

@@ -6,6 +6,9 @@ from typing import Any, Dict
 
 import torch
 
+from rllib_exgrpo.core.attention import register_kernels, resolve_attn_implementation
+from rllib_exgrpo.models import resolve_model_path
+
 #: ``model_dtype`` values and their torch dtypes.
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,9 +29,7 @@ def load_causal_lm(model_config: Dict[str, Any]):
     """
     from transformers import AutoModelForCausalLM
 
-    from rllib_exgrpo.models import resolve_model_path
 
-    from rllib_exgrpo.core.attention import register_kernels, resolve_attn_implementation
 
     path = resolve_model_path(model_config["model"])
     kwargs = {"dtype": resolve_dtype(model_config.get("dtype", "float32"))}
@@ -53,7 +54,6 @@ def load_tokenizer(model: str):
     """The tokenizer that belongs to the policy ``model`` (resolved like the module)."""
     from transformers import AutoTokenizer
 
-    from rllib_exgrpo.models import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
     if tok.pad_token_id is None:
@@ -65,7 +65,6 @@ def model_config_of(model: str):
     """The HF config of the policy ``model`` (no weights loaded)."""
     from transformers import AutoConfig
 
-    from rllib_exgrpo.models import resolve_model_path
 
     return AutoConfig.from_pretrained(resolve_model_path(model))
 
@@ -78,7 +77,6 @@ def generation_config_holder(model: str):
 
     from transformers import GenerationConfig
 
-    from rllib_exgrpo.models import resolve_model_path
 
     path = resolve_model_path(model)
     try:

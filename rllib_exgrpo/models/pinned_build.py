@@ -37,6 +37,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import rllib_exgrpo
+
 #: The environment that pins the build's numerics (see the module docstring).
 PINNED_ENV = {
     "ATEN_CPU_CAPABILITY": "avx2",  # ATen's vectorised kernels: reductions, softmax, randn, ...
@@ -58,8 +60,6 @@ PINNED_CAPABILITY = "AVX2"
 def _import_roots() -> list[str]:
     """Folders the child needs on its path to import this package as the parent
     does (a source checkout run without installation included)."""
-    import rllib_exgrpo
-
     return [str(Path(rllib_exgrpo.__file__).resolve().parent.parent)]
 
 

@@ -48,6 +48,9 @@ import json
 from typing import Any, Optional, Sequence
 
 from rllib_exgrpo.models.tiny_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
+from rllib_exgrpo.envs import arithmetic, operators
+from rllib_exgrpo.envs.operators import MAX_FAMILIES
+from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION
 
 #: Bump when the build procedure changes in a way the recipe does not capture. Version 2:
 #: the build runs with pinned kernels (``pinned_build``) and evaluates through the env's
@@ -192,8 +195,6 @@ def tiny_recipe(
 def _check_options(*, target_pass1, max_steps, icl_fraction, task, boxed_fraction, continue_steps,
                    known_families, tag_tokens) -> None:
     """Raise ``ValueError`` naming the first option of :func:`tiny_recipe` out of range."""
-    from rllib_exgrpo.envs.operators import MAX_FAMILIES
-
     if not 0.0 < target_pass1 <= 1.0:
         raise ValueError(f"target_pass1 must be in (0, 1], got {target_pass1}")
     if max_steps < 1:
@@ -217,8 +218,6 @@ def _check_options(*, target_pass1, max_steps, icl_fraction, task, boxed_fractio
 
 def _base_recipe(seed: int, target_pass1: float, levels: tuple, max_steps: int, overrides: Optional[dict]) -> dict:
     """The recipe's sections every tiny model has: the defaults with ``overrides`` merged in."""
-    from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION
-
     recipe: dict[str, Any] = {
         "kind": "tiny-qwen2-arithmetic",
         "version": RECIPE_VERSION,
@@ -269,10 +268,8 @@ def task_problems(recipe: dict, split: str, n: int) -> list:
     seed = recipe["seed"] if split == "train" else recipe["eval"]["eval_seed"]
     task = recipe.get("task")
     if task is None:
-        from rllib_exgrpo.envs import arithmetic
 
         return arithmetic.generate(n, split=split, seed=seed, levels=tuple(recipe["levels"]))
-    from rllib_exgrpo.envs import operators
 
     families = task["families"] + (task.get("known_families", 0) if split == "train" else 0)
     return operators.generate(n, split=split, seed=seed, families=families, lengths=tuple(recipe["levels"]))

@@ -25,6 +25,11 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+from rllib_exgrpo.envs import arithmetic
+from rllib_exgrpo.models.cache import build_cached, cache_root
+from rllib_exgrpo.models.recipe import tiny_recipe
+from rllib_exgrpo.models.tiny_tokenizer import check_tokenizer_stable, corpus_texts, merges_of, train_tokenizer, wrap_tokenizer
+
 #: Prefix of a rehearsal model spec: ``"rehearsal:qwen2"``.
 PREFIX = "rehearsal:"
 #: Written last into a built folder: its presence marks a complete build.
@@ -107,8 +112,6 @@ def cache_name(spec: str) -> str:
 
 def build_rehearsal_model(spec: str, cache_dir: Optional[str] = None) -> str:
     """The folder of ``"rehearsal:<model_type>[:vocab=<n>,tied|untied]"``, built on first use."""
-    from rllib_exgrpo.models.cache import build_cached, cache_root
-
     model_type, vocab, tied = parse_rehearsal_spec(spec)
 
     def builder(folder: Path) -> None:
@@ -122,8 +125,6 @@ def _filled_tokenizer(tokenizer, vocab_size: int):
     """``tokenizer`` with its vocabulary filled up to ``vocab_size`` ids by tokens no merge
     produces (``<r{id}>``), so a model of that vocabulary samples only ids it can decode;
     the ids of every text it encodes stay as they were."""
-    from rllib_exgrpo.models.tiny_tokenizer import merges_of, wrap_tokenizer
-
     vocab = dict(tokenizer.get_vocab())
     if vocab_size <= len(vocab):  # a recipe on the tiny model: its own tokenizer's size
         return tokenizer
@@ -140,9 +141,6 @@ def _build_into(folder: Path, model_type: str, vocab_size: Optional[int] = None,
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from rllib_exgrpo.envs import arithmetic
-    from rllib_exgrpo.models.recipe import tiny_recipe
-    from rllib_exgrpo.models.tiny_tokenizer import check_tokenizer_stable, corpus_texts, train_tokenizer
 
     recipe = tiny_recipe()
     texts = corpus_texts(arithmetic.generate(2000, split="train", seed=0), recipe["instruction"])

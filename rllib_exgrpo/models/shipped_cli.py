@@ -14,10 +14,10 @@ from typing import Optional
 from rllib_exgrpo.models.shipped import (
     REBUILD_ENV_VAR, REPRODUCIBLE_FILES, SHIPPED, file_digests, sha256_of, shipped_folder, verify,
 )
+from rllib_exgrpo.models.recipe import recipe_key, tiny_recipe
 
 
 def _default_name() -> str:
-    from rllib_exgrpo.models.recipe import recipe_key, tiny_recipe
 
     return f"tiny-{recipe_key(tiny_recipe())}"
 
@@ -36,6 +36,7 @@ def _check(args) -> int:
 
 
 def _rebuild(args) -> int:
+    # looked up when called: tests replace it
     from rllib_exgrpo.models.tiny import build_tiny_model, read_warm_start
 
     name = _default_name()

@@ -98,6 +98,7 @@ def _builder(name: str, recipe: dict, progress: bool, took_shipped: list):
     one (and no rebuild is asked for), else the pinned build of ``recipe``."""
 
     def builder(tmp: Path) -> None:
+        # looked up when called: tests replace it
         from rllib_exgrpo.models.pinned_build import build_in_pinned_process
 
         if shipped.shipped_folder(name) is not None and not shipped.rebuild_requested():

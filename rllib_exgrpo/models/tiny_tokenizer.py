@@ -16,6 +16,8 @@ import json
 import re
 from typing import Any, Iterable, Optional, Sequence
 
+from rllib_exgrpo.envs.prompting import render_prompt
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -91,8 +93,6 @@ def base_vocab() -> dict[str, int]:
 
 def corpus_texts(problems: Sequence[Any], instruction: str) -> list[str]:
     """The warm-start corpus: each rendered prompt followed by its solution and eos."""
-    from rllib_exgrpo.envs.prompting import render_prompt
-
     renderer = wrap_tokenizer(base_vocab(), [])  # chat template only; ids unused
     return [
         render_prompt(p.question, tokenizer=renderer, instruction=instruction) + p.solution + IM_END

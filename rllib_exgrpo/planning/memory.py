@@ -35,6 +35,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from rllib_exgrpo.core.minibatches import optimizer_steps_per_iteration
 from rllib_exgrpo.planning.shapes import ModelShape, model_shape
 from rllib_exgrpo.planning.timing import TimeEstimate, card_for_estimate, estimate_iteration
+from rllib_exgrpo.core.attention import packs_rows
+from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
+from rllib_exgrpo.planning.cards import card_by_name, describe, usable_bytes
 
 GIB = float(1 << 30)
 
@@ -53,8 +56,6 @@ def usable_memory(total: int) -> int:
     ``gpu_memory_gb``, or as detected): the card table's usable memory
     (:func:`rllib_exgrpo.planning.cards.usable_bytes`: 79.2 GiB of an A100 / H100 80 GB, 22.5
     GiB of a 24 GB card, 139.8 GiB of an H200; 97% of a size the table does not know)."""
-    from rllib_exgrpo.planning.cards import usable_bytes
-
     return usable_bytes(total)
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -66,8 +67,6 @@ def dtype_bytes(name: str) -> int:
 
 def _default_chunk() -> int:
     """``logit_chunk_tokens``' default (``core/chunked_logprobs.py``)."""
-    from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
-
     return int(DEFAULT_CHUNK_TOKENS)
 
 
@@ -605,7 +604,6 @@ def _runner_sync_items(plan: ActorPlan, config: Any, shape: ModelShape, b: int) 
 @dataclass
 class Item:
     """One line of an actor's plan."""
-
     what: str
     bytes: int
     source: str = ""
@@ -639,7 +637,6 @@ class ActorPlan:
 @dataclass
 class MemoryPlan:
     """The plan of one config: a shape, the GPU memory, one :class:`ActorPlan` per kind."""
-
     model: str
     shape: Optional[ModelShape]
     gpu_memory: Optional[int]
@@ -677,7 +674,6 @@ class MemoryPlan:
         if self.gpu_memory is None:
             lines.append(f"{indent}GPU memory: unknown ({self.gpu_memory_source})")
         else:
-            from rllib_exgrpo.planning.cards import describe
 
             lines.append(f"{indent}GPU memory: {_gib(self.gpu_memory)} ({self.gpu_memory_source}); the plan uses "
                          f"{_gib(usable_memory(self.gpu_memory))} ({describe(self.gpu_memory)}: what CUDA gives "
@@ -782,7 +778,6 @@ def gpu_memory_for(config: Any) -> Tuple[Optional[int], str]:
     given = config.gpu_memory_gb
     if given is not None:
         if isinstance(given, str) and not given.replace(".", "", 1).isdigit():
-            from rllib_exgrpo.planning.cards import card_by_name
 
             card = card_by_name(given)
             if card is None:
@@ -862,7 +857,6 @@ class LearnerPass:
     with ``learner_sequence_packing`` under a variable-length kernel): one sequence of the
     budget's tokens (or one row longer than it), every position possibly scored, no
     ``[S, S]`` mask. Padded: ``rows`` rows of the longest row's width, a mask per row."""
-
     rows: int
     tokens: int
     response: int
@@ -887,8 +881,6 @@ def planned_kernel(config: Any) -> str:
 
 def learner_pass(config: Any, prompt: int, response: int, *, budget: Optional[int] = None) -> LearnerPass:
     """The largest pass of the config (``budget`` overrides ``learner_micro_batch_tokens``)."""
-    from rllib_exgrpo.core.attention import packs_rows
-
     tokens = prompt + response
     budget = budget if budget is not None else config.learner_micro_batch_tokens
     name = str(config.attn_implementation)

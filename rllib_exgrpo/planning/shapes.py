@@ -34,6 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
+from rllib_exgrpo.models import parse_tiny_spec, tiny_recipe
+from rllib_exgrpo.models.cache import WARM_START_FILE
+from rllib_exgrpo.models.recipe import recipe_key
+from rllib_exgrpo.models.rehearsal import MARKER, cache_name
+from rllib_exgrpo.models.smollm2 import EXPORT_MARKER
+
 #: ``model_type`` values whose q/k/v projections carry a bias when the config does not say.
 QKV_BIAS_BY_DEFAULT = ("qwen2",)
 
@@ -41,7 +47,6 @@ QKV_BIAS_BY_DEFAULT = ("qwen2",)
 @dataclass(frozen=True)
 class ModelShape:
     """What memory depends on: the sizes of a Qwen2 / Llama-family causal LM."""
-
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -225,14 +230,12 @@ def embedded_model_folder(name: str, cache_dir: Optional[str] = None) -> Optiona
     (never builds). ``None`` too for names that are not embedded models."""
     name = name.strip()
     try:
+        # lazy: the models package needs torch; the plan runs without it
         from rllib_exgrpo.models import cache_root
     except Exception:  # noqa: BLE001 - the models package needs torch
         return None
     root = cache_root(cache_dir)
     if name == "tiny" or name.startswith("tiny:"):
-        from rllib_exgrpo.models import parse_tiny_spec, tiny_recipe
-        from rllib_exgrpo.models.cache import WARM_START_FILE
-        from rllib_exgrpo.models.recipe import recipe_key
 
         try:
             folder = root / f"tiny-{recipe_key(tiny_recipe(**parse_tiny_spec(name)))}"
@@ -240,12 +243,10 @@ def embedded_model_folder(name: str, cache_dir: Optional[str] = None) -> Optiona
             return None
         return folder if (folder / WARM_START_FILE).is_file() else None
     if name.lower() in _SMOLLM2_NAMES:
-        from rllib_exgrpo.models.smollm2 import EXPORT_MARKER
 
         built = sorted(p.parent for p in root.glob(f"smollm2-135m-instruct-*/{EXPORT_MARKER}"))
         return built[0] if built else None
     if name.startswith("rehearsal:"):
-        from rllib_exgrpo.models.rehearsal import MARKER, cache_name
 
         try:
             folder = root / cache_name(name)

@@ -66,6 +66,9 @@ from rllib_exgrpo.rllib.module import LLMTorchRLModule
 from rllib_exgrpo.rllib.colocation import COLOCATION_METRICS, learner_rank, sample_on_learners
 from rllib_exgrpo.rllib.rollouts import ROLLOUT_METRICS, SCORING_RUNNERS_KEY, RolloutCoordinator, score_on_learners
 from rllib_exgrpo.rllib.weight_broadcast import WeightBroadcaster, WeightSyncFailed, chosen_path
+from rllib_exgrpo.models.loading import load_tokenizer
+from rllib_exgrpo.rllib.checkpointing import atomic_folder, local_checkpoint_path
+from rllib_exgrpo.rllib.deepspeed_learner import DeepSpeedExGRPOLearner, check_deepspeed_config
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +137,6 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
         )
         algo = config.build_algo()
     """
-
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or ExGRPO)
         for name, value in RLLIB_FIELD_DEFAULTS.items():
@@ -188,7 +190,6 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
         (``rllib/deepspeed_learner.py``; its config is checked here, in the driver,
         before RLlib starts a learner)."""
         if self.learner_backend == "deepspeed":
-            from rllib_exgrpo.rllib.deepspeed_learner import DeepSpeedExGRPOLearner, check_deepspeed_config
 
             check_deepspeed_config(self)
             return DeepSpeedExGRPOLearner
@@ -208,7 +209,6 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
 
 class GRPOConfig(ExGRPOConfig):
     """On-policy GRPO: ExGRPO with experience replay switched off."""
-
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or GRPO)
         self.experience_replay = False
@@ -224,7 +224,6 @@ class GRPOConfig(ExGRPOConfig):
 
 class ExGRPO(Algorithm):
     """Experience-driven GRPO on RLlib's env-runner / learner stack."""
-
     @classmethod
     @override(Algorithm)
     def get_default_config(cls) -> ExGRPOConfig:
@@ -253,7 +252,6 @@ class ExGRPO(Algorithm):
                 logger.warning("%s", note)
         apply_threads_for(self.config, "main")
         super().setup(config)
-        from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
 
         cfg = self.config
         train_env = ReasoningEnv({k: v for k, v in cfg.env_config.items() if k != "tokenizer"})
@@ -298,7 +296,6 @@ class ExGRPO(Algorithm):
         return state[COMPONENT_LEARNER]
 
     def _tokenizer_pad_id(self) -> int:
-        from rllib_exgrpo.models.loading import load_tokenizer
 
         return load_tokenizer(self.config.model_name_or_path).pad_token_id
 
@@ -669,8 +666,6 @@ class ExGRPO(Algorithm):
         and optimiser shards, env runner state, this algorithm's sampler, experience pool and
         RNG streams) goes into a temporary folder beside ``path`` that is renamed into place
         when complete, so a run killed mid-save keeps its previous checkpoint intact."""
-        from rllib_exgrpo.rllib.checkpointing import atomic_folder, local_checkpoint_path
-
         local = local_checkpoint_path(path, filesystem)
         if local is None:
             return super().save_to_path(path, state=state, filesystem=filesystem, use_msgpack=use_msgpack)
@@ -758,7 +753,6 @@ class ExGRPO(Algorithm):
 
 class GRPO(ExGRPO):
     """On-policy GRPO: the same stack with experience replay off."""
-
     @classmethod
     def get_default_config(cls) -> GRPOConfig:
         return GRPOConfig()
@@ -784,7 +778,6 @@ def _set_torch_rng_state(state) -> None:
 class _CollectedStep:
     """What a step's collection hands to its update: scored groups, the learner batch, and
     the replay choice's metrics."""
-
     groups: Any
     batch: Dict[str, np.ndarray]
     replay_metrics: Dict[str, float]

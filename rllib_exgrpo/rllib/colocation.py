@@ -47,6 +47,9 @@ from typing import Callable, Deque, List, Optional, Sequence
 import torch
 
 from rllib_exgrpo.rllib.optimizer_offload import OptimizerOffload, optimizer_state_tensors  # noqa: F401
+from rllib_exgrpo.models.weight_buckets import plain_weight_buckets
+from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
+from rllib_exgrpo.rllib.rollouts import learner_error, split_evenly
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,6 @@ class TurnEvent:
 class TurnRecord:
     """The protocol's calls in order, with the state after each (see the module doc); the
     last ``keep`` of them."""
-
     def __init__(self, keep: int = 10_000):
         self.events: Deque[TurnEvent] = collections.deque(maxlen=keep)
 
@@ -133,7 +135,6 @@ class ColocatedSampler:
         engines: returns the learner's DeepSpeed engines (their own state offload).
         runner: an already built runner (tests); by default one is built over ``module``.
     """
-
     def __init__(self, config, module, *, index: int = 0,
                  optimizers: Callable[[], Sequence[torch.optim.Optimizer]] = lambda: (),
                  engines: Callable[[], Sequence] = lambda: (), runner=None):
@@ -144,7 +145,6 @@ class ColocatedSampler:
         #: ZeRO-3: the learner's weights are partitions, gathered layer by layer for each turn.
         self.partitioned = is_partitioned(module)
         if runner is None:
-            from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
 
             runner = LLMEnvRunner(config=config, worker_index=index)
             if self.partitioned and config.generation_backend != "vllm":
@@ -266,8 +266,6 @@ class ColocatedSampler:
         engine reads it (``VLLMGenerationBackend.push_weight_buckets``; under ZeRO-3 each
         tensor is cloned as it goes in, since vLLM may keep a tensor of an unfinished layer
         after its bucket is released)."""
-        from rllib_exgrpo.models.weight_buckets import plain_weight_buckets
-
         buckets = plain_weight_buckets(self.module.model)
         if self.uses_engine:
             def stream():
@@ -357,8 +355,6 @@ def sample_on_learners(learner_group, question_ids: Sequence[str], num_samples: 
     by the learners (``colocate``): the questions cut into one contiguous share per learner
     (a question's group stays on one learner), each learner sampling its own share with its
     :class:`ColocatedSampler`. Episodes come back in question order."""
-    from rllib_exgrpo.rllib.rollouts import learner_error, split_evenly
-
     prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
     parts = 1 if learner_group.is_local else max(1, len(learner_group))
     items = list(zip(question_ids, num_samples, prefixes))

@@ -32,6 +32,8 @@ from rllib_exgrpo.generation.registry import GENERATION_BACKEND
 from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 from rllib_exgrpo.core.attention import ATTN_IMPLEMENTATIONS
 from rllib_exgrpo.models.loading import MODEL_DTYPES
+from rllib_exgrpo.generation.vllm import engine_config_problems
+from rllib_exgrpo.planning.cards import card_by_name
 
 BEHAVIOUR_LOGPROBS = ("recompute", "engine")
 SCORING_ON = ("runners", "learners")
@@ -108,7 +110,6 @@ def gib_or_card() -> Check:
 
     def check(v):
         if isinstance(v, str):
-            from rllib_exgrpo.planning.cards import card_by_name
 
             return None if card_by_name(v) is not None else what
         return None if size(v) is None else what
@@ -157,7 +158,6 @@ mapping.annotation = "Dict[str, Any]"
 @dataclass(frozen=True)
 class Field:
     """One config field: its default, its check and what it means (with its source)."""
-
     name: str
     default: Any
     check: Check
@@ -605,7 +605,6 @@ def cross_field_errors(config: Any) -> Iterator[str]:
     if config.generation_backend == "vllm":
         # Parallel engines under colocate, engines that overfill a node or a GPU (reads only
         # the config; vLLM is not imported).
-        from rllib_exgrpo.generation.vllm import engine_config_problems
 
         yield from engine_config_problems(config)
     if config.model_dtype == "float16" and config.learner_backend == "ddp":

@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
+from rllib_exgrpo.rllib.rllib_contract import registered_env_creator
+
 
 #: Env names every config may use without a class path: name -> class path.
 BUILTIN_ENVS = {"ReasoningEnv": "rllib_exgrpo.envs.reasoning_env:ReasoningEnv"}
@@ -67,7 +69,6 @@ def env_creator(env: Any) -> Callable[[dict], Any]:
     name registered with ``ray.tune.registry.register_env``, else a class path imported."""
     if not isinstance(env, str):
         return env
-    from rllib_exgrpo.rllib.rllib_contract import registered_env_creator
 
     registered = registered_env_creator(env)
     if registered is not None:

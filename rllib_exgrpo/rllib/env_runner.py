@@ -65,6 +65,11 @@ from rllib_exgrpo.models.loading import load_tokenizer
 from rllib_exgrpo.rllib.config_fields import FIELDS, field_defaults
 from rllib_exgrpo.rllib.env_creator import env_creator
 from rllib_exgrpo.rllib.resources import apply_threads_for, runner_device
+from rllib_exgrpo.envs.rewards import warm_up
+from rllib_exgrpo.generation.registry import make_backend
+from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
+from rllib_exgrpo.models.loading import generation_config_holder
+from rllib_exgrpo.rllib import weight_broadcast
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +136,6 @@ class RunnerSettings:
     Any other attribute is looked up on the config itself, so this object can stand in
     for the config wherever LLM settings are read (e.g. by a generation backend).
     """
-
     def __init__(self, config, worker_index: int = 0):
         self._config = config
         self._worker_index = worker_index or 0
@@ -168,7 +172,6 @@ class RunnerSettings:
 
 class LLMEnvRunner(EnvRunner, Checkpointable):
     """Samples groups of completions for given questions; see the module docstring."""
-
     def __init__(self, *, config, **kwargs):
         super().__init__(config=config, **kwargs)
 
@@ -186,7 +189,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self._heldout_envs: dict = {}
         # Start the verifier's worker processes now, so their start-up is not charged to
         # the first verification's timeout.
-        from rllib_exgrpo.envs.rewards import warm_up
 
         warm_up()
         self.module = None
@@ -240,8 +242,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
 
     def _make_engine_only(self):
         """The vLLM backend without a module; the engine is built with the first weights."""
-        from rllib_exgrpo.generation.vllm import VLLMGenerationBackend
-
         self.backend = VLLMGenerationBackend(self.settings, None, self.tokenizer)
         state = None
         if self._pending_module_state is not None:
@@ -283,7 +283,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         self.backend = self._make_backend()
 
     def _make_backend(self):
-        from rllib_exgrpo.generation.registry import make_backend
 
         return make_backend(self.settings.generation_backend, self.settings, self.module, self.tokenizer)
 
@@ -302,7 +301,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             if self.module is not None:
                 self._stop_token_ids = stop_token_ids(self.module.model, self.tokenizer)
             else:  # engine only: the generation config as the model folder has it
-                from rllib_exgrpo.models.loading import generation_config_holder
 
                 self._stop_token_ids = stop_token_ids(
                     generation_config_holder(self.settings.model_name_or_path), self.tokenizer)
@@ -584,8 +582,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def join_weight_group(self, address, rank: int) -> dict:
         """Join a generation of the weight group as ``rank`` (blocks until every member has);
         ``{"ok": ...}``, never raises (an exception would end this actor)."""
-        from rllib_exgrpo.rllib import weight_broadcast
-
         self._ensure_module()
         names = list(self.module.state_dict()) if self.module is not None else []
         _, status = weight_broadcast.runner_join(self, address, rank, runner_device(self.config), names)
@@ -596,8 +592,6 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         (then the generation backend loads from the module's tensors: a no-op for HF), or,
         without a module (vLLM engine only), collected and pushed into the engine through
         ``load_weights``. ``{"ok": ...}``, never raises."""
-        from rllib_exgrpo.rllib import weight_broadcast
-
         targets = self.module.state_dict() if self.module is not None else None
         seq_no, collected, status = weight_broadcast.runner_receive(self, generation, sync, targets)
         if not status["ok"]:

@@ -14,6 +14,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
+
 logger = logging.getLogger(__name__)
 
 HELDOUT = "heldout"
@@ -33,7 +35,6 @@ def heldout_question_ids(config) -> Optional[List[str]]:
     """The ids of the first ``heldout_num_questions`` held-out questions (None: no set)."""
     if not config.heldout_dataset:
         return None
-    from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
 
     env = ReasoningEnv(heldout_env_config(config))
     return [p.id for p in env.problems][: config.heldout_num_questions]
@@ -47,7 +48,6 @@ class HeldoutEvaluator:
         sample: ``sample(question_ids, num_samples, **sample_kwargs) -> (episodes, metrics)``.
         question_ids: the held-out question ids (default: read from ``config``).
     """
-
     def __init__(self, config, sample: Callable[..., Tuple[list, Any]], question_ids: Optional[List[str]] = None):
         self.config = config
         self.sample = sample

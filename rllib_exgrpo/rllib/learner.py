@@ -67,6 +67,13 @@ from rllib_exgrpo.core import columns as C
 from rllib_exgrpo.core.losses import LOSS_METRICS, STAT_TOKEN_SHARE, agg_totals, mixed_policy_loss
 from rllib_exgrpo.core.minibatches import trim_padding
 from rllib_exgrpo.core.scoring import score_learner_batch
+from rllib_exgrpo.core.attention import model_kernel, packs_rows
+from rllib_exgrpo.core.minibatches import padded_positions, plan_micro_batches, real_lengths, shard_by_tokens
+from rllib_exgrpo.core.packing import pack_rows
+from rllib_exgrpo.core.scoring import logit_chunks
+from rllib_exgrpo.core.tokens import prompt_completion_batch
+from rllib_exgrpo.rllib.colocation import ColocatedSampler, learner_rank
+from rllib_exgrpo.rllib.resources import apply_threads_for
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +89,6 @@ LEARNER_METRICS = LOSS_METRICS + (
 class ExGRPOTorchLearner(TorchLearner):
     @override(TorchLearner)
     def build(self) -> None:
-        from rllib_exgrpo.rllib.resources import apply_threads_for
 
         # A remote learner holds num_cpus_per_learner; the local one lives in the main process.
         apply_threads_for(self.config, "learner")
@@ -108,8 +114,6 @@ class ExGRPOTorchLearner(TorchLearner):
         """Print, once per learner group (the first learner), the attention kernel the
         policy runs here and whether the learner packs its passes: ``attn_implementation:
         auto`` resolves per process, so this is where the choice is known."""
-        from rllib_exgrpo.core.attention import model_kernel
-
         if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
         kernels = sorted({str(model_kernel(getattr(self.module[mid], "model", None))) for mid in self.module.keys()})
@@ -251,8 +255,6 @@ class ExGRPOTorchLearner(TorchLearner):
         if sampler is None:
             from ray.rllib.core import DEFAULT_MODULE_ID
 
-            from rllib_exgrpo.rllib.colocation import ColocatedSampler, learner_rank
-            from rllib_exgrpo.rllib.resources import apply_threads_for
 
             sampler = ColocatedSampler(
                 self.config, self.module[DEFAULT_MODULE_ID].unwrapped(), index=learner_rank(),
@@ -272,8 +274,6 @@ class ExGRPOTorchLearner(TorchLearner):
         """``colocate``: sample this learner's share (``shards[rank]``: question ids,
         completions per question, prompt prefixes) with its colocated sampler. Returns
         ``(rank, episodes, runner metrics or None, lines for the user)``."""
-        from rllib_exgrpo.rllib.colocation import learner_rank
-
         rank = learner_rank()
         mine = shards[rank] if rank < len(shards) else None
         sampler = self.colocated_sampler()
@@ -303,8 +303,6 @@ class ExGRPOTorchLearner(TorchLearner):
         """
         from ray.rllib.core import DEFAULT_MODULE_ID
 
-        from rllib_exgrpo.core.minibatches import plan_micro_batches, shard_by_tokens
-        from rllib_exgrpo.core.tokens import prompt_completion_batch
 
         module_id = module_id or DEFAULT_MODULE_ID
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
@@ -357,9 +355,7 @@ class ExGRPOTorchLearner(TorchLearner):
         of any learner): every pass is a collective for DeepSpeed ZeRO-3 (parameters are
         gathered in each forward) and for DDP (buffers are broadcast in each forward), so a
         learner with fewer passes runs empty ones (:meth:`_empty_pass`, no gradient)."""
-        from rllib_exgrpo.core.minibatches import padded_positions, plan_micro_batches, real_lengths
 
-        from rllib_exgrpo.core.packing import pack_rows
 
         max_rows = field_value(self.config, "learner_micro_batch_rows")
         max_tokens = field_value(self.config, "learner_micro_batch_tokens")
@@ -400,8 +396,6 @@ class ExGRPOTorchLearner(TorchLearner):
         ``[T, T]`` mask (``core/attention.py``). Where one does not, packing is off for
         this learner, said once: padded passes of length-sorted rows cost padding, a dense
         mask over a packed pass costs ``T^2``."""
-        from rllib_exgrpo.core.attention import model_kernel, packs_rows
-
         cached = getattr(self, "_packs_rows", None)
         if cached is not None:
             return cached
@@ -445,7 +439,6 @@ class ExGRPOTorchLearner(TorchLearner):
         different number of times and wait for each other forever."""
         if not self._head_calls_are_collective():
             return batch
-        from rllib_exgrpo.core.scoring import logit_chunks
 
         out = {}
         for mid, columns in batch.items():

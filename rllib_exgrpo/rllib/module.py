@@ -24,6 +24,7 @@ from rllib_exgrpo.core.scoring import score_learner_batch
 from rllib_exgrpo.core.tokens import position_ids_from_mask
 from rllib_exgrpo.models import lora
 from rllib_exgrpo.models.loading import load_causal_lm, resolve_dtype
+from rllib_exgrpo.rllib import zero3_weights
 
 
 def _as_tensor(value) -> torch.Tensor:
@@ -65,7 +66,6 @@ class ShippedBF16(torch.Tensor):
     storage) on the way in. Everything else about it is a plain bfloat16 tensor
     (``load_state_dict``, ``set_state``, checkpoints written with pickle read it back as
     one). Operations on it return plain tensors."""
-
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __reduce_ex__(self, protocol):
@@ -111,7 +111,6 @@ class LLMTorchRLModule(TorchRLModule):
         temperature: sampling temperature; log-probs are computed at this temperature
             so that importance ratios compare like with like.
     """
-
     @override(RLModule)
     def setup(self):
         model_config = dict(self.model_config)
@@ -191,8 +190,6 @@ class LLMTorchRLModule(TorchRLModule):
         are wrapped without a copy; ``load_state_dict`` casts to the parameters' dtype.
         As RLlib's: extra keys are ignored, and an inference-only module must get all of
         its own."""
-        from rllib_exgrpo.rllib import zero3_weights
-
         if zero3_weights.is_manifest(state):
             raise zero3_weights.not_weights_error("the state given to this module")
         tensors = {key: _as_tensor(value) for key, value in state.items()}

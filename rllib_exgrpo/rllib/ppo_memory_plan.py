@@ -32,6 +32,9 @@ from rllib_exgrpo.planning.memory import (
     plan_memory,
     scoring_activation_bytes,
 )
+from rllib_exgrpo.rllib.config_fields import field_defaults
+from rllib_exgrpo.rllib.env_runner import module_model_config
+from rllib_exgrpo.rllib.ppo_module import ppo_model_config
 
 #: The module's keys that differ from ExGRPO's field names.
 _RENAMED = {"model": "model_name_or_path", "dtype": "model_dtype"}
@@ -54,9 +57,6 @@ def ppo_plan_view(config: Any) -> Optional[SimpleNamespace]:
     is not RLlib's PPO on the LLM."""
     if not is_llm_ppo_config(config):
         return None
-    from rllib_exgrpo.rllib.config_fields import field_defaults
-    from rllib_exgrpo.rllib.env_runner import module_model_config
-    from rllib_exgrpo.rllib.ppo_module import ppo_model_config
 
     mc = ppo_model_config(module_model_config(config))
     values = field_defaults()

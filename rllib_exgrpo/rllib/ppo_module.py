@@ -66,6 +66,11 @@ from rllib_exgrpo.core.tokens import position_ids_from_mask, prompt_completion_f
 from rllib_exgrpo.rllib.module import LLMTorchRLModule
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
+from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
+from rllib_exgrpo.rllib.config_fields import FIELDS_BY_NAME, field_defaults
+from rllib_exgrpo.rllib.env_runner import module_model_config
+from rllib_exgrpo.rllib.heldout import HeldoutEvaluator
+
 #: Extra batch columns written by :class:`PadLLMEpisodes`.
 OBS_LEN = "obs_len"  # int64 [N]: real prompt tokens of each (left-padded) obs row
 ACTIONS_LEN = "actions_len"  # int64 [N]: real completion tokens of each (right-padded) action row
@@ -115,7 +120,6 @@ class CompletionDistribution(TorchDistribution):
     * ``sample()``: not available -- completions come from the env runner's generation
       backend, not from this object.
     """
-
     def __init__(self, logits: torch.Tensor):
         if logits.dim() < 2 or logits.shape[-1] != NUM_CHANNELS:
             raise ValueError(
@@ -237,7 +241,6 @@ class LLMPPOTorchRLModule(LLMTorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             without embeddings, a prompt-only pass over ``obs`` (all rows) computes them
             (under ``no_grad`` unless ``vf_share_layers``).
     """
-
     def setup(self):
         # The GPU path's keys (docs/ppo.md): flat LoRA keys as ExGRPO spells them, and a
         # half-precision learner keeps fp32 master weights (as ExGRPO's DDP learner does).
@@ -357,7 +360,6 @@ class PadLLMEpisodes(ConnectorV2):
       inputs (token log-probs, entropy unknown = 0, mask, token ids), which PPO's loss
       turns into the "previous" distribution for its KL term.
     """
-
     @override(ConnectorV2)
     def __call__(
         self,
@@ -476,9 +478,7 @@ PPO_REFUSED = {
 
 def ppo_model_config_keys() -> Dict[str, tuple]:
     """Every ``model_config`` key PPO reads: name -> (default, reader, meaning)."""
-    from rllib_exgrpo.rllib.config_fields import FIELDS_BY_NAME, field_defaults
 
-    from rllib_exgrpo.core.chunked_logprobs import DEFAULT_CHUNK_TOKENS
 
     defaults = field_defaults()
     out = dict(_MODULE_KEYS)
@@ -547,7 +547,6 @@ class LLMHeldoutCallback(RLlibCallback):
     the first env runner; reported as ``heldout/accuracy``, ``heldout/after_iteration`` and
     ``heldout/initial_accuracy``. Settings from the module's ``model_config`` (field defaults
     where missing); without ``heldout_dataset`` it does nothing."""
-
     def __init__(self):
         super().__init__()
         self._evaluator = None
@@ -558,9 +557,6 @@ class LLMHeldoutCallback(RLlibCallback):
             return self._evaluator
         from types import SimpleNamespace
 
-        from rllib_exgrpo.rllib.config_fields import field_defaults
-        from rllib_exgrpo.rllib.env_runner import module_model_config
-        from rllib_exgrpo.rllib.heldout import HeldoutEvaluator
 
         mc = module_model_config(algorithm.config)
         defaults = field_defaults()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
+
 #: Switch -> the values combined. The learner value sets ``learner_backend`` and
 #: ``deepspeed_zero_stage``; ``colocate`` sets ``num_env_runners`` 0 (else 1 remote runner);
 #: every combination has 2 learners, each actor one GPU (the layout the rules are written for).
@@ -61,8 +63,6 @@ def training_kwargs(combo: Dict[str, Any]) -> Dict[str, Any]:
 
 def refusal(combo: Dict[str, Any]) -> Optional[str]:
     """The first validation error of a combination, or None when it is accepted."""
-    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
-
     config = (ExGRPOConfig()
               .env_runners(num_env_runners=0 if combo["colocate"] else 1, num_gpus_per_env_runner=1)
               .learners(num_learners=2, num_gpus_per_learner=1))

@@ -58,6 +58,7 @@ import torch
 
 from rllib_exgrpo.rllib import rllib_contract as rc
 from rllib_exgrpo.rllib.config_fields import field_value
+from rllib_exgrpo.models.lora import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,6 @@ _END = "_weight_broadcast_end"
 class WeightSyncFailed(RuntimeError):
     """A collective sync (or building its group) failed; ``failed`` are the runner ids at
     fault (empty: the learners' side failed)."""
-
     def __init__(self, message: str, failed: Sequence[int] = ()):
         super().__init__(message)
         self.failed = tuple(failed)
@@ -103,7 +103,6 @@ def chosen_path(config) -> Tuple[str, str]:
 class Slot:
     """One tensor's place in a bucket: ``buffer[dtype][offset : offset + numel]`` viewed as
     ``shape``."""
-
     name: str
     shape: Tuple[int, ...]
     dtype: torch.dtype
@@ -121,7 +120,6 @@ class Slot:
 class Bucket:
     """What one round of broadcasts carries: one flat buffer per dtype (``sizes``: ``(dtype,
     elements)`` in broadcast order) holding the ``slots``."""
-
     slots: Tuple[Slot, ...]
     sizes: Tuple[Tuple[torch.dtype, int], ...]
 
@@ -134,7 +132,6 @@ class Bucket:
 class Layout:
     """Every bucket of a sync, in order, and the names that share a tensor with an earlier
     one (tied weights: ``(name, first name)``), sent once."""
-
     buckets: Tuple[Bucket, ...]
     aliases: Tuple[Tuple[str, str], ...] = ()
 
@@ -190,7 +187,6 @@ def _bucket(entries) -> Bucket:
 @dataclasses.dataclass(frozen=True)
 class GroupAddress:
     """Where and how to join a generation's group (sent to every runner when it joins)."""
-
     host: str
     port: int
     world_size: int
@@ -313,7 +309,6 @@ def _buffer_device(backend: str, device: torch.device) -> torch.device:
 class _Scratch:
     """One flat buffer per dtype, as large as the largest bucket needs, reused bucket after
     bucket within a sync (so a member holds at most one bucket's worth besides its model)."""
-
     def __init__(self, layout: Layout, device: torch.device):
         need: Dict[torch.dtype, int] = {}
         for bucket in layout.buckets:
@@ -329,7 +324,6 @@ class _Scratch:
 @dataclasses.dataclass
 class _LearnerEnd:
     """What a learner keeps for the current generation."""
-
     generation: int
     layout: Layout
     tensors: Dict[str, torch.Tensor]  # name -> live parameter / buffer (ZeRO-3: partitioned)
@@ -507,8 +501,6 @@ def _gathered(params: List[torch.Tensor], zero3: bool):
 def _send_bucket(end: _LearnerEnd, bucket: Bucket, scratch: _Scratch) -> None:
     """Cast each tensor into its dtype's flat buffer (the cast is the copy), broadcast. A
     LoRA layer's weight is merged here, one at a time."""
-    from rllib_exgrpo.models.lora import resolve
-
     for dtype, numel in bucket.sizes:
         buf = scratch.get(dtype, numel)
         for slot in bucket.slots:
@@ -522,7 +514,6 @@ def _send_bucket(end: _LearnerEnd, bucket: Bucket, scratch: _Scratch) -> None:
 @dataclasses.dataclass
 class RunnerEnd:
     """What an env runner keeps for the current generation."""
-
     address: GroupAddress
     rank: int
     device: torch.device
@@ -607,7 +598,6 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 class WeightBroadcaster:
     """The driver's side of ``weight_sync: collective``: the group's generation and members,
     and one sync (:meth:`sync`). ``invalidate`` makes the next sync build a new group."""
-
     def __init__(self, bucket_mb: float = 512, timeout_s: float = TIMEOUT_S):
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.timeout_s = float(timeout_s)

@@ -12,6 +12,7 @@ from rllib_exgrpo.models.recipe import recipe_key, task_problems
 from rllib_exgrpo.models.tiny_tokenizer import check_tokenizer_stable, corpus_texts, train_tokenizer
 from rllib_exgrpo.warm_start.examples import tokenizer_corpus, whole_words
 from rllib_exgrpo.warm_start.training import warm_start, warn_if_busy
+from rllib_exgrpo.models.pinned_build import PINNED_CAPABILITY
 
 
 def build_into(folder: Path, recipe: dict, progress: bool) -> dict:
@@ -106,7 +107,6 @@ def _warn_about(report: dict, recipe: dict, run: dict) -> None:
     """Warn when the kernels were not the pinned ones, or the warm start missed its target."""
     import warnings
 
-    from rllib_exgrpo.models.pinned_build import PINNED_CAPABILITY
 
     if report["cpu_capability"] != PINNED_CAPABILITY:
         warnings.warn(

@@ -12,6 +12,10 @@ import re
 from typing import Any, Optional, Sequence
 
 from rllib_exgrpo.models.tiny_tokenizer import IM_END
+from rllib_exgrpo.core.tokens import right_pad
+from rllib_exgrpo.envs import operators
+from rllib_exgrpo.envs.operators import MAX_FAMILIES, family_tag
+from rllib_exgrpo.envs.prompting import render_prompt
 
 _BOXED_END_RE = re.compile(r"\\boxed\{([^{}]*)\}$")
 
@@ -32,7 +36,6 @@ def whole_words(recipe: dict) -> list[str]:
     operators task's family tags ``[F00]`` .. ``[F99]``, otherwise none."""
     if not recipe.get("task", {}).get("tag_tokens"):
         return []
-    from rllib_exgrpo.envs.operators import MAX_FAMILIES, family_tag
 
     return [family_tag(f) for f in range(MAX_FAMILIES)]
 
@@ -50,7 +53,6 @@ def tokenizer_corpus(problems: Sequence[Any], recipe: dict) -> list:
     import dataclasses
 
     if "task" in recipe:
-        from rllib_exgrpo.envs import operators
 
         rng = random.Random(f"tiny-operators-corpus:{recipe['seed']}")
         problems = [p if shows_true_meanings(p, recipe) else
@@ -70,7 +72,6 @@ def solution_resampler(problems: Sequence[Any], tokenizer, recipe: dict):
     task's solutions are fixed)."""
     if "task" not in recipe and "answer_format" not in recipe:
         return None
-    from rllib_exgrpo.envs import operators
 
     rng = random.Random(f"tiny-operators-solutions:{recipe['seed']}")
     format_rng = random.Random(f"tiny-answer-format:{recipe['seed']}")
@@ -93,8 +94,6 @@ def solution_resampler(problems: Sequence[Any], tokenizer, recipe: dict):
 
 def encode_examples(tokenizer, problems, instruction: str, prefixes: Optional[Sequence[str]] = None):
     """Prompt ids (each after its in-context prefix, if any) and solution ids of ``problems``."""
-    from rllib_exgrpo.envs.prompting import render_prompt
-
     prompts = [render_prompt(p.question, tokenizer=tokenizer, instruction=instruction) for p in problems]
     if prefixes is not None:
         prompts = [pre + prompt for pre, prompt in zip(prefixes, prompts)]
@@ -138,7 +137,6 @@ def collate(p_ids, c_ids, idx, pad_id):
     completion tokens (labels -100 elsewhere, HF's convention)."""
     import torch
 
-    from rllib_exgrpo.core.tokens import right_pad
 
     seqs = [p_ids[i] + c_ids[i] for i in idx]
     input_ids, mask = right_pad(seqs, pad_id)

@@ -11,6 +11,9 @@ from typing import Any, Optional, Sequence
 
 from rllib_exgrpo.models.tiny_tokenizer import IM_END
 from rllib_exgrpo.warm_start.examples import shows_true_meanings, with_answer_format
+from rllib_exgrpo.envs import operators
+from rllib_exgrpo.envs.prompting import render_prompt
+from rllib_exgrpo.xrpo.icl import Example, SolvedCorpus, format_examples
 
 def icl_prefixes(problems, recipe: dict, chosen: Optional[dict[int, list[int]]] = None) -> list[str]:
     """The in-context prefix of each warm-start example ("" for most): what makes the
@@ -33,7 +36,6 @@ def icl_prefixes(problems, recipe: dict, chosen: Optional[dict[int, list[int]]] 
     icl = recipe.get("icl")
     if not icl:
         return [""] * len(problems)
-    from rllib_exgrpo.xrpo.icl import Example, format_examples
 
     chosen = icl_examples(problems, recipe) if chosen is None else chosen
     if "task" in recipe:
@@ -48,8 +50,6 @@ def icl_prefixes(problems, recipe: dict, chosen: Optional[dict[int, list[int]]] 
 def icl_examples(problems, recipe: dict) -> dict[int, list[int]]:
     """Which warm-start examples get an in-context prefix, and the indices of the training
     questions it shows (XRPO's retrieval; the example itself excluded), chosen once."""
-    from rllib_exgrpo.xrpo.icl import SolvedCorpus
-
     icl = recipe["icl"]
     corpus = SolvedCorpus(capacity=len(problems), seed=recipe["seed"])
     for i, p in enumerate(problems):
@@ -77,9 +77,6 @@ def operators_icl_draw(problems, i: int, shown: Sequence[int], recipe: dict, rng
     example of the family needs. Known families (``known=N``) show their true meanings, as
     everywhere in the warm start.
     """
-    from rllib_exgrpo.envs import operators
-    from rllib_exgrpo.xrpo.icl import Example, format_examples
-
     tables: dict[int, dict[tuple[str, int], str]] = {}
 
     def solution(p) -> str:
@@ -104,7 +101,6 @@ def operators_icl_resampler(problems: Sequence[Any], tokenizer, recipe: dict,
     (:func:`operators_icl_draw`); ``None`` for any other recipe."""
     if "task" not in recipe or not recipe.get("icl"):
         return None
-    from rllib_exgrpo.envs.prompting import render_prompt
 
     chosen = icl_examples(problems, recipe) if chosen is None else chosen
     rng = random.Random(f"tiny-operators-icl:{recipe['seed']}")

@@ -5,6 +5,14 @@ from __future__ import annotations
 import re
 from typing import Any, Optional, Sequence
 
+from rllib_exgrpo.envs import operators
+from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION
+from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
+from rllib_exgrpo.envs.rewards import last_boxed
+from rllib_exgrpo.generation.base import SamplingParams
+from rllib_exgrpo.generation.hf import HFGenerationBackend
+from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
+
 
 def evaluate_pass1(
     model,
@@ -28,9 +36,6 @@ def evaluate_pass1(
     ``return_texts`` every completion text, in the order of ``problems``. Does not disturb
     the global torch RNG.
     """
-    from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION
-    from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
-
     instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
     env = ReasoningEnv({"problems": list(problems), "tokenizer": tokenizer, "instruction": instruction,
                         "max_prompt_chars": 10**9})
@@ -51,9 +56,6 @@ def _sample_all(model, tokenizer, env, *, max_new_tokens: int, temperature: floa
     forked torch RNG seeded with ``seed``: ``([(problem, item), ...], prompt tokens)``."""
     import torch
 
-    from rllib_exgrpo.generation.base import SamplingParams
-    from rllib_exgrpo.generation.hf import HFGenerationBackend
-    from rllib_exgrpo.generation.sample_and_score import encode_prompt, sample_and_score, stop_token_ids
 
     backend = HFGenerationBackend(model, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size,
                                   logprobs_from_generation=True)
@@ -108,8 +110,6 @@ def read_final_answer(text: str) -> tuple[Optional[str], bool]:
     """``(answer, boxed)`` of a completion in either format of the format-weak warm start:
     the last ``\\boxed{N}``, else the number after the last ``Answer:``; ``(None, False)``
     when neither is there."""
-    from rllib_exgrpo.envs.rewards import last_boxed
-
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip(), True
@@ -157,8 +157,6 @@ def operators_warm_start_figures(problems: Sequence[Any], completions: Sequence[
     arithmetic under their own meanings), ``meaning_shares`` (how often each meaning was
     chosen among them: uniform guessing gives 1/3 each), and the exact uniform-guessing
     pass@1 by chain length (``guessing_pass1``), the level pass@1 should sit at."""
-    from rllib_exgrpo.envs import operators
-
     consistent, chosen = 0, {m: 0 for m in operators.MEANINGS}
     guess: dict[str, list[float]] = {}
     for p, text in zip(problems, completions):

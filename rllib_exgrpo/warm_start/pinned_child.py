@@ -31,6 +31,7 @@ def main(argv: list[str]) -> int:
     folder, parent_pid = Path(argv[0]), int(argv[1])
     _die_with_parent(parent_pid)
     recipe = json.loads(sys.stdin.read())
+    # lazy: the build (torch) loads after the child ties its life to the parent's
     from rllib_exgrpo.warm_start.build import build_into
 
     build_into(folder, recipe, progress="--progress" in argv[2:])
