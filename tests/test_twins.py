@@ -152,13 +152,20 @@ def _smallest(spec: dict) -> dict:
 
 
 def _fewer_actors(spec: dict) -> dict:
-    """At most 2 learners and 1 env runner. The recipes' full counts (4 vLLM runners and 4
+    """At most 2 learners and 1 env runner (and PPO at most 16 optimiser steps). The recipes' full counts (4 vLLM runners and 4
     learners, or 8 colocated learners) are rehearsed by the ExGRPO recipe's own rehearsal
     (tests/test_rehearsal.py), which a twin shares apart from the algorithm: starting 4 CPU
     vLLM engines and 4 learners again for each twin cost 3-4 minutes of a 2-core CI run each,
     and two eight-learner runs side by side on its two test workers overran gloo's timeout."""
     c = spec.get("config", {})
     out = {}
+    if spec["run"] == "PPO":
+        # At most 16 optimiser steps an iteration: the 1-GPU recipes' minibatches of 4-8 rows
+        # make 256-512 steps, RLlib's per-minibatch round trip 256 times on a tiny model (4 of
+        # a 2-core CI run's minutes), not another path. (The rehearsal scales minibatch_size
+        # with its batch; this is the value before that.)
+        rows = 2 * int(c["train_batch_size_per_learner"])
+        out["minibatch_size"] = max(int(c["minibatch_size"]), rows // 16)
     if int(c.get("num_learners", 0) or 0) > 2:
         out["num_learners"] = 2
     if int(c.get("num_env_runners", 0) or 0) > 1:
