@@ -1,4 +1,5 @@
 """Shared helpers of the benchmark scripts: configs from the tuned examples, local Ray."""
+
 from __future__ import annotations
 
 import sys

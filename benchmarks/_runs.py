@@ -11,6 +11,7 @@ questions, greedy, ``max_response_tokens`` of the recipe) is evaluated at step 0
 end, always outside ``train()`` and through the same env-runner call, so that PPO (which has
 no held-out hook of its own) is measured exactly like the others and step times stay clean.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,14 +46,11 @@ def _heldout_overrides(name: str, config, heldout_dataset: str = HELDOUT_DATASET
     first ones are the same whatever N (the generator is one stream)."""
     if is_ppo(name):
         # RLlib's PPO reads runner settings from the module's model_config.
-        return {"model_config": {**(config.model_config or {}), "heldout_dataset": heldout_dataset,
-                                 "heldout_split": "test"}}
-    return {"heldout_dataset": heldout_dataset, "heldout_split": "test",
-            "heldout_num_questions": HELDOUT_QUESTIONS, "heldout_interval": 0}
+        return {"model_config": {**(config.model_config or {}), "heldout_dataset": heldout_dataset, "heldout_split": "test"}}
+    return {"heldout_dataset": heldout_dataset, "heldout_split": "test", "heldout_num_questions": HELDOUT_QUESTIONS, "heldout_interval": 0}
 
 
-def build(name: str, seed: int, overrides: dict, model: Optional[str] = None,
-          heldout_dataset: str = HELDOUT_DATASET):
+def build(name: str, seed: int, overrides: dict, model: Optional[str] = None, heldout_dataset: str = HELDOUT_DATASET):
     """The algorithm of a recipe; ``model`` replaces the policy model (``model_name_or_path``
     for this project's algorithms, the module's ``model_config["model"]`` for RLlib's PPO)."""
     config = recipe_config(name, seed=seed, **overrides)
@@ -82,8 +80,9 @@ def greedy_rewards(algo, ids: List[str], max_new_tokens: int, split: Optional[st
     weights, in one runner call: every evaluator of the benchmarks goes through it.
     ``split`` takes the questions from that split of the held-out dataset (default: the
     configured ``heldout_split``)."""
-    episodes = algo.env_runner.sample(question_ids=ids, num_samples=1, heldout=split or True, temperature=0.0,
-                                      max_new_tokens=max_new_tokens, return_logprobs=False)
+    episodes = algo.env_runner.sample(
+        question_ids=ids, num_samples=1, heldout=split or True, temperature=0.0, max_new_tokens=max_new_tokens, return_logprobs=False
+    )
     return {e.get_infos(-1)[QUESTION_ID]: e.get_return() for e in episodes}
 
 
@@ -116,19 +115,41 @@ def _cache_path(out: Path, key: dict) -> Path:
     return out / "runs" / f"{key['algo']}-seed{key['seed']}-{digest}.json"
 
 
-def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[float] = None,
-              eval_interval: int = 10, overrides: Optional[dict] = None, out: Path,
-              max_iterations: Optional[int] = None, model: Optional[str] = None,
-              key_extra: Optional[dict] = None, extra_eval=None, step_fields=None, on_eval=None,
-              heldout_dataset: str = HELDOUT_DATASET, end_eval=None) -> dict:
+def train_run(
+    name: str,
+    seed: int,
+    *,
+    iterations: int,
+    token_budget: Optional[float] = None,
+    eval_interval: int = 10,
+    overrides: Optional[dict] = None,
+    out: Path,
+    max_iterations: Optional[int] = None,
+    model: Optional[str] = None,
+    key_extra: Optional[dict] = None,
+    extra_eval=None,
+    step_fields=None,
+    on_eval=None,
+    heldout_dataset: str = HELDOUT_DATASET,
+    end_eval=None,
+) -> dict:
     """One run (cached). Returns ``{"algo", "seed", "steps": [...], "evals": [...], ...}``:
     per step its sampled tokens so far, wall time and scalar metrics; per evaluation the
     step, tokens so far and held-out accuracy. ``end_eval(algo)``, when given, is recorded
     as ``"end"`` after the last step (measurements that need the trained algorithm's state,
     such as its replay pool)."""
     overrides = dict(overrides or {})
-    key = _run_key(name, seed, iterations=iterations, token_budget=token_budget, eval_interval=eval_interval,
-                   overrides=overrides, model=model, key_extra=key_extra, heldout_dataset=heldout_dataset)
+    key = _run_key(
+        name,
+        seed,
+        iterations=iterations,
+        token_budget=token_budget,
+        eval_interval=eval_interval,
+        overrides=overrides,
+        model=model,
+        key_extra=key_extra,
+        heldout_dataset=heldout_dataset,
+    )
     path = _cache_path(out, key)
     if path.exists():
         return json.loads(path.read_text())
@@ -171,17 +192,41 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
         end = end_eval(algo) if end_eval else None
     finally:
         algo.stop()
-    record = {**key, "steps": steps, "evals": evals, "budget_step": crossed_at,
-              "wall_s": time.perf_counter() - t_run, **({"end": end} if end_eval else {})}
+    record = {
+        **key,
+        "steps": steps,
+        "evals": evals,
+        "budget_step": crossed_at,
+        "wall_s": time.perf_counter() - t_run,
+        **({"end": end} if end_eval else {}),
+    }
     return _write_run(path, record)
 
 
-def _run_key(name: str, seed: int, *, iterations: int, token_budget: Optional[float], eval_interval: int,
-             overrides: dict, model: Optional[str], key_extra: Optional[dict], heldout_dataset: str) -> dict:
+def _run_key(
+    name: str,
+    seed: int,
+    *,
+    iterations: int,
+    token_budget: Optional[float],
+    eval_interval: int,
+    overrides: dict,
+    model: Optional[str],
+    key_extra: Optional[dict],
+    heldout_dataset: str,
+) -> dict:
     """The cache key of a run: its settings, the run format and the model build it trains."""
-    key = {"algo": name, "seed": seed, "iterations": iterations, "token_budget": token_budget,
-           "eval_interval": eval_interval, "overrides": overrides, "model": model, "format": RUN_FORMAT,
-           **(key_extra or {})}
+    key = {
+        "algo": name,
+        "seed": seed,
+        "iterations": iterations,
+        "token_budget": token_budget,
+        "eval_interval": eval_interval,
+        "overrides": overrides,
+        "model": model,
+        "format": RUN_FORMAT,
+        **(key_extra or {}),
+    }
     if heldout_dataset != HELDOUT_DATASET:  # (absent by default: older cache files stay valid)
         key["heldout_dataset"] = heldout_dataset
     # The built model behind a tiny spec (its folder name carries the build recipe's hash):
@@ -195,7 +240,9 @@ def _step_record(step: int, tokens: float, wall: float, result: dict, step_field
     (plus ``step_fields(result)`` when given)."""
     runners = result.get("env_runners", {})
     return {
-        "step": step, "tokens": tokens, "wall_s": wall,
+        "step": step,
+        "tokens": tokens,
+        "wall_s": wall,
         "solve_rate": float(runners.get("episode_return_mean", math.nan)),
         "episodes": float(runners.get("num_episodes", 0)),
         "experience": _scalars(result.get("experience")),
@@ -239,13 +286,29 @@ def collect_from_command_line(description: str, default_algos: Sequence[str]):
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = collect(args.algos, args.seeds, iterations=args.iterations, eval_interval=args.eval_interval,
-                   overrides=json.loads(args.config), out=out, model=args.model)
+    runs = collect(
+        args.algos,
+        args.seeds,
+        iterations=args.iterations,
+        eval_interval=args.eval_interval,
+        overrides=json.loads(args.config),
+        out=out,
+        model=args.model,
+    )
     return args, out, runs
 
 
-def collect(algos: Sequence[str], seeds: Sequence[int], *, iterations: int, eval_interval: int,
-            overrides: dict, out: Path, model: Optional[str] = None, log=print) -> List[dict]:
+def collect(
+    algos: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    iterations: int,
+    eval_interval: int,
+    overrides: dict,
+    out: Path,
+    model: Optional[str] = None,
+    log=print,
+) -> List[dict]:
     """GRPO first for each seed (its sampled tokens after ``iterations`` steps set that
     seed's budget), then every other method to the same steps and budget."""
     unknown = [a for a in algos if a not in RECIPES]
@@ -253,17 +316,29 @@ def collect(algos: Sequence[str], seeds: Sequence[int], *, iterations: int, eval
         raise SystemExit(f"unknown method(s) {unknown}; known: {sorted(RECIPES)}")
     runs = []
     for seed in seeds:
-        grpo = train_run("grpo", seed, iterations=iterations, eval_interval=eval_interval,
-                         overrides=overrides, out=out, model=model)
+        grpo = train_run("grpo", seed, iterations=iterations, eval_interval=eval_interval, overrides=overrides, out=out, model=model)
         budget = grpo["steps"][iterations - 1]["tokens"]
         for name in algos:
-            run = grpo if name == "grpo" else train_run(
-                name, seed, iterations=iterations, token_budget=budget, eval_interval=eval_interval,
-                overrides=overrides, out=out, model=model)
+            run = (
+                grpo
+                if name == "grpo"
+                else train_run(
+                    name,
+                    seed,
+                    iterations=iterations,
+                    token_budget=budget,
+                    eval_interval=eval_interval,
+                    overrides=overrides,
+                    out=out,
+                    model=model,
+                )
+            )
             runs.append(run)
-            log(f"{name:<12} seed {seed}: acc@{iterations} steps {accuracy_at_step(run, iterations):.3f}, "
+            log(
+                f"{name:<12} seed {seed}: acc@{iterations} steps {accuracy_at_step(run, iterations):.3f}, "
                 f"acc@budget {accuracy_at_tokens(run, budget):.3f} "
-                f"({median_step_s(run):.2f} s/step, {run['wall_s'] / 60:.1f} min)")
+                f"({median_step_s(run):.2f} s/step, {run['wall_s'] / 60:.1f} min)"
+            )
     return runs
 
 
@@ -307,5 +382,4 @@ def wall_to(run: dict, step: int) -> float:
 
 def mean_std(values) -> Dict[str, float]:
     a = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
-    return {"mean": float(a.mean()) if a.size else math.nan, "std": float(a.std()) if a.size else math.nan,
-            "n": int(a.size)}
+    return {"mean": float(a.mean()) if a.size else math.nan, "std": float(a.std()) if a.size else math.nan, "n": int(a.size)}

@@ -43,6 +43,7 @@ from the trainer's ``on_step_begin`` of its first step to ``on_step_end`` of its
 prints ``{"scores": [...], "parsed": [...], "errors": [...]}`` as JSON: the reward of this
 runner for given texts, to check it against the project's ``ReasoningEnv.score``.
 """
+
 from __future__ import annotations
 
 import json
@@ -120,11 +121,12 @@ class ProjectReward:
         self.think_format = bool(settings["think_format"])
 
     def _clip(self, text: str) -> str:  # == ReasoningEnv._clip
-        return text if len(text) <= self.max_chars else text[-self.max_chars:]
+        return text if len(text) <= self.max_chars else text[-self.max_chars :]
 
     def results(self, completions, ground_truths):
-        return self.rewards.score_batch([self._clip(c) for c in completions], list(ground_truths),
-                                        timeout_s=self.timeout_s, think_format=self.think_format)
+        return self.rewards.score_batch(
+            [self._clip(c) for c in completions], list(ground_truths), timeout_s=self.timeout_s, think_format=self.think_format
+        )
 
     def __call__(self, prompts, completions, ground_truth, **kwargs):
         return [r.score for r in self.results(completions, ground_truth)]
@@ -134,8 +136,7 @@ def score_main(path: str) -> None:
     spec = json.loads(sys.stdin.read() if path in ("-", "/dev/stdin") else Path(path).read_text())
     reward = ProjectReward(_import_project_rewards(spec.get("repo_root")), _settings(spec.get("settings")))
     res = reward.results(spec["completions"], spec["ground_truths"])
-    json.dump({"scores": [r.score for r in res], "parsed": [r.parsed for r in res],
-               "errors": [r.error for r in res]}, sys.stdout)
+    json.dump({"scores": [r.score for r in res], "parsed": [r.parsed for r in res], "errors": [r.error for r in res]}, sys.stdout)
     print()
 
 
@@ -151,11 +152,9 @@ def _check_iterations(its: list, settings: dict) -> None:
         raise ValueError("the input holds no iterations")
     for i, it in enumerate(its):
         if len(it["prompts"]) != B or len(it["ground_truths"]) != B:
-            raise ValueError(f"iteration {i}: {len(it['prompts'])} prompts / {len(it['ground_truths'])} "
-                             f"ground truths, expected {B}")
+            raise ValueError(f"iteration {i}: {len(it['prompts'])} prompts / {len(it['ground_truths'])} ground truths, expected {B}")
     if B * G != spg * mb:
-        raise ValueError(f"B*G = {B * G} completions per iteration but steps_per_generation * "
-                         f"per_device_train_batch_size = {spg * mb}")
+        raise ValueError(f"B*G = {B * G} completions per iteration but steps_per_generation * per_device_train_batch_size = {spg * mb}")
 
 
 def _load_model_and_tokenizer(model_path: str):
@@ -263,8 +262,9 @@ class _OrderedReward(ProjectReward):
         self.B, self.G = settings["questions_per_step"], settings["group_size"]
         self.spg = settings["steps_per_generation"]
 
-    def __call__(self, prompts, completions, ground_truth, iteration=None, question_id=None,
-                 completion_ids=None, trainer_state=None, **kwargs):
+    def __call__(
+        self, prompts, completions, ground_truth, iteration=None, question_id=None, completion_ids=None, trainer_state=None, **kwargs
+    ):
         B, G, timings = self.B, self.G, self.timings
         it_index = trainer_state.global_step // self.spg
         want = [p for p in self.its[it_index]["prompts"] for _ in range(G)]
@@ -363,12 +363,30 @@ def _checked_generation_config(trainer, settings: dict) -> tuple[dict, list]:
 
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     merged, _ = unwrapped._prepare_generation_config(trainer.generation_config)
-    processors = unwrapped._get_logits_processor(generation_config=merged, input_ids_seq_length=8,
-                                                 logits_processor=LogitsProcessorList(), device="cpu")
-    gen_info = {k: getattr(merged, k, None) for k in (
-        "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
-        "no_repeat_ngram_size", "max_new_tokens", "eos_token_id", "pad_token_id", "bos_token_id",
-        "suppress_tokens", "bad_words_ids", "epsilon_cutoff", "eta_cutoff")}
+    processors = unwrapped._get_logits_processor(
+        generation_config=merged, input_ids_seq_length=8, logits_processor=LogitsProcessorList(), device="cpu"
+    )
+    gen_info = {
+        k: getattr(merged, k, None)
+        for k in (
+            "do_sample",
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "typical_p",
+            "repetition_penalty",
+            "no_repeat_ngram_size",
+            "max_new_tokens",
+            "eos_token_id",
+            "pad_token_id",
+            "bos_token_id",
+            "suppress_tokens",
+            "bad_words_ids",
+            "epsilon_cutoff",
+            "eta_cutoff",
+        )
+    }
     processor_names = [type(p).__name__ for p in processors]
     if processor_names:
         raise RuntimeError(f"generation would not sample the plain softmax: processors {processor_names}")
@@ -381,10 +399,19 @@ def _create_optimizer(trainer) -> dict:
     """Create the trainer's optimiser now (train() reuses it) and describe its parameter groups."""
     trainer.create_optimizer()
     opt = trainer.optimizer
-    return {"class": type(opt).__name__,
-            "groups": [{"params": len(g["params"]), "weight_decay": g["weight_decay"], "lr": g["lr"],
-                        "betas": list(g.get("betas", ())), "eps": g.get("eps")}
-                       for g in opt.param_groups]}
+    return {
+        "class": type(opt).__name__,
+        "groups": [
+            {
+                "params": len(g["params"]),
+                "weight_decay": g["weight_decay"],
+                "lr": g["lr"],
+                "betas": list(g.get("betas", ())),
+                "eps": g.get("eps"),
+            }
+            for g in opt.param_groups
+        ],
+    }
 
 
 def _save_model(trainer, tokenizer, out: Path) -> float:
@@ -409,18 +436,20 @@ def _iteration_rows(timings: dict, clock, n: int) -> list[dict]:
         raise RuntimeError(f"recorded {len(clock.wall)} iteration times for {n} iterations")
     iterations = []
     for i in range(n):
-        iterations.append({
-            "iteration": i + 1,
-            "wall_s": clock.wall[i],
-            "generate_s": timings["generate"][i],
-            "rollout_s": timings["rollout"][i],
-            "reward_s": timings["reward"][i],
-            "reward_mean": timings["reward_mean"][i],
-            "num_completions": timings["n"][i],
-            "completion_tokens": timings["tokens"][i],
-            "mean_completion_tokens": timings["tokens"][i] / timings["n"][i],
-            "trl_metrics": clock.logs[i] if i < len(clock.logs) else {},
-        })
+        iterations.append(
+            {
+                "iteration": i + 1,
+                "wall_s": clock.wall[i],
+                "generate_s": timings["generate"][i],
+                "rollout_s": timings["rollout"][i],
+                "reward_s": timings["reward"][i],
+                "reward_mean": timings["reward_mean"][i],
+                "num_completions": timings["n"][i],
+                "completion_tokens": timings["tokens"][i],
+                "mean_completion_tokens": timings["tokens"][i] / timings["n"][i],
+                "trl_metrics": clock.logs[i] if i < len(clock.logs) else {},
+            }
+        )
     return iterations
 
 
@@ -437,9 +466,12 @@ def _write_result(out: Path, result: dict) -> None:
     """Write ``<out>/trl_result.json`` and print a one-line summary of the run."""
     iterations = result["iterations"]
     (out / "trl_result.json").write_text(json.dumps(result, indent=1))
-    print(f"[trl-runner] {len(iterations)} iterations: median {result['median_s_per_iteration']:.2f} s/iteration "
-          f"(generate {result['median_generate_s']:.2f} s), rewards "
-          f"{[round(r['reward_mean'], 3) for r in iterations]}; wrote {out / 'trl_result.json'}", flush=True)
+    print(
+        f"[trl-runner] {len(iterations)} iterations: median {result['median_s_per_iteration']:.2f} s/iteration "
+        f"(generate {result['median_generate_s']:.2f} s), rewards "
+        f"{[round(r['reward_mean'], 3) for r in iterations]}; wrote {out / 'trl_result.json'}",
+        flush=True,
+    )
 
 
 def _versions() -> dict:
@@ -448,9 +480,13 @@ def _versions() -> dict:
     import transformers
     import trl
 
-    return {"trl": trl.__version__, "transformers": transformers.__version__,
-            "torch": torch.__version__, "datasets": datasets.__version__,
-            "python": sys.version.split()[0]}
+    return {
+        "trl": trl.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "datasets": datasets.__version__,
+        "python": sys.version.split()[0],
+    }
 
 
 def _build_trainer(spec: dict, settings: dict, out: Path, seed: int, its: list, rewards_module):
@@ -496,10 +532,8 @@ def main(path: str) -> dict:
     trainer, tokenizer, clock, timings, order_log = _build_trainer(spec, settings, out, seed, its, rewards_module)
 
     gen_info, processor_names = _checked_generation_config(trainer, settings)
-    print(f"[trl-runner] generation config: {gen_info}; logits processors: {processor_names or 'none'}",
-          flush=True)
-    print(f"[trl-runner] threads={threads}; {len(its)} iterations of {B}x{G}; "
-          f"{spg} optimiser steps x {mb} completions", flush=True)
+    print(f"[trl-runner] generation config: {gen_info}; logits processors: {processor_names or 'none'}", flush=True)
+    print(f"[trl-runner] threads={threads}; {len(its)} iterations of {B}x{G}; {spg} optimiser steps x {mb} completions", flush=True)
     optimizer_info = _create_optimizer(trainer)
     print(f"[trl-runner] optimiser: {optimizer_info}", flush=True)
 
@@ -507,8 +541,7 @@ def main(path: str) -> dict:
     t_train = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t_train
-    print(f"[trl-runner] first batch, question ids of rows 0..{2 * G}: {order_log[0] if order_log else None}",
-          flush=True)
+    print(f"[trl-runner] first batch, question ids of rows 0..{2 * G}: {order_log[0] if order_log else None}", flush=True)
     save_s = _save_model(trainer, tokenizer, out)
 
     iterations = _iteration_rows(timings, clock, len(its))

@@ -20,6 +20,7 @@ runs in a venv of its own, by default ``benchmarks/out/trl-venv`` (git-ignored).
 
 Nothing here imports ray, TRL or torch at module level.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -50,8 +51,7 @@ def _pins() -> dict:
     try:
         transformers = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError("transformers is not installed in the calling environment "
-                           "(run this from the project venv)") from None
+        raise RuntimeError("transformers is not installed in the calling environment (run this from the project venv)") from None
     # Install order matters: each step keeps what the earlier ones put in place when it is
     # compatible (pip's only-if-needed upgrades), so torch stays the CPU wheel and trl does
     # not replace transformers by the newest release.
@@ -107,8 +107,7 @@ def ensure_trl_venv(path: os.PathLike | str = DEFAULT_VENV, *, verbose: bool = F
         if verbose:
             print(f"creating the TRL venv at {path}", file=sys.stderr)
         base = getattr(sys, "_base_executable", None) or sys.executable
-        proc = subprocess.run([base, "-m", "venv", str(path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.run([base, "-m", "venv", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
             last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"TRL venv: could not create {path}: {last}")
@@ -119,8 +118,7 @@ def ensure_trl_venv(path: os.PathLike | str = DEFAULT_VENV, *, verbose: bool = F
             print(f"TRL venv: installing {spec}", file=sys.stderr)
         _pip(python, package, spec)
     # One final resolve of everything together, so that no later install broke an earlier pin.
-    proc = subprocess.run([str(python), "-m", "pip", "check"], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run([str(python), "-m", "pip", "check"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         first = (proc.stdout.strip().splitlines() or ["pip check failed"])[0]
         raise RuntimeError(f"TRL venv: inconsistent packages after install: {first}")
@@ -131,8 +129,15 @@ def ensure_trl_venv(path: os.PathLike | str = DEFAULT_VENV, *, verbose: bool = F
 # --------------------------------------------------------------------------- inputs
 
 
-def trl_inputs(seed: int = 0, iterations: int = 40, *, model: str = "tiny", output_dir: Optional[str] = None,
-               dataset: str = "arithmetic", settings: Optional[dict] = None) -> dict:
+def trl_inputs(
+    seed: int = 0,
+    iterations: int = 40,
+    *,
+    model: str = "tiny",
+    output_dir: Optional[str] = None,
+    dataset: str = "arithmetic",
+    settings: Optional[dict] = None,
+) -> dict:
     """The runner's input (see the runner's docstring): the prompts the project's GRPO draws.
 
     Must run in the project venv. Iteration ``i`` gets the ``questions_per_step`` question
@@ -152,11 +157,13 @@ def trl_inputs(seed: int = 0, iterations: int = 40, *, model: str = "tiny", outp
     its = []
     for _ in range(iterations):
         qids = sampler.next_batch(settings.get("questions_per_step", QUESTIONS_PER_STEP))
-        its.append({
-            "question_ids": qids,
-            "prompts": [env.prompt_for(q) for q in qids],
-            "ground_truths": [env.get_problem(q).ground_truth for q in qids],
-        })
+        its.append(
+            {
+                "question_ids": qids,
+                "prompts": [env.prompt_for(q) for q in qids],
+                "ground_truths": [env.get_problem(q).ground_truth for q in qids],
+            }
+        )
     return {
         "model_path": str(model_path),
         "output_dir": str(output_dir or ROOT / "benchmarks" / "out" / "trl" / f"seed{seed}"),
@@ -177,9 +184,18 @@ def _parity_examples(env, model_path: str, n_questions: int, seed: int) -> tuple
     qids, texts = [], []
     for p in problems:
         gt = p.ground_truth
-        for t in (f"So the answer is \\boxed{{{gt}}}.", f"\\boxed{{ {gt} }}", f"$\\boxed{{{gt}.0}}$",
-                  f"\\boxed{{{gt}}} then \\boxed{{{gt}1}}", f"\\boxed{{{gt}", f"answer: {gt}",
-                  f"\\boxed{{\\frac{{{gt}}}{{1}}}}", f"\\boxed{{x = {gt}}}", f"\\boxed {gt}.", ""):
+        for t in (
+            f"So the answer is \\boxed{{{gt}}}.",
+            f"\\boxed{{ {gt} }}",
+            f"$\\boxed{{{gt}.0}}$",
+            f"\\boxed{{{gt}}} then \\boxed{{{gt}1}}",
+            f"\\boxed{{{gt}",
+            f"answer: {gt}",
+            f"\\boxed{{\\frac{{{gt}}}{{1}}}}",
+            f"\\boxed{{x = {gt}}}",
+            f"\\boxed {gt}.",
+            "",
+        ):
             qids.append(p.id)
             texts.append(t)
     tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
@@ -191,17 +207,27 @@ def _parity_examples(env, model_path: str, n_questions: int, seed: int) -> tuple
     ids, mask = left_pad(prompts, tok.pad_token_id)
     width = ids.shape[1]
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, max_new_tokens=48, num_return_sequences=4,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=48,
+            num_return_sequences=4,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
     for k, row in enumerate(out[:, width:]):
         qids.append(problems[k // 4].id)
         texts.append(tok.decode(row, skip_special_tokens=True))
     return qids, texts
 
 
-def reward_parity(python: Optional[str] = None, *, n_questions: int = 16, seed: int = 0,
-                  model: str = "tiny", dataset: str = "arithmetic") -> dict:
+def reward_parity(
+    python: Optional[str] = None, *, n_questions: int = 16, seed: int = 0, model: str = "tiny", dataset: str = "arithmetic"
+) -> dict:
     """Score the same completions with the project's ``ReasoningEnv.score`` (here, the project
     venv) and with the runner's reward in the TRL venv (``--score``); report any difference."""
     sys.path.insert(0, str(ROOT))
@@ -213,10 +239,10 @@ def reward_parity(python: Optional[str] = None, *, n_questions: int = 16, seed: 
     env = ReasoningEnv({"dataset": dataset, "tokenizer": model_path})
     qids, texts = _parity_examples(env, model_path, n_questions, seed)
     project = env.score(qids, texts)
-    spec = {"completions": texts, "ground_truths": [env.get_problem(q).ground_truth for q in qids],
-            "repo_root": str(ROOT)}
-    proc = subprocess.run([python, str(RUNNER), "--score", "/dev/stdin"], input=json.dumps(spec),
-                          stdout=subprocess.PIPE, text=True, check=True)
+    spec = {"completions": texts, "ground_truths": [env.get_problem(q).ground_truth for q in qids], "repo_root": str(ROOT)}
+    proc = subprocess.run(
+        [python, str(RUNNER), "--score", "/dev/stdin"], input=json.dumps(spec), stdout=subprocess.PIPE, text=True, check=True
+    )
     trl = json.loads(proc.stdout.strip().splitlines()[-1])
     mismatches = [
         {"completion": t, "ground_truth": g, "project": (r.score, r.parsed), "trl": (s, p)}
@@ -242,18 +268,22 @@ if __name__ == "__main__":  # python benchmarks/_trl_venv.py [--venv PATH] [--in
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--venv", default=str(DEFAULT_VENV))
-    ap.add_argument("--inputs", nargs=3, metavar=("SEED", "ITERATIONS", "OUT_JSON"),
-                    help="also write the runner's input for this seed and number of iterations")
+    ap.add_argument(
+        "--inputs",
+        nargs=3,
+        metavar=("SEED", "ITERATIONS", "OUT_JSON"),
+        help="also write the runner's input for this seed and number of iterations",
+    )
     ap.add_argument("--output-dir", default=None, help="output_dir recorded in the input (with --inputs)")
-    ap.add_argument("--check-reward", action="store_true",
-                    help="also check that the TRL-side reward equals ReasoningEnv.score on sample completions")
+    ap.add_argument(
+        "--check-reward", action="store_true", help="also check that the TRL-side reward equals ReasoningEnv.score on sample completions"
+    )
     args = ap.parse_args()
     python = ensure_trl_venv(args.venv, verbose=True)
     print(python)
     if args.check_reward:
         report = reward_parity(python)
-        print(f"reward parity: {report['n']} completions ({int(report['correct'])} correct), "
-              f"{len(report['mismatches'])} mismatches")
+        print(f"reward parity: {report['n']} completions ({int(report['correct'])} correct), {len(report['mismatches'])} mismatches")
         for m in report["mismatches"][:10]:
             print("  ", m)
         if report["mismatches"]:

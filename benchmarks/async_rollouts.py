@@ -22,6 +22,7 @@ difference (async - sync) over seeds. The last lines are
 medians) and ``heldout_async_minus_sync=Y`` (mean over seeds, accuracy points). ``--overrides`` (JSON)
 changes both arms' config (smaller iterations for a quick check).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,10 @@ sys.path.insert(0, str(ROOT))
 def build(seed: int, async_rollouts: bool, iterations: int, extra: dict | None = None):
     from rllib_exgrpo.cli.experiment import build_experiments
 
-    overrides = {**(extra or {}), "seed": seed, "async_rollouts": async_rollouts, "num_env_runners": 1,
-                 "num_cpus_per_env_runner": 1}
-    exp = build_experiments(str(ROOT / "tuned_examples" / "grpo_tiny.yaml"), config_overrides=overrides,
-                            stop={"training_iteration": iterations})[0]
+    overrides = {**(extra or {}), "seed": seed, "async_rollouts": async_rollouts, "num_env_runners": 1, "num_cpus_per_env_runner": 1}
+    exp = build_experiments(
+        str(ROOT / "tuned_examples" / "grpo_tiny.yaml"), config_overrides=overrides, stop={"training_iteration": iterations}
+    )[0]
     return exp.config.build_algo()
 
 
@@ -61,9 +62,15 @@ def run_arm(seed: int, async_rollouts: bool, iterations: int, extra: dict | None
     finally:
         algo.stop()
     plain = [t for t, e in zip(times, evaluated) if not e] or times
-    return {"seed": seed, "async": async_rollouts, "median_iteration_s": statistics.median(plain),
-            "heldout_final": curve[-1][1] if curve else float("nan"), "curve": curve,
-            "sampled_tokens": tokens, "iterations": iterations}
+    return {
+        "seed": seed,
+        "async": async_rollouts,
+        "median_iteration_s": statistics.median(plain),
+        "heldout_final": curve[-1][1] if curve else float("nan"),
+        "curve": curve,
+        "sampled_tokens": tokens,
+        "iterations": iterations,
+    }
 
 
 def main(argv=None) -> int:
@@ -75,17 +82,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="ray-async-"))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="ray-async-"))
     arms = []
     try:
         for seed in args.seeds:
             for mode in (False, True):
                 arm = run_arm(seed, mode, args.iterations, args.overrides)
                 arms.append(arm)
-                print(f"seed {seed} {'async' if mode else 'sync '}: median iteration {arm['median_iteration_s']:.2f} s, "
-                      f"held-out {arm['heldout_final']:.3f} at iteration {args.iterations}, "
-                      f"{arm['sampled_tokens']} sampled tokens", flush=True)
+                print(
+                    f"seed {seed} {'async' if mode else 'sync '}: median iteration {arm['median_iteration_s']:.2f} s, "
+                    f"held-out {arm['heldout_final']:.3f} at iteration {args.iterations}, "
+                    f"{arm['sampled_tokens']} sampled tokens",
+                    flush=True,
+                )
     finally:
         ray.shutdown()
     ratios, diffs = [], []

@@ -131,7 +131,9 @@ def main() -> None:
     for n in args.sizes:
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--one", str(n)],
-            check=True, capture_output=True, text=True,
+            check=True,
+            capture_output=True,
+            text=True,
         )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     header = (
@@ -154,9 +156,11 @@ def main() -> None:
         "prompts); overhead B/q = (RSS growth - nbytes) / pooled question (Python objects)."
     )
     r = rows[-1]  # the figures of the largest pool
-    print(f"pool={r['pool']} add_us={r['add_us']:.2f} sample_us_per_q={r['sample_us_per_q']:.3f} "
-          f"retire_us={r['retire_us']:.2f} bytes_per_token={r['bytes_per_token']:.2f} "
-          f"overhead_bytes_per_q={r['rss_overhead_per_q']:.0f}")
+    print(
+        f"pool={r['pool']} add_us={r['add_us']:.2f} sample_us_per_q={r['sample_us_per_q']:.3f} "
+        f"retire_us={r['retire_us']:.2f} bytes_per_token={r['bytes_per_token']:.2f} "
+        f"overhead_bytes_per_q={r['rss_overhead_per_q']:.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ restore is reported.
 
 The last line is ``peak_over_shard=X``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,8 +87,7 @@ def learner_before(learner) -> dict:
     optimizer = _tensor_bytes(engine.optimizer.state_dict(), set())
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")
-    return {"rank": dist.get_rank(), "rss_kb": _status_kb("VmRSS"), "params_bytes": params,
-            "optimizer_bytes": optimizer}
+    return {"rank": dist.get_rank(), "rss_kb": _status_kb("VmRSS"), "params_bytes": params, "optimizer_bytes": optimizer}
 
 
 def learner_after(learner) -> dict:
@@ -125,11 +125,15 @@ def measure(algo, label, call, rows):
         peak = (a["hwm_kb"] - b["rss_kb"]) * 1024
         ratio = peak / shard
         worst = max(worst, ratio)
-        rows.append(dict(call=label, seconds=seconds, peak_bytes=peak, ratio=ratio, **b, hwm_kb=a["hwm_kb"],
-                         rss_after_kb=a["rss_after_kb"]))
-        print(f"{label:8s} rank {b['rank']}: RSS {b['rss_kb'] / 1024:.0f} MiB before, peak +{peak / 2**20:.0f} MiB; "
-              f"shard {shard / 2**20:.0f} MiB (parameters {b['params_bytes'] / 2**20:.0f} + optimizer "
-              f"{b['optimizer_bytes'] / 2**20:.0f}) -> {ratio:.2f} x shard; {seconds:.1f} s", flush=True)
+        rows.append(
+            dict(call=label, seconds=seconds, peak_bytes=peak, ratio=ratio, **b, hwm_kb=a["hwm_kb"], rss_after_kb=a["rss_after_kb"])
+        )
+        print(
+            f"{label:8s} rank {b['rank']}: RSS {b['rss_kb'] / 1024:.0f} MiB before, peak +{peak / 2**20:.0f} MiB; "
+            f"shard {shard / 2**20:.0f} MiB (parameters {b['params_bytes'] / 2**20:.0f} + optimizer "
+            f"{b['optimizer_bytes'] / 2**20:.0f}) -> {ratio:.2f} x shard; {seconds:.1f} s",
+            flush=True,
+        )
     return worst
 
 
@@ -140,8 +144,9 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "checkpoint_memory.json",
-                        help="where the figures go as JSON")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "out" / "checkpoint_memory.json", help="where the figures go as JSON"
+    )
     return parser.parse_args()
 
 
@@ -154,31 +159,51 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         n_params = build_model(work / "model", args.layers, args.hidden)
-        print(f"model: random Qwen2, {args.layers} layers x {args.hidden}, {n_params / 1e6:.1f} M parameters "
-              f"(fp32 on the learners: {n_params * 4 / 2**20:.0f} MiB); built in {time.perf_counter() - t0:.1f} s",
-              flush=True)
-        ray.init(address="local", num_cpus=args.learners + 2, include_dashboard=False, log_to_driver=False,
-                 _temp_dir=str(work / "ray"), runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+        print(
+            f"model: random Qwen2, {args.layers} layers x {args.hidden}, {n_params / 1e6:.1f} M parameters "
+            f"(fp32 on the learners: {n_params * 4 / 2**20:.0f} MiB); built in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
+        ray.init(
+            address="local",
+            num_cpus=args.learners + 2,
+            include_dashboard=False,
+            log_to_driver=False,
+            _temp_dir=str(work / "ray"),
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        )
         from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
         overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if args.stage == 3 else {}
         config = (
             ExGRPOConfig()
             .environment("rllib_exgrpo.envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
-            .training(model_name_or_path=str(work / "model"), questions_per_step=2, group_size=2,
-                      max_prompt_tokens=32, max_response_tokens=4, minibatch_size=2 * args.learners, lr=1e-4,
-                      learner_backend="deepspeed", deepspeed_zero_stage=args.stage, deepspeed=overrides)
+            .training(
+                model_name_or_path=str(work / "model"),
+                questions_per_step=2,
+                group_size=2,
+                max_prompt_tokens=32,
+                max_response_tokens=4,
+                minibatch_size=2 * args.learners,
+                lr=1e-4,
+                learner_backend="deepspeed",
+                deepspeed_zero_stage=args.stage,
+                deepspeed=overrides,
+            )
             .learners(num_learners=args.learners, num_cpus_per_learner=1)
             .debugging(seed=0)
         )
         t0 = time.perf_counter()
         algo = config.build_algo()
-        print(f"algorithm built ({args.learners} DeepSpeed ZeRO-{args.stage} learners over gloo) in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"algorithm built ({args.learners} DeepSpeed ZeRO-{args.stage} learners over gloo) in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
         vocab = json.loads((work / "model" / "config.json").read_text())["vocab_size"]
         t0 = time.perf_counter()
-        algo.learner_group.update(batch=synthetic_batch(algo._pad_id, 2 * args.learners, 16, 4, vocab),
-                                  minibatch_size=2 * args.learners, num_epochs=1)
+        algo.learner_group.update(
+            batch=synthetic_batch(algo._pad_id, 2 * args.learners, 16, 4, vocab), minibatch_size=2 * args.learners, num_epochs=1
+        )
         print(f"one optimiser step in {time.perf_counter() - t0:.1f} s", flush=True)
 
         rows, worst = [], 0.0
@@ -186,15 +211,19 @@ def main() -> None:
             path = work / f"ckpt_{i}"
             worst = max(worst, measure(algo, "save", lambda: algo.save_to_path(str(path)), rows))
             shard_files = sorted(path.glob("learner_group/learner/optimizer_shards/*/*.pt"))
-            print(f"  {len(shard_files)} shard files: "
-                  + ", ".join(f"{f.name} {f.stat().st_size / 2**20:.0f} MiB" for f in shard_files), flush=True)
-            worst = max(worst, measure(algo, "restore",
-                                       lambda: algo.learner_group.restore_from_path(str(path / "learner_group")), rows))
-            measure(algo, "sync", lambda: algo.env_runner_group.sync_weights(
-                from_worker_or_learner_group=algo.learner_group, inference_only=True), rows)
+            print(
+                f"  {len(shard_files)} shard files: " + ", ".join(f"{f.name} {f.stat().st_size / 2**20:.0f} MiB" for f in shard_files),
+                flush=True,
+            )
+            worst = max(worst, measure(algo, "restore", lambda: algo.learner_group.restore_from_path(str(path / "learner_group")), rows))
+            measure(
+                algo,
+                "sync",
+                lambda: algo.env_runner_group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True),
+                rows,
+            )
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(
-            {"n_params": n_params, "learners": args.learners, "stage": args.stage, "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"n_params": n_params, "learners": args.learners, "stage": args.stage, "rows": rows}, indent=1))
         algo.stop()
         ray.shutdown()
         sync = max((r["ratio"] for r in rows if r["call"] == "sync"), default=0.0)

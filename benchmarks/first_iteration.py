@@ -19,6 +19,7 @@ Usage::
     python benchmarks/first_iteration.py --config '{"questions_per_step": 2, "minibatch_size": 16, "heldout_num_questions": 4}'
                                                              # a small first iteration, seconds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,13 +84,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--file", default=str(ROOT / "tuned_examples" / "exgrpo_tiny.yaml"))
     parser.add_argument("--timeout", type=float, default=1200.0, help="give up after this many seconds")
-    parser.add_argument("--rebuild", action="store_true",
-                        help="build the model from its recipe (RLLIB_EXGRPO_REBUILD_MODEL=1) instead of the shipped copy")
-    parser.add_argument("--config", default=None,
-                        help="JSON settings passed to `rllib train --config` (merged over the file's config)")
+    parser.add_argument(
+        "--rebuild", action="store_true", help="build the model from its recipe (RLLIB_EXGRPO_REBUILD_MODEL=1) instead of the shipped copy"
+    )
+    parser.add_argument("--config", default=None, help="JSON settings passed to `rllib train --config` (merged over the file's config)")
     parser.add_argument("--log", help="also write the job's whole output here")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the temporary folder (model cache, results with the iteration's timers)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder (model cache, results with the iteration's timers)")
     return parser.parse_args(argv)
 
 
@@ -109,8 +109,9 @@ def main(argv=None) -> int:
 
     log = open(args.log, "w") if args.log else None
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
+    )
     found = threading.Event()
     elapsed: list[float] = []
 

@@ -5,6 +5,7 @@ The stages live in the ``gpucheck`` package next to this file (one module per st
 
     python benchmarks/gpu_check.py [--cpu] [--stages ...] [--budget-s 420] [--wheels DIR]
 """
+
 from __future__ import annotations
 
 import sys

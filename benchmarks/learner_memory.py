@@ -18,6 +18,7 @@ The last line is ``streamed_peak_mb=A plain_peak_mb=B streamed_over_plain_growth
 (without checkpointing; R: the streamed pass's growth of the peak above the loaded model
 over the plain one's), then ``streamed_checkpointed_peak_mb=C`` when measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,9 @@ def main():
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=150)
     parser.add_argument("--response", type=int, default=256)
-    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
-                        help="skip the variants with gradient checkpointing")
+    parser.add_argument(
+        "--no-checkpointing", dest="checkpointing", action="store_false", help="skip the variants with gradient checkpointing"
+    )
     args = parser.parse_args()
     results = {}
     variants = [("streamed", False), ("plain", False)] + ([("streamed", True), ("plain", True)] if args.checkpointing else [])
@@ -84,8 +86,7 @@ def main():
     streamed, plain = results.get("streamed", nan), results.get("plain", nan)
     grown = {k: r["peak_mb"] - r["before_mb"] for k, r in (("streamed", streamed), ("plain", plain))}
     ratio = grown["streamed"] / grown["plain"] if grown["plain"] > 0 else float("nan")
-    print(f"streamed_peak_mb={streamed['peak_mb']:.0f} plain_peak_mb={plain['peak_mb']:.0f} "
-          f"streamed_over_plain_growth={ratio:.3f}")
+    print(f"streamed_peak_mb={streamed['peak_mb']:.0f} plain_peak_mb={plain['peak_mb']:.0f} streamed_over_plain_growth={ratio:.3f}")
     if "streamed + grad. checkpointing" in results:
         print(f"streamed_checkpointed_peak_mb={results['streamed + grad. checkpointing']['peak_mb']:.0f}")
 

@@ -29,6 +29,7 @@ download), for each layout; median of ``--repeats`` updates after one warm-up
 line is ``padded_over_real=X``: the packed layout's positions over real tokens, the worst
 seed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,8 +77,14 @@ def _batch(prompt, completion, vocab: int, seed: int):
 
     rng = np.random.default_rng(seed)
     trajs = [
-        Trajectory(f"q{i // 8}", rng.integers(5, vocab, size=int(p)), rng.integers(5, vocab, size=int(c)),
-                   np.full(int(c), -2.0, np.float32), float(i % 2), off_policy=(i % 4 == 3))
+        Trajectory(
+            f"q{i // 8}",
+            rng.integers(5, vocab, size=int(p)),
+            rng.integers(5, vocab, size=int(c)),
+            np.full(int(c), -2.0, np.float32),
+            float(i % 2),
+            off_policy=(i % 4 == 3),
+        )
         for i, (p, c) in enumerate(zip(prompt, completion))
     ]
     adv = rng.normal(size=len(trajs)).astype(np.float32)
@@ -104,8 +111,14 @@ def time_update(prompt, completion, scale: int, repeats: int, seed: int, rows: i
     seconds = {}
     for name, fields in layouts.items():
         cfg = ExGRPOConfig().training(
-            model_name_or_path="rehearsal:qwen2", max_prompt_tokens=max_p, max_response_tokens=max_c, lr=1e-6,
-            minibatch_size=len(p), loss_agg_mode="seq-mean-token-sum-norm-official", entropy_coeff=0.001, **fields,
+            model_name_or_path="rehearsal:qwen2",
+            max_prompt_tokens=max_p,
+            max_response_tokens=max_c,
+            lr=1e-6,
+            minibatch_size=len(p),
+            loss_agg_mode="seq-mean-token-sum-norm-official",
+            entropy_coeff=0.001,
+            **fields,
         )
         vocab = len(load_tokenizer("rehearsal:qwen2"))
         group = cfg.build_learner_group(spaces={DEFAULT_MODULE_ID: token_spaces(vocab, max_p, max_c)})
@@ -139,15 +152,19 @@ def main(argv=None) -> int:
         pos = positions(prompt, completion)
         ratios = {k: pos[k] / pos["real"] for k in worst}
         worst = {k: max(worst[k], ratios[k]) for k in worst}
-        print(f"  seed {seed}: real {pos['real']} tokens (longest row {int((prompt + completion).max())}); "
-              + ", ".join(f"{k} {ratios[k]:.3f} ({pos['passes'][k]})" for k in worst))
+        print(
+            f"  seed {seed}: real {pos['real']} tokens (longest row {int((prompt + completion).max())}); "
+            + ", ".join(f"{k} {ratios[k]:.3f} ({pos['passes'][k]})" for k in worst)
+        )
     if not args.no_timing:
         prompt, completion = length_mix(0)
         secs = time_update(prompt, completion, args.scale, args.repeats, seed=0, rows=args.timing_rows)
-        print(f"learner update of {min(args.timing_rows, ROWS)} rows on rehearsal:qwen2, lengths / {args.scale}, "
-              f"1 thread, median of {args.repeats}: "
-              + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items())
-              + f"; packed / rows = {secs['packed'] / secs['rows']:.2f}")
+        print(
+            f"learner update of {min(args.timing_rows, ROWS)} rows on rehearsal:qwen2, lengths / {args.scale}, "
+            f"1 thread, median of {args.repeats}: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items())
+            + f"; packed / rows = {secs['packed'] / secs['rows']:.2f}"
+        )
     print(f"padded_over_real_rows={worst['rows']:.3f}")
     print(f"padded_over_real_sorted={worst['sorted']:.3f}")
     print(f"padded_over_real={worst['packed']:.3f}")

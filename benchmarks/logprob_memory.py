@@ -23,6 +23,7 @@ tokens it would need ~30 GB, more than this machine has. 0 skips it.
 
 The last line is ``peak_over_logits_fp32=X`` (the chunked pass).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,16 @@ def build_model(vocab: int, kernel: str):
 
     register_kernels()
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=vocab, tie_word_embeddings=True,
-                         max_position_embeddings=4096)
+    config = Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
     model = Qwen2ForCausalLM(config)
     model.set_attn_implementation(kernel)
     for p in model.parameters():  # a learner in its steady state: gradients exist
@@ -86,8 +94,9 @@ def whole_logits_pass(model, batch):
     from rllib_exgrpo.core.losses import streamed_entropy, token_logprobs_from_logits
 
     index = batch[C.PACKED_LOGIT_INDEX]
-    logits = model(input_ids=batch[C.PACKED_INPUT_IDS], position_ids=batch[C.PACKED_POSITION_IDS],
-                   logits_to_keep=index, use_cache=False).logits[0]
+    logits = model(
+        input_ids=batch[C.PACKED_INPUT_IDS], position_ids=batch[C.PACKED_POSITION_IDS], logits_to_keep=index, use_cache=False
+    ).logits[0]
     targets = batch[C.PACKED_INPUT_IDS][0, index + 1]
     logp = token_logprobs_from_logits(logits.unsqueeze(0), targets.unsqueeze(0))[0]
     entropy = streamed_entropy(logits.unsqueeze(0))[0]
@@ -107,8 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="completion tokens of the packed pass")
     parser.add_argument("--vocab", type=int, default=152064)
     parser.add_argument("--chunk", type=int, default=None, help="logit_chunk_tokens (default: the field's)")
-    parser.add_argument("--whole-tokens", type=int, default=1024,
-                        help="completion tokens for the whole-logits comparison (0: skip)")
+    parser.add_argument("--whole-tokens", type=int, default=1024, help="completion tokens for the whole-logits comparison (0: skip)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "logprob_memory.json")
     args = parser.parse_args(argv)
 
@@ -124,26 +132,44 @@ def main(argv=None) -> int:
     logits_fp32 = 4.0 * args.tokens * args.vocab
     batch = packed_batch(args.tokens, args.vocab)
     peak, seconds = measure(lambda: chunked_pass(model, batch, chunk))
-    result = {"tokens": args.tokens, "vocab": args.vocab, "chunk_tokens": chunk, "rows": ROWS, "prompt": PROMPT,
-              "peak_bytes": peak, "logits_fp32_bytes": logits_fp32, "peak_over_logits_fp32": peak / logits_fp32,
-              "seconds": round(seconds, 1)}
-    print(f"packed pass: {ROWS} rows x ({PROMPT} + {args.tokens // ROWS}) tokens, vocabulary {args.vocab}, "
-          f"chunks of {chunk}")
-    print(f"  chunked (learner):  peak {peak / GIB:6.2f} GiB  = {peak / logits_fp32:.3f} x float32 "
-          f"[{args.tokens} x {args.vocab}] ({logits_fp32 / GIB:.2f} GiB)  in {seconds:.1f} s")
+    result = {
+        "tokens": args.tokens,
+        "vocab": args.vocab,
+        "chunk_tokens": chunk,
+        "rows": ROWS,
+        "prompt": PROMPT,
+        "peak_bytes": peak,
+        "logits_fp32_bytes": logits_fp32,
+        "peak_over_logits_fp32": peak / logits_fp32,
+        "seconds": round(seconds, 1),
+    }
+    print(f"packed pass: {ROWS} rows x ({PROMPT} + {args.tokens // ROWS}) tokens, vocabulary {args.vocab}, chunks of {chunk}")
+    print(
+        f"  chunked (learner):  peak {peak / GIB:6.2f} GiB  = {peak / logits_fp32:.3f} x float32 "
+        f"[{args.tokens} x {args.vocab}] ({logits_fp32 / GIB:.2f} GiB)  in {seconds:.1f} s"
+    )
     if args.whole_tokens:
         small = packed_batch(args.whole_tokens, args.vocab)
         small_logits = 4.0 * args.whole_tokens * args.vocab
         peak_c, _ = measure(lambda: chunked_pass(model, small, chunk))
         peak_w, seconds_w = measure(lambda: whole_logits_pass(model, small))
-        result.update(whole_tokens=args.whole_tokens, whole_peak_bytes=peak_w,
-                      whole_peak_over_logits_fp32=peak_w / small_logits,
-                      chunked_peak_over_logits_fp32_at_whole_tokens=peak_c / small_logits)
-        print(f"  at {args.whole_tokens} completion tokens: whole logits peak {peak_w / GIB:.2f} GiB = "
-              f"{peak_w / small_logits:.2f} x float32 [{args.whole_tokens} x {args.vocab}]; chunked "
-              f"{peak_c / small_logits:.3f} x")
-    result.update(torch=torch.__version__, transformers=transformers.__version__,
-                  machine=platform.processor() or platform.machine(), date=time.strftime("%Y-%m-%d"))
+        result.update(
+            whole_tokens=args.whole_tokens,
+            whole_peak_bytes=peak_w,
+            whole_peak_over_logits_fp32=peak_w / small_logits,
+            chunked_peak_over_logits_fp32_at_whole_tokens=peak_c / small_logits,
+        )
+        print(
+            f"  at {args.whole_tokens} completion tokens: whole logits peak {peak_w / GIB:.2f} GiB = "
+            f"{peak_w / small_logits:.2f} x float32 [{args.whole_tokens} x {args.vocab}]; chunked "
+            f"{peak_c / small_logits:.3f} x"
+        )
+    result.update(
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        machine=platform.processor() or platform.machine(),
+        date=time.strftime("%Y-%m-%d"),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"peak_over_logits_fp32={peak / logits_fp32:.3f}")

@@ -36,6 +36,7 @@ activations and the step's temporaries); planned: the learner's plan for the sam
 (``planning.memory``'s learner items) less its weights and the assumed CUDA context. The
 last line is ``measured_over_planned=X``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,12 +58,33 @@ MIB = float(1 << 20)
 
 #: Qwen2Config fields of the measured shapes.
 SHAPES = {
-    "qwen2-11m": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=688, vocab_size=32000, tie_word_embeddings=True),
-    "qwen2-39m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                      intermediate_size=1376, vocab_size=32000, tie_word_embeddings=True),
-    "qwen2-probe": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        intermediate_size=256, vocab_size=4000, tie_word_embeddings=True),
+    "qwen2-11m": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=688,
+        vocab_size=32000,
+        tie_word_embeddings=True,
+    ),
+    "qwen2-39m": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=1376,
+        vocab_size=32000,
+        tie_word_embeddings=True,
+    ),
+    "qwen2-probe": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        vocab_size=4000,
+        tie_word_embeddings=True,
+    ),
 }
 
 #: (shape, mode, pass, rows, prompt, response, gradient checkpointing)
@@ -90,11 +112,19 @@ def model_shape_of(name: str):
     from rllib_exgrpo.planning.shapes import ModelShape
 
     c = SHAPES[name]
-    return ModelShape(hidden_size=c["hidden_size"], num_hidden_layers=c["num_hidden_layers"],
-                      num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
-                      head_dim=c["hidden_size"] // c["num_attention_heads"], intermediate_size=c["intermediate_size"],
-                      vocab_size=c["vocab_size"], tie_word_embeddings=c["tie_word_embeddings"],
-                      max_position_embeddings=4096, model_type="qwen2", source=f"benchmarks/memory_plan.py {name}")
+    return ModelShape(
+        hidden_size=c["hidden_size"],
+        num_hidden_layers=c["num_hidden_layers"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"],
+        head_dim=c["hidden_size"] // c["num_attention_heads"],
+        intermediate_size=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        tie_word_embeddings=c["tie_word_embeddings"],
+        max_position_embeddings=4096,
+        model_type="qwen2",
+        source=f"benchmarks/memory_plan.py {name}",
+    )
 
 
 def estimate(shape_name: str, mode: str, kind: str, rows: int, prompt: int, response: int, ckpt: bool) -> dict:
@@ -104,10 +134,13 @@ def estimate(shape_name: str, mode: str, kind: str, rows: int, prompt: int, resp
     dtype_bytes = 4 if mode == "fp32" else 2
     tokens = prompt + response
     if kind == "scoring":
-        return {"bytes": scoring_activation_bytes(shape, rows, tokens, response_tokens=response,
-                                                  dtype_bytes=4 if mode == "fp32" else 2), "phase": "no grad"}
-    parts = learner_activation_breakdown(shape, rows, tokens, gradient_checkpointing=ckpt, dtype_bytes=dtype_bytes,
-                                         response_tokens=response, autocast=mode == "autocast")
+        return {
+            "bytes": scoring_activation_bytes(shape, rows, tokens, response_tokens=response, dtype_bytes=4 if mode == "fp32" else 2),
+            "phase": "no grad",
+        }
+    parts = learner_activation_breakdown(
+        shape, rows, tokens, gradient_checkpointing=ckpt, dtype_bytes=dtype_bytes, response_tokens=response, autocast=mode == "autocast"
+    )
     total = parts["peak"]
     if mode == "autocast":
         # autocast's bf16 copies of the linear weights live through the pass (a model state
@@ -144,8 +177,7 @@ def _peak_of(fn) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
@@ -162,12 +194,13 @@ def measure_shape(shape_name: str, configs: list) -> list:
 
     out = []
     models = {}
-    for (_, mode, kind, rows, prompt, response, ckpt) in configs:
+    for _, mode, kind, rows, prompt, response, ckpt in configs:
         if mode not in models:
             torch.manual_seed(0)
             dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-            model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES[shape_name], max_position_embeddings=4096),
-                                                     dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(
+                Qwen2Config(**SHAPES[shape_name], max_position_embeddings=4096), dtype=dtype, attn_implementation="sdpa"
+            )
             model.config.use_cache = False
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
             models[mode] = (model, optimizer)
@@ -175,17 +208,27 @@ def measure_shape(shape_name: str, configs: list) -> list:
         on = "enable" if ckpt else "disable"
         (getattr(model, f"activation_checkpointing_{on}", None) or getattr(model, f"gradient_checkpointing_{on}"))()
         model.train()
-        autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if mode == "autocast" \
-            else contextlib.nullcontext
+        autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if mode == "autocast" else contextlib.nullcontext
         vocab = SHAPES[shape_name]["vocab_size"]
 
         def learner_pass(batch, resp):
             ids, attn, rmask, adv, off = batch
             with autocast():
                 logp, ent = completion_logprobs_and_entropy(model, ids, attn, resp)
-            loss, _ = mixed_policy_loss(logp, logp.detach(), adv, rmask, off, clip_fresh=False, beta=0.1,
-                                        agg_mode="seq-mean-token-sum-norm-official", max_len=resp,
-                                        micro_batch_rows=64, entropy=ent, entropy_coeff=0.001)
+            loss, _ = mixed_policy_loss(
+                logp,
+                logp.detach(),
+                adv,
+                rmask,
+                off,
+                clip_fresh=False,
+                beta=0.1,
+                agg_mode="seq-mean-token-sum-norm-official",
+                max_len=resp,
+                micro_batch_rows=64,
+                entropy=ent,
+                entropy_coeff=0.001,
+            )
             loss.backward()
 
         def scoring_pass(batch, resp):
@@ -201,17 +244,34 @@ def measure_shape(shape_name: str, configs: list) -> list:
         t = time.perf_counter()
         fn = learner_pass if kind == "learner" else scoring_pass
         peak = _peak_of(lambda: fn(batch, response))
-        out.append({"shape": shape_name, "mode": mode, "pass": kind, "rows": rows, "prompt": prompt,
-                    "response": response, "gradient_checkpointing": ckpt, "measured_bytes": peak,
-                    "seconds": round(time.perf_counter() - t, 2),
-                    "parameters": sum(p.numel() for p in model.parameters())})
+        out.append(
+            {
+                "shape": shape_name,
+                "mode": mode,
+                "pass": kind,
+                "rows": rows,
+                "prompt": prompt,
+                "response": response,
+                "gradient_checkpointing": ckpt,
+                "measured_bytes": peak,
+                "seconds": round(time.perf_counter() - t, 2),
+                "parameters": sum(p.numel() for p in model.parameters()),
+            }
+        )
         optimizer.zero_grad(set_to_none=False)
     return out
 
 
 #: The real-vocabulary check: shape and pass.
-VOCAB_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=256, vocab_size=152064, tie_word_embeddings=True)
+VOCAB_SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=256,
+    vocab_size=152064,
+    tie_word_embeddings=True,
+)
 PACKED_ROWS, PACKED_PROMPT, PACKED_RESPONSE = 16, 64, 448
 
 
@@ -222,11 +282,22 @@ def _vocab_config():
     from rllib_exgrpo.rllib.config_fields import field_defaults
 
     fields = field_defaults()
-    fields.update(model_name_or_path="qwen2-vocab", model_dtype="float32", learner_backend="ddp", num_learners=0,
-                  num_gpus_per_learner=1, gradient_checkpointing=False, minibatch_size=PACKED_ROWS,
-                  learner_micro_batch_tokens=PACKED_ROWS * (PACKED_PROMPT + PACKED_RESPONSE),
-                  attn_implementation="sdpa_varlen", max_prompt_tokens=PACKED_PROMPT,
-                  max_response_tokens=PACKED_RESPONSE, generation_backend="hf", scoring_on="runners", kl_coeff=0.0)
+    fields.update(
+        model_name_or_path="qwen2-vocab",
+        model_dtype="float32",
+        learner_backend="ddp",
+        num_learners=0,
+        num_gpus_per_learner=1,
+        gradient_checkpointing=False,
+        minibatch_size=PACKED_ROWS,
+        learner_micro_batch_tokens=PACKED_ROWS * (PACKED_PROMPT + PACKED_RESPONSE),
+        attn_implementation="sdpa_varlen",
+        max_prompt_tokens=PACKED_PROMPT,
+        max_response_tokens=PACKED_RESPONSE,
+        generation_backend="hf",
+        scoring_on="runners",
+        kl_coeff=0.0,
+    )
     return types.SimpleNamespace(**fields)
 
 
@@ -235,11 +306,19 @@ def planned_packed_step() -> dict:
     from rllib_exgrpo.planning.shapes import ModelShape
 
     c = VOCAB_SHAPE
-    shape = ModelShape(hidden_size=c["hidden_size"], num_hidden_layers=c["num_hidden_layers"],
-                       num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_key_value_heads"],
-                       head_dim=c["hidden_size"] // c["num_attention_heads"], intermediate_size=c["intermediate_size"],
-                       vocab_size=c["vocab_size"], tie_word_embeddings=True, max_position_embeddings=4096,
-                       model_type="qwen2", source="benchmarks/memory_plan.py qwen2-vocab")
+    shape = ModelShape(
+        hidden_size=c["hidden_size"],
+        num_hidden_layers=c["num_hidden_layers"],
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_key_value_heads"],
+        head_dim=c["hidden_size"] // c["num_attention_heads"],
+        intermediate_size=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        model_type="qwen2",
+        source="benchmarks/memory_plan.py qwen2-vocab",
+    )
     plan = _learner_plan(_vocab_config(), shape, None, PACKED_PROMPT, PACKED_RESPONSE)
     items = {it.what: it.bytes for it in plan.items}
     beyond = plan.total - items["weights"] - PROCESS_OVERHEAD_BYTES
@@ -258,8 +337,9 @@ def measure_packed_step() -> dict:
 
     register_kernels()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**VOCAB_SHAPE, max_position_embeddings=4096),
-                                             dtype=torch.float32, attn_implementation="sdpa_varlen")
+    model = AutoModelForCausalLM.from_config(
+        Qwen2Config(**VOCAB_SHAPE, max_position_embeddings=4096), dtype=torch.float32, attn_implementation="sdpa_varlen"
+    )
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
     chunk = _vocab_config().logit_chunk_tokens
@@ -273,10 +353,20 @@ def measure_packed_step() -> dict:
 
     def step(cols, adv, off):
         logp, ent = score_packed(model, cols, chunk_tokens=chunk)
-        loss, _ = mixed_policy_loss(logp, logp.detach(), adv, cols[C.RESPONSE_MASK], off, clip_fresh=False,
-                                    beta=0.1, agg_mode="seq-mean-token-sum-norm-official",
-                                    max_len=cols[C.RESPONSE_MASK].shape[1], micro_batch_rows=64, entropy=ent,
-                                    entropy_coeff=0.001)
+        loss, _ = mixed_policy_loss(
+            logp,
+            logp.detach(),
+            adv,
+            cols[C.RESPONSE_MASK],
+            off,
+            clip_fresh=False,
+            beta=0.1,
+            agg_mode="seq-mean-token-sum-norm-official",
+            max_len=cols[C.RESPONSE_MASK].shape[1],
+            micro_batch_rows=64,
+            entropy=ent,
+            entropy_coeff=0.001,
+        )
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -287,9 +377,15 @@ def measure_packed_step() -> dict:
     cols, adv, off = batch(PACKED_ROWS, PACKED_PROMPT, PACKED_RESPONSE, 1)
     t = time.perf_counter()
     peak = _peak_of(lambda: step(cols, adv, off))
-    return {"measured_bytes": int(held + peak), "pass_peak_bytes": int(peak), "held_bytes": int(held),
-            "weights_bytes": int(weights), "seconds": round(time.perf_counter() - t, 1),
-            "tokens": int(cols[C.PACKED_INPUT_IDS].shape[1]), "chunk_tokens": int(chunk)}
+    return {
+        "measured_bytes": int(held + peak),
+        "pass_peak_bytes": int(peak),
+        "held_bytes": int(held),
+        "weights_bytes": int(weights),
+        "seconds": round(time.perf_counter() - t, 1),
+        "tokens": int(cols[C.PACKED_INPUT_IDS].shape[1]),
+        "chunk_tokens": int(chunk),
+    }
 
 
 def _child(args) -> int:
@@ -312,8 +408,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a few small configurations only (tests)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    parser.add_argument("--no-packed", dest="packed", action="store_false",
-                        help="skip the learner step at the real vocabulary")
+    parser.add_argument("--no-packed", dest="packed", action="store_false", help="skip the learner step at the real vocabulary")
     parser.add_argument("--packed-only", action="store_true", help="only the learner step at the real vocabulary")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-configs", help=argparse.SUPPRESS)
@@ -331,26 +426,33 @@ def main(argv=None) -> int:
     for shape_name in dict.fromkeys(c[0] for c in configs):
         mine = [c for c in configs if c[0] == shape_name]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        proc = subprocess.run([sys.executable, __file__, "--child", shape_name, "--child-configs", json.dumps(mine),
-                               "--threads", str(args.threads)], capture_output=True, text=True, env=env, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", shape_name, "--child-configs", json.dumps(mine), "--threads", str(args.threads)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
         if proc.returncode != 0:
             print(proc.stdout + proc.stderr, file=sys.stderr)
             return proc.returncode
         measured = json.loads(proc.stdout.strip().splitlines()[-1])
         for m in measured:
-            est = estimate(m["shape"], m["mode"], m["pass"], m["rows"], m["prompt"], m["response"],
-                           m["gradient_checkpointing"])
-            m.update(estimated_bytes=est["bytes"], phase=est["phase"],
-                     error=est["bytes"] / m["measured_bytes"] - 1.0)
+            est = estimate(m["shape"], m["mode"], m["pass"], m["rows"], m["prompt"], m["response"], m["gradient_checkpointing"])
+            m.update(estimated_bytes=est["bytes"], phase=est["phase"], error=est["bytes"] / m["measured_bytes"] - 1.0)
             rows.append(m)
             print(f"  measured {m['shape']} {m['mode']} {m['pass']} in {m['seconds']:.1f} s", flush=True)
-
 
     packed = None
     if args.packed:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        proc = subprocess.run([sys.executable, __file__, "--child", "packed", "--threads", str(args.threads)],
-                              capture_output=True, text=True, env=env, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", "packed", "--threads", str(args.threads)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
         if proc.returncode != 0:
             print(proc.stdout + proc.stderr, file=sys.stderr)
             return proc.returncode
@@ -360,16 +462,20 @@ def main(argv=None) -> int:
     if not rows:
         return _report_packed(packed, args, t0)
 
-    head = (f"{'shape':<12}{'params':>8} {'mode':<9}{'pass':<8}{'rows x (prompt+resp)':<22}{'ckpt':<6}"
-            f"{'estimate MiB':>13}{'measured MiB':>14}{'error':>8}  peak phase")
+    head = (
+        f"{'shape':<12}{'params':>8} {'mode':<9}{'pass':<8}{'rows x (prompt+resp)':<22}{'ckpt':<6}"
+        f"{'estimate MiB':>13}{'measured MiB':>14}{'error':>8}  peak phase"
+    )
     print()
     print(head)
     print("-" * len(head))
     for m in rows:
-        print(f"{m['shape']:<12}{m['parameters'] / 1e6:>7.1f}M {m['mode']:<9}{m['pass']:<8}"
-              f"{str(m['rows']) + ' x (' + str(m['prompt']) + '+' + str(m['response']) + ')':<22}"
-              f"{'on' if m['gradient_checkpointing'] else 'off':<6}{m['estimated_bytes'] / MIB:>13.1f}"
-              f"{m['measured_bytes'] / MIB:>14.1f}{m['error']:>+8.1%}  {m['phase']}")
+        print(
+            f"{m['shape']:<12}{m['parameters'] / 1e6:>7.1f}M {m['mode']:<9}{m['pass']:<8}"
+            f"{str(m['rows']) + ' x (' + str(m['prompt']) + '+' + str(m['response']) + ')':<22}"
+            f"{'on' if m['gradient_checkpointing'] else 'off':<6}{m['estimated_bytes'] / MIB:>13.1f}"
+            f"{m['measured_bytes'] / MIB:>14.1f}{m['error']:>+8.1%}  {m['phase']}"
+        )
     worst = max(abs(m["error"]) for m in rows)
     print(f"activation_error_max={worst:.3f}")
     return _report_packed(packed, args, t0, configs=rows, activation_error_max=worst)
@@ -379,19 +485,31 @@ def _report_packed(packed, args, t0, **extra) -> int:
     import torch
     import transformers
 
-    result = {**extra, "packed_step": packed, "torch": torch.__version__, "transformers": transformers.__version__,
-              "machine": platform.processor() or platform.machine(), "threads": args.threads,
-              "total_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d"),
-              "method": "torch.profiler memory events: peak live CPU tensor bytes during the pass"}
+    result = {
+        **extra,
+        "packed_step": packed,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "total_s": round(time.perf_counter() - t0, 1),
+        "date": time.strftime("%Y-%m-%d"),
+        "method": "torch.profiler memory events: peak live CPU tensor bytes during the pass",
+    }
     if packed:
-        print(f"\nlearner step at the real vocabulary: qwen2-vocab ({packed['parameters'] / 1e6:.1f} M parameters, "
-              f"vocab {VOCAB_SHAPE['vocab_size']}, tied), one packed pass of {packed['tokens']} tokens, chunks of "
-              f"{packed['chunk_tokens']}, float32, {packed['seconds']:.0f} s")
-        print(f"  measured beyond the weights: {packed['measured_bytes'] / MIB:9.1f} MiB (gradients + AdamW state "
-              f"{packed['held_bytes'] / MIB:.1f}, step peak {packed['pass_peak_bytes'] / MIB:.1f})")
-        print(f"  planned beyond the weights:  {packed['planned_bytes'] / MIB:9.1f} MiB  "
-              + ", ".join(f"{k} {v / MIB:.1f}" for k, v in packed["items"].items()
-                          if k not in ("weights", "CUDA context, workspaces")))
+        print(
+            f"\nlearner step at the real vocabulary: qwen2-vocab ({packed['parameters'] / 1e6:.1f} M parameters, "
+            f"vocab {VOCAB_SHAPE['vocab_size']}, tied), one packed pass of {packed['tokens']} tokens, chunks of "
+            f"{packed['chunk_tokens']}, float32, {packed['seconds']:.0f} s"
+        )
+        print(
+            f"  measured beyond the weights: {packed['measured_bytes'] / MIB:9.1f} MiB (gradients + AdamW state "
+            f"{packed['held_bytes'] / MIB:.1f}, step peak {packed['pass_peak_bytes'] / MIB:.1f})"
+        )
+        print(
+            f"  planned beyond the weights:  {packed['planned_bytes'] / MIB:9.1f} MiB  "
+            + ", ".join(f"{k} {v / MIB:.1f}" for k, v in packed["items"].items() if k not in ("weights", "CUDA context, workspaces"))
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ntotal {result['total_s']:.1f} s; wrote {args.out}")

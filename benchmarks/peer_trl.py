@@ -31,6 +31,7 @@ Prints the table and writes ``peer_trl.json``, ``peer_trl.csv`` and ``peer_trl.p
 ``ours_over_trl_time=R gain_ours_minus_trl=P`` (the mean ratio of median seconds per
 iteration; held-out gain difference in points).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,9 +68,25 @@ def evaluate(model: str, dest: Path, heldout: int = HELDOUT) -> float:
     """Greedy accuracy of ``model`` (name, folder or checkpoint) on the held-out questions."""
     if not dest.exists():
         subprocess.run(
-            [RLLIB, "evaluate", "--model", model, "--data", "arithmetic", "--temperature", "0",
-             "--limit", str(heldout), "--max-new-tokens", str(MAX_NEW_TOKENS), "--output", str(dest)],
-            check=True, env=_env(), stdout=subprocess.DEVNULL,
+            [
+                RLLIB,
+                "evaluate",
+                "--model",
+                model,
+                "--data",
+                "arithmetic",
+                "--temperature",
+                "0",
+                "--limit",
+                str(heldout),
+                "--max-new-tokens",
+                str(MAX_NEW_TOKENS),
+                "--output",
+                str(dest),
+            ],
+            check=True,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
         )
     return _accuracy(json.loads(dest.read_text()))
 
@@ -87,10 +104,22 @@ def run_ours(seed: int, iterations: int, overrides: dict, tag: str, out: Path = 
     where.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     subprocess.run(
-        [RLLIB, "train", "file", str(RECIPE), "--storage-path", str(where / "runs"),
-         "--stop", json.dumps({"training_iteration": iterations}),
-         "--config", json.dumps({**overrides, "seed": seed, "heldout_dataset": None})],
-        check=True, env=_env(), stdout=subprocess.DEVNULL, stderr=(where / "train.log").open("w"),
+        [
+            RLLIB,
+            "train",
+            "file",
+            str(RECIPE),
+            "--storage-path",
+            str(where / "runs"),
+            "--stop",
+            json.dumps({"training_iteration": iterations}),
+            "--config",
+            json.dumps({**overrides, "seed": seed, "heldout_dataset": None}),
+        ],
+        check=True,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=(where / "train.log").open("w"),
     )
     wall = time.perf_counter() - start
     (result_file,) = (where / "runs").glob("*/*/result.json")
@@ -126,8 +155,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--iterations", type=int, default=40)
-    ap.add_argument("--config", type=json.loads, default={},
-                    help="JSON overrides of our recipe (an ablation; its runs are cached under --tag)")
+    ap.add_argument(
+        "--config", type=json.loads, default={}, help="JSON overrides of our recipe (an ablation; its runs are cached under --tag)"
+    )
     ap.add_argument("--tag", default="ours", help="cache folder of our runs (default: ours)")
     ap.add_argument("--heldout", type=int, default=HELDOUT, help="held-out questions scored")
     ap.add_argument("--out", type=Path, default=OUT, help="runs, evaluations and the report")
@@ -168,32 +198,49 @@ def main(argv=None) -> int:
     rows = []
     for seed in args.seeds:
         rows.append(_compare_seed(seed, args, out))
-        print(f"seed {seed}: ours {rows[-1]['ours_acc']:.3f} ({rows[-1]['ours_s_it']:.2f} s/it), "
-              f"TRL {rows[-1]['trl_acc']:.3f} ({rows[-1]['trl_s_it']:.2f} s/it)", flush=True)
+        print(
+            f"seed {seed}: ours {rows[-1]['ours_acc']:.3f} ({rows[-1]['ours_s_it']:.2f} s/it), "
+            f"TRL {rows[-1]['trl_acc']:.3f} ({rows[-1]['trl_s_it']:.2f} s/it)",
+            flush=True,
+        )
 
     ours_gain = [r["ours_acc"] - start_acc for r in rows]
     trl_gain = [r["trl_acc"] - start_acc for r in rows]
     ratio = [r["ours_s_it"] / r["trl_s_it"] for r in rows]
     print(f"\nheld-out greedy accuracy on {args.heldout} arithmetic test questions; start {start_acc:.3f}")
-    print("| | held-out after {} it. ({}) | gain (mean +- sd) | median s / iteration |".format(
-        args.iterations, " / ".join(f"seed {r['seed']}" for r in rows)))
+    print(
+        "| | held-out after {} it. ({}) | gain (mean +- sd) | median s / iteration |".format(
+            args.iterations, " / ".join(f"seed {r['seed']}" for r in rows)
+        )
+    )
     print("|---|---|---|---|")
     for name, acc, gain, t in (
         ("TRL GRPOTrainer", "trl_acc", trl_gain, "trl_s_it"),
         ("rllib-exgrpo GRPO", "ours_acc", ours_gain, "ours_s_it"),
     ):
         m, sd = _mean_sd(gain)
-        print(f"| {name} | {' / '.join(f'{r[acc]:.3f}' for r in rows)} | {100 * m:+.1f} +- {100 * sd:.1f} points | "
-              f"{' / '.join(f'{r[t]:.2f}' for r in rows)} |")
-    print(f"\ntime ratio ours / TRL (per seed): {' / '.join(f'{x:.2f}' for x in ratio)}; "
-          f"mean {statistics.mean(ratio):.2f}x (target <= 0.90x)")
+        print(
+            f"| {name} | {' / '.join(f'{r[acc]:.3f}' for r in rows)} | {100 * m:+.1f} +- {100 * sd:.1f} points | "
+            f"{' / '.join(f'{r[t]:.2f}' for r in rows)} |"
+        )
+    print(
+        f"\ntime ratio ours / TRL (per seed): {' / '.join(f'{x:.2f}' for x in ratio)}; mean {statistics.mean(ratio):.2f}x (target <= 0.90x)"
+    )
     print(f"gain ours - TRL: {100 * (statistics.mean(ours_gain) - statistics.mean(trl_gain)):+.1f} points (target >= 0)")
-    print(f"ours: median sample {statistics.median(r['ours_sample_s'] for r in rows):.2f} s, learner "
-          f"{statistics.median(r['ours_learner_s'] for r in rows):.2f} s; TRL generate "
-          f"{statistics.median(r['trl_generate_s'] for r in rows):.2f} s")
+    print(
+        f"ours: median sample {statistics.median(r['ours_sample_s'] for r in rows):.2f} s, learner "
+        f"{statistics.median(r['ours_learner_s'] for r in rows):.2f} s; TRL generate "
+        f"{statistics.median(r['trl_generate_s'] for r in rows):.2f} s"
+    )
 
-    summary = {"start_accuracy": start_acc, "iterations": args.iterations, "rows": rows,
-               "ours_gain": ours_gain, "trl_gain": trl_gain, "time_ratio": ratio}
+    summary = {
+        "start_accuracy": start_acc,
+        "iterations": args.iterations,
+        "rows": rows,
+        "ours_gain": ours_gain,
+        "trl_gain": trl_gain,
+        "time_ratio": ratio,
+    }
     name = "peer_trl" if args.tag == "ours" else f"peer_trl_{args.tag}"
     summary["ours_config"] = args.config
     (out / f"{name}.json").write_text(json.dumps(summary, indent=1))
@@ -204,8 +251,10 @@ def main(argv=None) -> int:
             w.writerow([r["seed"], r["ours_acc"], r["trl_acc"], r["ours_s_it"], r["trl_s_it"]])
     _plot(rows, start_acc, out / f"{name}.png", args.heldout)
     print(f"wrote {out / name}.json, .csv, .png")
-    print(f"ours_over_trl_time={statistics.mean(ratio):.3f} "
-          f"gain_ours_minus_trl={100 * (statistics.mean(ours_gain) - statistics.mean(trl_gain)):.1f}")
+    print(
+        f"ours_over_trl_time={statistics.mean(ratio):.3f} "
+        f"gain_ours_minus_trl={100 * (statistics.mean(ours_gain) - statistics.mean(trl_gain)):.1f}"
+    )
     return 0
 
 

@@ -21,6 +21,7 @@ Prints the median step time, generation ("sample") time and learner time of each
 The last line is ``grpo_step_s=S <arm>_over_grpo=R ...`` (the median step time of GRPO and
 each other arm's ratio to it; without the grpo arm, ``<arm>_step_s=S`` per arm).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,17 +65,22 @@ def main() -> None:
     p.add_argument("--overrides", type=json.loads, default={}, help="JSON config overrides of every arm")
     args = p.parse_args()
     start_ray()
-    rows = {name: time_arm(ARMS[name][0], {**ARMS[name][1], **args.overrides}, seed=args.seed, warmup=args.warmup,
-                           steps=args.steps)
-            for name in args.arms}
+    rows = {
+        name: time_arm(ARMS[name][0], {**ARMS[name][1], **args.overrides}, seed=args.seed, warmup=args.warmup, steps=args.steps)
+        for name in args.arms
+    }
     base = rows.get("grpo")
     print(f"{'arm':<16}{'completions':>12}{'step s':>9}{'sample s':>10}{'learner s':>11}{'step / GRPO':>13}")
     for name, r in rows.items():
         ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
         print(f"{name:<16}{r['completions']:>12.0f}{r['step_s']:>9.2f}{r['sample_s']:>10.2f}{r['learner_s']:>11.2f}{ratio:>13}")
     if base:
-        print(" ".join([f"grpo_step_s={base['step_s']:.3f}"]
-                       + [f"{name}_over_grpo={r['step_s'] / base['step_s']:.3f}" for name, r in rows.items() if name != "grpo"]))
+        print(
+            " ".join(
+                [f"grpo_step_s={base['step_s']:.3f}"]
+                + [f"{name}_over_grpo={r['step_s'] / base['step_s']:.3f}" for name, r in rows.items() if name != "grpo"]
+            )
+        )
     else:
         print(" ".join(f"{name}_step_s={r['step_s']:.3f}" for name, r in rows.items()))
 

@@ -14,6 +14,7 @@ when the math500 file is there.
 Usage: python benchmarks/reward_throughput.py [--data ../shared/data] [--workers N] [--limit 500] [--steps 10]
        python benchmarks/reward_throughput.py --limit 16 --steps 1 --workers 1     # seconds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,17 +51,19 @@ def _math500_pairs(path: Path, limit: int):
     truths = [p.ground_truth for p in load_problems(path, strict=True)][:limit]
     wrong = []
     for i, t in enumerate(truths):
-        wrong.append(next(truths[(i + j) % len(truths)] for j in range(1, len(truths))
-                          if truths[(i + j) % len(truths)].strip() != t.strip()))
+        wrong.append(
+            next(truths[(i + j) % len(truths)] for j in range(1, len(truths)) if truths[(i + j) % len(truths)].strip() != t.strip())
+        )
     return truths, wrong
 
 
 def _step_data(step, k):
     """One training step's completions and ground truths: half right, half wrong, all
     distinct answers (the expensive case)."""
-    comps = [p.solution if (i + k) % 2 == 0 else
-             p.solution.replace(f"\\boxed{{{p.ground_truth}}}", f"\\boxed{{{int(p.ground_truth) + 1}}}")
-             for i, p in enumerate(step)]
+    comps = [
+        p.solution if (i + k) % 2 == 0 else p.solution.replace(f"\\boxed{{{p.ground_truth}}}", f"\\boxed{{{int(p.ground_truth) + 1}}}")
+        for i, p in enumerate(step)
+    ]
     return comps, [p.ground_truth for p in step]
 
 
@@ -78,8 +81,7 @@ def main(argv=None) -> None:
 
     t0 = time.perf_counter()
     rewards.warm_up(args.workers)
-    print(f"pool: {args.workers or rewards.default_num_workers()} worker process(es), "
-          f"started in {time.perf_counter() - t0:.2f} s")
+    print(f"pool: {args.workers or rewards.default_num_workers()} worker process(es), started in {time.perf_counter() - t0:.2f} s")
 
     figures = {}
     math500 = args.data / "simplerl_eval" / "math500_test.jsonl"
@@ -102,15 +104,17 @@ def main(argv=None) -> None:
         print(f"math500 skipped: {math500} absent")
 
     problems = arithmetic.generate(256 * args.steps, seed=0, levels=(1, 2, 3, 4))
-    steps = [problems[i:i + 256] for i in range(0, len(problems), 256)]
+    steps = [problems[i : i + 256] for i in range(0, len(problems), 256)]
 
     for fast_path in (True, False):
         rewards.shutdown_workers()
         rewards.warm_up(args.workers)
         times = [_batched(*_step_data(step, k), fast_path, args.workers) for k, step in enumerate(steps)]
         n = sum(len(s) for s in steps)
-        print(f"arithmetic 256/step batched fast_path={fast_path!s:5}: {_rate(n, sum(times))}; "
-              f"per step mean {1000 * sum(times) / len(times):.0f} ms, max {1000 * max(times):.0f} ms")
+        print(
+            f"arithmetic 256/step batched fast_path={fast_path!s:5}: {_rate(n, sum(times))}; "
+            f"per step mean {1000 * sum(times) / len(times):.0f} ms, max {1000 * max(times):.0f} ms"
+        )
         figures["arithmetic_batched_per_s" if fast_path else "arithmetic_verify_per_s"] = n / sum(times)
     rewards.shutdown_workers()
     rewards.warm_up(args.workers)
@@ -123,8 +127,7 @@ def main(argv=None) -> None:
     math500_figures = {k: v for k, v in figures.items() if k.startswith("math500")}
     if math500_figures:
         print(" ".join(f"{k}={v:.1f}" for k, v in math500_figures.items()))
-    print(" ".join(f"{k}={figures[k]:.1f}" for k in
-                   ("arithmetic_batched_per_s", "arithmetic_verify_per_s", "arithmetic_single_per_s")))
+    print(" ".join(f"{k}={figures[k]:.1f}" for k in ("arithmetic_batched_per_s", "arithmetic_verify_per_s", "arithmetic_single_per_s")))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ is off: it is not part of a training step.
 The last line is ``<algo>_step_s=S ...`` per algorithm, then ``exgrpo_over_grpo=R`` when
 both ran.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--algos", nargs="+", default=["grpo", "exgrpo"])
     parser.add_argument("--questions", type=int, default=None, help="override questions_per_step")
-    parser.add_argument("--overrides", default="{}", help='JSON config overrides of every algorithm, e.g.'
-                        ' \'{"learner_micro_batch_tokens": null}\'')
+    parser.add_argument(
+        "--overrides", default="{}", help="JSON config overrides of every algorithm, e.g. '{\"learner_micro_batch_tokens\": null}'"
+    )
     args = parser.parse_args()
     start_ray()
     overrides = json.loads(args.overrides)

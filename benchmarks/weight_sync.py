@@ -49,6 +49,7 @@ The line ``bytes_per_param=X extra_copies=Y seconds=Z`` (the object-store path) 
 second to last; the last line is ``collective_object_store_bytes=B collective_seconds=X
 object_store_seconds=Y``, B measured as above.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,10 +75,18 @@ def build_model(folder: Path, layers: int, hidden: int) -> int:
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     tokenizer.save_pretrained(str(folder))
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=int(hidden * 2.75),
-        num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
-        max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, torch_dtype="bfloat16",
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.75),
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        torch_dtype="bfloat16",
     )
     torch.manual_seed(0)
     with torch.device("cpu"):
@@ -107,14 +116,16 @@ def runner_before(runner) -> dict:
     model_bytes = sum(p.numel() * p.element_size() for p in params)
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")
-    return {"model_bytes": model_bytes, "rss_kb": _status_kb("VmRSS"), "shmem_kb": _status_kb("RssShmem"),
-            "pid": os.getpid()}
+    return {"model_bytes": model_bytes, "rss_kb": _status_kb("VmRSS"), "shmem_kb": _status_kb("RssShmem"), "pid": os.getpid()}
 
 
 def runner_after(runner) -> dict:
-    return {"hwm_kb": _status_kb("VmHWM"), "rss_after_kb": _status_kb("VmRSS"),
-            "seq_no": runner.held_weights_seq_no,
-            "dtype": str(next(runner.module.model.parameters()).dtype)}
+    return {
+        "hwm_kb": _status_kb("VmHWM"),
+        "rss_after_kb": _status_kb("VmRSS"),
+        "seq_no": runner.held_weights_seq_no,
+        "dtype": str(next(runner.module.model.parameters()).dtype),
+    }
 
 
 def digest(tensor) -> str:
@@ -169,14 +180,28 @@ def measure(path: str, sync, group, ids, n_params: int, syncs: int, measured_put
         after = group.foreach_env_runner(runner_after, local_env_runner=False, remote_worker_ids=ids)
         for wid, b, a in zip(ids, before, after):
             extra = (a["hwm_kb"] - b["rss_kb"]) * 1024 / b["model_bytes"]
-            rows.append(dict(path=path, sync=i + 1, runner=wid, extra=extra, **b, **a, shipped=sum(put_sizes),
-                             store_bytes=counts["store_bytes"], serialised_bytes=counts["bytes"]))
-            print(f"{path} sync {i + 1}, runner {wid}: {sum(put_sizes) / n_params:.3f} bytes/param put, "
-                  f"{counts['store_bytes'] / 2**20:.1f} MiB into the object store ({counts['bytes']} B serialised), "
-                  f"RSS {b['rss_kb'] / 1024:.0f} MiB before ({b['shmem_kb'] / 1024:.0f} MiB of it shared), "
-                  f"peak +{(a['hwm_kb'] - b['rss_kb']) / 1024:.0f} MiB = {extra:.2f} model sizes "
-                  f"(model {b['model_bytes'] / 2**20:.0f} MiB, {a['dtype']}), weights seq no {a['seq_no']}, "
-                  f"{seconds[-1]:.2f} s", flush=True)
+            rows.append(
+                dict(
+                    path=path,
+                    sync=i + 1,
+                    runner=wid,
+                    extra=extra,
+                    **b,
+                    **a,
+                    shipped=sum(put_sizes),
+                    store_bytes=counts["store_bytes"],
+                    serialised_bytes=counts["bytes"],
+                )
+            )
+            print(
+                f"{path} sync {i + 1}, runner {wid}: {sum(put_sizes) / n_params:.3f} bytes/param put, "
+                f"{counts['store_bytes'] / 2**20:.1f} MiB into the object store ({counts['bytes']} B serialised), "
+                f"RSS {b['rss_kb'] / 1024:.0f} MiB before ({b['shmem_kb'] / 1024:.0f} MiB of it shared), "
+                f"peak +{(a['hwm_kb'] - b['rss_kb']) / 1024:.0f} MiB = {extra:.2f} model sizes "
+                f"(model {b['model_bytes'] / 2**20:.0f} MiB, {a['dtype']}), weights seq no {a['seq_no']}, "
+                f"{seconds[-1]:.2f} s",
+                flush=True,
+            )
     return rows, seconds, serialised
 
 
@@ -186,11 +211,12 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--syncs", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=512, help="weight_sync_bucket_mb of the collective path")
-    parser.add_argument("--plain-tensors", action="store_true",
-                        help="check of the measure: ship bf16 as plain torch tensors (pickled through "
-                             "bytes) instead of zero-copy")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "weight_sync.json",
-                        help="where the figures go as JSON")
+    parser.add_argument(
+        "--plain-tensors",
+        action="store_true",
+        help="check of the measure: ship bf16 as plain torch tensors (pickled through bytes) instead of zero-copy",
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "weight_sync.json", help="where the figures go as JSON")
     return parser.parse_args()
 
 
@@ -209,17 +235,31 @@ def _build_algo(work: Path, bucket_mb: float):
     ``work/model``: one local learner, 2 env runners, the collective weight sync."""
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             object_store_memory=2 * 2**30, _temp_dir=str(work / "ray"),
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=2 * 2**30,
+        _temp_dir=str(work / "ray"),
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+    )
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
     config = (
         ExGRPOConfig()
         .environment("rllib_exgrpo.envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
-        .training(model_name_or_path=str(work / "model"), model_dtype="bfloat16", questions_per_step=2,
-                  group_size=2, max_prompt_tokens=64, max_response_tokens=4, minibatch_size=4,
-                  weight_sync="collective", weight_sync_bucket_mb=bucket_mb)
+        .training(
+            model_name_or_path=str(work / "model"),
+            model_dtype="bfloat16",
+            questions_per_step=2,
+            group_size=2,
+            max_prompt_tokens=64,
+            max_response_tokens=4,
+            minibatch_size=4,
+            weight_sync="collective",
+            weight_sync_bucket_mb=bucket_mb,
+        )
         .env_runners(num_env_runners=2, num_cpus_per_env_runner=1)
         .learners(num_learners=0)
     )
@@ -252,12 +292,16 @@ def _check_runner_weights(algo, group, ids) -> tuple:
     expected = learner_digest(algo)
     digests = group.foreach_env_runner(runner_digest, local_env_runner=False, remote_worker_ids=ids)
     equal = all(d == expected for d in digests)
-    print(f"after the collective syncs, each runner's weights equal the learner's bit for bit: "
-          f"{'yes' if equal else 'NO'} ({len(expected)} tensors, sha256)")
+    print(
+        f"after the collective syncs, each runner's weights equal the learner's bit for bit: "
+        f"{'yes' if equal else 'NO'} ({len(expected)} tensors, sha256)"
+    )
     local = group.local_env_runner
     local_holds = local.module is not None or local._pending_module_state is not None
-    print(f"local env runner after the syncs: module={'yes' if local.module is not None else 'no'}, "
-          f"pending state={'yes' if local._pending_module_state is not None else 'no'}")
+    print(
+        f"local env runner after the syncs: module={'yes' if local.module is not None else 'no'}, "
+        f"pending state={'yes' if local._pending_module_state is not None else 'no'}"
+    )
     return equal, local_holds
 
 
@@ -272,8 +316,11 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         n_params = build_model(work / "model", args.layers, args.hidden)
-        print(f"model: random Qwen2, {args.layers} layers x {args.hidden}, {n_params / 1e6:.1f} M parameters, "
-              f"bf16 ({n_params * 2 / 2**20:.0f} MiB); built in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"model: random Qwen2, {args.layers} layers x {args.hidden}, {n_params / 1e6:.1f} M parameters, "
+            f"bf16 ({n_params * 2 / 2**20:.0f} MiB); built in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
         algo = _build_algo(work, args.bucket_mb)
         group = algo.env_runner_group
         ids = group.healthy_worker_ids()
@@ -282,36 +329,47 @@ def main() -> None:
         measured_put, put_sizes = _measuring_put()
 
         def object_store_sync():
-            group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True,
-                               timeout_seconds=None)
+            group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True, timeout_seconds=None)
 
-        store_rows, store_seconds, _ = measure("object_store", object_store_sync, group, ids, n_params, args.syncs,
-                                               measured_put, put_sizes)
-        coll_rows, coll_seconds, coll_counts = measure("collective", algo._sync_runner_weights, group, ids, n_params,
-                                                       args.syncs, measured_put, put_sizes)
+        store_rows, store_seconds, _ = measure("object_store", object_store_sync, group, ids, n_params, args.syncs, measured_put, put_sizes)
+        coll_rows, coll_seconds, coll_counts = measure(
+            "collective", algo._sync_runner_weights, group, ids, n_params, args.syncs, measured_put, put_sizes
+        )
         equal, local_holds = _check_runner_weights(algo, group, ids)
         bytes_per_param = max(r["shipped"] for r in store_rows) / n_params
         extra_copies = max(r["extra"] for r in store_rows)
         coll_extra = max(r["extra"] for r in coll_rows)
         coll_store_bytes = max(c["store_bytes"] for c in coll_counts)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(
-            {"n_params": n_params, "bucket_mb": args.bucket_mb, "rows": store_rows + coll_rows,
-             "seconds": {"object_store": store_seconds, "collective": coll_seconds},
-             "collective_serialised": coll_counts, "runners_equal_learner": equal,
-             "local_runner_holds_weights": local_holds}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "n_params": n_params,
+                    "bucket_mb": args.bucket_mb,
+                    "rows": store_rows + coll_rows,
+                    "seconds": {"object_store": store_seconds, "collective": coll_seconds},
+                    "collective_serialised": coll_counts,
+                    "runners_equal_learner": equal,
+                    "local_runner_holds_weights": local_holds,
+                },
+                indent=1,
+            )
+        )
         algo.stop()
         ray.shutdown()
         if local_holds:
             print("WARNING: the local env runner holds a copy of the weights")
         if not equal:
             print("WARNING: a runner's weights differ from the learner's after the collective syncs")
-        print(f"collective: {max(c['bytes'] for c in coll_counts)} B serialised by Ray per sync (call arguments "
-              f"and replies), runner peak +{coll_extra:.2f} model sizes (one bucket of {args.bucket_mb:g} MiB at most)")
-        print(f"bytes_per_param={bytes_per_param:.3f} extra_copies={extra_copies:.2f} "
-              f"seconds={statistics.median(store_seconds):.2f}")
-        print(f"collective_object_store_bytes={coll_store_bytes} collective_seconds={statistics.median(coll_seconds):.2f} "
-              f"object_store_seconds={statistics.median(store_seconds):.2f}")
+        print(
+            f"collective: {max(c['bytes'] for c in coll_counts)} B serialised by Ray per sync (call arguments "
+            f"and replies), runner peak +{coll_extra:.2f} model sizes (one bucket of {args.bucket_mb:g} MiB at most)"
+        )
+        print(f"bytes_per_param={bytes_per_param:.3f} extra_copies={extra_copies:.2f} seconds={statistics.median(store_seconds):.2f}")
+        print(
+            f"collective_object_store_bytes={coll_store_bytes} collective_seconds={statistics.median(coll_seconds):.2f} "
+            f"object_store_seconds={statistics.median(store_seconds):.2f}"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -13,6 +13,7 @@ cores and five seeds, runs of one length each: references 0+1, 2+3, then 4 besid
 first dependent, then two dependents twice, five run lengths in all; taking dependents first
 leaves a core idle while the last reference runs, six).
 """
+
 from __future__ import annotations
 
 import os
@@ -77,8 +78,9 @@ def run_jobs(jobs: Sequence[Job], workers: int, log: Callable[[str], None] = pri
             queue.remove(job)
             out = open(job.log, "w") if job.log else subprocess.DEVNULL
             job.started = time.perf_counter()
-            proc = subprocess.Popen(job.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=lambda c=core: os.sched_setaffinity(0, {c}))
+            proc = subprocess.Popen(
+                job.argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=lambda c=core: os.sched_setaffinity(0, {c})
+            )
             running[core] = (job, proc, out)
             log(f"[{time.perf_counter() - t0:6.0f} s] core {core}: {job.name} started")
         if not running:

@@ -3,6 +3,7 @@ from the repository root as ``python experiments/<name>.py``: they share ``_comm
 (the tuned-example recipes, a local Ray) and ``_runs.py`` (training runs and the held-out
 evaluator every comparison uses) with the product's benchmarks, one copy in ``benchmarks/``.
 """
+
 from __future__ import annotations
 
 import sys

@@ -17,6 +17,7 @@ tokens, both answer every training question greedily, and their accuracies are c
   solved again): what replay acts on, against what retirement takes out of the fresh data;
 * ``pooled``: every question in ExGRPO's pool at the end; ``all``: every training question.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,9 +46,10 @@ def end_eval(algo) -> dict:
     max_tokens = int(algo.config.max_response_tokens)
     rewards = {}
     for start in range(0, len(ids), 256):
-        chunk = ids[start:start + 256]
-        episodes = algo.env_runner.sample(question_ids=chunk, num_samples=1, temperature=0.0,
-                                          max_new_tokens=max_tokens, return_logprobs=False)
+        chunk = ids[start : start + 256]
+        episodes = algo.env_runner.sample(
+            question_ids=chunk, num_samples=1, temperature=0.0, max_new_tokens=max_tokens, return_logprobs=False
+        )
         rewards.update({e.get_infos(-1)[QUESTION_ID]: float(e.get_return()) for e in episodes})
     buffer = algo.experience.buffer
     pool = {q: int(buffer.bucket_of(q)) for q in buffer} if algo.config.experience_replay else {}
@@ -65,8 +67,9 @@ def warm_start_solve_counts(path: Path, build_algo: Callable[[], object]) -> Dic
     try:
         ids = list(algo.sampler.question_ids)
         for start in range(0, len(ids), 64):
-            episodes = algo.env_runner.sample(question_ids=ids[start:start + 64], num_samples=WARM_START_SAMPLES,
-                                              temperature=1.0, return_logprobs=False)
+            episodes = algo.env_runner.sample(
+                question_ids=ids[start : start + 64], num_samples=WARM_START_SAMPLES, temperature=1.0, return_logprobs=False
+            )
             for e in episodes:
                 q = e.get_infos(-1)[QUESTION_ID]
                 counts[q] = counts.get(q, 0) + int(e.get_return() >= 1.0)
@@ -99,8 +102,9 @@ def accuracy_on(end: dict, questions: List[str]) -> float:
     return float(np.mean([greedy[q] for q in questions])) if questions else float("nan")
 
 
-def compare_at_end(grpo_end: dict, exgrpo_end: dict, sets: Dict[str, List[str]], names: Sequence[str],
-                   diffs: Dict[str, List[float]]) -> str:
+def compare_at_end(
+    grpo_end: dict, exgrpo_end: dict, sets: Dict[str, List[str]], names: Sequence[str], diffs: Dict[str, List[float]]
+) -> str:
     """One seed of the control: appends ExGRPO - GRPO accuracy on each set in ``names`` to
     ``diffs[name]`` and returns the seed's cells, ``"name (size) GRPO / ExGRPO | ..."``."""
     cells = []
@@ -117,6 +121,8 @@ def difference_lines(diffs: Dict[str, List[float]]) -> List[str]:
     lines = []
     for k, ds in diffs.items():
         m, h, n = tb.ci95([d for d in ds if d == d])
-        lines.append(f"ExGRPO - GRPO on {k}: {m * 100:+.1f} ± {h * 100:.1f} points (95% t, n={n}), per seed "
-                     + " ".join(f"{d * 100:+.1f}" for d in ds))
+        lines.append(
+            f"ExGRPO - GRPO on {k}: {m * 100:+.1f} ± {h * 100:.1f} points (95% t, n={n}), per seed "
+            + " ".join(f"{d * 100:+.1f}" for d in ds)
+        )
     return lines

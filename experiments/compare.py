@@ -16,23 +16,34 @@ min-max band over seeds), ``compare.csv`` (every evaluation) and prints a table:
 the budget (mean ± std), steps used to spend it, training wall time to the budget and per step.
 A killed run resumes: finished runs are cached under ``<out>/runs``.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 import _paths  # noqa: F401  (benchmarks/ on sys.path: _common, _runs)
-from _runs import (accuracy_at_step, accuracy_at_tokens, budget_of, collect_from_command_line, mean_std,
-                   median_step_s, steps_to_budget, wall_to)
+from _runs import (
+    accuracy_at_step,
+    accuracy_at_tokens,
+    budget_of,
+    collect_from_command_line,
+    mean_std,
+    median_step_s,
+    steps_to_budget,
+    wall_to,
+)
 from learning_curves import LABELS, plot_curves, summary_lines, write_csv
 
 
 def budget_table(runs, seeds, iterations):
     budgets = {s: budget_of(runs, s, iterations) for s in seeds}
-    lines = [f"sampled-token budget per seed (GRPO's tokens after {iterations} steps): "
-             + ", ".join(f"seed {s}: {int(b):,}" for s, b in budgets.items()),
-             "",
-             f"{'method':<13}{'acc @ budget':>15}{'acc @ ' + str(iterations) + ' steps':>17}{'steps to budget':>17}"
-             f"{'train wall to budget':>22}{'s/step':>9}"]
+    lines = [
+        f"sampled-token budget per seed (GRPO's tokens after {iterations} steps): "
+        + ", ".join(f"seed {s}: {int(b):,}" for s, b in budgets.items()),
+        "",
+        f"{'method':<13}{'acc @ budget':>15}{'acc @ ' + str(iterations) + ' steps':>17}{'steps to budget':>17}"
+        f"{'train wall to budget':>22}{'s/step':>9}",
+    ]
     for name in dict.fromkeys(r["algo"] for r in runs):
         mine = [r for r in runs if r["algo"] == name]
         at_budget = mean_std(accuracy_at_tokens(r, budgets[r["seed"]]) for r in mine)
@@ -42,7 +53,8 @@ def budget_table(runs, seeds, iterations):
         lines.append(
             f"{LABELS.get(name, name):<13}{at_budget['mean']:>9.3f}±{at_budget['std']:<5.3f}"
             f"{at_steps['mean']:>11.3f}±{at_steps['std']:<5.3f}"
-            f"{np.mean(steps):>17.1f}{np.mean(wall) / 60:>18.1f} min{np.mean([median_step_s(r) for r in mine]):>9.2f}")
+            f"{np.mean(steps):>17.1f}{np.mean(wall) / 60:>18.1f} min{np.mean([median_step_s(r) for r in mine]):>9.2f}"
+        )
     return budgets, lines
 
 
@@ -59,8 +71,7 @@ def main():
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     plot_curves(runs, left, x="step", iterations=args.iterations)
     plot_curves(runs, right, x="tokens", iterations=args.iterations, budget_by_seed=budgets)
-    fig.suptitle("Embedded default (tiny Qwen2, arithmetic, CPU): same sampled-token budget, "
-                 f"{len(args.seeds)} seeds")
+    fig.suptitle(f"Embedded default (tiny Qwen2, arithmetic, CPU): same sampled-token budget, {len(args.seeds)} seeds")
     fig.tight_layout()
     fig.savefig(out / "compare.png", dpi=120)
     print("\n" + "\n".join(table))

@@ -38,6 +38,7 @@ evaluations at or after 70% of the budget, up to the crossing (4 to 5 evaluation
 noise than one point). The final figure is ``test@budget`` (one point, as compare.py), with
 ``test_tail`` next to it; mean and 95% t-interval over seeds, and the paired difference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,15 +75,31 @@ TESTBED_FORMAT = 1
 FINAL_SET_DATASET = "arithmetic:n_test=2400"
 FINAL_SET_SIZE = 2400
 FINAL_FORMAT = 2
-LEARNER_KEYS = ("policy_loss", "entropy", "clip_fraction", "ratio_mean", "ratio_max", "replay_ratio_mean",
-                "replay_shaping_mean", "grad_norm_preclip", "update_skipped")
+LEARNER_KEYS = (
+    "policy_loss",
+    "entropy",
+    "clip_fraction",
+    "ratio_mean",
+    "ratio_max",
+    "replay_ratio_mean",
+    "replay_shaping_mean",
+    "grad_norm_preclip",
+    "update_skipped",
+)
 TOP_KEYS = ("reward_mean", "solve_rate", "zero_variance_group_fraction", "all_correct_group_fraction")
 
 G, E, P = "grpo_finite", "exgrpo_finite", "ppo_finite"
 #: XRPO's keys (xrpo_tiny.yaml): planner, in-context seeding, novelty sharpening, on top of
 #: the GRPO twin (XRPO) or the ExGRPO twin (ExGRPO+XRPO).
-XRPO_KEYS = {"xrpo_planner": True, "planner_n0": 4, "planner_rounds": 2, "icl_seeding": True,
-             "icl_num_examples": 2, "icl_samples": 4, "novelty_sharpening": True}
+XRPO_KEYS = {
+    "xrpo_planner": True,
+    "planner_n0": 4,
+    "planner_rounds": 2,
+    "icl_seeding": True,
+    "icl_num_examples": 2,
+    "icl_samples": 4,
+    "novelty_sharpening": True,
+}
 #: Every method of the protocol: (recipe, its base overrides, short name, its own key
 #: switch as (config key, values) or None). The search gives each one the same learning
 #: rates x its key switch.
@@ -152,7 +169,7 @@ def validation_accuracy(algo, max_new_tokens: int) -> float:
     """Greedy accuracy on held-out (test-split) questions 200-400: the tuning set, disjoint
     from both the training set and the 200 questions of the final figures."""
     problems = algo.env_runner.heldout_env.problems
-    ids = [p.id for p in problems][VAL_SLICE[0]:VAL_SLICE[1]]
+    ids = [p.id for p in problems][VAL_SLICE[0] : VAL_SLICE[1]]
     if len(ids) < VAL_SLICE[1] - VAL_SLICE[0]:
         raise ValueError(f"held-out set has {len(problems)} questions; need {VAL_SLICE[1]}")
     return float(np.mean(list(_runs.greedy_rewards(algo, ids, max_new_tokens).values())))
@@ -170,10 +187,12 @@ def final_set_scores(problems, correct: Dict[str, float]) -> dict:
     ``final_bits`` from each question's reward (``correct``: question id -> 0/1)."""
     levels = sorted({p.difficulty for p in problems})
     by_level = {k: float(np.mean([correct[p.id] for p in problems if p.difficulty == k])) for k in levels}
-    return {"final": float(np.mean(list(by_level.values()))),
-            "final_pooled": float(np.mean([correct[p.id] for p in problems])),
-            **{f"final_L{k}": v for k, v in by_level.items()},
-            "final_bits": "".join("1" if correct[p.id] > 0.5 else "0" for p in problems)}
+    return {
+        "final": float(np.mean(list(by_level.values()))),
+        "final_pooled": float(np.mean([correct[p.id] for p in problems])),
+        **{f"final_L{k}": v for k, v in by_level.items()},
+        "final_bits": "".join("1" if correct[p.id] > 0.5 else "0" for p in problems),
+    }
 
 
 def final_set_accuracy(algo, max_new_tokens: int) -> dict:
@@ -183,8 +202,19 @@ def final_set_accuracy(algo, max_new_tokens: int) -> dict:
     return final_set_scores(problems, _runs.greedy_rewards(algo, [p.id for p in problems], max_new_tokens))
 
 
-def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[float], eval_interval: int,
-              overrides: dict, out: Path, model: Optional[str] = None, log=print, final_set: bool = False) -> dict:
+def train_run(
+    name: str,
+    seed: int,
+    *,
+    iterations: int,
+    token_budget: Optional[float],
+    eval_interval: int,
+    overrides: dict,
+    out: Path,
+    model: Optional[str] = None,
+    log=print,
+    final_set: bool = False,
+) -> dict:
     """_runs.train_run with both evaluators (plus the final set when ``final_set``) and the
     learner / experience metrics per step."""
 
@@ -196,19 +226,28 @@ def train_run(name: str, seed: int, *, iterations: int, token_budget: Optional[f
         }
 
     def on_eval(e: dict, elapsed: float) -> None:
-        log(f"  {name} seed {seed} step {e['step']}: tokens {int(e['tokens']):,}, test {e['accuracy']:.3f}"
+        log(
+            f"  {name} seed {seed} step {e['step']}: tokens {int(e['tokens']):,}, test {e['accuracy']:.3f}"
             f" val {e['val']:.3f}" + (f" final {e['final']:.3f}" if "final" in e else "") + f", {elapsed:.0f} s",
-            flush=True)
+            flush=True,
+        )
 
     def extra_eval(algo, max_tokens):
-        return {"val": validation_accuracy(algo, max_tokens),
-                **(final_set_accuracy(algo, max_tokens) if final_set else {})}
+        return {"val": validation_accuracy(algo, max_tokens), **(final_set_accuracy(algo, max_tokens) if final_set else {})}
 
     return _runs.train_run(
-        name, seed, iterations=iterations, token_budget=token_budget, eval_interval=eval_interval,
-        overrides=overrides, out=out, model=model,
-        key_extra={"testbed": FINAL_FORMAT if final_set else TESTBED_FORMAT}, extra_eval=extra_eval,
-        step_fields=step_fields, on_eval=on_eval,
+        name,
+        seed,
+        iterations=iterations,
+        token_budget=token_budget,
+        eval_interval=eval_interval,
+        overrides=overrides,
+        out=out,
+        model=model,
+        key_extra={"testbed": FINAL_FORMAT if final_set else TESTBED_FORMAT},
+        extra_eval=extra_eval,
+        step_fields=step_fields,
+        on_eval=on_eval,
         heldout_dataset=FINAL_SET_DATASET if final_set else _runs.HELDOUT_DATASET,
     )
 
@@ -259,15 +298,20 @@ def run_metrics(run: dict, upto: Optional[int] = None, last: int = 30) -> Dict[s
         return float(np.mean(v)) if v else math.nan
 
     last_exp = steps[-1]["experience"]
-    return {"solve": float(np.mean([s["solve_rate"] for s in window])),
-            "zero_var": m("top", "zero_variance_group_fraction"),
-            "all_ok": m("top", "all_correct_group_fraction"),
-            "loss": m("learner", "policy_loss"), "clip": m("learner", "clip_fraction"),
-            "shaping": m("learner", "replay_shaping_mean"), "entropy": m("learner", "entropy"),
-            "gnorm": m("learner", "grad_norm_preclip"),
-            "replayed": m("experience", "replayed_fraction"),
-            "pool": last_exp.get("pool_size", math.nan), "retired": last_exp.get("retired", math.nan),
-            "switch": last_exp.get("switch_iteration", math.nan)}
+    return {
+        "solve": float(np.mean([s["solve_rate"] for s in window])),
+        "zero_var": m("top", "zero_variance_group_fraction"),
+        "all_ok": m("top", "all_correct_group_fraction"),
+        "loss": m("learner", "policy_loss"),
+        "clip": m("learner", "clip_fraction"),
+        "shaping": m("learner", "replay_shaping_mean"),
+        "entropy": m("learner", "entropy"),
+        "gnorm": m("learner", "grad_norm_preclip"),
+        "replayed": m("experience", "replayed_fraction"),
+        "pool": last_exp.get("pool_size", math.nan),
+        "retired": last_exp.get("retired", math.nan),
+        "switch": last_exp.get("switch_iteration", math.nan),
+    }
 
 
 def _reach(run: dict, budget: Optional[float]) -> int:
@@ -275,11 +319,14 @@ def _reach(run: dict, budget: Optional[float]) -> int:
 
 
 def report(runs: Dict[str, List[dict]], budgets: Dict[int, float], ref: str) -> List[str]:
-    lines = [f"budget per seed (tokens of '{ref}' after its iterations): "
-             + ", ".join(f"seed {s}: {int(b):,}" if b is not None else f"seed {s}: none (equal steps)"
-                         for s, b in budgets.items()), "",
-             f"{'variant':<18}{'n':>2} {'test@budget':>16} {'test_tail':>14} {'val@budget':>14} {'val_tail':>14}"
-             f" {'steps':>5} | solve zero_var all_ok  clip  shaping entropy replayed pool retired switch"]
+    lines = [
+        f"budget per seed (tokens of '{ref}' after its iterations): "
+        + ", ".join(f"seed {s}: {int(b):,}" if b is not None else f"seed {s}: none (equal steps)" for s, b in budgets.items()),
+        "",
+        f"{'variant':<18}{'n':>2} {'test@budget':>16} {'test_tail':>14} {'val@budget':>14} {'val_tail':>14}"
+        f" {'steps':>5} | solve zero_var all_ok  clip  shaping entropy replayed pool retired switch",
+    ]
+
     def cell(mine, field, fn=at_budget):
         """Mean ± 95% half-width over seeds of ``fn(run, budget, field)``."""
         m, h, n = ci95([fn(r, budgets[r["seed"]], field) for r in mine])
@@ -288,20 +335,25 @@ def report(runs: Dict[str, List[dict]], budgets: Dict[int, float], ref: str) -> 
     for name, mine in runs.items():
         steps = np.mean([_reach(r, budgets[r["seed"]]) for r in mine])
         ms = [run_metrics(r, _reach(r, budgets[r["seed"]])) for r in mine]
-        avg = {k: float(np.nanmean([x[k] for x in ms])) if not all(math.isnan(x[k]) for x in ms) else math.nan
-               for k in ms[0]}
+        avg = {k: float(np.nanmean([x[k] for x in ms])) if not all(math.isnan(x[k]) for x in ms) else math.nan for k in ms[0]}
         lines.append(
             f"{name:<18}{len(mine):>2} {cell(mine, 'accuracy'):>16} {cell(mine, 'accuracy', tail):>14}"
             f" {cell(mine, 'val'):>14} {cell(mine, 'val', tail):>14} {steps:>5.0f} |"
             f" {avg['solve']:.3f} {avg['zero_var']:.3f}  {avg['all_ok']:.3f} {avg['clip']:.3f} {avg['shaping']:.3f}"
-            f"   {avg['entropy']:.3f}   {avg['replayed']:.3f} {avg['pool']:>4.0f} {avg['retired']:>6.0f} {avg['switch']:>4.0f}")
+            f"   {avg['entropy']:.3f}   {avg['replayed']:.3f} {avg['pool']:>4.0f} {avg['retired']:>6.0f} {avg['switch']:>4.0f}"
+        )
     if all("final" in r["evals"][0] for mine in runs.values() for r in mine):
-        lines += ["", f"final set ({FINAL_SET_DATASET} outside validation; score = mean of the level accuracies):",
-                  f"{'variant':<18}{'n':>2} {'final@budget':>16} {'final_tail':>14} {'pooled@budget':>14}"
-                  + "".join(f" {f'L{k}@budget':>14}" for k in (1, 2, 3, 4))]
+        lines += [
+            "",
+            f"final set ({FINAL_SET_DATASET} outside validation; score = mean of the level accuracies):",
+            f"{'variant':<18}{'n':>2} {'final@budget':>16} {'final_tail':>14} {'pooled@budget':>14}"
+            + "".join(f" {f'L{k}@budget':>14}" for k in (1, 2, 3, 4)),
+        ]
         for name, mine in runs.items():
-            lines.append(f"{name:<18}{len(mine):>2} {cell(mine, 'final'):>16} {cell(mine, 'final', tail):>14}"
-                         f" {cell(mine, 'final_pooled'):>14}" + "".join(f" {cell(mine, f'final_L{k}'):>14}" for k in (1, 2, 3, 4)))
+            lines.append(
+                f"{name:<18}{len(mine):>2} {cell(mine, 'final'):>16} {cell(mine, 'final', tail):>14}"
+                f" {cell(mine, 'final_pooled'):>14}" + "".join(f" {cell(mine, f'final_L{k}'):>14}" for k in (1, 2, 3, 4))
+            )
     lines += ["", "per run: variant seed | test@budget val@budget | test/val at each evaluation step"]
     for name, mine in runs.items():
         for r in mine:
@@ -312,8 +364,7 @@ def report(runs: Dict[str, List[dict]], budgets: Dict[int, float], ref: str) -> 
     return lines
 
 
-def plot(runs: Dict[str, List[dict]], budgets: Dict[int, float], path: Path, title: str,
-         field: str = "accuracy") -> None:
+def plot(runs: Dict[str, List[dict]], budgets: Dict[int, float], path: Path, title: str, field: str = "accuracy") -> None:
     """Two panels: held-out accuracy (``field``: the 200 test questions, or the final set's
     score) against sampled tokens, mean over seeds with
     its 95% t-band (evaluations aligned by step), and the training reward (solve rate)
@@ -344,8 +395,13 @@ def plot(runs: Dict[str, List[dict]], budgets: Dict[int, float], path: Path, tit
     if budgets and all(b is not None for b in budgets.values()):
         ax.axvline(np.mean(list(budgets.values())) / 1e3, color="grey", ls=":", lw=1, label="budget")
     ax.set_xlabel("sampled completion tokens (thousands)")
-    ax.set_ylabel("held-out accuracy (greedy, 200 test questions)" if field == "accuracy" else
-                  "final-set score (greedy, 2200 questions, level mean)" if field == "final" else field)
+    ax.set_ylabel(
+        "held-out accuracy (greedy, 200 test questions)"
+        if field == "accuracy"
+        else "final-set score (greedy, 2200 questions, level mean)"
+        if field == "final"
+        else field
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax2.set_xlabel("training step")
@@ -375,8 +431,9 @@ def reach_lines(runs: Dict[str, List[dict]], budgets, ref: str, field: str = "ac
     target = float(np.mean([at_budget(r, budgets[r["seed"]], field) for r in runs[ref]]))
     budget = float(np.mean(list(budgets.values())))
     what = "test accuracy" if field == "accuracy" else f"'{field}' score"
-    lines = [f"tokens to reach {ref}'s final {what} {target:.3f} (mean over seeds, evaluation steps common "
-             f"to all seeds; budget {budget:,.0f}):"]
+    lines = [
+        f"tokens to reach {ref}'s final {what} {target:.3f} (mean over seeds, evaluation steps common to all seeds; budget {budget:,.0f}):"
+    ]
     for name, mine in runs.items():
         t = tokens_to_reach(mine, target, field)
         lines.append(f"  {name:<18} " + ("never within the run" if t is None else f"{t:,.0f} tokens = {t / budget:.2f} x budget"))
@@ -401,8 +458,10 @@ def half_budget_lines(runs: Dict[str, List[dict]], budgets, ref: str) -> List[st
         start = ci95([r["evals"][0]["accuracy"] for r in mine])
         now = ci95([at_budget(r, half[r["seed"]], "accuracy") for r in mine])
         gain = ci95([at_budget(r, half[r["seed"]], "accuracy") - r["evals"][0]["accuracy"] for r in mine])
-        lines.append(f"  {name:<18} start {start[0]:.3f}  test {now[0]:.3f} ± {now[1]:.3f}  "
-                     f"change from start {gain[0]:+.3f} ± {gain[1]:.3f} (95% t, n={now[2]})")
+        lines.append(
+            f"  {name:<18} start {start[0]:.3f}  test {now[0]:.3f} ± {now[1]:.3f}  "
+            f"change from start {gain[0]:+.3f} ± {gain[1]:.3f} (95% t, n={now[2]})"
+        )
     for name in runs:
         if name == ref:
             continue
@@ -410,8 +469,7 @@ def half_budget_lines(runs: Dict[str, List[dict]], budgets, ref: str) -> List[st
         rb = {r["seed"]: at_budget(r, half[r["seed"]], "accuracy") for r in runs[ref]}
         seeds = sorted(set(ra) & set(rb))
         m, h, n = ci95([ra[s] - rb[s] for s in seeds])
-        lines.append(f"  {name} - {ref} (test at half the budget, paired over seeds {seeds}): "
-                     f"{m:+.3f} ± {h:.3f} (95% t, n={n})")
+        lines.append(f"  {name} - {ref} (test at half the budget, paired over seeds {seeds}): {m:+.3f} ± {h:.3f} (95% t, n={n})")
     return lines
 
 
@@ -427,9 +485,11 @@ def takeoff_lines(runs: Dict[str, List[dict]], threshold: float = 0.1) -> List[s
         for r in sorted(mine, key=lambda r: r["seed"]):
             first = next((s["step"] for s in r["steps"] if s.get("solve_rate", 0.0) > 0), None)
             leave = next((e["step"] for e in r["evals"] if e["accuracy"] >= threshold), None)
-            lines.append(f"  {name:<18} seed {r['seed']:<3} first success "
-                         f"{'never' if first is None else f'step {first}'}, test >= {threshold:g} "
-                         f"{'never' if leave is None else f'at step {leave}'}")
+            lines.append(
+                f"  {name:<18} seed {r['seed']:<3} first success "
+                f"{'never' if first is None else f'step {first}'}, test >= {threshold:g} "
+                f"{'never' if leave is None else f'at step {leave}'}"
+            )
     return lines
 
 
@@ -451,8 +511,7 @@ def _bits_at_budget(run: dict, budget: Optional[float]) -> Optional[np.ndarray]:
     return np.frombuffer(e["final_bits"].encode(), dtype=np.uint8) - ord("0")
 
 
-def paired_bootstrap(runs: Dict[str, List[dict]], budgets, a: str, b: str, levels: np.ndarray,
-                     draws: int = 4000, seed: int = 0) -> str:
+def paired_bootstrap(runs: Dict[str, List[dict]], budgets, a: str, b: str, levels: np.ndarray, draws: int = 4000, seed: int = 0) -> str:
     """``a - b`` on the final score at the budget, paired over seeds, with a 95% interval
     from a two-way bootstrap: seeds resampled (training noise) and, within each level,
     questions resampled (the held-out sample's own error, which a t-interval over seeds on
@@ -489,46 +548,72 @@ def paired_bootstrap(runs: Dict[str, List[dict]], budgets, a: str, b: str, level
         boots.append(score(rows, cols))
     lo, hi = np.percentile(boots, [2.5, 97.5])
     note = f" (seeds {missing} left out: short of the budget)" if missing else ""
-    return (f"{a} - {b} (final@budget, paired over seeds {seeds}): {point:+.3f}, 95% bootstrap over seeds and "
-            f"questions [{lo:+.3f}, {hi:+.3f}]; {np.mean(np.array(boots) > 0):.0%} of draws above 0{note}")
+    return (
+        f"{a} - {b} (final@budget, paired over seeds {seeds}): {point:+.3f}, 95% bootstrap over seeds and "
+        f"questions [{lo:+.3f}, {hi:+.3f}]; {np.mean(np.array(boots) > 0):.0%} of draws above 0{note}"
+    )
 
 
 def with_train_dataset(variants: Dict[str, list], dataset: str) -> Dict[str, list]:
     """``variants`` with every run trained on ``dataset`` (its ``env_config.dataset``; the
     other ``env_config`` keys kept). The evaluators do not change: they read the test
     split, which no training split shares a question with."""
-    return {name: [recipe, {**ov, "env_config": {**ov.get("env_config", {}), "dataset": dataset}}]
-            for name, (recipe, ov) in variants.items()}
+    return {
+        name: [recipe, {**ov, "env_config": {**ov.get("env_config", {}), "dataset": dataset}}] for name, (recipe, ov) in variants.items()
+    }
 
 
 def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phase", choices=["diag", "search", "search2", "final", "weak", "weak_format", "ablate", "custom"],
-                   default="custom")
-    p.add_argument("--variants", default=None, help='JSON {"name": [recipe, overrides], ...} (custom phase; '
-                   'with another phase: only these names of it)')
+    p.add_argument("--phase", choices=["diag", "search", "search2", "final", "weak", "weak_format", "ablate", "custom"], default="custom")
+    p.add_argument(
+        "--variants",
+        default=None,
+        help='JSON {"name": [recipe, overrides], ...} (custom phase; with another phase: only these names of it)',
+    )
     p.add_argument("--only", nargs="+", default=None, help="run only these variant names of the phase")
     p.add_argument("--best", default="{}", help='final phase: JSON {"grpo": {...}, "exgrpo": {...}} overrides')
-    p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=["grpo", "exgrpo"],
-                   help="search: the methods searched (GRPO's first lr always runs: the budget reference)")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=sorted(METHODS),
+        default=["grpo", "exgrpo"],
+        help="search: the methods searched (GRPO's first lr always runs: the budget reference)",
+    )
     p.add_argument("--rhos", nargs="+", type=float, default=[0.25, 0.5], help="search: ExGRPO experience_ratio values")
-    p.add_argument("--lrs", nargs="+", type=float, default=list(SEARCH_LRS),
-                   help="search: learning rates, the same for each method (the first GRPO one sets the budget)")
+    p.add_argument(
+        "--lrs",
+        nargs="+",
+        type=float,
+        default=list(SEARCH_LRS),
+        help="search: learning rates, the same for each method (the first GRPO one sets the budget)",
+    )
     p.add_argument("--ex-base", default="{}", help="search: JSON overrides of every ExGRPO variant")
     p.add_argument("--ref", default=None, help="variant whose tokens set the budget (default: the first GRPO one)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--model", default=None, help="policy model of every run (default: the recipes' tiny)")
-    p.add_argument("--equal-steps", action="store_true",
-                   help="every variant runs --iterations steps, no token budget (the weak phase's default: a "
-                        "collapsed policy writes max-length completions, which would inflate the budget)")
-    p.add_argument("--weak-lr", type=float, default=1e-3,
-                   help="weak phase: the learning rate of both methods (one at which on-policy GRPO collapses)")
-    p.add_argument("--final-set", choices=["on", "off"], default=None,
-                   help="also evaluate the large final set (FINAL_SET_DATASET; default: on in the final phase, "
-                        "off elsewhere, where cached runs without it are reused)")
-    p.add_argument("--train-dataset", default=None,
-                   help='training set of every variant (env_config.dataset), e.g. "arithmetic:levels=1-4,n=5000" '
-                        "(default: the recipes' finite 600 questions)")
+    p.add_argument(
+        "--equal-steps",
+        action="store_true",
+        help="every variant runs --iterations steps, no token budget (the weak phase's default: a "
+        "collapsed policy writes max-length completions, which would inflate the budget)",
+    )
+    p.add_argument(
+        "--weak-lr", type=float, default=1e-3, help="weak phase: the learning rate of both methods (one at which on-policy GRPO collapses)"
+    )
+    p.add_argument(
+        "--final-set",
+        choices=["on", "off"],
+        default=None,
+        help="also evaluate the large final set (FINAL_SET_DATASET; default: on in the final phase, "
+        "off elsewhere, where cached runs without it are reused)",
+    )
+    p.add_argument(
+        "--train-dataset",
+        default=None,
+        help='training set of every variant (env_config.dataset), e.g. "arithmetic:levels=1-4,n=5000" '
+        "(default: the recipes' finite 600 questions)",
+    )
     p.add_argument("--iterations", type=int, default=80)
     p.add_argument("--eval-interval", type=int, default=10)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "testbed"))
@@ -573,8 +658,7 @@ def phase_variants(args) -> Dict[str, list]:
         # rewarded), at a tuned, non-collapsing --weak-lr; unlike "weak" it runs at equal
         # sampled tokens (the answers' length does not change with the format) and is also
         # read at half the budget.
-        variants = {"grpo": [G, {"lr": args.weak_lr}],
-                    "exgrpo": [E, {"lr": args.weak_lr, "delayed_start_solve_rate": 0.0}]}
+        variants = {"grpo": [G, {"lr": args.weak_lr}], "exgrpo": [E, {"lr": args.weak_lr, "delayed_start_solve_rate": 0.0}]}
     elif args.phase == "ablate":
         # The paper's ablations, one switch at a time on top of --best's ExGRPO setting, next
         # to --best's GRPO (the budget reference).
@@ -586,8 +670,9 @@ def phase_variants(args) -> Dict[str, list]:
     elif args.phase == "final":
         # Each method of --best at its selected setting (GRPO first: the budget reference).
         best = json.loads(args.best)
-        variants = {m: [METHODS[m][0], {**METHODS[m][1], **best.get(m, {})}]
-                    for m in ["grpo"] + [m for m in METHODS if m in best and m != "grpo"]}
+        variants = {
+            m: [METHODS[m][0], {**METHODS[m][1], **best.get(m, {})}] for m in ["grpo"] + [m for m in METHODS if m in best and m != "grpo"]
+        }
     else:
         variants = {}
     if args.variants:
@@ -599,8 +684,7 @@ def phase_variants(args) -> Dict[str, list]:
     return variants
 
 
-def run_seeds(args, variants: Dict[str, list], order: List[str], out: Path, equal_steps: bool,
-              final_set: bool) -> tuple:
+def run_seeds(args, variants: Dict[str, list], order: List[str], out: Path, equal_steps: bool, final_set: bool) -> tuple:
     """For each seed: the reference variant ``order[0]`` (its tokens after ``--iterations``
     steps set the seed's budget), then every other variant; the report so far after each
     seed. Returns ``(runs, budgets)``."""
@@ -609,21 +693,42 @@ def run_seeds(args, variants: Dict[str, list], order: List[str], out: Path, equa
     budgets: Dict[int, float] = {}
     for seed in args.seeds:
         recipe, ov = variants[ref]
-        r = train_run(recipe, seed, iterations=args.iterations, token_budget=None,
-                      eval_interval=args.eval_interval, overrides=ov, out=out, model=args.model, final_set=final_set)
+        r = train_run(
+            recipe,
+            seed,
+            iterations=args.iterations,
+            token_budget=None,
+            eval_interval=args.eval_interval,
+            overrides=ov,
+            out=out,
+            model=args.model,
+            final_set=final_set,
+        )
         runs[ref].append(r)
         budgets[seed] = None if equal_steps else r["steps"][args.iterations - 1]["tokens"]
         for name in order[1:]:
             recipe, ov = variants[name]
             t0 = time.time()
-            runs[name].append(train_run(recipe, seed, iterations=args.iterations,
-                                        token_budget=None if equal_steps else budgets[seed],
-                                        eval_interval=args.eval_interval, overrides=ov, out=out, model=args.model,
-                                        final_set=final_set))
+            runs[name].append(
+                train_run(
+                    recipe,
+                    seed,
+                    iterations=args.iterations,
+                    token_budget=None if equal_steps else budgets[seed],
+                    eval_interval=args.eval_interval,
+                    overrides=ov,
+                    out=out,
+                    model=args.model,
+                    final_set=final_set,
+                )
+            )
             r = runs[name][-1]
-            print(f"[{time.strftime('%H:%M:%S')}] {name} seed {seed}: test@budget "
-                  f"{at_budget(r, budgets[seed], 'accuracy'):.3f} val@budget {at_budget(r, budgets[seed], 'val'):.3f}"
-                  f" ({time.time() - t0:.0f} s)", flush=True)
+            print(
+                f"[{time.strftime('%H:%M:%S')}] {name} seed {seed}: test@budget "
+                f"{at_budget(r, budgets[seed], 'accuracy'):.3f} val@budget {at_budget(r, budgets[seed], 'val'):.3f}"
+                f" ({time.time() - t0:.0f} s)",
+                flush=True,
+            )
         runs_so_far = {k: v for k, v in runs.items() if v}
         print("\n".join(report(runs_so_far, budgets, ref)), flush=True)
     return runs, budgets
@@ -642,8 +747,7 @@ def comparison_lines(args, runs: Dict[str, List[dict]], budgets, order: List[str
         levels = final_set_levels()
         lines.append("")
         for name in order[1:]:
-            lines += [paired(runs, budgets, name, ref, "final"),
-                      paired_bootstrap(runs, budgets, name, ref, levels)]
+            lines += [paired(runs, budgets, name, ref, "final"), paired_bootstrap(runs, budgets, name, ref, levels)]
     if all(b is not None for b in budgets.values()):
         lines += [""] + reach_lines(runs, budgets, ref)
         if final_set:
@@ -667,8 +771,13 @@ def main():
         lines += comparison_lines(args, runs, budgets, order, final_set)
     if args.phase in ("final", "weak", "weak_format"):
         png = out / f"plot-{args.phase}{'-final-set' if final_set else ''}.png"
-        plot(runs, budgets, png, f"experience testbed, phase {args.phase}" + (f", model {args.model}" if args.model else ""),
-             field="final" if final_set else "accuracy")
+        plot(
+            runs,
+            budgets,
+            png,
+            f"experience testbed, phase {args.phase}" + (f", model {args.model}" if args.model else ""),
+            field="final" if final_set else "accuracy",
+        )
         lines.append(f"plot: {png}")
     text = "\n".join(lines)
     print("\n" + text)

@@ -28,6 +28,7 @@ group size and response length, on ``--dataset``):
 
 Last line: ``expected_reward_per_answer_T<T>=<value>`` for the last temperature.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,15 +89,13 @@ def box_probabilities(backend, prompts: list, heads: list, token: int, temperatu
 
 
 def measure(model_name: str, temperature: float, questions: int, seed: int, dataset: str) -> dict:
-    config, algo = _runs.build("grpo_finite", seed, {"env_config": {"dataset": dataset.format(n=questions)}},
-                               model_name)
+    config, algo = _runs.build("grpo_finite", seed, {"env_config": {"dataset": dataset.format(n=questions)}}, model_name)
     try:
         runner = algo.env_runner
         ids = [p.id for p in runner.env.problems]
         truth = {p.id: str(p.ground_truth) for p in runner.env.problems}
         t0 = time.perf_counter()
-        episodes = runner.sample(question_ids=ids, num_samples=config.group_size, temperature=temperature,
-                                 return_logprobs=False)
+        episodes = runner.sample(question_ids=ids, num_samples=config.group_size, temperature=temperature, return_logprobs=False)
         sample_s = time.perf_counter() - t0
         tokenizer = runner.tokenizer
         token = boxed_first_token(tokenizer)
@@ -117,11 +116,11 @@ def measure(model_name: str, temperature: float, questions: int, seed: int, data
         p_box = box_probabilities(runner.backend, prompts, heads, token, temperature)
         right = np.asarray(right, dtype=float)
         # the boxed branch continued from its first token and verified
-        params = SamplingParams(max_new_tokens=FORCED_TOKENS, temperature=temperature,
-                                stop_token_ids=tuple(runner.stop_token_ids), return_logprobs=False)
+        params = SamplingParams(
+            max_new_tokens=FORCED_TOKENS, temperature=temperature, stop_token_ids=tuple(runner.stop_token_ids), return_logprobs=False
+        )
         forced = runner.backend.generate([p + h + [token] for p, h in zip(prompts, heads)], [1] * len(heads), params)
-        texts = [tokenizer.decode(h + [token] + [int(t) for t in c[0].token_ids], skip_special_tokens=True)
-                 for h, c in zip(heads, forced)]
+        texts = [tokenizer.decode(h + [token] + [int(t) for t in c[0].token_ids], skip_special_tokens=True) for h, c in zip(heads, forced)]
         box_rewarded = np.asarray([r.score >= 1.0 for r in runner.env.score(per_question, texts)], dtype=float)
         n = len(episodes)
         # each question's expected reward per answer -> the chance a group of G holds a success
@@ -131,12 +130,19 @@ def measure(model_name: str, temperature: float, questions: int, seed: int, data
         group_hit = np.mean([1.0 - np.prod(1.0 - np.asarray(v)) for v in by_q.values()])
         reward = float((p_box * box_rewarded).sum() / n)  # unparsed completions count as failures
         return {
-            "model": model_name, "temperature": temperature, "seed": seed, "answers": n,
-            "parsed": len(heads), "sampled_boxed": boxed_count / n, "sampled_reward": reward_count / n,
-            "expected_boxed": float(p_box.sum() / n), "expected_reward_per_answer": reward,
+            "model": model_name,
+            "temperature": temperature,
+            "seed": seed,
+            "answers": n,
+            "parsed": len(heads),
+            "sampled_boxed": boxed_count / n,
+            "sampled_reward": reward_count / n,
+            "expected_boxed": float(p_box.sum() / n),
+            "expected_reward_per_answer": reward,
             "number_right": float(right.mean()) if len(right) else float("nan"),
             "box_finished_right": float(box_rewarded.mean()) if len(heads) else float("nan"),
-            "successes_per_step": reward * config.completions_per_step, "groups_with_success": float(group_hit),
+            "successes_per_step": reward * config.completions_per_step,
+            "groups_with_success": float(group_hit),
             "sample_s": round(sample_s, 1),
         }
     finally:
@@ -149,8 +155,7 @@ def main():
     p.add_argument("--temperatures", nargs="+", type=float, default=[1.0])
     p.add_argument("--questions", type=int, default=1280)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", default="arithmetic:levels=1-4,n={n}",
-                   help='training questions ("{n}" takes --questions)')
+    p.add_argument("--dataset", default="arithmetic:levels=1-4,n={n}", help='training questions ("{n}" takes --questions)')
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "format_rate.json"))
     args = p.parse_args()
     for t in args.temperatures:
@@ -159,14 +164,18 @@ def main():
     start_ray()
     rows = [measure(args.model, t, args.questions, args.seed, args.dataset) for t in args.temperatures]
     print(f"\n{args.model}, {args.questions} questions x G, seed {args.seed}")
-    print(f"{'T':>5} {'answers':>8} {'boxed (sampled)':>16} {'boxed (expected)':>17} {'reward (sampled)':>17}"
-          f" {'number right':>13} {'box finished right':>19} {'reward (expected)':>18} {'successes/step':>15}"
-          f" {'groups w/ success':>18}")
+    print(
+        f"{'T':>5} {'answers':>8} {'boxed (sampled)':>16} {'boxed (expected)':>17} {'reward (sampled)':>17}"
+        f" {'number right':>13} {'box finished right':>19} {'reward (expected)':>18} {'successes/step':>15}"
+        f" {'groups w/ success':>18}"
+    )
     for r in rows:
-        print(f"{r['temperature']:>5} {r['answers']:>8} {r['sampled_boxed']:>16.5f} {r['expected_boxed']:>17.5f}"
-              f" {r['sampled_reward']:>17.5f} {r['number_right']:>13.3f} {r['box_finished_right']:>19.3f}"
-              f" {r['expected_reward_per_answer']:>18.5f}"
-              f" {r['successes_per_step']:>15.2f} {r['groups_with_success']:>18.4f}")
+        print(
+            f"{r['temperature']:>5} {r['answers']:>8} {r['sampled_boxed']:>16.5f} {r['expected_boxed']:>17.5f}"
+            f" {r['sampled_reward']:>17.5f} {r['number_right']:>13.3f} {r['box_finished_right']:>19.3f}"
+            f" {r['expected_reward_per_answer']:>18.5f}"
+            f" {r['successes_per_step']:>15.2f} {r['groups_with_success']:>18.4f}"
+        )
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     last = rows[-1]

@@ -27,6 +27,7 @@ algorithm's seeder uses, ``prompt_prefixes`` included):
 Repeated over ``--seeds`` (sampling seeds); prints one table and writes
 ``benchmarks/out/icl_rescue.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple:
     return (centre - half, centre + half)
 
 
-def measure(model: str, seed: int, questions: int, extra: int, num_examples: int,
-            dataset: str = DEFAULT_DATASET) -> dict:
+def measure(model: str, seed: int, questions: int, extra: int, num_examples: int, dataset: str = DEFAULT_DATASET) -> dict:
     from rllib_exgrpo.xrpo.icl import SolvedCorpus, format_examples
 
     # "{n}" in the dataset string takes --questions; a spec without it is used whole
@@ -97,8 +97,7 @@ def measure(model: str, seed: int, questions: int, extra: int, num_examples: int
                 out[q] = out[q] or e.get_return() >= 1.0
             return out
 
-        seeded = rescued(runner.sample(question_ids=seeded_ids, num_samples=extra, prompt_prefixes=prefixes,
-                                       return_logprobs=False))
+        seeded = rescued(runner.sample(question_ids=seeded_ids, num_samples=extra, prompt_prefixes=prefixes, return_logprobs=False))
         plain = rescued(runner.sample(question_ids=seeded_ids, num_samples=extra, return_logprobs=False))
         by_level: dict = {}
         for q in seeded_ids:
@@ -107,12 +106,19 @@ def measure(model: str, seed: int, questions: int, extra: int, num_examples: int
             lv["seeded"] += seeded[q]
             lv["plain"] += plain[q]
         return {
-            "model": model, "seed": seed, "questions": len(ids), "solved": len(ids) - len(failing),
-            "all_failing": len(failing), "seeded_questions": len(seeded_ids), "corpus": len(corpus),
-            "rescued_seeded": int(sum(seeded.values())), "rescued_plain": int(sum(plain.values())),
+            "model": model,
+            "seed": seed,
+            "questions": len(ids),
+            "solved": len(ids) - len(failing),
+            "all_failing": len(failing),
+            "seeded_questions": len(seeded_ids),
+            "corpus": len(corpus),
+            "rescued_seeded": int(sum(seeded.values())),
+            "rescued_plain": int(sum(plain.values())),
             "only_seeded": int(sum(seeded[q] and not plain[q] for q in seeded_ids)),
             "only_plain": int(sum(plain[q] and not seeded[q] for q in seeded_ids)),
-            "by_level": by_level, "wall_s": round(time.perf_counter() - t0, 1),
+            "by_level": by_level,
+            "wall_s": round(time.perf_counter() - t0, 1),
             "example_prefix": prefixes[0] if prefixes else "",
         }
     finally:
@@ -126,32 +132,41 @@ def main():
     p.add_argument("--extra", type=int, default=4, help="extra completions per all-failing question (icl_samples)")
     p.add_argument("--num-examples", type=int, default=2, help="worked examples per seeded prompt (icl_num_examples)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    p.add_argument("--dataset", default=DEFAULT_DATASET,
-                   help='training questions (a dataset spec; "{n}" takes --questions), e.g. "operators:seed=0"')
+    p.add_argument(
+        "--dataset", default=DEFAULT_DATASET, help='training questions (a dataset spec; "{n}" takes --questions), e.g. "operators:seed=0"'
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "icl_rescue.json"))
     args = p.parse_args()
     start_ray()
     rows = [measure(m, s, args.questions, args.extra, args.num_examples, args.dataset) for m in args.models for s in args.seeds]
-    print(f"\n{'model':<26}{'seed':>5}{'solved':>8}{'failing':>8}{'seeded':>7} | {'rescued seeded':>22} {'rescued plain':>22}"
-          f" | only-seeded only-plain")
+    print(
+        f"\n{'model':<26}{'seed':>5}{'solved':>8}{'failing':>8}{'seeded':>7} | {'rescued seeded':>22} {'rescued plain':>22}"
+        f" | only-seeded only-plain"
+    )
     for r in rows:
         n = r["seeded_questions"]
         cells = []
         for k in (r["rescued_seeded"], r["rescued_plain"]):
             lo, hi = wilson(k, n)
             cells.append(f"{k / max(n, 1):.3f} [{lo:.3f}, {hi:.3f}]")
-        print(f"{r['model']:<26}{r['seed']:>5}{r['solved']:>8}{r['all_failing']:>8}{n:>7} | {cells[0]:>22} {cells[1]:>22}"
-              f" | {r['only_seeded']:>11} {r['only_plain']:>10}")
+        print(
+            f"{r['model']:<26}{r['seed']:>5}{r['solved']:>8}{r['all_failing']:>8}{n:>7} | {cells[0]:>22} {cells[1]:>22}"
+            f" | {r['only_seeded']:>11} {r['only_plain']:>10}"
+        )
     for m in args.models:
         mine = [r for r in rows if r["model"] == m]
         n = sum(r["seeded_questions"] for r in mine)
         ks, kp = sum(r["rescued_seeded"] for r in mine), sum(r["rescued_plain"] for r in mine)
-        print(f"{m:<26} pooled over seeds: seeded {ks}/{n} = {ks / max(n, 1):.3f}, plain {kp}/{n} = {kp / max(n, 1):.3f},"
-              f" difference {(ks - kp) / max(n, 1):+.3f}; per level (seeded/plain/n): "
-              + ", ".join(f"L{lv}: {sum(r['by_level'].get(lv, {}).get('seeded', 0) for r in mine)}/"
-                          f"{sum(r['by_level'].get(lv, {}).get('plain', 0) for r in mine)}/"
-                          f"{sum(r['by_level'].get(lv, {}).get('n', 0) for r in mine)}"
-                          for lv in sorted({int(k) for r in mine for k in r['by_level']})))
+        print(
+            f"{m:<26} pooled over seeds: seeded {ks}/{n} = {ks / max(n, 1):.3f}, plain {kp}/{n} = {kp / max(n, 1):.3f},"
+            f" difference {(ks - kp) / max(n, 1):+.3f}; per level (seeded/plain/n): "
+            + ", ".join(
+                f"L{lv}: {sum(r['by_level'].get(lv, {}).get('seeded', 0) for r in mine)}/"
+                f"{sum(r['by_level'].get(lv, {}).get('plain', 0) for r in mine)}/"
+                f"{sum(r['by_level'].get(lv, {}).get('n', 0) for r in mine)}"
+                for lv in sorted({int(k) for r in mine for k in r["by_level"]})
+            )
+        )
     with open(args.out, "w") as fh:
         json.dump(rows, fh, indent=1)
     print(f"written: {args.out}")

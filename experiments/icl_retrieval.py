@@ -381,9 +381,7 @@ def agreement(n: int, n_queries: int, ks: Sequence[int], rng: np.random.Generato
             got = [(r.retrieve(q, k, ex), other.retrieve(q, k, ex)) for q, ex in qs]
             same = sum(a == b for a, b in got)
             same_set = sum(set(a) == set(b) for a, b in got)
-            rows.append(
-                dict(n=n, ref=r.name, impl=other.name, k=k, ordered=same / len(qs), as_set=same_set / len(qs))
-            )
+            rows.append(dict(n=n, ref=r.name, impl=other.name, k=k, ordered=same / len(qs), as_set=same_set / len(qs)))
     # score agreement of the exact-formula candidates
     for other in others:
         if other.name in ("bm25s", "SolvedCorpus"):
@@ -393,9 +391,7 @@ def agreement(n: int, n_queries: int, ks: Sequence[int], rng: np.random.Generato
                 b = other.c.scores(q) if isinstance(other, Corpus) else other.scores(q)
                 assert set(a) == set(b), (other.name, q)
                 worst = max([worst] + [abs(a[i] - b[i]) / max(abs(a[i]), 1e-300) for i in a])
-            rows.append(
-                dict(n=n, ref=ref.name, impl=other.name, k="scores", ordered=worst, as_set=float("nan"))
-            )
+            rows.append(dict(n=n, ref=ref.name, impl=other.name, k="scores", ordered=worst, as_set=float("nan")))
     return rows
 
 
@@ -413,10 +409,7 @@ def main() -> None:
     print(f"{'size':>6} {'impl':>14} {'add us':>9} {'rebuild ms':>11} {'query ms':>9} {'step ms':>9}")
     for n in args.sizes:
         for r in bench_size(n, args, rng):
-            print(
-                f"{r['n']:>6} {r['impl']:>14} {r['add_us']:>9.1f} {r['rebuild_ms']:>11.2f}"
-                f" {r['query_ms']:>9.3f} {r['step_ms']:>9.1f}"
-            )
+            print(f"{r['n']:>6} {r['impl']:>14} {r['add_us']:>9.1f} {r['rebuild_ms']:>11.2f} {r['query_ms']:>9.3f} {r['step_ms']:>9.1f}")
     print()
     print(f"agreement of top-k ids with the hand-written postings BM25 ({args.queries} queries)")
     print(f"{'size':>6} {'reference':>20} {'impl':>22} {'k':>6} {'ordered':>8} {'as set':>8}")

@@ -14,6 +14,7 @@ Writes ``learning_curves.png`` and ``learning_curves.csv`` and prints: held-out 
 mixed mode; XRPO's in-context seeding rescue rate (all-failing questions that got at least
 one correct completion once seeded).
 """
+
 from __future__ import annotations
 
 import csv
@@ -48,8 +49,7 @@ def plot_curves(runs, ax, *, x: str, iterations: int, budget_by_seed=None):
         else:
             top = min(budget_by_seed[r["seed"]] for r in mine)
             xs = np.linspace(0, top, 9)
-            acc = np.array([np.interp(xs, [e["tokens"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]])
-                            for r in mine])
+            acc = np.array([np.interp(xs, [e["tokens"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]]) for r in mine])
             xs = xs / 1e3
         ax.plot(xs, acc.mean(0), marker="o", ms=3, label=f"{LABELS.get(name, name)} (n={len(mine)})")
         ax.fill_between(xs, acc.min(0), acc.max(0), alpha=0.15)
@@ -68,10 +68,13 @@ def rescue_rate(run) -> float:
 
 def summary_lines(runs, iterations):
     steps = eval_steps(runs, iterations, interval=runs[0]["eval_interval"])
-    base = np.mean([median_step_s(r, iterations + 1) for r in runs if r["algo"] == "grpo"]) \
-        if any(r["algo"] == "grpo" for r in runs) else None
-    lines = ["held-out accuracy (greedy, 200 questions), mean ± std over seeds, by training step",
-             f"{'method':<13}" + "".join(f"{s:>13}" for s in steps) + "    s/step  vs GRPO"]
+    base = (
+        np.mean([median_step_s(r, iterations + 1) for r in runs if r["algo"] == "grpo"]) if any(r["algo"] == "grpo" for r in runs) else None
+    )
+    lines = [
+        "held-out accuracy (greedy, 200 questions), mean ± std over seeds, by training step",
+        f"{'method':<13}" + "".join(f"{s:>13}" for s in steps) + "    s/step  vs GRPO",
+    ]
     for name in dict.fromkeys(r["algo"] for r in runs):
         mine = [r for r in runs if r["algo"] == name]
         cells = ""
@@ -82,13 +85,15 @@ def summary_lines(runs, iterations):
         ratio = f"{wall / base:6.3f}x" if base else ""
         lines.append(f"{LABELS.get(name, name):<13}{cells}  {wall:7.2f}  {ratio}")
     stages = ("sample", "learner_update_timer", "replay_choice", "buffer_update")
-    extra = ["", "median seconds per stage of a step (this project's algorithms; PPO has no stage timers):",
-             f"{'method':<13}" + "".join(f"{st:>22}" for st in stages)]
+    extra = [
+        "",
+        "median seconds per stage of a step (this project's algorithms; PPO has no stage timers):",
+        f"{'method':<13}" + "".join(f"{st:>22}" for st in stages),
+    ]
     for name in dict.fromkeys(r["algo"] for r in runs):
         mine = [s["stage_s"] for r in runs if r["algo"] == name for s in r["steps"][1:iterations]]
         if mine and any(mine):
-            extra.append(f"{LABELS.get(name, name):<13}" + "".join(
-                f"{np.median([m.get(st, 0.0) for m in mine]):>22.3f}" for st in stages))
+            extra.append(f"{LABELS.get(name, name):<13}" + "".join(f"{np.median([m.get(st, 0.0) for m in mine]):>22.3f}" for st in stages))
     extra.append("")
     for name in dict.fromkeys(r["algo"] for r in runs):
         mine = [r for r in runs if r["algo"] == name]
@@ -98,9 +103,12 @@ def summary_lines(runs, iterations):
         rates = [rescue_rate(r) for r in mine]
         if any(not math.isnan(x) for x in rates):
             seeded = [sum(s["xrpo"].get("seeded_questions", 0.0) for s in r["steps"]) for r in mine]
-            extra.append(f"{LABELS.get(name, name)}: in-context seeding rescued "
-                         + ", ".join(f"{x:.1%}" for x in rates) + " of the seeded all-failing questions "
-                         f"(per seed; {', '.join(str(int(n)) for n in seeded)} seeded)")
+            extra.append(
+                f"{LABELS.get(name, name)}: in-context seeding rescued "
+                + ", ".join(f"{x:.1%}" for x in rates)
+                + " of the seeded all-failing questions "
+                f"(per seed; {', '.join(str(int(n)) for n in seeded)} seeded)"
+            )
     return lines + extra
 
 
@@ -110,8 +118,7 @@ def write_csv(runs, path: Path):
         w.writerow(["method", "seed", "step", "sampled_tokens", "heldout_accuracy", "median_step_s"])
         for r in runs:
             for e in r["evals"]:
-                w.writerow([r["algo"], r["seed"], e["step"], int(e["tokens"]), f"{e['accuracy']:.4f}",
-                            f"{median_step_s(r):.3f}"])
+                w.writerow([r["algo"], r["seed"], e["step"], int(e["tokens"]), f"{e['accuracy']:.4f}", f"{median_step_s(r):.3f}"])
 
 
 def main():

@@ -23,6 +23,7 @@ the lr pick reads), every 10 iterations. Selection: the highest mean over seeds 
 gain, end minus start, at each arm's picked lr. Criterion: LoRA's mean gain >= half of full
 fine-tuning's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,15 +75,31 @@ def within_noise(mean: float, half: float) -> str:
 
 
 def run(arm: str, lr: float, seed: int, args) -> dict:
-    return tb.train_run(RECIPE, seed, iterations=args.iterations, token_budget=None,
-                        eval_interval=args.eval_interval, overrides=arm_overrides(arm, lr), out=args.out)
+    return tb.train_run(
+        RECIPE,
+        seed,
+        iterations=args.iterations,
+        token_budget=None,
+        eval_interval=args.eval_interval,
+        overrides=arm_overrides(arm, lr),
+        out=args.out,
+    )
 
 
 def cached(arm: str, lr: float, seed: int, args) -> dict:
     """The cached run, or None (never trains)."""
-    key = {"algo": RECIPE, "seed": seed, "iterations": args.iterations, "token_budget": None,
-           "eval_interval": args.eval_interval, "overrides": arm_overrides(arm, lr), "model": None,
-           "format": _runs.RUN_FORMAT, "testbed": tb.TESTBED_FORMAT, "model_build": _runs.model_build(RECIPE)}
+    key = {
+        "algo": RECIPE,
+        "seed": seed,
+        "iterations": args.iterations,
+        "token_budget": None,
+        "eval_interval": args.eval_interval,
+        "overrides": arm_overrides(arm, lr),
+        "model": None,
+        "format": _runs.RUN_FORMAT,
+        "testbed": tb.TESTBED_FORMAT,
+        "model_build": _runs.model_build(RECIPE),
+    }
     path = _runs._cache_path(args.out, key)
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -91,9 +108,14 @@ def jobs(todo: List[tuple], args) -> List[_parallel_runs.Job]:
     logs = args.out / "_logs"
     logs.mkdir(parents=True, exist_ok=True)
     common = ["--iterations", str(args.iterations), "--eval-interval", str(args.eval_interval), "--out", str(args.out)]
-    return [_parallel_runs.Job(f"{arm}:{lr:g}:{seed}", _parallel_runs.python_argv(
-        Path(__file__).resolve(), ["--one", arm, repr(lr), str(seed), *common]),
-        log=logs / f"{arm}-lr{lr:g}-seed{seed}.log") for arm, lr, seed in todo]
+    return [
+        _parallel_runs.Job(
+            f"{arm}:{lr:g}:{seed}",
+            _parallel_runs.python_argv(Path(__file__).resolve(), ["--one", arm, repr(lr), str(seed), *common]),
+            log=logs / f"{arm}-lr{lr:g}-seed{seed}.log",
+        )
+        for arm, lr, seed in todo
+    ]
 
 
 def ensure(todo: List[tuple], args) -> None:
@@ -110,10 +132,14 @@ def ensure(todo: List[tuple], args) -> None:
 def summary(runs: List[dict]) -> dict:
     start = [r["evals"][0]["accuracy"] for r in runs]
     end = [r["evals"][-1]["accuracy"] for r in runs]
-    return {"val": float(np.mean([tb.tail(r, None, "val") for r in runs])),
-            "start": float(np.mean(start)), "end": tb.ci95(end),
-            "gain": tb.ci95([e - s for s, e in zip(start, end)]), "gains": [e - s for s, e in zip(start, end)],
-            "s_iter": float(np.mean([_runs.median_step_s(r) for r in runs]))}
+    return {
+        "val": float(np.mean([tb.tail(r, None, "val") for r in runs])),
+        "start": float(np.mean(start)),
+        "end": tb.ci95(end),
+        "gain": tb.ci95([e - s for s, e in zip(start, end)]),
+        "gains": [e - s for s, e in zip(start, end)],
+        "s_iter": float(np.mean([_runs.median_step_s(r) for r in runs])),
+    }
 
 
 def main():
@@ -135,34 +161,43 @@ def main():
 
     grid = {"full": args.full_lrs, "lora": args.lora_lrs}
     ensure([(arm, lr, s) for arm, lrs in grid.items() for lr in lrs for s in args.seeds], args)
-    res = {arm: {lr: [r for r in (cached(arm, lr, s, args) for s in args.seeds) if r] for lr in lrs}
-           for arm, lrs in grid.items()}
-    best = {arm: pick_lr({lr: [tb.tail(r, None, "val") for r in rs] for lr, rs in res[arm].items() if rs})
-            for arm in grid}
+    res = {arm: {lr: [r for r in (cached(arm, lr, s, args) for s in args.seeds) if r] for lr in lrs} for arm, lrs in grid.items()}
+    best = {arm: pick_lr({lr: [tb.tail(r, None, "val") for r in rs] for lr, rs in res[arm].items() if rs}) for arm in grid}
     ensure([("colocated", best["full"], s) for s in args.seeds], args)
     coloc = [r for r in (cached("colocated", best["full"], s, args) for s in args.seeds) if r]
 
-    lines = [f"{args.iterations} iterations, seeds {args.seeds}; val = mean over seeds of the validation tail; "
-             "held-out = first 200 test questions (mean ± 95% t over seeds)"]
+    lines = [
+        f"{args.iterations} iterations, seeds {args.seeds}; val = mean over seeds of the validation tail; "
+        "held-out = first 200 test questions (mean ± 95% t over seeds)"
+    ]
     for arm, lrs in res.items():
-        lines.append(f"{arm}: val by lr " + ", ".join(f"{lr:g}: {summary(rs)['val']:.3f}" for lr, rs in lrs.items() if rs)
-                     + f"; picked {best[arm]:g}")
+        lines.append(
+            f"{arm}: val by lr "
+            + ", ".join(f"{lr:g}: {summary(rs)['val']:.3f}" for lr, rs in lrs.items() if rs)
+            + f"; picked {best[arm]:g}"
+        )
     rows = {"full": res["full"][best["full"]], "lora": res["lora"][best["lora"]], "colocated": coloc}
     for name, rs in rows.items():
         if not rs:
             continue
         s = summary(rs)
-        lines.append(f"  {name:<10} n={len(rs)} start {s['start']:.3f} end {s['end'][0]:.3f} ± {s['end'][1]:.3f} "
-                     f"gain {s['gain'][0]:+.3f} ± {s['gain'][1]:.3f} (per seed "
-                     f"{', '.join(f'{g:+.3f}' for g in s['gains'])}), {s['s_iter']:.2f} s/iter")
+        lines.append(
+            f"  {name:<10} n={len(rs)} start {s['start']:.3f} end {s['end'][0]:.3f} ± {s['end'][1]:.3f} "
+            f"gain {s['gain'][0]:+.3f} ± {s['gain'][1]:.3f} (per seed "
+            f"{', '.join(f'{g:+.3f}' for g in s['gains'])}), {s['s_iter']:.2f} s/iter"
+        )
     g_full, g_lora = summary(rows["full"])["gain"][0], summary(rows["lora"])["gain"][0]
-    lines.append(f"criterion LoRA gain >= half of full's: {g_lora:+.3f} vs {0.5 * g_full:+.3f}: "
-                 f"{'met' if meets_criterion(g_lora, g_full) else 'NOT met'}")
+    lines.append(
+        f"criterion LoRA gain >= half of full's: {g_lora:+.3f} vs {0.5 * g_full:+.3f}: "
+        f"{'met' if meets_criterion(g_lora, g_full) else 'NOT met'}"
+    )
     if coloc:
         by_seed = {r["seed"]: r["evals"][-1]["accuracy"] for r in rows["full"]}
         d = tb.ci95([r["evals"][-1]["accuracy"] - by_seed[r["seed"]] for r in coloc if r["seed"] in by_seed])
-        lines.append(f"colocated - default, held-out at iteration {args.iterations}, paired: {d[0]:+.3f} ± {d[1]:.3f} "
-                     f"(95% t, n={d[2]}): {within_noise(*d[:2])}")
+        lines.append(
+            f"colocated - default, held-out at iteration {args.iterations}, paired: {d[0]:+.3f} ± {d[1]:.3f} "
+            f"(95% t, n={d[2]}): {within_noise(*d[:2])}"
+        )
     text = "\n".join(lines)
     print(text)
     (args.out / "report.txt").write_text(text + "\n")

@@ -16,6 +16,7 @@ The level split answers one question the 200-question figure cannot: whether the
 job's gap to its twin sits on the levels its retirement takes out of training (questions
 solved 8/8, mostly levels 1-2) or on the hard levels its replay draws from.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,7 @@ def level_scores(questions) -> dict:
     first = float(np.mean([correct[q.id] for q in questions[:FIRST]]))
     kept = [q for i, q in enumerate(questions) if not VAL_SLICE[0] <= i < VAL_SLICE[1]]
     scores = final_set_scores(kept, correct)
-    by_level = {k[len("final_"):]: v for k, v in scores.items() if k.startswith("final_L")}
+    by_level = {k[len("final_") :]: v for k, v in scores.items() if k.startswith("final_L")}
     return {"first200": first, **by_level, "final": scores["final"]}
 
 

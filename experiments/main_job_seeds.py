@@ -18,6 +18,7 @@ the label from ``--label``), and the twin's runs are shared.
 A run whose result folder already holds a finished trial (80 iterations) is read, not run
 again: delete ``--storage-path`` to start over.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,16 @@ def _run(file: str, seed: int, storage: Path, rllib: str, extra: Optional[dict] 
     if not rows or rows[-1]["training_iteration"] < 80:
         if folder.exists():  # an interrupted run: start it over in a clean folder
             shutil.rmtree(folder)
-        cmd = [rllib, "train", "file", str(ROOT / "tuned_examples" / file),
-               "--config", json.dumps({"seed": seed, **(extra or {})}), "--storage-path", str(folder)]
+        cmd = [
+            rllib,
+            "train",
+            "file",
+            str(ROOT / "tuned_examples" / file),
+            "--config",
+            json.dumps({"seed": seed, **(extra or {})}),
+            "--storage-path",
+            str(folder),
+        ]
         t0 = time.time()
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         wall = time.time() - t0
@@ -63,8 +72,13 @@ def heldout_summary(rows: list) -> dict:
     measured = [r for r in rows if "heldout" in r and r["heldout"]["accuracy"] == r["heldout"]["accuracy"]]
     curve = {int(r["heldout"]["after_iteration"]): r["heldout"]["accuracy"] for r in measured}
     last = rows[-1]
-    return {"start": last["heldout"]["initial_accuracy"], "end": last["heldout"]["accuracy"],
-            "peak": max(curve.values()), "curve": curve, "iterations": last["training_iteration"]}
+    return {
+        "start": last["heldout"]["initial_accuracy"],
+        "end": last["heldout"]["accuracy"],
+        "peak": max(curve.values()),
+        "curve": curve,
+        "iterations": last["training_iteration"],
+    }
 
 
 def _warm_start_sha() -> str:
@@ -77,8 +91,7 @@ def _warm_start_sha() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    ap.add_argument("--files", nargs=2, default=["exgrpo_tiny.yaml", "grpo_tiny.yaml"],
-                    metavar=("MAIN", "TWIN"))
+    ap.add_argument("--files", nargs=2, default=["exgrpo_tiny.yaml", "grpo_tiny.yaml"], metavar=("MAIN", "TWIN"))
     ap.add_argument("--storage-path", default=str(ROOT / "benchmarks" / "out" / "main_job"))
     ap.add_argument("--main-config", default="{}", help="JSON keys added to the main job's --config")
     ap.add_argument("--label", default="", help="folder label of the main runs under --main-config")
@@ -94,11 +107,15 @@ def main() -> int:
         a = _run(main_file, seed, storage, args.rllib, extra, args.label)
         b = _run(twin_file, seed, storage, args.rllib)
         wall = " / ".join("cached" if r["wall_s"] is None else f"{r['wall_s']:.0f} s" for r in (a, b))
-        print(f"{seed:>4}  {a['start']:.3f} -> {a['end']:.3f} ({100 * (a['end'] - a['start']):+5.1f})  "
-              f"{a['peak']:.3f}  {b['end']:>9.3f}  {100 * (a['end'] - b['end']):+11.1f}  {wall}", flush=True)
+        print(
+            f"{seed:>4}  {a['start']:.3f} -> {a['end']:.3f} ({100 * (a['end'] - a['start']):+5.1f})  "
+            f"{a['peak']:.3f}  {b['end']:>9.3f}  {100 * (a['end'] - b['end']):+11.1f}  {wall}",
+            flush=True,
+        )
         for label, r in (("main", a), ("twin", b)):
-            print(f"      {label} held-out by iteration: "
-                  + " ".join(f"{it}:{acc:.3f}" for it, acc in sorted(r["curve"].items())), flush=True)
+            print(
+                f"      {label} held-out by iteration: " + " ".join(f"{it}:{acc:.3f}" for it, acc in sorted(r["curve"].items())), flush=True
+            )
     sys.path.insert(0, str(ROOT))
     print(f"warm start: sha256 {_warm_start_sha()[:16]}")
     return 0

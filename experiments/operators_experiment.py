@@ -50,6 +50,7 @@ The last line is ``exgrpo_minus_grpo=<paired mean difference of test@budget>`` f
 phase, ``warm_start_hard_gain=<paired mean difference on the warm-start hard training
 questions>`` for the positive phase.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -125,9 +126,21 @@ def recipe_key(recipe: str) -> dict:
     return {"recipe_settings": hashlib.sha1(canonical).hexdigest()[:12]}
 
 
-def train_run(variant: str, recipe: str, overrides: dict, seed: int, *, task_seed: int, shuffled: bool,
-              iterations: int, token_budget: Optional[float], eval_interval: int, out: Path, log=print,
-              train_end_eval: bool = False) -> dict:
+def train_run(
+    variant: str,
+    recipe: str,
+    overrides: dict,
+    seed: int,
+    *,
+    task_seed: int,
+    shuffled: bool,
+    iterations: int,
+    token_budget: Optional[float],
+    eval_interval: int,
+    out: Path,
+    log=print,
+    train_end_eval: bool = False,
+) -> dict:
     """One cached run; ``train_end_eval`` adds the positive control's end record (every
     training question answered greedily, ExGRPO's pool), under its own cache key."""
     spec = task_spec(task_seed, shuffled)
@@ -135,22 +148,36 @@ def train_run(variant: str, recipe: str, overrides: dict, seed: int, *, task_see
 
     def step_fields(result) -> dict:
         learner = (result.get("learners") or {}).get("default_policy", {})
-        return {"top": {k: float(result[k]) for k in tb.TOP_KEYS if isinstance(result.get(k), (int, float))},
-                "learner": {k: float(learner[k]) for k in tb.LEARNER_KEYS if isinstance(learner.get(k), (int, float))}}
+        return {
+            "top": {k: float(result[k]) for k in tb.TOP_KEYS if isinstance(result.get(k), (int, float))},
+            "learner": {k: float(learner[k]) for k in tb.LEARNER_KEYS if isinstance(learner.get(k), (int, float))},
+        }
 
     def extra_eval(algo, max_tokens):
         return {**split_eval(algo, "validation", max_tokens), **split_eval(algo, "test", max_tokens)}
 
     def on_eval(e: dict, elapsed: float) -> None:
-        log(f"  {variant} seed {seed} step {e['step']}: tokens {int(e['tokens']):,}, val {e['validation']:.3f}"
+        log(
+            f"  {variant} seed {seed} step {e['step']}: tokens {int(e['tokens']):,}, val {e['validation']:.3f}"
             f" test {e['test']:.3f} (L1 {e['test_L1']:.2f} L2 {e['test_L2']:.2f} L3 {e['test_L3']:.2f}),"
-            f" {elapsed:.0f} s", flush=True)
+            f" {elapsed:.0f} s",
+            flush=True,
+        )
 
     run = _runs.train_run(
-        recipe, seed, iterations=iterations, token_budget=token_budget, eval_interval=eval_interval,
-        overrides=overrides, out=out, extra_eval=extra_eval, step_fields=step_fields, on_eval=on_eval,
+        recipe,
+        seed,
+        iterations=iterations,
+        token_budget=token_budget,
+        eval_interval=eval_interval,
+        overrides=overrides,
+        out=out,
+        extra_eval=extra_eval,
+        step_fields=step_fields,
+        on_eval=on_eval,
         key_extra={"operators": OPS_FORMAT, **recipe_key(recipe), **(rc.CONTROL_KEY if train_end_eval else {})},
-        heldout_dataset=spec, end_eval=rc.end_eval if train_end_eval else None,
+        heldout_dataset=spec,
+        end_eval=rc.end_eval if train_end_eval else None,
     )
     for e in run["evals"]:  # the benchmark's names for the two evaluators
         e["val"] = e["validation"]
@@ -163,27 +190,29 @@ def report(runs: Dict[str, List[dict]], budgets: Dict[int, float]) -> List[str]:
         m, h, n = tb.ci95([fn(r, budgets[r["seed"]], field) for r in mine])
         return f"{m:.3f}" + (f"±{h:.3f}" if not math.isnan(h) else "      ")
 
-    lines = ["budget per seed: " + ", ".join(f"seed {s}: {int(b):,}" for s, b in budgets.items()), "",
-             f"{'variant':<22}{'n':>2} {'test@budget':>14} {'L1':>6} {'L2':>6} {'L3':>6} {'test_tail':>14}"
-             f" {'val@budget':>14} {'val_tail':>14} {'steps':>5} | solve zero_var all_ok replayed pool retired"]
+    lines = [
+        "budget per seed: " + ", ".join(f"seed {s}: {int(b):,}" for s, b in budgets.items()),
+        "",
+        f"{'variant':<22}{'n':>2} {'test@budget':>14} {'L1':>6} {'L2':>6} {'L3':>6} {'test_tail':>14}"
+        f" {'val@budget':>14} {'val_tail':>14} {'steps':>5} | solve zero_var all_ok replayed pool retired",
+    ]
     for name, mine in runs.items():
         steps = np.mean([tb._reach(r, budgets[r["seed"]]) for r in mine])
         ms = [tb.run_metrics(r, tb._reach(r, budgets[r["seed"]])) for r in mine]
-        avg = {k: float(np.nanmean([x[k] for x in ms])) if not all(math.isnan(x[k]) for x in ms) else math.nan
-               for k in ms[0]}
+        avg = {k: float(np.nanmean([x[k] for x in ms])) if not all(math.isnan(x[k]) for x in ms) else math.nan for k in ms[0]}
         lv = [np.mean([tb.at_budget(r, budgets[r["seed"]], f"test_L{k}") for r in mine]) for k in (1, 2, 3)]
         lines.append(
             f"{name:<22}{len(mine):>2} {cell(mine, 'test'):>14} {lv[0]:>6.3f} {lv[1]:>6.3f} {lv[2]:>6.3f}"
             f" {cell(mine, 'test', tb.tail):>14} {cell(mine, 'val'):>14} {cell(mine, 'val', tb.tail):>14}"
             f" {steps:>5.0f} | {avg['solve']:.3f} {avg['zero_var']:.3f}  {avg['all_ok']:.3f}  {avg['replayed']:.3f}"
-            f" {avg['pool']:>5.0f} {avg['retired']:>6.0f}")
+            f" {avg['pool']:>5.0f} {avg['retired']:>6.0f}"
+        )
     lines += ["", "per run: variant seed | test@budget val@budget | test/val at each evaluation step"]
     for name, mine in runs.items():
         for r in mine:
             b = budgets[r["seed"]]
             curve = " ".join(f"{e['step']}:{e['test']:.2f}/{e['val']:.2f}" for e in r["evals"])
-            lines.append(f"{name:<22} {r['seed']} | {tb.at_budget(r, b, 'test'):.3f} {tb.at_budget(r, b, 'val'):.3f}"
-                         f" | {curve}")
+            lines.append(f"{name:<22} {r['seed']} | {tb.at_budget(r, b, 'test'):.3f} {tb.at_budget(r, b, 'val'):.3f} | {curve}")
     return lines
 
 
@@ -210,14 +239,15 @@ def paired_lines(runs: Dict[str, List[dict]], budgets, a: str, b: str, rng_seed:
         cols = rng.integers(0, d.shape[1], d.shape[1])
         boot.append(d[np.ix_(rows, cols)].mean())
     lo, hi = np.percentile(boot, [2.5, 97.5])
-    line = (f"{a} - {b} (test@budget, paired over seeds {seeds}): {m:+.3f} ± {h:.3f} (95% t, n={n});"
-            f" bootstrap over seeds and questions [{lo:+.3f}, {hi:+.3f}]")
+    line = (
+        f"{a} - {b} (test@budget, paired over seeds {seeds}): {m:+.3f} ± {h:.3f} (95% t, n={n});"
+        f" bootstrap over seeds and questions [{lo:+.3f}, {hi:+.3f}]"
+    )
     return line, m
 
 
 # ---- phases ------------------------------------------------------------------------------
-def positive_lines(grpo_runs: List[dict], exgrpo_runs: List[dict], budgets: Dict[int, float], best: dict,
-                   spec: str, out: Path) -> tuple:
+def positive_lines(grpo_runs: List[dict], exgrpo_runs: List[dict], budgets: Dict[int, float], best: dict, spec: str, out: Path) -> tuple:
     """The positive control's table (per seed: each set's size and both accuracies) and the
     paired mean difference on the warm-start hard set."""
     model = best["grpo"].get("model_name_or_path")
@@ -245,18 +275,34 @@ def search_variants() -> Dict[str, tuple]:
 
 def final_variants(best: dict) -> Dict[str, tuple]:
     g, e = best["grpo"], best["exgrpo"]
-    return {"grpo": (G, g, False), "exgrpo": (E, e, False),
-            "exgrpo_prompt": (E, {**e, "replay_content": "prompt"}, False),
-            "grpo_shuffled": (G, g, True), "exgrpo_shuffled": (E, e, True)}
+    return {
+        "grpo": (G, g, False),
+        "exgrpo": (E, e, False),
+        "exgrpo_prompt": (E, {**e, "replay_content": "prompt"}, False),
+        "grpo_shuffled": (G, g, True),
+        "exgrpo_shuffled": (E, e, True),
+    }
 
 
 def parallel_jobs(args, variants: Dict[str, tuple], ref: str) -> List["_parallel_runs.Job"]:
     """One job per (variant, seed) for ``--workers``: this script on that one run (the
     reference of each seed first, every other variant after its seed's reference)."""
-    common = ["--task-seed", str(args.task_seed), "--iterations", str(args.iterations),
-              "--eval-interval", str(args.eval_interval), "--out", str(args.out)]
-    for flag, value in (("--phase", args.phase), ("--variants", args.variants), ("--best", args.best),
-                        ("--task-options", args.task_options)):
+    common = [
+        "--task-seed",
+        str(args.task_seed),
+        "--iterations",
+        str(args.iterations),
+        "--eval-interval",
+        str(args.eval_interval),
+        "--out",
+        str(args.out),
+    ]
+    for flag, value in (
+        ("--phase", args.phase),
+        ("--variants", args.variants),
+        ("--best", args.best),
+        ("--task-options", args.task_options),
+    ):
         if value:
             common += [flag, value]
     if args.shuffled:
@@ -283,11 +329,11 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--iterations", type=int, default=80)
     ap.add_argument("--eval-interval", type=int, default=10)
     ap.add_argument("--only", nargs="+", default=None, help="run only these variants of the phase")
-    ap.add_argument("--task-options", default="",
-                    help='extra options of the operators dataset for every run, e.g. "families=4"')
+    ap.add_argument("--task-options", default="", help='extra options of the operators dataset for every run, e.g. "families=4"')
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "operators")
-    ap.add_argument("--workers", type=int, default=1,
-                    help="runs at once, one process pinned to each core (_parallel_runs); 1: one after another here")
+    ap.add_argument(
+        "--workers", type=int, default=1, help="runs at once, one process pinned to each core (_parallel_runs); 1: one after another here"
+    )
     args = ap.parse_args()
     if args.workers < 1:
         raise SystemExit(f"--workers {args.workers}: must be at least 1")
@@ -301,8 +347,7 @@ def phase_variants(args) -> tuple:
     best = None
     if args.variants:
         raw = json.loads(args.variants)
-        variants = {k: ({"grpo": G, "exgrpo": E}[v[0]], v[1], bool(v[2]) if len(v) > 2 else False)
-                    for k, v in raw.items()}
+        variants = {k: ({"grpo": G, "exgrpo": E}[v[0]], v[1], bool(v[2]) if len(v) > 2 else False) for k, v in raw.items()}
         # the budget's reference: the first GRPO variant, else the first variant (which then
         # runs its --iterations steps, and the others match its tokens)
         ref = next((k for k, v in variants.items() if v[0] == G), next(iter(variants)))
@@ -311,7 +356,7 @@ def phase_variants(args) -> tuple:
         ref = f"grpo_lr{SEARCH_LRS[0]:g}"
     else:
         if not args.best:
-            raise SystemExit(f"--phase {args.phase} needs --best '{{\"grpo\": {{...}}, \"exgrpo\": {{...}}}}'")
+            raise SystemExit(f'--phase {args.phase} needs --best \'{{"grpo": {{...}}, "exgrpo": {{...}}}}\'')
         best = json.loads(args.best)
         ref = "grpo"
         if args.phase == "final":
@@ -321,12 +366,17 @@ def phase_variants(args) -> tuple:
             ref = f"grpo{suffix}"
             variants = {ref: (G, best["grpo"], args.shuffled), f"exgrpo{suffix}": (E, best["exgrpo"], args.shuffled)}
         elif args.phase == "ablate":
-            variants = {"grpo": (G, best["grpo"], False),
-                        **{f"exgrpo_{k}": (E, {**best["exgrpo"], **v}, False) for k, v in ABLATIONS.items()}}
+            variants = {
+                "grpo": (G, best["grpo"], False),
+                **{f"exgrpo_{k}": (E, {**best["exgrpo"], **v}, False) for k, v in ABLATIONS.items()},
+            }
         else:
-            variants = {"grpo": (G, best["grpo"], False), "exgrpo": (E, best["exgrpo"], False),
-                        "xrpo": (G, {**best["grpo"], **XRPO_KEYS}, False),
-                        "exgrpo_xrpo": (E, {**best["exgrpo"], **XRPO_KEYS}, False)}
+            variants = {
+                "grpo": (G, best["grpo"], False),
+                "exgrpo": (E, best["exgrpo"], False),
+                "xrpo": (G, {**best["grpo"], **XRPO_KEYS}, False),
+                "exgrpo_xrpo": (E, {**best["exgrpo"], **XRPO_KEYS}, False),
+            }
     if args.only:
         variants = {k: v for k, v in variants.items() if k in set(args.only) | {ref}}
     return variants, ref, best
@@ -341,14 +391,27 @@ def run_variants(args, variants: Dict[str, tuple], ref: str, t0: float) -> tuple
         # The runs train in child processes, one per core; the pass below then reads them
         # all from the cache and reports as a one-process run would.
         seconds = _parallel_runs.run_jobs(parallel_jobs(args, variants, ref), args.workers)
-        print(f"{len(seconds)} runs on {args.workers} workers: {time.time() - t0:.0f} s wall,"
-              f" {sum(seconds.values()):.0f} s of runs", flush=True)
+        print(
+            f"{len(seconds)} runs on {args.workers} workers: {time.time() - t0:.0f} s wall, {sum(seconds.values()):.0f} s of runs",
+            flush=True,
+        )
     budgets: Dict[int, float] = {}
     runs: Dict[str, List[dict]] = {k: [] for k in variants}
     for seed in args.seeds:
         r, o, sh = variants[ref]
-        first = train_run(ref, r, o, seed, task_seed=args.task_seed, shuffled=sh, iterations=args.iterations,
-                          token_budget=None, eval_interval=args.eval_interval, out=args.out, train_end_eval=positive)
+        first = train_run(
+            ref,
+            r,
+            o,
+            seed,
+            task_seed=args.task_seed,
+            shuffled=sh,
+            iterations=args.iterations,
+            token_budget=None,
+            eval_interval=args.eval_interval,
+            out=args.out,
+            train_end_eval=positive,
+        )
         budgets[seed] = first["steps"][args.iterations - 1]["tokens"]  # the reference's tokens
         runs[ref].append(first)
         for name, (r, o, sh) in variants.items():
@@ -356,9 +419,21 @@ def run_variants(args, variants: Dict[str, tuple], ref: str, t0: float) -> tuple
                 continue
             # every arm, the shuffled pair included, spends the reference GRPO's tokens
             budget = budgets[seed]
-            runs[name].append(train_run(name, r, o, seed, task_seed=args.task_seed, shuffled=sh,
-                                        iterations=args.iterations, token_budget=budget,
-                                        eval_interval=args.eval_interval, out=args.out, train_end_eval=positive))
+            runs[name].append(
+                train_run(
+                    name,
+                    r,
+                    o,
+                    seed,
+                    task_seed=args.task_seed,
+                    shuffled=sh,
+                    iterations=args.iterations,
+                    token_budget=budget,
+                    eval_interval=args.eval_interval,
+                    out=args.out,
+                    train_end_eval=positive,
+                )
+            )
     return runs, budgets
 
 
@@ -366,8 +441,14 @@ def paired_comparison_lines(runs: Dict[str, List[dict]], budgets: Dict[int, floa
     """``(lines, exgrpo_minus_grpo)``: the paired comparison of each pair of arms present (e.g.
     the shuffled pair run on its own), and ExGRPO's mean difference to GRPO (None without both)."""
     lines, last = [""], None
-    for a, b in (("exgrpo", "grpo"), ("exgrpo", "exgrpo_prompt"), ("exgrpo_shuffled", "grpo_shuffled"),
-                 ("xrpo", "grpo"), ("exgrpo_xrpo", "grpo"), ("exgrpo_xrpo", "exgrpo")):
+    for a, b in (
+        ("exgrpo", "grpo"),
+        ("exgrpo", "exgrpo_prompt"),
+        ("exgrpo_shuffled", "grpo_shuffled"),
+        ("xrpo", "grpo"),
+        ("exgrpo_xrpo", "grpo"),
+        ("exgrpo_xrpo", "exgrpo"),
+    ):
         if a in runs and b in runs:
             line, m = paired_lines(runs, budgets, a, b)
             lines.append(line)
@@ -388,9 +469,11 @@ def main():
     from rllib_exgrpo.envs.operators import family_blind_accuracy
 
     blind = family_blind_accuracy(task_spec(args.task_seed))
-    lines = [f"operators experiment, phase {args.phase or 'variants'}, task {task_spec(args.task_seed)}, seeds {args.seeds}"
-             f" ({time.time() - t0:.0f} s)",
-             "family-blind answers on test by chain length: " + " ".join(f"L{k} {v:.3f}" for k, v in blind.items())]
+    lines = [
+        f"operators experiment, phase {args.phase or 'variants'}, task {task_spec(args.task_seed)}, seeds {args.seeds}"
+        f" ({time.time() - t0:.0f} s)",
+        "family-blind answers on test by chain length: " + " ".join(f"L{k} {v:.3f}" for k, v in blind.items()),
+    ]
     lines += report(runs, budgets)
     last = None
     if len(args.seeds) > 1:  # each pair present, e.g. the shuffled pair run on its own
@@ -399,8 +482,7 @@ def main():
     if positive:
         last = None
         grpo_runs, exgrpo_runs = runs[ref], runs[next(k for k in variants if k != ref)]
-        control, gain = positive_lines(grpo_runs, exgrpo_runs, budgets, best, task_spec(args.task_seed, args.shuffled),
-                                       args.out)
+        control, gain = positive_lines(grpo_runs, exgrpo_runs, budgets, best, task_spec(args.task_seed, args.shuffled), args.out)
         lines += [""] + control
     print("\n".join(lines))
     if positive:

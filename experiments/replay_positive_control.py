@@ -23,6 +23,7 @@ rest (mostly questions retired as solved G in G, which leave the fresh data).
 
 The last line is ``warm_start_hard_gain=<mean paired ExGRPO - GRPO accuracy on that set>``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,19 +52,34 @@ def warm_start_solve_counts(seed: int, out: Path, dataset: str) -> Dict[str, int
 
 def run(name: str, seed: int, budget, out: Path, dataset: str) -> dict:
     overrides = {**PICKS[name], "env_config": {"dataset": dataset}}
-    return _runs.train_run(name, seed, iterations=80, token_budget=budget, eval_interval=20, overrides=overrides,
-                           out=out, key_extra=rc.CONTROL_KEY, end_eval=rc.end_eval)
+    return _runs.train_run(
+        name,
+        seed,
+        iterations=80,
+        token_budget=budget,
+        eval_interval=20,
+        overrides=overrides,
+        out=out,
+        key_extra=rc.CONTROL_KEY,
+        end_eval=rc.end_eval,
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "positive_control")
-    ap.add_argument("--exgrpo", default=None,
-                    help='JSON overrides of the ExGRPO arm instead of its selected setting, e.g. \'{"lr": 1e-4, '
-                         '"experience_ratio": 0.25}\' (the same learning rate as GRPO)')
-    ap.add_argument("--train-dataset", default=DEFAULT_TRAIN_DATASET,
-                    help="the training set of both arms; a smaller one replays each pooled question more often")
+    ap.add_argument(
+        "--exgrpo",
+        default=None,
+        help='JSON overrides of the ExGRPO arm instead of its selected setting, e.g. \'{"lr": 1e-4, '
+        '"experience_ratio": 0.25}\' (the same learning rate as GRPO)',
+    )
+    ap.add_argument(
+        "--train-dataset",
+        default=DEFAULT_TRAIN_DATASET,
+        help="the training set of both arms; a smaller one replays each pooled question more often",
+    )
     args = ap.parse_args()
     if args.exgrpo:
         PICKS["exgrpo_finite"] = json.loads(args.exgrpo)
@@ -77,8 +93,7 @@ def main() -> None:
         sets = rc.control_sets(e["end"], warm_start_solve_counts(seed, args.out, args.train_dataset))
         cells = rc.compare_at_end(g["end"], e["end"], sets, names, diffs)
         test = (tb.at_budget(g, None, "accuracy"), tb.at_budget(e, budget, "accuracy"))
-        print(f"seed {seed}, greedy accuracy GRPO / ExGRPO: {cells} | held-out test {test[0]:.3f} / {test[1]:.3f}",
-              flush=True)
+        print(f"seed {seed}, greedy accuracy GRPO / ExGRPO: {cells} | held-out test {test[0]:.3f} / {test[1]:.3f}", flush=True)
     print("\n".join(rc.difference_lines(diffs)))
     print(f"warm_start_hard_gain={tb.ci95(diffs['warm_start_hard'])[0]:.4f}")
 

@@ -38,6 +38,7 @@ Usage: python experiments/reward_pool_compare.py [--backends current,pebble:fork
            [--scenarios throughput,hang,...] [--throughput-limit 500] [--repeat 3] [--only arithmetic]
 Needs ``pip install pebble`` for the pebble backends.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -166,8 +167,7 @@ class PebblePool:
 
         global _STARTER, _STARTER_PID
         parent = None if self.method == "forkserver" else os.getpid()
-        pp = pebble.ProcessPool(max_workers=self.size, initializer=_pebble_init,
-                                initargs=(parent, self.stock), context=self._ctx)
+        pp = pebble.ProcessPool(max_workers=self.size, initializer=_pebble_init, initargs=(parent, self.stock), context=self._ctx)
         if self.stock:
             pp.active  # noqa: B018 - starts the pool from this thread, as plain use does
         else:
@@ -342,24 +342,26 @@ def _workloads(limit: int) -> dict:
     math500 = REPO.parent / "shared" / "data" / "simplerl_eval" / "math500_test.jsonl"
     if math500.exists():
         truths = [p.ground_truth for p in load_problems(math500, strict=True)][:limit]
-        wrong = [next(truths[(i + j) % len(truths)] for j in range(1, len(truths))
-                      if truths[(i + j) % len(truths)].strip() != t.strip()) for i, t in enumerate(truths)]
+        wrong = [
+            next(truths[(i + j) % len(truths)] for j in range(1, len(truths)) if truths[(i + j) % len(truths)].strip() != t.strip())
+            for i, t in enumerate(truths)
+        ]
         for label, answers in (("correct", truths), ("incorrect", wrong)):
             comps = [f"The answer is \\boxed{{{a}}}." for a in answers]
             out[f"math500 {label} batched"] = ([(comps, truths, False)], len(comps))
             out[f"math500 {label} single"] = ([([c], [t], False) for c, t in zip(comps, truths)], len(comps))
     problems = arithmetic.generate(2560, seed=0, levels=(1, 2, 3, 4))
-    steps = [problems[i:i + 256] for i in range(0, len(problems), 256)]
+    steps = [problems[i : i + 256] for i in range(0, len(problems), 256)]
 
     def step_data(step, k):
-        comps = [p.solution if (i + k) % 2 == 0 else
-                 p.solution.replace(f"\\boxed{{{p.ground_truth}}}", f"\\boxed{{{int(p.ground_truth) + 1}}}")
-                 for i, p in enumerate(step)]
+        comps = [
+            p.solution if (i + k) % 2 == 0 else p.solution.replace(f"\\boxed{{{p.ground_truth}}}", f"\\boxed{{{int(p.ground_truth) + 1}}}")
+            for i, p in enumerate(step)
+        ]
         return comps, [p.ground_truth for p in step]
 
     for fast in (True, False):
-        out[f"arithmetic 256/step batched fast_path={fast}"] = (
-            [(*step_data(st, k), fast) for k, st in enumerate(steps)], 2560)
+        out[f"arithmetic 256/step batched fast_path={fast}"] = ([(*step_data(st, k), fast) for k, st in enumerate(steps)], 2560)
     comps, truths = step_data(steps[0], 0)
     out["arithmetic single, fast_path=False"] = ([([c], [t], False) for c, t in zip(comps, truths)], 256)
     return out
@@ -404,8 +406,7 @@ def sc_hang(backend: str) -> dict:
     start = time.monotonic()
     res = rewards.score_batch(completions, truths, timeout_s=2.0)
     wall = time.monotonic() - start
-    others_ok = _scores(res[1:]) == [0.0 if i % 3 == 0 else 1.0 for i in range(12)] and \
-        not any(r.timed_out or r.error for r in res[1:])
+    others_ok = _scores(res[1:]) == [0.0 if i % 3 == 0 else 1.0 for i in range(12)] and not any(r.timed_out or r.error for r in res[1:])
     kills = rewards.reward_stats().get("worker_kills", 0) - kills
     after = rewards.math_reward("\\boxed{0.5}", "\\frac{1}{2}", fast_path=False)
     # thread-pool variant (as tests/test_rewards.py): 4 threads, math_reward each
@@ -429,8 +430,7 @@ def sc_hang(backend: str) -> dict:
 def sc_ray(backend: str) -> dict:
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
 
     @ray.remote(max_concurrency=4)
     class Scorer:
@@ -497,8 +497,7 @@ def _probe_ray_scorer(ray, actor, out: dict) -> list:
 
 def _child_score(q):
     rewards.warm_up()
-    q.put(_scores(rewards.score_batch(["\\boxed{0.5}", "\\boxed{2}", HANG], ["\\frac{1}{2}", "3", "1"],
-                                      timeout_s=1.0, fast_path=False)))
+    q.put(_scores(rewards.score_batch(["\\boxed{0.5}", "\\boxed{2}", HANG], ["\\frac{1}{2}", "3", "1"], timeout_s=1.0, fast_path=False)))
 
 
 def _child_entry(backend, q):
@@ -529,8 +528,7 @@ def _sc_mp(backend: str, daemon: bool) -> dict:
         if not exited:
             child.kill()
             child.join()
-        out[method] = {"result": got, "ok": got == [1.0, 0.0, 0.0], "child exited": exited,
-                       "s": round(time.monotonic() - start, 2)}
+        out[method] = {"result": got, "ok": got == [1.0, 0.0, 0.0], "child exited": exited, "s": round(time.monotonic() - start, 2)}
     parent = rewards.math_reward("\\boxed{0.5}", "\\frac{1}{2}", fast_path=False)
     out["parent still ok"] = parent.score == 1.0 and parent.error is None
     return out
@@ -565,10 +563,13 @@ def sc_os_fork(backend: str) -> dict:
     time.sleep(0.5)
     survivors = [p for p in before if alive(p)]
     res = rewards.score_batch(["\\boxed{0.5}", "\\boxed{2}"], ["\\frac{1}{2}", "3"], fast_path=False)
-    return {"child ok": child_got == [1.0, 0.0], "child result": child_got,
-            "parent workers surviving child exit": f"{len(survivors)}/{len(before)}",
-            "parent ok after": _scores(res) == [1.0, 0.0] and all(x.error is None for x in res),
-            "parent errors": [x.error for x in res if x.error]}
+    return {
+        "child ok": child_got == [1.0, 0.0],
+        "child result": child_got,
+        "parent workers surviving child exit": f"{len(survivors)}/{len(before)}",
+        "parent ok after": _scores(res) == [1.0, 0.0] and all(x.error is None for x in res),
+        "parent errors": [x.error for x in res if x.error],
+    }
 
 
 _ATEXIT_CHILD = """
@@ -601,8 +602,7 @@ def sc_atexit(backend: str) -> dict:
         proc.kill()
         proc.wait()
         exit_s = "hung > 30 s (killed)"
-    return {"exit s": exit_s, "returncode": proc.returncode, "workers": len(pids),
-            "orphans": len(wait_gone(pids))}
+    return {"exit s": exit_s, "returncode": proc.returncode, "workers": len(pids), "orphans": len(wait_gone(pids))}
 
 
 def sc_parent_death(backend: str) -> dict:
@@ -627,8 +627,7 @@ def sc_killed(backend: str) -> dict:
     time.sleep(0.5)
     try:
         res = rewards.score_batch(["\\boxed{0.5}", "\\boxed{2}"], ["\\frac{1}{2}", "3"], fast_path=False)
-        out = {"ok": _scores(res) == [1.0, 0.0] and all(r.error is None for r in res),
-               "errors": [r.error for r in res if r.error]}
+        out = {"ok": _scores(res) == [1.0, 0.0] and all(r.error is None for r in res), "errors": [r.error for r in res if r.error]}
     except Exception as exc:  # noqa: BLE001
         out = {"ok": False, "raised": f"{type(exc).__name__}: {str(exc)[:200]}"}
     out["killed"] = len(victims)
@@ -679,16 +678,28 @@ def main(argv=None) -> None:
     for scenario in args.scenarios.split(","):
         if scenario == "paired":
             t0 = time.monotonic()
-            cmd = [sys.executable, __file__, "--one", ",".join(b for b in backends if not b.endswith(":stock")),
-                   "paired", "--throughput-limit", str(args.throughput_limit), "--repeat", str(args.repeat),
-                   "--only", args.only]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                ",".join(b for b in backends if not b.endswith(":stock")),
+                "paired",
+                "--throughput-limit",
+                str(args.throughput_limit),
+                "--repeat",
+                str(args.repeat),
+                "--only",
+                args.only,
+            ]
             out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
             line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
             if line is None:
                 print(f"paired: rc={out.returncode} {out.stderr[-400:]}")
                 continue
-            print(f"\npaired throughput, answers/s, median of {args.repeat} alternated rounds "
-                  f"({time.monotonic() - t0:.0f} s, load now {os.getloadavg()[0]:.1f})")
+            print(
+                f"\npaired throughput, answers/s, median of {args.repeat} alternated rounds "
+                f"({time.monotonic() - t0:.0f} s, load now {os.getloadavg()[0]:.1f})"
+            )
             for name, row in json.loads(line).items():
                 print(f"  {name:42s} " + "  ".join(f"{k}: {v}" for k, v in row.items()))
             continue
@@ -704,8 +715,7 @@ def main(argv=None) -> None:
                 res.pop("stats", None)
                 runs[backend].append(res)
                 load = os.getloadavg()[0]
-                print(f"{scenario:12s} {backend:18s} ({time.monotonic() - t0:5.1f} s, load {load:.1f}) "
-                      f"{json.dumps(res)}", flush=True)
+                print(f"{scenario:12s} {backend:18s} ({time.monotonic() - t0:5.1f} s, load {load:.1f}) {json.dumps(res)}", flush=True)
         if rounds > 1:
             print(f"\n{scenario}: answers/s over {rounds} interleaved rounds, median (best)")
             metrics = [k for k in next(iter(v for v in runs.values() if v))[0] if k != "pool start s"]

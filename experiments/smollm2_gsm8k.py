@@ -11,6 +11,7 @@ on. Evaluation is greedy (``rllib evaluate``'s code path, same prompt rendering 
 Prints accuracy before / after and the wall time of each phase; writes
 ``smollm2_gsm8k.json``. Budget: keep the whole thing under 60 minutes on 2 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,13 @@ def evaluate_policy(model, data: str, limit: int, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     report = evaluate(model, [data], temperature=0.0, limit=limit, max_new_tokens=max_tokens, batch_size=50)
     d = report.to_dict(include_questions=False)
-    return {"report": d, "accuracy": d["overall"]["avg_at_k"], "wall_s": time.perf_counter() - t0,
-            "truncated_fraction": d["overall"]["truncated_fraction"],
-            "mean_response_tokens": d["overall"]["mean_response_tokens"]}
+    return {
+        "report": d,
+        "accuracy": d["overall"]["avg_at_k"],
+        "wall_s": time.perf_counter() - t0,
+        "truncated_fraction": d["overall"]["truncated_fraction"],
+        "mean_response_tokens": d["overall"]["mean_response_tokens"],
+    }
 
 
 def _parse_args() -> argparse.Namespace:
@@ -70,16 +75,20 @@ def main():
     from rllib_exgrpo.cli.experiment import build_experiments
 
     before = pretrained_score(args, out)
-    print(f"before: accuracy {before['accuracy']:.3f} on the first {args.limit} GSM8K test problems "
-          f"({before['wall_s'] / 60:.1f} min)", flush=True)
+    print(
+        f"before: accuracy {before['accuracy']:.3f} on the first {args.limit} GSM8K test problems ({before['wall_s'] / 60:.1f} min)",
+        flush=True,
+    )
 
     start_ray()
     (experiment,) = build_experiments(
         str(ROOT / "tuned_examples" / "exgrpo_smollm2_cpu.yaml"),
         config_overrides={
             "env_config": {"dataset": args.data, "skip": args.limit},
-            "questions_per_step": args.questions, "group_size": args.group,
-            "max_response_tokens": args.max_tokens, "lr": args.lr,
+            "questions_per_step": args.questions,
+            "group_size": args.group,
+            "max_response_tokens": args.max_tokens,
+            "lr": args.lr,
             "minibatch_size": args.questions * args.group // 2,
             "heldout_dataset": None,
         },
@@ -92,28 +101,38 @@ def main():
             t0 = time.perf_counter()
             r = algo.train()
             runners, exp = r.get("env_runners", {}), r.get("experience", {})
-            steps.append({"step": i + 1, "wall_s": time.perf_counter() - t0,
-                          "solve_rate": float(runners.get("episode_return_mean", float("nan"))),
-                          "tokens": float(runners.get("num_response_tokens", 0)),
-                          "zero_variance_groups": float(r.get("zero_variance_group_fraction", float("nan"))),
-                          "mixed_mode": float(exp.get("mixed_mode", 0.0)),
-                          "pool_size": float(exp.get("pool_size", 0.0))})
-            print(f"step {i + 1}: solve rate {steps[-1]['solve_rate']:.3f}, "
-                  f"zero-variance groups {steps[-1]['zero_variance_groups']:.2f}, "
-                  f"{steps[-1]['tokens']:.0f} tokens, {steps[-1]['wall_s']:.0f} s", flush=True)
+            steps.append(
+                {
+                    "step": i + 1,
+                    "wall_s": time.perf_counter() - t0,
+                    "solve_rate": float(runners.get("episode_return_mean", float("nan"))),
+                    "tokens": float(runners.get("num_response_tokens", 0)),
+                    "zero_variance_groups": float(r.get("zero_variance_group_fraction", float("nan"))),
+                    "mixed_mode": float(exp.get("mixed_mode", 0.0)),
+                    "pool_size": float(exp.get("pool_size", 0.0)),
+                }
+            )
+            print(
+                f"step {i + 1}: solve rate {steps[-1]['solve_rate']:.3f}, "
+                f"zero-variance groups {steps[-1]['zero_variance_groups']:.2f}, "
+                f"{steps[-1]['tokens']:.0f} tokens, {steps[-1]['wall_s']:.0f} s",
+                flush=True,
+            )
         train_s = time.perf_counter() - t_train
         runner = algo.env_runner
         after = evaluate_policy((runner.module.model, runner.tokenizer), args.data, args.limit, args.max_tokens)
     finally:
         algo.stop()
-    print(f"after {args.iterations} ExGRPO steps: accuracy {after['accuracy']:.3f} "
-          f"({after['wall_s'] / 60:.1f} min to evaluate)")
+    print(f"after {args.iterations} ExGRPO steps: accuracy {after['accuracy']:.3f} ({after['wall_s'] / 60:.1f} min to evaluate)")
     total = time.perf_counter() - t_all
-    print(f"before {before['accuracy']:.3f} -> after {after['accuracy']:.3f}; training {train_s / 60:.1f} min, "
-          f"total {total / 60:.1f} min")
-    (out / "smollm2_gsm8k.json").write_text(json.dumps(
-        {"args": vars(args), "before": before, "after": after, "steps": steps, "train_s": train_s,
-         "total_s": total}, indent=1, default=str))
+    print(f"before {before['accuracy']:.3f} -> after {after['accuracy']:.3f}; training {train_s / 60:.1f} min, total {total / 60:.1f} min")
+    (out / "smollm2_gsm8k.json").write_text(
+        json.dumps(
+            {"args": vars(args), "before": before, "after": after, "steps": steps, "train_s": train_s, "total_s": total},
+            indent=1,
+            default=str,
+        )
+    )
     print(f"wrote {out / 'smollm2_gsm8k.json'}")
 
 

@@ -22,6 +22,7 @@ Usage::
     python experiments/warm_start_bits.py --fast --qemu-cpu Haswell   # the hash the tests pin
     python experiments/warm_start_bits.py --max-steps 0           # the full default recipe
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,32 +53,36 @@ def _recipe(max_steps: int) -> dict:
     if max_steps <= 0:
         return tiny_recipe()
     # Short: a few supervised steps and one small evaluation (the stop rule never fires).
-    return tiny_recipe(max_steps=max_steps, target_pass1=1.0,
-                       overrides={"eval": {"eval_start": max_steps, "n_eval": 32}})
+    return tiny_recipe(max_steps=max_steps, target_pass1=1.0, overrides={"eval": {"eval_start": max_steps, "n_eval": 32}})
 
 
 def _fast_recipe() -> dict:
     """The recipe of tests/test_models.py's FAST build, whose hash that test pins."""
     from rllib_exgrpo.models import tiny_recipe
 
-    return tiny_recipe(seed=0, target_pass1=0.05, max_steps=6,
-                       overrides={"train": {"n_train": 1500}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 16}})
+    return tiny_recipe(
+        seed=0,
+        target_pass1=0.05,
+        max_steps=6,
+        overrides={"train": {"n_train": 1500}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 16}},
+    )
 
 
 def _child(folder: Path, recipe: dict, env: dict, prefix: list[str], native: bool) -> float:
     """Build in a child: the pinned entry point, or (native) ``build_into`` with the given env."""
     folder.mkdir(parents=True)
     if native:
-        code = ("import json,sys; from pathlib import Path; from rllib_exgrpo.warm_start.build import build_into; "
-                "build_into(Path(sys.argv[1]), json.loads(sys.stdin.read()), False)")
+        code = (
+            "import json,sys; from pathlib import Path; from rllib_exgrpo.warm_start.build import build_into; "
+            "build_into(Path(sys.argv[1]), json.loads(sys.stdin.read()), False)"
+        )
         cmd = prefix + [sys.executable, "-c", code, str(folder)]
     else:
         from rllib_exgrpo.models.pinned_build import CHILD_MODULE
 
         cmd = prefix + [sys.executable, "-m", CHILD_MODULE, str(folder), str(os.getpid())]
     t0 = time.time()
-    subprocess.run(cmd, input=json.dumps(recipe), text=True, env=env, check=True,
-                   stderr=subprocess.DEVNULL if prefix else None)
+    subprocess.run(cmd, input=json.dumps(recipe), text=True, env=env, check=True, stderr=subprocess.DEVNULL if prefix else None)
     return time.time() - t0
 
 
@@ -85,10 +90,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-steps", type=int, default=30, help="supervised steps (0: the full default recipe)")
     ap.add_argument("--qemu-cpu", default=None, help="also build under qemu-x86_64 -cpu MODEL (e.g. Haswell)")
-    ap.add_argument("--qemu-native", action="store_true",
-                    help="also the unpinned build under qemu (another ~10 min)")
-    ap.add_argument("--fast", action="store_true",
-                    help="the tests' 3-step recipe (tests/test_models.py FAST) instead of --max-steps")
+    ap.add_argument("--qemu-native", action="store_true", help="also the unpinned build under qemu (another ~10 min)")
+    ap.add_argument("--fast", action="store_true", help="the tests' 3-step recipe (tests/test_models.py FAST) instead of --max-steps")
     ap.add_argument("--out", default=None, help="folder for the builds (default: a temporary one)")
     args = ap.parse_args()
 
@@ -113,8 +116,11 @@ def main() -> int:
         seconds = _child(folder, recipe, env, prefix, native)
         rep = _report(folder)
         rows.append((label, _sha(folder), rep["steps"], rep["final_pass1"], rep.get("cpu_capability"), seconds))
-        print(f"{label:28s} sha256 {rows[-1][1][:16]}  steps {rep['steps']:4d}  pass@1 {rep['final_pass1']:.4f}  "
-              f"kernels {rep.get('cpu_capability')}  {seconds:.0f} s", flush=True)
+        print(
+            f"{label:28s} sha256 {rows[-1][1][:16]}  steps {rep['steps']:4d}  pass@1 {rep['final_pass1']:.4f}  "
+            f"kernels {rep.get('cpu_capability')}  {seconds:.0f} s",
+            flush=True,
+        )
     pinned = {sha for label, sha, *_ in rows if label.startswith("pinned")}
     print(f"pinned builds identical: {len(pinned) == 1}")
     return 0

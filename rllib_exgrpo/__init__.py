@@ -9,6 +9,7 @@ the algorithms and their configs are at the package top::
 They resolve lazily (PEP 562): importing a submodule (``rllib_exgrpo.models``, say) does
 not pay for ``ray.rllib``.
 """
+
 from __future__ import annotations
 
 import importlib

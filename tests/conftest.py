@@ -1,4 +1,5 @@
 """Shared fixtures. Keep this file small: module-specific fixtures live in their test files."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -71,7 +72,10 @@ def _start_private_ray():
     if not ray.is_initialized():
         repo = str(Path(__file__).resolve().parents[1])
         ray.init(
-            address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
             runtime_env={"env_vars": {"PYTHONPATH": repo}},
         )
     return ray

@@ -1,6 +1,7 @@
 """A user package's extensions, one of each kind (the reward in extension_reward.py, a light
 module the verifier workers import by name), registered from outside rllib_exgrpo with
 the decorators the built-ins use (tests/test_extension_points.py imports it)."""
+
 import numpy as np
 
 from rllib_exgrpo.cli.registry import register_algorithm

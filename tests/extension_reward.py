@@ -1,5 +1,6 @@
 """A reward registered from outside rllib_exgrpo (tests/test_extension_points.py): its own
 small module, because the verifier workers import it by name to run it."""
+
 from rllib_exgrpo.envs.rewards import register_reward
 
 

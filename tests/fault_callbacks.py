@@ -3,6 +3,7 @@
 They live apart from ``test_faults.py`` so that a Ray worker can import them without
 pytest, through the ``tests`` folder the fault tests put on ``PYTHONPATH``.
 """
+
 from __future__ import annotations
 
 import os

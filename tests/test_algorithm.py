@@ -1,4 +1,5 @@
 """ExGRPO / GRPO on RLlib end to end with a real (quick) tiny model, real Ray actors."""
+
 import copy
 
 import numpy as np
@@ -17,9 +18,18 @@ def small_config(model, **kw):
         ExGRPOConfig()
         .environment(env_config={"dataset": "arithmetic"})
         .training(
-            model_name_or_path=model, questions_per_step=4, group_size=4, max_prompt_tokens=128,
-            max_response_tokens=12, lr=1e-3, minibatch_size=16, loss_agg_mode="token-mean",
-            heldout_dataset="arithmetic", heldout_num_questions=4, heldout_interval=1, **kw,
+            model_name_or_path=model,
+            questions_per_step=4,
+            group_size=4,
+            max_prompt_tokens=128,
+            max_response_tokens=12,
+            lr=1e-3,
+            minibatch_size=16,
+            loss_agg_mode="token-mean",
+            heldout_dataset="arithmetic",
+            heldout_num_questions=4,
+            heldout_interval=1,
+            **kw,
         )
     )
 
@@ -94,9 +104,7 @@ def test_checkpoint_restores_buffer_and_training_continues(algo, tmp_path):
         assert set(buf) == set(ref) and set(buf.retired) == set(ref.retired) == {ids[1]}
         for q in ref:
             assert buf.bucket_of(q) == ref.bucket_of(q)
-            assert [t.completion_ids.tolist() for t in buf.trajectories(q)] == [
-                t.completion_ids.tolist() for t in ref.trajectories(q)
-            ]
+            assert [t.completion_ids.tolist() for t in buf.trajectories(q)] == [t.completion_ids.tolist() for t in ref.trajectories(q)]
         assert restored.sampler.get_state() == algo.sampler.get_state()
         assert restored.iteration == algo.iteration
         result = restored.train()
@@ -112,16 +120,20 @@ def test_remote_env_runners_and_xrpo(quick_tiny_model):
     """Two remote runners: XRPO's planner, seeding and sharpening, and ExGRPO's replay
     choice scored on both runners at once (a pool seeded with medium-bucket questions)."""
     cfg = small_config(
-        quick_tiny_model, xrpo_planner=True, planner_n0=2, novelty_sharpening=True, icl_seeding=True,
+        quick_tiny_model,
+        xrpo_planner=True,
+        planner_n0=2,
+        novelty_sharpening=True,
+        icl_seeding=True,
         delayed_start_solve_rate=0.0,
     ).env_runners(num_env_runners=2, num_cpus_per_env_runner=0.5)
     a = cfg.build_algo()
     try:
         ids = a.sampler.question_ids
         seeded = [
-            Trajectory(qid, np.array([3, 4]), np.array([20 + 10 * q + i, 7] + [9] * i), np.full(2 + i, -0.2, np.float32),
-                       float(r))
-            for q, qid in enumerate(ids[:4]) for i, r in enumerate([1, 1, 0, 1])
+            Trajectory(qid, np.array([3, 4]), np.array([20 + 10 * q + i, 7] + [9] * i), np.full(2 + i, -0.2, np.float32), float(r))
+            for q, qid in enumerate(ids[:4])
+            for i, r in enumerate([1, 1, 0, 1])
         ]
         a.experience.observe(score_groups(seeded), iteration=a.iteration)
         result = a.train()
@@ -138,8 +150,13 @@ def test_remote_env_runners_and_xrpo(quick_tiny_model):
 
         # (Tune's Trainable adds pid, hostname, ... to every result: not metrics of the algorithm)
         leaves = preflight.flatten_stop({k: v for k, v in result.items() if k not in ("config", "pid", "node_ip")})
-        unknown = [k for k, v in leaves.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-                   and preflight.metric_problem(k, type(a), a.config, "stop") is not None]
+        unknown = [
+            k
+            for k, v in leaves.items()
+            if isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and preflight.metric_problem(k, type(a), a.config, "stop") is not None
+        ]
         assert not unknown, unknown
     finally:
         a.stop()
@@ -178,8 +195,11 @@ def test_async_rollouts_train_on_the_batch_collected_during_the_last_iteration(q
     """async_rollouts: the first iteration collects its batch first (staleness 0), later ones
     train on the batch collected during the previous iteration (staleness 1) while the next
     is collected; the pool, the learner and the weight sync go on as in strict alternation."""
-    cfg = small_config(quick_tiny_model, delayed_start_solve_rate=0.0, async_rollouts=True,
-                       ).env_runners(num_env_runners=1, num_cpus_per_env_runner=0.5)
+    cfg = small_config(
+        quick_tiny_model,
+        delayed_start_solve_rate=0.0,
+        async_rollouts=True,
+    ).env_runners(num_env_runners=1, num_cpus_per_env_runner=0.5)
     a = cfg.build_algo()
     try:
         results = [a.train() for _ in range(3)]
@@ -194,8 +214,8 @@ def test_async_rollouts_train_on_the_batch_collected_during_the_last_iteration(q
         from ray.rllib.core import COMPONENT_RL_MODULE
 
         synced = a.env_runner_group.foreach_env_runner(
-            lambda r: {k: np.asarray(v, dtype=np.float32) for k, v in r.module.get_state().items()},
-            local_env_runner=False)[0]
+            lambda r: {k: np.asarray(v, dtype=np.float32) for k, v in r.module.get_state().items()}, local_env_runner=False
+        )[0]
         learned = a.learner_group.get_state(components=f"learner/{COMPONENT_RL_MODULE}", inference_only=True)
         learned = learned["learner"][COMPONENT_RL_MODULE]["default_policy"]
         assert all(np.allclose(synced[k], np.asarray(learned[k], dtype=np.float32)) for k in synced)
@@ -215,9 +235,16 @@ def test_prompt_replay_samples_replayed_questions_afresh_and_trains_no_stored_ro
     algo = small_config(quick_tiny_model, delayed_start_solve_rate=0.0, replay_content="prompt").build_algo()
     try:
         ids = algo.sampler.question_ids
-        algo.experience.observe(score_groups(
-            [Trajectory(q, np.array([3, 4]), np.array([20 + i, 7]), np.full(2, -0.2, np.float32), float(i == 0))
-             for q in ids[:3] for i in range(4)]), iteration=0)
+        algo.experience.observe(
+            score_groups(
+                [
+                    Trajectory(q, np.array([3, 4]), np.array([20 + i, 7]), np.full(2, -0.2, np.float32), float(i == 0))
+                    for q in ids[:3]
+                    for i in range(4)
+                ]
+            ),
+            iteration=0,
+        )
         assert len(algo.experience.buffer) == 3
         result = algo.train()
         assert result["experience"]["replayed_questions"] >= 1, result["experience"]
@@ -228,8 +255,9 @@ def test_prompt_replay_samples_replayed_questions_afresh_and_trains_no_stored_ro
         assert runner.heldout_split_env(algo.config.heldout_split) is runner.heldout_env
         train_env = runner.heldout_split_env("train")
         assert not {p.id for p in train_env.problems[:50]} & {p.id for p in runner.heldout_env.problems[:50]}
-        episodes = runner.sample(question_ids=[p.id for p in train_env.problems[:2]], num_samples=1,
-                                 heldout="train", temperature=0.0, return_logprobs=False)
+        episodes = runner.sample(
+            question_ids=[p.id for p in train_env.problems[:2]], num_samples=1, heldout="train", temperature=0.0, return_logprobs=False
+        )
         assert len(episodes) == 2
     finally:
         algo.stop()

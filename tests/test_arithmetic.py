@@ -1,4 +1,5 @@
 """The embedded arithmetic family: deterministic, split-disjoint, level-true, verifiable."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,7 +40,11 @@ def test_weights_and_curriculum():
 
 def test_parse_spec():
     assert arithmetic.parse_spec("arithmetic:levels=1-4,n=5000,n_test=500,seed=0") == {
-        "levels": (1, 2, 3, 4), "n": 5000, "n_test": 500, "seed": 0}
+        "levels": (1, 2, 3, 4),
+        "n": 5000,
+        "n_test": 500,
+        "seed": 0,
+    }
     assert arithmetic.parse_spec("arithmetic:levels=1+3")["levels"] == (1, 3)
     with pytest.raises(ValueError):
         arithmetic.parse_spec("arithmetic:depth=3")

@@ -11,6 +11,7 @@
   the old call's results;
 * ``attn_implementation`` is a config field: "auto" resolves per device, bad values fail.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,15 @@ def _model(kernel: str):
 
     register_kernels()
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, vocab_size=200, tie_word_embeddings=True)
+    config = Qwen2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=200,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(config).eval()
     model.set_attn_implementation(kernel)
     return model
@@ -66,8 +74,7 @@ def test_varlen_attends_within_each_packed_row():
     torch.testing.assert_close(model(input_ids=ids, position_ids=pos).logits, alone, atol=1e-5, rtol=1e-5)
     bounds = cu_seq_lens(pos)
     assert bounds.tolist() == [0, 7, 22, 30]
-    torch.testing.assert_close(model(input_ids=ids, position_ids=pos, cu_seq_lens_q=bounds).logits, alone,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(input_ids=ids, position_ids=pos, cu_seq_lens_q=bounds).logits, alone, atol=1e-5, rtol=1e-5)
 
 
 class _LargestSquare(TorchDispatchMode):
@@ -89,7 +96,7 @@ def _packed_batch(rows: int = 6, prompt: int = 5, completion: int = 9):
     mask = torch.ones(rows, prompt + completion, dtype=torch.long)
     for r in range(rows):
         mask[r, : r % 3] = 0  # left-padded prompts
-        mask[r, prompt + completion - (r % 4):] = 0  # right-padded completions
+        mask[r, prompt + completion - (r % 4) :] = 0  # right-padded completions
     ids = torch.randint(1, 200, mask.shape) * mask
     cols = {C.INPUT_IDS: ids, C.ATTENTION_MASK: mask, C.RESPONSE_MASK: mask[:, prompt:].float()}
     return {**cols, **pack_rows(cols)}
@@ -115,14 +122,23 @@ def test_learner_falls_back_to_padded_passes_without_a_varlen_kernel(quick_tiny_
     from rllib_exgrpo.rllib.env_runner import token_spaces
 
     for kernel, packs in ((SDPA_VARLEN, True), ("sdpa", False)):
-        cfg = ExGRPOConfig().training(model_name_or_path=quick_tiny_model, max_prompt_tokens=16,
-                                      max_response_tokens=8, learner_micro_batch_tokens=24,
-                                      attn_implementation=kernel)
+        cfg = ExGRPOConfig().training(
+            model_name_or_path=quick_tiny_model,
+            max_prompt_tokens=16,
+            max_response_tokens=8,
+            learner_micro_batch_tokens=24,
+            attn_implementation=kernel,
+        )
         vocab = len(load_tokenizer(quick_tiny_model))
         mask = torch.ones(4, 24, dtype=torch.long)
         mask[:, :3] = 0
-        batch = {DEFAULT_MODULE_ID: {C.INPUT_IDS: torch.randint(1, vocab, (4, 24)) * mask, C.ATTENTION_MASK: mask,
-                                     C.RESPONSE_MASK: mask[:, 16:].float()}}
+        batch = {
+            DEFAULT_MODULE_ID: {
+                C.INPUT_IDS: torch.randint(1, vocab, (4, 24)) * mask,
+                C.ATTENTION_MASK: mask,
+                C.RESPONSE_MASK: mask[:, 16:].float(),
+            }
+        }
         with caplog.at_level(logging.WARNING):
             caplog.clear()  # said once, from the build on
             learner = cfg.build_learner_group(spaces={DEFAULT_MODULE_ID: token_spaces(vocab, 16, 8)})._learner
@@ -140,6 +156,7 @@ def test_auto_resolves_per_device_and_the_field_is_checked():
     assert resolve_attn_implementation("auto", "cpu") == SDPA_VARLEN
     try:
         import flash_attn  # noqa: F401
+
         expected = "flash_attention_2"
     except ImportError:
         expected = SDPA_VARLEN
@@ -158,8 +175,7 @@ def test_auto_resolves_per_device_and_the_field_is_checked():
 def _old_masked_call(query, key, value, mask):
     """What sdpa_varlen called under a mask before: grouped-query heads with a mask, which on
     CUDA only SDPA's math kernel takes (flash refuses masks, memory-efficient GQA)."""
-    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                                            enable_gqa=query.shape[1] != key.shape[1])
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=query.shape[1] != key.shape[1])
 
 
 class _Module:
@@ -192,8 +208,9 @@ def test_masked_call_matches_the_query_heads_without_gqa_and_the_old_results(mon
     real = torch.nn.functional.scaled_dot_product_attention
 
     def spy(q, k, v, *args, **kwargs):
-        calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), kwargs.get("attn_mask") is not None,
-                      bool(kwargs.get("enable_gqa", False))))
+        calls.append(
+            (tuple(q.shape), tuple(k.shape), tuple(v.shape), kwargs.get("attn_mask") is not None, bool(kwargs.get("enable_gqa", False)))
+        )
         return real(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
@@ -206,8 +223,7 @@ def test_masked_call_matches_the_query_heads_without_gqa_and_the_old_results(mon
     ref = _old_masked_call(query, key, value, _padding_mask_4d(mask2d, q_len)).transpose(1, 2)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (query, key, value))
-    ref_grads = torch.autograd.grad((ref * torch.linspace(-1, 1, ref.numel()).view_as(ref)).sum(),
-                                    (query, key, value))
+    ref_grads = torch.autograd.grad((ref * torch.linspace(-1, 1, ref.numel()).view_as(ref)).sum(), (query, key, value))
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-5)
 
@@ -263,5 +279,7 @@ def test_masked_calls_run_on_a_fused_kernel_without_the_math_fallback():
             masked_sdpa(query, key, value, mask)
     except RuntimeError as e:
         assert "No viable backend" in str(e)
-        pytest.skip("this torch CPU build has no memory-efficient SDPA kernel (only flash and math on CPU); "
-                    "the masked call's shape is checked above")
+        pytest.skip(
+            "this torch CPU build has no memory-efficient SDPA kernel (only flash and math on CPU); "
+            "the masked call's shape is checked above"
+        )

@@ -1,6 +1,7 @@
 """Keeping and picking the best checkpoint: a run that checkpoints every iteration keeps the
 best by held-out accuracy (and the latest), and `rllib evaluate --best` / `rllib export --best`
 on the run folder take the checkpoint whose recorded heldout/accuracy is highest."""
+
 import json
 
 import pytest
@@ -11,14 +12,32 @@ from rllib_exgrpo.evaluation.checkpoints import best_checkpoint
 
 RUN = {
     "best-tiny": {
-        "run": "GRPO", "env": "ReasoningEnv", "stop": {"training_iteration": 4},
-        "checkpoint_config": {"checkpoint_frequency": 1, "checkpoint_score_attribute": "heldout/accuracy",
-                              "checkpoint_score_order": "max", "num_to_keep": 2},
-        "config": {"seed": 0, "env_config": {"dataset": "arithmetic:levels=1-2,n=64"}, "model_name_or_path": "tiny",
-                   "questions_per_step": 4, "group_size": 4, "max_prompt_tokens": 128, "max_response_tokens": 16,
-                   "behaviour_logprobs": "engine", "minibatch_size": 16, "lr": 0.003,
-                   "heldout_dataset": "arithmetic", "heldout_num_questions": 16, "heldout_interval": 1,
-                   "heldout_temperature": 0.0, "num_env_runners": 0},
+        "run": "GRPO",
+        "env": "ReasoningEnv",
+        "stop": {"training_iteration": 4},
+        "checkpoint_config": {
+            "checkpoint_frequency": 1,
+            "checkpoint_score_attribute": "heldout/accuracy",
+            "checkpoint_score_order": "max",
+            "num_to_keep": 2,
+        },
+        "config": {
+            "seed": 0,
+            "env_config": {"dataset": "arithmetic:levels=1-2,n=64"},
+            "model_name_or_path": "tiny",
+            "questions_per_step": 4,
+            "group_size": 4,
+            "max_prompt_tokens": 128,
+            "max_response_tokens": 16,
+            "behaviour_logprobs": "engine",
+            "minibatch_size": 16,
+            "lr": 0.003,
+            "heldout_dataset": "arithmetic",
+            "heldout_num_questions": 16,
+            "heldout_interval": 1,
+            "heldout_temperature": 0.0,
+            "num_env_runners": 0,
+        },
     }
 }
 
@@ -31,7 +50,7 @@ def test_best_checkpoint_is_kept_and_picked(tmp_path, capsys):
     storage = tmp_path / "results"
     assert main(["train", "file", str(path), "--storage-path", str(storage)]) == 0
     run = storage / "best-tiny"
-    trial, = [t for t in run.iterdir() if (t / "result.json").is_file()]
+    (trial,) = [t for t in run.iterdir() if (t / "result.json").is_file()]
     rows = [json.loads(line) for line in (trial / "result.json").read_text().splitlines() if line.strip()]
     kept = sorted(p.name for p in trial.glob("checkpoint_*"))
     assert 2 <= len(kept) <= 3  # the best two by held-out accuracy, and the latest
@@ -42,8 +61,28 @@ def test_best_checkpoint_is_kept_and_picked(tmp_path, capsys):
     assert value == max(r["heldout"]["accuracy"] for r in rows)
 
     capsys.readouterr()
-    assert main(["evaluate", "--model", str(run), "--best", "--data", "arithmetic", "--limit", "4",
-                 "--temperature", "0", "--max-new-tokens", "16", "--output", str(tmp_path / "e.json"), "-q"]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                "--model",
+                str(run),
+                "--best",
+                "--data",
+                "arithmetic",
+                "--limit",
+                "4",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "16",
+                "--output",
+                str(tmp_path / "e.json"),
+                "-q",
+            ]
+        )
+        == 0
+    )
     assert f"best checkpoint by heldout/accuracy: {folder}" in capsys.readouterr().err
     assert main(["export", str(run), str(tmp_path / "model"), "--best"]) == 0
     assert f"best checkpoint by heldout/accuracy: {folder}" in capsys.readouterr().out

@@ -4,6 +4,7 @@ The DDP learner keeps fp32 master weights and computes under bf16 autocast; the 
 sample with a bf16 model; module state leaves a process as bf16 (never ``.numpy()`` on
 bf16, never widened to fp32 for the runners) and checkpoints keep the fp32 master copy.
 """
+
 import numpy as np
 import pytest
 import torch
@@ -16,8 +17,14 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 def bf16_config(model, **overrides):
     training = dict(
-        model_name_or_path=model, model_dtype="bfloat16", questions_per_step=4, group_size=4,
-        max_prompt_tokens=128, max_response_tokens=8, lr=1e-3, minibatch_size=16,
+        model_name_or_path=model,
+        model_dtype="bfloat16",
+        questions_per_step=4,
+        group_size=4,
+        max_prompt_tokens=128,
+        max_response_tokens=8,
+        lr=1e-3,
+        minibatch_size=16,
     )
     training.update(overrides)
     return (

@@ -453,9 +453,7 @@ def test_state_round_trip_exact():
                 b.update_group(qid, [1, 2], k, G, [traj(*rng.integers(0, 50, size=3)) for _ in range(k)], step)
         assert list(twin) == list(buf) == list(other) and twin.stats() == buf.stats() == other.stats()
         for q in buf:
-            assert [t.completion_ids.tolist() for t in twin.trajectories(q)] == [
-                t.completion_ids.tolist() for t in buf.trajectories(q)
-            ]
+            assert [t.completion_ids.tolist() for t in twin.trajectories(q)] == [t.completion_ids.tolist() for t in buf.trajectories(q)]
 
 
 def test_stored_trajectory_type():

@@ -5,6 +5,7 @@ whole-logits computation: float32 to 1e-5; bfloat16 within the tolerance stated 
 test_bf16_tolerance. The model-level tests check the padded and packed learner passes
 against ``model(...).logits`` on a small random Qwen2.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -88,8 +89,7 @@ def test_no_grad_and_empty_inputs():
     with torch.no_grad():
         logp, entropy = logprobs_entropy_from_hidden(torch.randn(5, 8), head, torch.zeros(5, dtype=torch.long))
     assert logp.shape == (5,) and entropy.shape == (5,) and not logp.requires_grad
-    logp, entropy = logprobs_entropy_from_hidden(torch.randn(0, 8), head, torch.zeros(0, dtype=torch.long),
-                                                 with_entropy=False)
+    logp, entropy = logprobs_entropy_from_hidden(torch.randn(0, 8), head, torch.zeros(0, dtype=torch.long), with_entropy=False)
     assert logp.shape == (0,) and entropy is None
     with pytest.raises(ValueError, match="chunk_tokens"):
         logprobs_entropy_from_hidden(torch.randn(5, 8), head, torch.zeros(5, dtype=torch.long), chunk_tokens=0)
@@ -124,8 +124,15 @@ def _small_qwen2(tied: bool):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(3)
-    config = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, vocab_size=300, tie_word_embeddings=tied)
+    config = Qwen2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=300,
+        tie_word_embeddings=tied,
+    )
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -139,7 +146,7 @@ def _reference_scores(model, ids, mask, r, temperature):
     from rllib_exgrpo.core.tokens import position_ids_from_mask
 
     logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
-    return _reference(logits[:, -r - 1:-1], ids[:, -r:], temperature)
+    return _reference(logits[:, -r - 1 : -1], ids[:, -r:], temperature)
 
 
 @pytest.mark.parametrize("tied", [True, False])

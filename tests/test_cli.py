@@ -5,6 +5,7 @@ need not exist). The end-to-end test runs ``python -m rllib_exgrpo.cli.main`` in
 subprocess with a private local Ray (Ray's token authentication on, as by default),
 results and MLflow store under ``tmp_path``.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,20 +51,40 @@ def _ppo(config=None, **spec):
 def test_help_of_module_and_console_script():
     out = subprocess.run(
         [sys.executable, "-m", "rllib_exgrpo.cli.main", "--help"],
-        capture_output=True, text=True, env=_env(), timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+        check=True,
     ).stdout
     assert "train" in out and "usage: rllib" in out
     out = subprocess.run(
         [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "--help"],
-        capture_output=True, text=True, env=_env(), timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+        check=True,
     ).stdout
-    for flag in ("--stop", "--config", "--storage-path", "--num-samples", "--experiment-name",
-                 "--mlflow-uri", "-f FILE", "{file}", "grid_search", "RAY_AUTH_MODE", "--dry-run"):
+    for flag in (
+        "--stop",
+        "--config",
+        "--storage-path",
+        "--num-samples",
+        "--experiment-name",
+        "--mlflow-uri",
+        "-f FILE",
+        "{file}",
+        "grid_search",
+        "RAY_AUTH_MODE",
+        "--dry-run",
+    ):
         assert flag in out, flag
     script = Path(sys.executable).with_name("rllib")
     if script.exists():  # installed with `pip install -e .`
-        out = subprocess.run([str(script), "train", "file", "--help"], capture_output=True,
-                             text=True, env=_env(), timeout=60, check=True).stdout
+        out = subprocess.run(
+            [str(script), "train", "file", "--help"], capture_output=True, text=True, env=_env(), timeout=60, check=True
+        ).stdout
         assert "experiment YAML file" in out
 
 
@@ -142,7 +163,7 @@ def test_project_registry_is_lazy_and_reports_import_errors():
     try:
         with pytest.raises(CliConfigError, match="Broken.*could not be imported.*no_such_module"):
             resolve_algorithm("Broken")
-        exp, = build_experiments(_ppo(run="MyPPO"))
+        (exp,) = build_experiments(_ppo(run="MyPPO"))
         assert exp.algo_cls.__name__ == "PPO"
     finally:
         ALGORITHM.unregister("Broken")
@@ -173,15 +194,19 @@ def test_config_errors(config, needle):
 
 
 def test_legacy_aliases_and_subdicts_are_accepted():
-    exp, = build_experiments(_ppo({
-        "lambda": 0.9,                   # -> lambda_
-        "num_workers": 0,                # -> num_env_runners
-        "callbacks": "ray.rllib.callbacks.callbacks:RLlibCallback",
-        "model_config": {"fcnet_hiddens": [16], "anything": 1},   # not key-checked
-        "env_config": {"free": {"form": True}},
-        "learner_config_dict": {"whatever": 1},
-        "evaluation_interval": 2,
-    }))
+    (exp,) = build_experiments(
+        _ppo(
+            {
+                "lambda": 0.9,  # -> lambda_
+                "num_workers": 0,  # -> num_env_runners
+                "callbacks": "ray.rllib.callbacks.callbacks:RLlibCallback",
+                "model_config": {"fcnet_hiddens": [16], "anything": 1},  # not key-checked
+                "env_config": {"free": {"form": True}},
+                "learner_config_dict": {"whatever": 1},
+                "evaluation_interval": 2,
+            }
+        )
+    )
     c = exp.config
     assert c.lambda_ == 0.9 and c.num_env_runners == 0 and c.evaluation_interval == 2
     assert c.model_config["fcnet_hiddens"] == [16]
@@ -223,32 +248,47 @@ def test_yaml_floats_and_duplicate_keys(tmp_path):
 def test_search_space_conversion():
     from ray.tune.search.sample import Categorical, Float, Integer
 
-    conv, found = convert_search_spaces({
-        "lr": {"grid_search": [1e-4, 1e-3]},
-        "gamma": {"choice": [0.9, 0.99]},
-        "env_config": {"a": {"uniform": [0, 1]}, "b": {"loguniform": [1e-5, 1e-2]},
-                       "c": {"randint": [1, 10]}, "d": {"x": 1}, "e": [{"grid_search": [1]}]},
-    })
+    conv, found = convert_search_spaces(
+        {
+            "lr": {"grid_search": [1e-4, 1e-3]},
+            "gamma": {"choice": [0.9, 0.99]},
+            "env_config": {
+                "a": {"uniform": [0, 1]},
+                "b": {"loguniform": [1e-5, 1e-2]},
+                "c": {"randint": [1, 10]},
+                "d": {"x": 1},
+                "e": [{"grid_search": [1]}],
+            },
+        }
+    )
     assert conv["lr"] == {"grid_search": [1e-4, 1e-3]}
     assert isinstance(conv["gamma"], Categorical)
     assert isinstance(conv["env_config"]["a"], Float) and isinstance(conv["env_config"]["b"], Float)
     assert isinstance(conv["env_config"]["c"], Integer)
     assert conv["env_config"]["d"] == {"x": 1}
     assert conv["env_config"]["e"] == [{"grid_search": [1]}]  # lists are literal
-    assert set(found) == {"config/lr", "config/gamma", "config/env_config/a",
-                          "config/env_config/b", "config/env_config/c"}
-    for bad, needle in [({"uniform": [1]}, "2 numbers"), ({"uniform": [2, 1]}, "lower < upper"),
-                        ({"loguniform": [0, 1]}, "positive lower"), ({"grid_search": []}, "non-empty"),
-                        ({"randint": [0.5, 3]}, "integers")]:
+    assert set(found) == {"config/lr", "config/gamma", "config/env_config/a", "config/env_config/b", "config/env_config/c"}
+    for bad, needle in [
+        ({"uniform": [1]}, "2 numbers"),
+        ({"uniform": [2, 1]}, "lower < upper"),
+        ({"loguniform": [0, 1]}, "positive lower"),
+        ({"grid_search": []}, "non-empty"),
+        ({"randint": [0.5, 3]}, "integers"),
+    ]:
         with pytest.raises(CliConfigError, match=needle):
             convert_search_spaces({"x": bad})
 
 
 def test_search_spaces_in_experiment_are_key_checked_and_validated():
-    exp, = build_experiments(_ppo({
-        "lr": {"grid_search": [1e-4, 1e-3]},
-        "env_config": {"seed_offset": {"choice": [0, 1]}},
-    }), num_samples=2)
+    (exp,) = build_experiments(
+        _ppo(
+            {
+                "lr": {"grid_search": [1e-4, 1e-3]},
+                "env_config": {"seed_offset": {"choice": [0, 1]}},
+            }
+        ),
+        num_samples=2,
+    )
     assert exp.num_trials == 4
     assert set(exp.search_space) == {"config/lr", "config/env_config/seed_offset"}
     space = exp.param_space
@@ -263,10 +303,11 @@ def test_search_spaces_in_experiment_are_key_checked_and_validated():
 
 
 def test_stop_and_config_overrides_merge():
-    spec = _ppo({"lr": {"grid_search": [1e-4, 1e-3]}, "gamma": 0.9,
-                 "env_config": {"a": 1, "b": {"c": 2}}},
-                stop={"training_iteration": 5, "time_total_s": 60})
-    exp, = build_experiments(
+    spec = _ppo(
+        {"lr": {"grid_search": [1e-4, 1e-3]}, "gamma": 0.9, "env_config": {"a": 1, "b": {"c": 2}}},
+        stop={"training_iteration": 5, "time_total_s": 60},
+    )
+    (exp,) = build_experiments(
         spec,
         stop={"training_iteration": 2},
         config_overrides={"lr": 0.01, "env_config": {"b": {"d": 3}}},
@@ -284,14 +325,13 @@ def test_stop_and_config_overrides_merge():
 
 def test_storage_checkpoint_mlflow_defaults(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    exp, = build_experiments(_ppo(checkpoint_freq=3, checkpoint_at_end=True,
-                                  checkpoint_config={"num_to_keep": 2}, mlflow={}))
+    (exp,) = build_experiments(_ppo(checkpoint_freq=3, checkpoint_at_end=True, checkpoint_config={"num_to_keep": 2}, mlflow={}))
     assert exp.storage_path == str(tmp_path / "results")
     ck = exp.checkpoint_config
     assert (ck.checkpoint_frequency, ck.checkpoint_at_end, ck.num_to_keep) == (3, True, 2)
     assert exp.mlflow == {"tracking_uri": f"sqlite:///{tmp_path}/results/mlflow.db", "experiment_name": "exp"}
     assert [type(cb).__name__ for cb in exp.callbacks] == ["BatchedMLflowLoggerCallback"]
-    exp, = build_experiments(_ppo(), mlflow_uri="sqlite:///x.db", experiment_name="renamed")
+    (exp,) = build_experiments(_ppo(), mlflow_uri="sqlite:///x.db", experiment_name="renamed")
     assert exp.name == "renamed" and exp.mlflow["tracking_uri"] == "sqlite:///x.db"
     assert exp.mlflow["experiment_name"] == "renamed"
     with pytest.raises(CliConfigError, match="exactly one|holds 2"):
@@ -300,10 +340,12 @@ def test_storage_checkpoint_mlflow_defaults(tmp_path, monkeypatch):
 
 def test_several_experiments_keep_file_order(tmp_path):
     f = tmp_path / "two.yaml"
-    f.write_text(textwrap.dedent("""\
+    f.write_text(
+        textwrap.dedent("""\
         second: {run: PPO, env: CartPole-v1, config: {num_env_runners: 0}}
         first: {run: PPO, env: CartPole-v1, config: {num_env_runners: 0}}
-    """))
+    """)
+    )
     assert [e.name for e in build_experiments(f)] == ["second", "first"]
 
 
@@ -314,20 +356,19 @@ def test_dotted_env_path_is_imported_and_registered():
     from gymnasium.envs.classic_control.cartpole import CartPoleEnv
     from ray.tune.registry import ENV_CREATOR, _global_registry
 
-    for path in ("gymnasium.envs.classic_control.cartpole:CartPoleEnv",
-                 "gymnasium.envs.classic_control.cartpole.CartPoleEnv"):
-        exp, = build_experiments(_ppo(env=path, config={"env_config": {}}))
+    for path in ("gymnasium.envs.classic_control.cartpole:CartPoleEnv", "gymnasium.envs.classic_control.cartpole.CartPoleEnv"):
+        (exp,) = build_experiments(_ppo(env=path, config={"env_config": {}}))
         assert exp.config.env == path
         assert _global_registry.contains(ENV_CREATOR, path)
         env = _global_registry.get(ENV_CREATOR, path)({})
         assert isinstance(env, CartPoleEnv)
     # config.env works as well as the top-level key, and gym ids pass through as is.
-    exp, = build_experiments({"e": {"run": "PPO", "config": {"env": "CartPole-v1"}}})
+    (exp,) = build_experiments({"e": {"run": "PPO", "config": {"env": "CartPole-v1"}}})
     assert exp.config.env == "CartPole-v1"
     assert resolve_env("CartPole-v1") == "CartPole-v1"
     # gymnasium's own "module:EnvId-v0" syntax is left to gymnasium.
     assert resolve_env("gymnasium.envs.classic_control:CartPole-v1") == "gymnasium.envs.classic_control:CartPole-v1"
-    exp, = build_experiments(_ppo(), env="Pendulum-v1")  # --env overrides the file
+    (exp,) = build_experiments(_ppo(), env="Pendulum-v1")  # --env overrides the file
     assert exp.config.env == "Pendulum-v1"
     with pytest.raises(CliConfigError, match="could not be imported"):
         resolve_env("no_such_pkg.envs:Env")
@@ -346,10 +387,14 @@ def test_builtin_env_name_and_the_old_top_level_path():
     assert env_creator("ReasoningEnv") is ReasoningEnv
     with pytest.raises(CliConfigError) as e:
         resolve_env("envs.reasoning_env:ReasoningEnv")
-    assert str(e.value) == ("env: 'envs.reasoning_env:ReasoningEnv' moved into the package: write "
-                            "'ReasoningEnv' (or 'rllib_exgrpo.envs.reasoning_env:ReasoningEnv').")
-    with pytest.raises(ImportError, match="^'envs.reward_examples:exact_match' moved into the package: "
-                                          "write 'rllib_exgrpo.envs.reward_examples:exact_match'$"):
+    assert str(e.value) == (
+        "env: 'envs.reasoning_env:ReasoningEnv' moved into the package: write "
+        "'ReasoningEnv' (or 'rllib_exgrpo.envs.reasoning_env:ReasoningEnv')."
+    )
+    with pytest.raises(
+        ImportError,
+        match="^'envs.reward_examples:exact_match' moved into the package: write 'rllib_exgrpo.envs.reward_examples:exact_match'$",
+    ):
         import_object("envs.reward_examples:exact_match")
     assert import_object("rllib_exgrpo.envs.reward_examples:exact_match").__name__ == "exact_match"
 
@@ -404,10 +449,25 @@ def test_end_to_end_ppo_grid_with_mlflow(tmp_path):
     storage = tmp_path / "results"
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "file", str(f),
-         "--stop", json.dumps({"training_iteration": 1}),
-         "--storage-path", str(storage), "--ray-num-cpus", "2"],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "rllib_exgrpo.cli.main",
+            "train",
+            "file",
+            str(f),
+            "--stop",
+            json.dumps({"training_iteration": 1}),
+            "--storage-path",
+            str(storage),
+            "--ray-num-cpus",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     elapsed = time.time() - t0
     print(f"e2e wall time: {elapsed:.1f} s")
@@ -448,15 +508,38 @@ def test_main_job_yaml_grid_over_two_learning_rates(tmp_path, quick_tiny_model):
     both logged to MLflow with their lr. Small batch and the quick model keep it short."""
     db = tmp_path / "mlflow.db"
     overrides = {
-        "model_name_or_path": quick_tiny_model, "questions_per_step": 4, "group_size": 4,
-        "minibatch_size": 16, "max_response_tokens": 16, "heldout_num_questions": 8,
+        "model_name_or_path": quick_tiny_model,
+        "questions_per_step": 4,
+        "group_size": 4,
+        "minibatch_size": 16,
+        "max_response_tokens": 16,
+        "heldout_num_questions": 8,
         "lr": {"grid_search": [1e-4, 3e-4]},
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "file", str(REPO / "tuned_examples" / "exgrpo_tiny.yaml"),
-         "--stop", json.dumps({"training_iteration": 1}), "--config", json.dumps(overrides),
-         "--storage-path", str(tmp_path / "results"), "--mlflow-uri", f"sqlite:///{db}", "--ray-num-cpus", "2"],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "rllib_exgrpo.cli.main",
+            "train",
+            "file",
+            str(REPO / "tuned_examples" / "exgrpo_tiny.yaml"),
+            "--stop",
+            json.dumps({"training_iteration": 1}),
+            "--config",
+            json.dumps(overrides),
+            "--storage-path",
+            str(tmp_path / "results"),
+            "--mlflow-uri",
+            f"sqlite:///{db}",
+            "--ray-num-cpus",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     log = proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]
     assert proc.returncode == 0, log
@@ -488,8 +571,16 @@ def test_main_job_yaml_grid_over_two_learning_rates(tmp_path, quick_tiny_model):
 def test_gpus_the_machine_lacks_fail_in_one_line_before_anything_starts(capsys):
     from rllib_exgrpo.cli.main import main
 
-    rc = main(["train", "file", str(REPO / "tuned_examples" / "grpo_tiny.yaml"), "--dry-run",
-               "--config", json.dumps({"num_env_runners": 2, "num_gpus_per_env_runner": 1})])
+    rc = main(
+        [
+            "train",
+            "file",
+            str(REPO / "tuned_examples" / "grpo_tiny.yaml"),
+            "--dry-run",
+            "--config",
+            json.dumps({"num_env_runners": 2, "num_gpus_per_env_runner": 1}),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert "grpo_tiny.yaml" in err[0] and "num_gpus_per_env_runner" in err[0] and "cluster has 0" in err[0]
@@ -500,13 +591,37 @@ def test_two_env_runners_on_two_cores_train_instead_of_pending(tmp_path, quick_t
     """The README's own example (num_env_runners: 2) on a 2-CPU Ray: 3 CPUs asked, the
     request is shared out (stated on stderr) and the trial trains; it used to wait in
     PENDING forever."""
-    overrides = {"model_name_or_path": quick_tiny_model, "num_env_runners": 2, "questions_per_step": 4,
-                 "group_size": 4, "minibatch_size": 16, "max_response_tokens": 8, "heldout_dataset": None}
+    overrides = {
+        "model_name_or_path": quick_tiny_model,
+        "num_env_runners": 2,
+        "questions_per_step": 4,
+        "group_size": 4,
+        "minibatch_size": 16,
+        "max_response_tokens": 8,
+        "heldout_dataset": None,
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "file", str(REPO / "tuned_examples" / "grpo_tiny.yaml"),
-         "--stop", json.dumps({"training_iteration": 1}), "--config", json.dumps(overrides),
-         "--storage-path", str(tmp_path / "results"), "--ray-num-cpus", "2"],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "rllib_exgrpo.cli.main",
+            "train",
+            "file",
+            str(REPO / "tuned_examples" / "grpo_tiny.yaml"),
+            "--stop",
+            json.dumps({"training_iteration": 1}),
+            "--config",
+            json.dumps(overrides),
+            "--storage-path",
+            str(tmp_path / "results"),
+            "--ray-num-cpus",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     log = proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
     assert proc.returncode == 0, log

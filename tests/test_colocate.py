@@ -9,6 +9,7 @@
   ExGRPO's replay; after each iteration the sampler's log-probs equal the learner's (also
   with LoRA, where they are the adapted model's, not the base model's).
 """
+
 from __future__ import annotations
 
 import types
@@ -26,12 +27,18 @@ def test_field_defaults_off_and_its_rules():
     assert ExGRPOConfig().colocate is False
     ExGRPOConfig().training(colocate=True).env_runners(num_env_runners=0).validate()
     for change, message in [
-        (lambda c: c.training(async_rollouts=True).env_runners(num_env_runners=1),
-         "colocate does not go with async_rollouts"),
+        (lambda c: c.training(async_rollouts=True).env_runners(num_env_runners=1), "colocate does not go with async_rollouts"),
         (lambda c: c.env_runners(num_env_runners=2), "colocate needs num_env_runners: 0"),
-        (lambda c: c.training(learner_backend="deepspeed", deepspeed_zero_stage=3, generation_backend="vllm",
-                              behaviour_logprobs="recompute", scoring_on="runners"),
-         "colocate with ZeRO-3 and vLLM needs scoring_on: learners"),
+        (
+            lambda c: c.training(
+                learner_backend="deepspeed",
+                deepspeed_zero_stage=3,
+                generation_backend="vllm",
+                behaviour_logprobs="recompute",
+                scoring_on="runners",
+            ),
+            "colocate with ZeRO-3 and vLLM needs scoring_on: learners",
+        ),
     ]:
         with pytest.raises(ValueError, match=message):
             change(ExGRPOConfig().training(colocate=True)).validate()
@@ -44,7 +51,8 @@ class _Engine:
     def __init__(self, sleep_mode: bool, calls: list):
         self.calls = calls
         self.llm_engine = types.SimpleNamespace(
-            vllm_config=types.SimpleNamespace(model_config=types.SimpleNamespace(enable_sleep_mode=sleep_mode)))
+            vllm_config=types.SimpleNamespace(model_config=types.SimpleNamespace(enable_sleep_mode=sleep_mode))
+        )
 
     def sleep(self, level):
         self.calls.append(("sleep", level))
@@ -201,8 +209,7 @@ def test_a_learners_error_while_sampling_reaches_the_user_as_itself_in_one_line(
     assert capsys.readouterr().err.count("colocate: optimizer offload (torch optimizer) moved to host") == 1
     with pytest.raises(ValueError) as info:
         sample_on_learners(_FailingLearners(fail_rank=1), ["q1", "q7"], [2, 2])
-    assert str(info.value) == ("colocated sampling failed on learner actor 2: ValueError: question q7 has no "
-                               "prompt in this dataset")
+    assert str(info.value) == ("colocated sampling failed on learner actor 2: ValueError: question q7 has no prompt in this dataset")
     assert isinstance(info.value.__cause__, ValueError)
 
 
@@ -219,8 +226,7 @@ def test_memory_plan_has_the_generation_turn_and_names_vllms_share_when_it_does_
     gpu = 80 * (1 << 30)
 
     def plan(**over):
-        cfg = recipe(QWEN15, colocate=True, num_env_runners=0, num_gpus_per_env_runner=0, learner_backend="ddp",
-                     **over)
+        cfg = recipe(QWEN15, colocate=True, num_env_runners=0, num_gpus_per_env_runner=0, learner_backend="ddp", **over)
         return plan_memory(cfg, gpu_memory=gpu, gpu_memory_source="test")
 
     fits = plan(vllm_kwargs={"gpu_memory_utilization": 0.35})
@@ -251,9 +257,17 @@ def _config(model, **training):
         ExGRPOConfig()
         .environment(env_config={"dataset": "arithmetic"})
         .training(
-            model_name_or_path=model, questions_per_step=4, group_size=4, max_prompt_tokens=128,
-            minibatch_size=16, loss_agg_mode="token-mean", heldout_dataset="arithmetic",
-            heldout_num_questions=4, heldout_interval=2, delayed_start_solve_rate=0.0, colocate=True,
+            model_name_or_path=model,
+            questions_per_step=4,
+            group_size=4,
+            max_prompt_tokens=128,
+            minibatch_size=16,
+            loss_agg_mode="token-mean",
+            heldout_dataset="arithmetic",
+            heldout_num_questions=4,
+            heldout_interval=2,
+            delayed_start_solve_rate=0.0,
+            colocate=True,
             **{"max_response_tokens": 12, "lr": 1e-3, **training},
         )
         .env_runners(num_env_runners=0)
@@ -320,8 +334,9 @@ def _check_local_runner(algo):
     after an update, scores with the learners' current weights, not a copy fetched earlier."""
     prompts, completions = _rows(algo)
     ours, _ = algo.env_runner.score_trajectories(prompts, completions)
-    theirs = [r.get() for r in algo.learner_group.foreach_learner(
-        lambda learner, _p=prompts, _c=completions: _sampler_logps(learner, _p, _c))][0]
+    theirs = [
+        r.get() for r in algo.learner_group.foreach_learner(lambda learner, _p=prompts, _c=completions: _sampler_logps(learner, _p, _c))
+    ][0]
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, atol=1e-4)
 
@@ -330,12 +345,13 @@ def _seed_pool(algo):
     from rllib_exgrpo.core.groups import Trajectory, score_groups
 
     def group(qid, rewards, start):
-        return [Trajectory(qid, np.array([3, 4]), np.array([start + i, 7]), np.full(2, -0.2, np.float32), float(r))
-                for i, r in enumerate(rewards)]
+        return [
+            Trajectory(qid, np.array([3, 4]), np.array([start + i, 7]), np.full(2, -0.2, np.float32), float(r))
+            for i, r in enumerate(rewards)
+        ]
 
     ids = algo.sampler.question_ids
-    algo.experience.observe(score_groups(group(ids[0], [1, 0, 0, 0], 20) + group(ids[2], [1, 1, 0, 1], 40)),
-                            iteration=algo.iteration)
+    algo.experience.observe(score_groups(group(ids[0], [1, 0, 0, 0], 20) + group(ids[2], [1, 1, 0, 1], 40)), iteration=algo.iteration)
 
 
 def _perturb_adapters(learner):
@@ -413,8 +429,12 @@ def test_vllm_engine_in_the_learner_takes_turns_and_samples_the_updated_weights(
 
     tok = load_tokenizer(quick_tiny_model)
     cfg = _config(quick_tiny_model, lora_rank=4, lora_alpha=8.0).training(
-        max_response_tokens=8, generation_backend="vllm", behaviour_logprobs="engine", generation_batch_size=16,
-        vllm_kwargs=dict(VLLM_CPU_KWARGS))
+        max_response_tokens=8,
+        generation_backend="vllm",
+        behaviour_logprobs="engine",
+        generation_batch_size=16,
+        vllm_kwargs=dict(VLLM_CPU_KWARGS),
+    )
     group = cfg.build_learner_group(spaces={DEFAULT_MODULE_ID: token_spaces(len(tok), 128, 8)})
     learner = group._learner
     ids = [p.id for p in ReasoningEnv({"dataset": "arithmetic"}).problems[:3]]
@@ -424,8 +444,7 @@ def test_vllm_engine_in_the_learner_takes_turns_and_samples_the_updated_weights(
             _, episodes, _, _ = learner.colocated_sample([[ids, [2] * len(ids), [None] * len(ids)]], {})
             trajs = trajectories_from_episodes(episodes)
             assert len(trajs) == 6
-            rows, want, _ = learner.score_rows([t.prompt_ids for t in trajs], [t.completion_ids for t in trajs],
-                                               tok.pad_token_id)
+            rows, want, _ = learner.score_rows([t.prompt_ids for t in trajs], [t.completion_ids for t in trajs], tok.pad_token_id)
             for j, i in enumerate(rows):  # the engine sampled from the learner's current (merged) weights
                 np.testing.assert_allclose(trajs[i].logp, want[j], atol=2e-3, rtol=0)
             with torch.no_grad():  # the adapters move, as an update moves them

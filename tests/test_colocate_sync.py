@@ -10,6 +10,7 @@ by the formula ``W + (alpha / r) B A`` from the adapter tensors (not by the prod
 code). With the HF backend and DDP the sampler generates from the learner's model object
 itself (checked as the same object); under ZeRO-3 from a plain copy refilled each turn.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -80,8 +81,7 @@ def _engine_prompt_logprobs(llm):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    out = llm.generate([TokensPrompt(prompt_token_ids=IDS)], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
+    out = llm.generate([TokensPrompt(prompt_token_ids=IDS)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     return np.asarray([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], IDS[1:])], np.float64)
 
 
@@ -128,9 +128,19 @@ def _sync_and_compare(learner):
 
 def _config(model, backend: str, learner_backend: str, lora: bool):
     training = dict(
-        model_name_or_path=model, questions_per_step=4, group_size=4, max_prompt_tokens=128, max_response_tokens=8,
-        minibatch_size=8, loss_agg_mode="token-mean", delayed_start_solve_rate=0.0, colocate=True, lr=1e-2,
-        generation_backend=backend, learner_backend=learner_backend, scoring_on="learners",
+        model_name_or_path=model,
+        questions_per_step=4,
+        group_size=4,
+        max_prompt_tokens=128,
+        max_response_tokens=8,
+        minibatch_size=8,
+        loss_agg_mode="token-mean",
+        delayed_start_solve_rate=0.0,
+        colocate=True,
+        lr=1e-2,
+        generation_backend=backend,
+        learner_backend=learner_backend,
+        scoring_on="learners",
     )
     if learner_backend == "deepspeed":
         training["deepspeed_zero_stage"] = 3

@@ -1,6 +1,7 @@
 """rllib compare (evaluation/compare.py, cli/compare.py): the table's scores, bootstrap
 intervals and paired differences on hand-made reports, against the formulas; the command on
 saved evaluations and on models it evaluates itself; bad input in one line."""
+
 import json
 
 import numpy as np
@@ -16,8 +17,7 @@ def _report(scores_by_source):
     for source, scores in scores_by_source.items():
         for i, s in enumerate(scores):
             c = int(round(4 * s))
-            questions.append({"id": f"{source}-{i}", "data_source": source, "source": source,
-                              "correct": [True] * c + [False] * (4 - c)})
+            questions.append({"id": f"{source}-{i}", "data_source": source, "source": source, "correct": [True] * c + [False] * (4 - c)})
     return {"model": "m", "sources": {s: {} for s in scores_by_source}, "questions": questions}
 
 
@@ -73,9 +73,29 @@ def test_bad_input_is_one_line_before_anything_runs(tmp_path, capsys):
 
 
 def test_the_command_evaluates_models_itself(tmp_path, capsys):
-    args = ["compare", "tiny", "tiny", "--label", "first", "--label", "second", "--data", "arithmetic",
-            "--temperature", "0", "--limit", "12", "--max-new-tokens", "24", "--backend", "hf",
-            "--bootstrap", "200", "--out", str(tmp_path)]
+    args = [
+        "compare",
+        "tiny",
+        "tiny",
+        "--label",
+        "first",
+        "--label",
+        "second",
+        "--data",
+        "arithmetic",
+        "--temperature",
+        "0",
+        "--limit",
+        "12",
+        "--max-new-tokens",
+        "24",
+        "--backend",
+        "hf",
+        "--bootstrap",
+        "200",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "| first |" in out and "| second | +0.0 [+0.0, +0.0]" in out  # the same greedy model twice

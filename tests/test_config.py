@@ -1,4 +1,5 @@
 """ExGRPOConfig: official defaults, validation with clear messages, YAML key checks."""
+
 import pytest
 
 from rllib_exgrpo.rllib.algorithm import ExGRPOConfig, GRPOConfig

@@ -1,4 +1,5 @@
 """The config field table: the one definition that defaults, training(), checks and docs share."""
+
 import inspect
 from pathlib import Path
 
@@ -6,7 +7,6 @@ import pytest
 
 from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 from rllib_exgrpo.rllib.config_fields import FIELDS, FIELDS_BY_NAME, markdown_table, number, one_of
-
 
 
 def _bad_value(f):
@@ -83,9 +83,13 @@ def test_no_declared_field_default_is_repeated_outside_the_table():
             # getattr(config, "<field>", <default>) and any alias of it (_get, g = getattr, ...):
             # a call of three arguments whose second names a declared field; setattr writes.
             func = node.func.id if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) else None
-            if (func is not None and func != "setattr"
-                    and len(node.args) == 3 and isinstance(node.args[1], ast.Constant)
-                    and node.args[1].value in names):
+            if (
+                func is not None
+                and func != "setattr"
+                and len(node.args) == 3
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in names
+            ):
                 found.append(f"{path.relative_to(root)}:{node.lineno}: {node.args[1].value}")
     assert not found, "declared fields read with a literal default:\n" + "\n".join(found)
 

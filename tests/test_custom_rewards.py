@@ -4,6 +4,7 @@ The built-ins and the examples on hand-made strings, the env on a few rows (weig
 per-function metrics, row fields as keywords, crash and hang counting, rehearsal), the
 config check before anything starts, and one real training iteration.
 """
+
 from __future__ import annotations
 
 import textwrap
@@ -29,7 +30,7 @@ from rllib_exgrpo.envs.rewards import (
 MODULE = "custom_rewards_under_test"
 
 #: Reward functions the env imports by path (in the verifier workers too).
-SOURCE = textwrap.dedent('''
+SOURCE = textwrap.dedent("""
     import time
 
     def quarter(completion, ground_truth):
@@ -60,7 +61,7 @@ SOURCE = textwrap.dedent('''
 
     def no_completion(text):
         return 1.0
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +77,10 @@ def fns_module(tmp_path_factory):
 
 
 def problems(n=2):
-    return [Problem(id=f"r-{i}", question=f"What is {i} + 1?", ground_truth=str(i + 1), data_source="unit",
-                    extra={"topic": "algebra"}) for i in range(n)]
+    return [
+        Problem(id=f"r-{i}", question=f"What is {i} + 1?", ground_truth=str(i + 1), data_source="unit", extra={"topic": "algebra"})
+        for i in range(n)
+    ]
 
 
 def env(**cfg):
@@ -85,26 +88,29 @@ def env(**cfg):
 
 
 # ------------------------------------------------------------------ built-ins, pure
-@pytest.mark.parametrize("text, letter", [
-    ("so \\boxed{C}", "C"),
-    ("\\boxed{(b)}", "B"),
-    ("\\boxed{\\text{D}}", "D"),
-    ("\\boxed{C) 42}", "C"),
-    ("\\boxed{A} at first, then \\boxed{E}", "E"),
-    ("\\boxed{42}", None),  # a box that holds no letter: no guessing from the rest
-    ("Answer: C", "C"),
-    ("I think the answer is (B).", "B"),
-    ("The final answer is **D**", "D"),
-    ("answer: option J", "J"),
-    ("The answer is B, not A... no wait, the answer is A.", "A"),
-    ("Options (A) and (C) are wrong; it must be (D)", "D"),
-    ("C", "C"),
-    ("  (G).  ", "G"),
-    ("the answer is a car", None),  # lower case outside a box is an article
-    ("Answer: Dogs", None),
-    ("no letter here", None),
-    ("(K)", None),  # outside A-J
-])
+@pytest.mark.parametrize(
+    "text, letter",
+    [
+        ("so \\boxed{C}", "C"),
+        ("\\boxed{(b)}", "B"),
+        ("\\boxed{\\text{D}}", "D"),
+        ("\\boxed{C) 42}", "C"),
+        ("\\boxed{A} at first, then \\boxed{E}", "E"),
+        ("\\boxed{42}", None),  # a box that holds no letter: no guessing from the rest
+        ("Answer: C", "C"),
+        ("I think the answer is (B).", "B"),
+        ("The final answer is **D**", "D"),
+        ("answer: option J", "J"),
+        ("The answer is B, not A... no wait, the answer is A.", "A"),
+        ("Options (A) and (C) are wrong; it must be (D)", "D"),
+        ("C", "C"),
+        ("  (G).  ", "G"),
+        ("the answer is a car", None),  # lower case outside a box is an article
+        ("Answer: Dogs", None),
+        ("no letter here", None),
+        ("(K)", None),  # outside A-J
+    ],
+)
 def test_extract_choice(text, letter):
     assert extract_choice(text) == letter
 
@@ -126,35 +132,40 @@ def test_multiple_choice_reward():
         multiple_choice_reward("\\boxed{C}", "42")
 
 
-@pytest.mark.parametrize("text, think, expected", [
-    ("so \\boxed{5}", False, 1.0),
-    ("so \\boxed{5}.", False, 1.0),
-    ("no box, 5", False, 0.0),
-    ("\\boxed{4} or \\boxed{5}", False, 0.0),  # exactly one answer
-    ("\\boxed{}", False, 0.0),  # empty
-    ("\\boxed{5", False, 0.0),  # cut off
-    ("<think>\\boxed{4}?</think> \\boxed{5}", False, 1.0),  # boxes in the think block do not count
-    ("<think>still thinking \\boxed{5}", False, 0.0),  # an open think block
-    ("<think>a</think><think>b</think> \\boxed{5}", False, 0.0),
-    ("<think>why</think>\n\\boxed{5}", True, 1.0),
-    ("reasoning</think>\n\\boxed{5}", True, 1.0),  # the template opened the block
-    ("\\boxed{5}", True, 0.0),  # think format needs the block
-    ("<think>why</think> 5", True, 0.0),
-])
+@pytest.mark.parametrize(
+    "text, think, expected",
+    [
+        ("so \\boxed{5}", False, 1.0),
+        ("so \\boxed{5}.", False, 1.0),
+        ("no box, 5", False, 0.0),
+        ("\\boxed{4} or \\boxed{5}", False, 0.0),  # exactly one answer
+        ("\\boxed{}", False, 0.0),  # empty
+        ("\\boxed{5", False, 0.0),  # cut off
+        ("<think>\\boxed{4}?</think> \\boxed{5}", False, 1.0),  # boxes in the think block do not count
+        ("<think>still thinking \\boxed{5}", False, 0.0),  # an open think block
+        ("<think>a</think><think>b</think> \\boxed{5}", False, 0.0),
+        ("<think>why</think>\n\\boxed{5}", True, 1.0),
+        ("reasoning</think>\n\\boxed{5}", True, 1.0),  # the template opened the block
+        ("\\boxed{5}", True, 0.0),  # think format needs the block
+        ("<think>why</think> 5", True, 0.0),
+    ],
+)
 def test_format_reward(text, think, expected):
     assert format_reward(text, think_format=think) == expected
 
 
 def test_labels_and_loading():
-    assert reward_labels(["math", "a.b:exact_match", "c:exact_match", "m:Cls.score"]) == [
-        "math", "exact_match", "exact_match_2", "score"]
+    assert reward_labels(["math", "a.b:exact_match", "c:exact_match", "m:Cls.score"]) == ["math", "exact_match", "exact_match_2", "score"]
     fn, accepted = load_reward_fn("rllib_exgrpo.envs.reward_examples:keyword_match")
     assert fn is ex.keyword_match and accepted == {"completion", "ground_truth", "keywords"}
     assert load_reward_fn("format")[1] is None  # **kwargs: everything is passed
-    for bad, why in [("nocolon", "package.module:function"), ("no_such_mod:f", "ModuleNotFoundError"),
-                     ("rllib_exgrpo.envs.rewards:nope", "no attribute 'nope'"),
-                     ("rllib_exgrpo.envs.rewards:CHOICE_LETTERS", "not a function"),
-                     ("rllib_exgrpo.envs.rewards:last_boxed", "no 'completion' keyword")]:
+    for bad, why in [
+        ("nocolon", "package.module:function"),
+        ("no_such_mod:f", "ModuleNotFoundError"),
+        ("rllib_exgrpo.envs.rewards:nope", "no attribute 'nope'"),
+        ("rllib_exgrpo.envs.rewards:CHOICE_LETTERS", "not a function"),
+        ("rllib_exgrpo.envs.rewards:last_boxed", "no 'completion' keyword"),
+    ]:
         with pytest.raises(ValueError, match=why):
             load_reward_fn(bad)
 
@@ -192,7 +203,8 @@ def test_a_bad_reward_fn_is_one_cli_error_line_before_anything_starts(tmp_path, 
     from rllib_exgrpo.cli.main import main
 
     f = tmp_path / "bad.yaml"
-    f.write_text(textwrap.dedent("""
+    f.write_text(
+        textwrap.dedent("""
         bad:
           run: GRPO
           env: rllib_exgrpo.envs.reasoning_env:ReasoningEnv
@@ -200,13 +212,13 @@ def test_a_bad_reward_fn_is_one_cli_error_line_before_anything_starts(tmp_path, 
           config:
             env_config: {dataset: arithmetic, reward_fn: "no_such_package.rewards:score"}
             model_name_or_path: tiny
-    """))
+    """)
+    )
     assert main(["train", "file", str(f), "--storage-path", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith("rllib train: error: ")
-    assert ("config.env_config.reward_fn: cannot import 'no_such_package.rewards:score': "
-            "ModuleNotFoundError") in err[0]
+    assert ("config.env_config.reward_fn: cannot import 'no_such_package.rewards:score': ModuleNotFoundError") in err[0]
     assert not (tmp_path / "r").exists()  # nothing started
 
 
@@ -239,8 +251,7 @@ def test_weighted_sum_and_a_metric_per_function(fns_module):
     assert right.components == {"math": 1.0, "half_if_long": 0.5, "format": 1.0}
     assert right.score == pytest.approx(0.5 * 1.0 + 2.0 * 0.5 + 0.25 * 1.0) and right.correct
     assert short.components == {"math": 0.0, "half_if_long": 0.0, "format": 0.0} and short.score == 0.0
-    assert e.reward_metrics() == pytest.approx(
-        {"reward_math_mean": 0.5, "reward_half_if_long_mean": 0.25, "reward_format_mean": 0.5})
+    assert e.reward_metrics() == pytest.approx({"reward_math_mean": 0.5, "reward_half_if_long_mean": 0.25, "reward_format_mean": 0.5})
     # the single-episode API gives the same reward and each function's score in the info
     obs, info = e.reset(options={"question_id": "r-0"})
     _, reward, terminated, _, info = e.step("so \\boxed{1}")
@@ -249,15 +260,13 @@ def test_weighted_sum_and_a_metric_per_function(fns_module):
 
 
 def test_multiple_choice_env():
-    e = ReasoningEnv({"problems": [Problem("mc-1", "Which? (A) x (B) y (C) z", "C", "gpqa")],
-                      "reward_fn": "multiple_choice"})
+    e = ReasoningEnv({"problems": [Problem("mc-1", "Which? (A) x (B) y (C) z", "C", "gpqa")], "reward_fn": "multiple_choice"})
     right, wrong = e.score(["mc-1", "mc-1"], ["The answer is (C).", "\\boxed{B}"])
     assert (right.score, right.parsed, wrong.score, wrong.parsed) == (1.0, "C", 0.0, "B")
 
 
 def test_crash_and_hang_are_counted_and_the_step_goes_on(fns_module):
-    e = env(reward_fns=[f"{fns_module}:quarter", f"{fns_module}:boom", f"{fns_module}:not_a_number"],
-            reward_timeout_s=2.0)
+    e = env(reward_fns=[f"{fns_module}:quarter", f"{fns_module}:boom", f"{fns_module}:not_a_number"], reward_timeout_s=2.0)
     reset_reward_stats()
     results = e.score(["r-0", "r-1"], ["a", "b"])
     stats = reward_stats()
@@ -295,8 +304,11 @@ def test_rehearsal_reward_scores_while_the_functions_still_run(fns_module):
 
 def test_the_old_rehearsal_flag_says_what_to_write_instead():
     for value in (True, False):
-        with pytest.raises(ValueError, match=r"'rehearsal_reward' is gone: .*reward_fns: \[math, rehearsal\] "
-                                             r"with reward_weights: \[0, 1\]"):
+        with pytest.raises(
+            ValueError,
+            match=r"'rehearsal_reward' is gone: .*reward_fns: \[math, rehearsal\] "
+            r"with reward_weights: \[0, 1\]",
+        ):
             validate_config({"rehearsal_reward": value})
 
 
@@ -314,9 +326,17 @@ def test_constant_reward_is_the_iterations_reward_mean(fns_module, quick_tiny_mo
         GRPOConfig()
         .environment(env_config={"dataset": "arithmetic", "reward_fn": f"{fns_module}:quarter"})
         .env_runners(num_env_runners=0)
-        .training(model_name_or_path=quick_tiny_model, questions_per_step=2, group_size=2, max_prompt_tokens=128,
-                  max_response_tokens=8, lr=1e-4, minibatch_size=4, loss_agg_mode="token-mean",
-                  heldout_interval=0)
+        .training(
+            model_name_or_path=quick_tiny_model,
+            questions_per_step=2,
+            group_size=2,
+            max_prompt_tokens=128,
+            max_response_tokens=8,
+            lr=1e-4,
+            minibatch_size=4,
+            loss_agg_mode="token-mean",
+            heldout_interval=0,
+        )
     )
     algo = config.build_algo()
     try:

@@ -1,4 +1,5 @@
 """Loading problems: every row shape, and malformed rows that never pass silently."""
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,9 @@ def test_non_strict_skips_warns_and_counts(messy, caplog):
     assert [p.ground_truth for p in problems] == ["2", "8"]
     assert problems.skipped == len(BAD_ROWS)
     assert [e.line for e in problems.errors] == list(range(2, 2 + len(BAD_ROWS)))
-    row_warnings = [r for r in caplog.records
-                    if r.name == "rllib_exgrpo.envs.datasets" and r.getMessage().startswith("skipping malformed row")]
+    row_warnings = [
+        r for r in caplog.records if r.name == "rllib_exgrpo.envs.datasets" and r.getMessage().startswith("skipping malformed row")
+    ]
     assert len(row_warnings) == len(BAD_ROWS)
     assert any(f"skipped {len(BAD_ROWS)} malformed" in r.getMessage() for r in caplog.records)
 
@@ -69,25 +71,33 @@ def test_all_rows_bad_is_an_error(tmp_path):
 
 
 def test_gsm8k_answers_and_numbers(tmp_path):
-    path = _write_jsonl(tmp_path / "gsm.jsonl", [
-        {"question": "q1", "answer": "Some work <<2*3=6>>\n#### 1,234", "idx": 7},
-        {"question": "q2", "answer": 27.0},
-        {"question": "q3", "answer": 2.5},
-        {"question": "q4", "answer": 12},
-    ])
+    path = _write_jsonl(
+        tmp_path / "gsm.jsonl",
+        [
+            {"question": "q1", "answer": "Some work <<2*3=6>>\n#### 1,234", "idx": 7},
+            {"question": "q2", "answer": 27.0},
+            {"question": "q3", "answer": 2.5},
+            {"question": "q4", "answer": 12},
+        ],
+    )
     problems = load_problems(path)
     assert [p.ground_truth for p in problems] == ["1234", "27", "2.5", "12"]
     assert problems[0].id == "gsm-7"
 
 
 def test_field_map_with_nested_paths(tmp_path):
-    path = _write_jsonl(tmp_path / "custom.jsonl", [
-        {"input": "What is 6*7?", "target": {"value": "42"}, "uid": "a"},
-        {"input": "What is 6*8?", "target": {"value": "48"}, "uid": "b"},
-    ])
+    path = _write_jsonl(
+        tmp_path / "custom.jsonl",
+        [
+            {"input": "What is 6*7?", "target": {"value": "42"}, "uid": "a"},
+            {"input": "What is 6*8?", "target": {"value": "48"}, "uid": "b"},
+        ],
+    )
     problems = load_problems(path, field_map={"question": "input", "ground_truth": "target.value", "id": "uid"})
     assert [(p.id, p.question, p.ground_truth) for p in problems] == [
-        ("custom-a", "What is 6*7?", "42"), ("custom-b", "What is 6*8?", "48")]
+        ("custom-a", "What is 6*7?", "42"),
+        ("custom-b", "What is 6*8?", "48"),
+    ]
     with pytest.raises(ValueError, match="unknown field_map keys"):
         load_problems(path, field_map={"prompt": "input"})
 
@@ -96,12 +106,16 @@ def test_verl_rows_in_parquet_with_bad_row(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     rows = [
-        {"data_source": "math", "prompt": [{"role": "system", "content": "Be brief."},
-                                           {"role": "user", "content": "  What is $1+1$?  "}],
-         "reward_model": {"ground_truth": "2", "style": "rule"}},
-        {"data_source": "math", "prompt": [{"role": "system", "content": "Be brief."},
-                                           {"role": "user", "content": "What is 2+2?"}],
-         "reward_model": {"ground_truth": "", "style": "rule"}},
+        {
+            "data_source": "math",
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  What is $1+1$?  "}],
+            "reward_model": {"ground_truth": "2", "style": "rule"},
+        },
+        {
+            "data_source": "math",
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+            "reward_model": {"ground_truth": "", "style": "rule"},
+        },
     ]
     path = tmp_path / "verl.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
@@ -123,11 +137,14 @@ def test_json_array_and_json_lines_named_json(tmp_path):
 
 
 def test_ids_unique_data_source_and_limit(tmp_path):
-    path = _write_jsonl(tmp_path / "dup.jsonl", [
-        {"problem": "a", "answer": "1", "id": 5},
-        {"problem": "b", "answer": "2", "id": 5},
-        {"problem": "c", "answer": "3", "data_source": "mine"},
-    ])
+    path = _write_jsonl(
+        tmp_path / "dup.jsonl",
+        [
+            {"problem": "a", "answer": "1", "id": 5},
+            {"problem": "b", "answer": "2", "id": 5},
+            {"problem": "c", "answer": "3", "data_source": "mine"},
+        ],
+    )
     problems = load_problems(path)
     assert [p.id for p in problems] == ["dup-5", "dup-5#2", "dup-3"]
     assert [p.data_source for p in problems] == ["dup", "dup", "mine"]

@@ -12,6 +12,7 @@ sampled rows with a real gradient. The loss is ``seq-mean-token-sum-norm`` witho
 entropy term: the mean of two equal shards' losses is then exactly the loss of their
 union, which is what lets one learner on the whole batch be the reference.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,9 +43,17 @@ def two_learner_config(model: str, *, num_learners: int = 2, **training):
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
     base = dict(
-        model_name_or_path=model, questions_per_step=8, group_size=4, max_prompt_tokens=128,
-        max_response_tokens=12, lr=1e-3, minibatch_size=16, loss_agg_mode="seq-mean-token-sum-norm",
-        entropy_coeff=0.0, delayed_start_solve_rate=0.0, grad_clip=1.0,
+        model_name_or_path=model,
+        questions_per_step=8,
+        group_size=4,
+        max_prompt_tokens=128,
+        max_response_tokens=12,
+        lr=1e-3,
+        minibatch_size=16,
+        loss_agg_mode="seq-mean-token-sum-norm",
+        entropy_coeff=0.0,
+        delayed_start_solve_rate=0.0,
+        grad_clip=1.0,
     )
     base.update(training)
     return (
@@ -147,8 +156,9 @@ def assert_same_weights(views: List[Dict[str, np.ndarray]], names: List[str]) ->
             assert np.array_equal(np.asarray(view[key]), np.asarray(first[key])), f"{name} != {names[0]} at {key}"
 
 
-def assert_close_to_reference(params: Dict[str, np.ndarray], reference: Dict[str, np.ndarray],
-                              initial: Dict[str, np.ndarray], *, atol: float) -> float:
+def assert_close_to_reference(
+    params: Dict[str, np.ndarray], reference: Dict[str, np.ndarray], initial: Dict[str, np.ndarray], *, atol: float
+) -> float:
     """``params`` equal the single-learner reference within ``atol`` per entry and within
     ``REFERENCE_RTOL_NORM`` of the update's norm; the parameters moved by much more than
     ``atol``. Returns the largest difference."""
@@ -157,8 +167,7 @@ def assert_close_to_reference(params: Dict[str, np.ndarray], reference: Dict[str
     worst, moved = float(diff.max()), float(update.max())
     relative = float(np.linalg.norm(diff) / np.linalg.norm(update))
     assert worst <= atol, f"max |learners - single learner| = {worst:.3g} > {atol:g}"
-    assert relative <= REFERENCE_RTOL_NORM, (
-        f"||learners - single learner|| / ||update|| = {relative:.3g} > {REFERENCE_RTOL_NORM:g}")
+    assert relative <= REFERENCE_RTOL_NORM, f"||learners - single learner|| / ||update|| = {relative:.3g} > {REFERENCE_RTOL_NORM:g}"
     assert moved > 10 * atol, f"training barely moved the parameters ({moved:.3g}): the comparison says nothing"
     return worst
 
@@ -199,7 +208,8 @@ def test_ddp_two_learners_match_one_learner_and_the_runner(quick_tiny_model, mic
         from ray.rllib.core import COMPONENT_RL_MODULE
 
         views = [
-            r.get() for r in algo.learner_group.foreach_learner(
+            r.get()
+            for r in algo.learner_group.foreach_learner(
                 lambda learner: learner.get_state(components=COMPONENT_RL_MODULE)[COMPONENT_RL_MODULE][MODULE]
             )
         ]
@@ -208,9 +218,11 @@ def test_ddp_two_learners_match_one_learner_and_the_runner(quick_tiny_model, mic
         algo.stop()
     reference = reference_parameters(quick_tiny_model, steps)
     worst = assert_close_to_reference(views[0], reference, initial, atol=REFERENCE_ATOL)
-    print(f"\nDDP x2{f' micro-batches ({micro})' if micro else ''}: learner step {np.mean(per_step) * 1e3:.1f} ms (iterations: "
-          f"{', '.join(f'{t * 1e3:.1f}' for t in per_step)} ms), 2 iterations {wall:.1f} s, "
-          f"max |DDP - single learner| = {worst:.2g}")
+    print(
+        f"\nDDP x2{f' micro-batches ({micro})' if micro else ''}: learner step {np.mean(per_step) * 1e3:.1f} ms (iterations: "
+        f"{', '.join(f'{t * 1e3:.1f}' for t in per_step)} ms), 2 iterations {wall:.1f} s, "
+        f"max |DDP - single learner| = {worst:.2g}"
+    )
 
 
 def test_ddp_a_nan_loss_on_one_learner_drops_the_step_on_both(quick_tiny_model):
@@ -232,7 +244,8 @@ def test_ddp_a_nan_loss_on_one_learner_drops_the_step_on_both(quick_tiny_model):
         result = algo.train()
         assert result["learners"][MODULE]["skipped_nonfinite"] == 1
         views = [
-            r.get() for r in algo.learner_group.foreach_learner(
+            r.get()
+            for r in algo.learner_group.foreach_learner(
                 lambda learner: learner.get_state(components=COMPONENT_RL_MODULE)[COMPONENT_RL_MODULE][MODULE]
             )
         ]

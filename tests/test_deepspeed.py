@@ -16,6 +16,7 @@
 
 Step times are printed (``pytest -s``), never asserted.
 """
+
 from __future__ import annotations
 
 import time
@@ -63,6 +64,7 @@ def local_shares(algo):
     """Per learner: (elements of its fp32 master partition, of its parameter storage,
     of the whole model). ZeRO partitions the optimiser state (all stages) and, under
     ZeRO-3, the parameters themselves."""
+
     def share(learner):
         engine = learner.deepspeed_engines[MODULE]
         opt = engine.optimizer
@@ -100,6 +102,7 @@ def optimizer_tensors(algo):
 
 def adam_steps(algo):
     """AdamW's step count on every rank (the base optimiser inside each ZeRO shard)."""
+
     def steps(learner):
         opt = learner.deepspeed_engines[MODULE].optimizer.optimizer
         return sorted({float(s["step"]) for s in opt.state.values() if "step" in s})
@@ -128,20 +131,24 @@ def test_deepspeed_config_is_generated_merged_and_checked():
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
     from rllib_exgrpo.rllib.deepspeed_learner import DeepSpeedExGRPOLearner
 
-    cfg = ExGRPOConfig().training(learner_backend="deepspeed", deepspeed_zero_stage=3, grad_clip=0.5,
-                                  deepspeed={"zero_optimization": {"overlap_comm": False}})
+    cfg = ExGRPOConfig().training(
+        learner_backend="deepspeed", deepspeed_zero_stage=3, grad_clip=0.5, deepspeed={"zero_optimization": {"overlap_comm": False}}
+    )
     assert cfg.learner_class is DeepSpeedExGRPOLearner
     cpu = build_deepspeed_config(cfg, torch.device("cpu"))
     assert cpu["zero_optimization"]["stage"] == 3 and cpu["zero_optimization"]["overlap_comm"] is False
-    assert build_deepspeed_config(cfg, torch.device("cpu"), num_parameters=2_000_000)["zero_optimization"][
-        "reduce_bucket_size"] == 2_000_000  # buckets sized to the model, at most DeepSpeed's 5e8
+    assert (
+        build_deepspeed_config(cfg, torch.device("cpu"), num_parameters=2_000_000)["zero_optimization"]["reduce_bucket_size"] == 2_000_000
+    )  # buckets sized to the model, at most DeepSpeed's 5e8
     assert cpu["gradient_clipping"] == 0.5 and cpu["gradient_accumulation_steps"] == 1
     assert not cpu["bf16"]["enabled"] and not cpu["fp16"]["enabled"]  # fp32 on CPU
     assert build_deepspeed_config(cfg, torch.device("cuda", 0))["bf16"]["enabled"]  # bf16 on GPU
     assert deepspeed_config_errors(cfg) == []
 
     bad = ExGRPOConfig().training(
-        learner_backend="deepspeed", deepspeed_zero_stage=2, grad_clip_by="value",
+        learner_backend="deepspeed",
+        deepspeed_zero_stage=2,
+        grad_clip_by="value",
         deepspeed={"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}},
     )
     errors = "\n".join(deepspeed_config_errors(bad))
@@ -165,8 +172,11 @@ def test_two_zero_learners_match_one_learner_and_the_runner(quick_tiny_model, st
     # counts differ and are agreed on (every ZeRO-3 forward gathers parameters from all ranks).
     # Its log-probs go in chunks of 5 positions: the LM head (tied) is called, and recomputed
     # in the backward, once a chunk under ZeRO-3's parameter hooks.
-    fields = {"learner_micro_batch_rows": 4, "learner_micro_batch_tokens": 100, "logit_chunk_tokens": 5} \
-        if micro == "rows+tokens" else {"learner_micro_batch_rows": micro}
+    fields = (
+        {"learner_micro_batch_rows": 4, "learner_micro_batch_tokens": 100, "logit_chunk_tokens": 5}
+        if micro == "rows+tokens"
+        else {"learner_micro_batch_rows": micro}
+    )
     training = ds_training(stage, **fields)
     t_build = time.perf_counter()
     algo = two_learner_config(quick_tiny_model, **training).build_algo()
@@ -181,15 +191,16 @@ def test_two_zero_learners_match_one_learner_and_the_runner(quick_tiny_model, st
                 assert held == total
         views = learner_views(algo)
         shipped = algo.learner_group.get_weights()[MODULE]
-        assert_same_weights(views + [shipped, runner_parameters(algo)],
-                            ["learner 0", "learner 1", "get_weights", "env runner"])
+        assert_same_weights(views + [shipped, runner_parameters(algo)], ["learner 0", "learner 1", "get_weights", "env runner"])
     finally:
         algo.stop()
     reference = reference_parameters(quick_tiny_model, steps)
     worst = assert_close_to_reference(views[0], reference, initial, atol=REFERENCE_ATOL)
-    print(f"\nZeRO-{stage} x2{f' micro-batches ({micro})' if micro else ''}: learner step {np.mean(per_step) * 1e3:.1f} ms (iterations: "
-          f"{', '.join(f'{t * 1e3:.1f}' for t in per_step)} ms), 2 iterations {wall:.1f} s, build {t_build:.1f} s, "
-          f"max |ZeRO - single learner| = {worst:.2g}")
+    print(
+        f"\nZeRO-{stage} x2{f' micro-batches ({micro})' if micro else ''}: learner step {np.mean(per_step) * 1e3:.1f} ms (iterations: "
+        f"{', '.join(f'{t * 1e3:.1f}' for t in per_step)} ms), 2 iterations {wall:.1f} s, build {t_build:.1f} s, "
+        f"max |ZeRO - single learner| = {worst:.2g}"
+    )
 
 
 def _check_zero3_checkpoint_layout(path, saved_weights):
@@ -243,9 +254,10 @@ def test_zero3_checkpoint_restores_weights_and_optimizer_and_trains_on(quick_tin
     try:
         assert restored.iteration == 2
         assert restored.learner_group.get_weights()[MODULE].keys() == saved_weights.keys()
-        assert_same_weights([saved_weights, restored.learner_group.get_weights()[MODULE], *learner_views(restored),
-                             runner_parameters(restored)],
-                            ["saved", "restored get_weights", "restored learner 0", "restored learner 1", "env runner"])
+        assert_same_weights(
+            [saved_weights, restored.learner_group.get_weights()[MODULE], *learner_views(restored), runner_parameters(restored)],
+            ["saved", "restored get_weights", "restored learner 0", "restored learner 1", "env runner"],
+        )
         restored_optimizer = optimizer_tensors(restored)
         assert restored_optimizer.keys() == saved_optimizer.keys() and len(saved_optimizer) >= 4
         for key, value in saved_optimizer.items():
@@ -260,8 +272,10 @@ def test_zero3_checkpoint_restores_weights_and_optimizer_and_trains_on(quick_tin
     # pool are part of the checkpoint).
     worst = max(float(np.max(np.abs(after[k] - expected[k]))) for k in expected)
     assert worst <= 1e-6, f"restored run's third iteration differs from the uninterrupted one by {worst:.3g}"
-    print(f"\nZeRO-3 checkpoint: save {t_save:.1f} s, from_checkpoint {t_restore:.1f} s, "
-          f"{len(saved_optimizer)} optimizer tensors restored, |restored - uninterrupted| = {worst:.2g}")
+    print(
+        f"\nZeRO-3 checkpoint: save {t_save:.1f} s, from_checkpoint {t_restore:.1f} s, "
+        f"{len(saved_optimizer)} optimizer tensors restored, |restored - uninterrupted| = {worst:.2g}"
+    )
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -277,8 +291,7 @@ def test_grad_norm_skip_drops_the_engine_step(quick_tiny_model, stage):
         learner = result["learners"][MODULE]
         assert learner["update_skipped"] == result["optimizer_steps"] == 1
         assert learner["grad_norm_preclip"] > 1e-12
-        assert_same_weights([initial, *learner_views(algo), runner_parameters(algo)],
-                            ["initial", "learner 0", "learner 1", "env runner"])
+        assert_same_weights([initial, *learner_views(algo), runner_parameters(algo)], ["initial", "learner 0", "learner 1", "env runner"])
         assert adam_steps(algo) == [[], []]  # AdamW never stepped: no state at all
     finally:
         algo.stop()
@@ -310,8 +323,7 @@ def test_a_nan_loss_on_one_learner_drops_the_step_on_both(quick_tiny_model, stag
         result = algo.train()
         learner = result["learners"][MODULE]
         assert learner["update_skipped"] == learner["skipped_nonfinite"] == 1
-        assert_same_weights([initial, *learner_views(algo), runner_parameters(algo)],
-                            ["initial", "learner 0", "learner 1", "env runner"])
+        assert_same_weights([initial, *learner_views(algo), runner_parameters(algo)], ["initial", "learner 0", "learner 1", "env runner"])
         assert adam_steps(algo) == [[], []]
         result = algo.train()  # a clean step is taken
         assert result["learners"][MODULE]["update_skipped"] == 0
@@ -338,9 +350,7 @@ def test_bf16_trains_with_fp32_master_weights(quick_tiny_model, stage):
         assert_same_weights([shipped, runner], ["get_weights", "env runner"])
         assert all(v.dtype == np.float32 for v in runner.values())
         assert any(not np.array_equal(runner[k], initial[k]) for k in initial)
-        dtypes = algo.learner_group.foreach_learner(
-            lambda learner: str(next(learner.deepspeed_engines[MODULE].module.parameters()).dtype)
-        )
+        dtypes = algo.learner_group.foreach_learner(lambda learner: str(next(learner.deepspeed_engines[MODULE].module.parameters()).dtype))
         assert [d.get() for d in dtypes] == ["torch.bfloat16"] * 2
         print(f"\nZeRO-{stage} bf16 x2 (CPU): learner step {per_step[0] * 1e3:.1f} ms")
     finally:

@@ -2,6 +2,7 @@
 every listed call still exists in the installed versions with the keywords the package
 passes and the preconditions the package's code is built on, and no private name of
 theirs is used that the contract does not list."""
+
 import ast
 import importlib.util
 import re
@@ -24,8 +25,7 @@ def _params(package: str, marks=()):
     return [pytest.param(c, id=f"{c.package}:{c.target.partition(':')[2]}", marks=marks) for c in calls_of(package)]
 
 
-@pytest.mark.parametrize("call", _params("deepspeed") + _params("transformers") + _params("torch")
-                         + _params("llvmlite"))
+@pytest.mark.parametrize("call", _params("deepspeed") + _params("transformers") + _params("torch") + _params("llvmlite"))
 def test_deepspeed_transformers_and_other_calls_hold(call):
     if not _installed(call.package):
         pytest.skip(f"{call.package} is not installed here")
@@ -68,8 +68,7 @@ def _listed(reference: str) -> bool:
     """Whether a reference is (a prefix of) a listed target, or the module-level name
     of one (``deepspeed.zero.GatheredParameters`` is ``deepspeed:zero.GatheredParameters``)."""
     flat = reference.replace(":", ".")
-    return any(c.target.replace(":", ".") == flat or c.target.replace(":", ".").startswith(flat + ".")
-               for c in CALLS)
+    return any(c.target.replace(":", ".") == flat or c.target.replace(":", ".").startswith(flat + ".") for c in CALLS)
 
 
 #: References that are modules or version strings, not calls (importing is not a call).

@@ -24,6 +24,7 @@ The README's GPU recipe is an exact excerpt of ``tuned_examples/exgrpo_qwen.yaml
 appear verbatim, in order, and every value it shows is the file's), and the README stays a
 product page (at most 250 lines, its "Results in brief" at most 25).
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,8 +42,7 @@ BASE_RECIPE = REPO / "tuned_examples" / "exgrpo_tiny.yaml"
 QUICK_TINY = "tiny:max_steps=30,target_pass1=0.99"  # as tests/conftest.py
 
 #: The shrink applied to every config a python snippet builds or tunes.
-TINY = {"questions_per_step": 4, "group_size": 4, "max_response_tokens": 12, "minibatch_size": 16,
-        "heldout_num_questions": 4}
+TINY = {"questions_per_step": 4, "group_size": 4, "max_response_tokens": 12, "minibatch_size": 16, "heldout_num_questions": 4}
 SKIP = re.compile(r"^#\s*snippet:\s*skip\s*\((.+)\)\s*$")
 
 
@@ -71,7 +71,7 @@ def snippets(lang: str) -> List[Snippet]:
                 while j < len(lines) and not lines[j].startswith("```"):
                     j += 1
                 if m.group(1) == lang:
-                    out.append(Snippet(path, i + 1, lang, "\n".join(lines[i + 1:j]) + "\n"))
+                    out.append(Snippet(path, i + 1, lang, "\n".join(lines[i + 1 : j]) + "\n"))
                 i = j + 1
             else:
                 i += 1
@@ -119,8 +119,9 @@ def as_experiments(text: str) -> Dict[str, Any]:
 def _gpus(config: dict) -> int:
     runners = int(config.get("num_env_runners", 0) or 0)
     learners = int(config.get("num_learners", 0) or 0)
-    return int(round(runners * float(config.get("num_gpus_per_env_runner", 0) or 0)
-                     + learners * float(config.get("num_gpus_per_learner", 0) or 0)))
+    return int(
+        round(runners * float(config.get("num_gpus_per_env_runner", 0) or 0) + learners * float(config.get("num_gpus_per_learner", 0) or 0))
+    )
 
 
 def _foreign(name: Any) -> bool:
@@ -234,8 +235,13 @@ def tiny_world(monkeypatch, tmp_path, quick_tiny_model):
 
     def private_ray():  # started when a snippet first builds or tunes, not before
         if not ray.is_initialized():
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+            ray.init(
+                address="local",
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+            )
 
     real_build = ExGRPOConfig.build_algo
 
@@ -250,8 +256,7 @@ def tiny_world(monkeypatch, tmp_path, quick_tiny_model):
     class TinyTuner(real_tuner):
         def __init__(self, trainable=None, *, param_space=None, run_config=None, **kw):
             private_ray()
-            run_config = tune.RunConfig(stop={"training_iteration": 1}, storage_path=str(tmp_path / "tune"),
-                                        verbose=0)
+            run_config = tune.RunConfig(stop={"training_iteration": 1}, storage_path=str(tmp_path / "tune"), verbose=0)
             super().__init__(trainable, param_space=_shrink(param_space), run_config=run_config, **kw)
 
     monkeypatch.setattr(tune, "Tuner", TinyTuner)
@@ -278,6 +283,7 @@ def _forget_names_registered_since(before: list) -> None:
 
 def run_python(snippet_text: str, world: dict) -> None:
     if "# build only" in snippet_text:
+
         def stop(*a, **k):
             raise _BuildOnly()
 
@@ -375,8 +381,9 @@ def test_readme_gpu_recipe_is_an_exact_excerpt_of_its_file():
     for line in snippet.text.splitlines():
         if not line.strip():
             continue
-        assert line in recipe[at:], (f"{snippet.id}: {line!r} is not a line of {recipe_path.name}"
-                                     f" (after line {at}): show the recipe's own lines")
+        assert line in recipe[at:], (
+            f"{snippet.id}: {line!r} is not a line of {recipe_path.name} (after line {at}): show the recipe's own lines"
+        )
         at = recipe.index(line, at) + 1
     diffs = _values_within(yaml.safe_load(snippet.text), yaml.safe_load("\n".join(recipe)))
     assert not diffs, f"{snippet.id} differs from {recipe_path.name}: {diffs}"

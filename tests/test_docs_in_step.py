@@ -1,6 +1,7 @@
 """Docs that restate what the code decides stay in step with it: the weight-sync default in
 docs/cluster.md, and the 7B recipe's planned memory in docs/scaling.md (the README's row,
 which tests/test_memory_plan.py checks against the dry run)."""
+
 from __future__ import annotations
 
 import re

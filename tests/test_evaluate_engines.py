@@ -2,6 +2,7 @@
 backend choice, the engine layout over GPUs, how questions are split across engines, the
 per-question budget, and the Ray path of several engines (a stand-in engine class on
 Ray's logical GPUs). The real vLLM engine: tests/test_evaluate_vllm.py."""
+
 from __future__ import annotations
 
 import sys
@@ -52,8 +53,9 @@ def test_engine_layout():
 
 
 def test_engine_kwargs():
-    kw = engines.engine_kwargs("/m", plan_engines(8, 2), dtype="bfloat16", seed=3, max_model_len=4096,
-                               extra={"gpu_memory_utilization": 0.85})
+    kw = engines.engine_kwargs(
+        "/m", plan_engines(8, 2), dtype="bfloat16", seed=3, max_model_len=4096, extra={"gpu_memory_utilization": 0.85}
+    )
     assert kw["tensor_parallel_size"] == 2 and kw["distributed_executor_backend"] == "mp"
     assert kw["dtype"] == "bfloat16" and kw["max_model_len"] == 4096 and kw["gpu_memory_utilization"] == 0.85
     assert kw["generation_config"] == "vllm" and "kv_cache_memory_bytes" not in kw
@@ -92,8 +94,7 @@ class FakeEngine:
         return 512
 
     def generate(self, requests, temperature, top_p, stop_token_ids):
-        return [[([ids[0], self.seed, j, m, stop_token_ids[0], 99], "stop") for j in range(n)]
-                for ids, n, m in requests]
+        return [[([ids[0], self.seed, j, m, stop_token_ids[0], 99], "stop") for j in range(n)] for ids, n, m in requests]
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ vllm tests/test_evaluate_vllm.py``; ``bash tests/run.sh`` runs them there). With
 the weights in float32 (the tiny model's own dtype), so greedy decoding picks the same
 tokens: the comparison is exact, completion by completion.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,11 @@ def test_protocol_and_the_context_cap_on_vllm(vllm_module, tmp_path):
     import pyarrow.parquet as pq
 
     def row(source, question, answer):
-        return {"data_source": source, "reward_model": {"ground_truth": answer},
-                "prompt": [{"role": "system", "content": "Answer."}, {"role": "user", "content": question}]}
+        return {
+            "data_source": source,
+            "reward_model": {"ground_truth": answer},
+            "prompt": [{"role": "system", "content": "Answer."}, {"role": "user", "content": question}],
+        }
 
     long_question = "Numbers: " + " ".join(["1"] * 220) + ". What is 3 + 4?"  # about 480 tokens
     rows = [row("amc", "What is 2 + 3?", "5"), row("math", "What is 6 - 1?", "5"), row("math", long_question, "7")]
@@ -72,8 +76,7 @@ def test_protocol_and_the_context_cap_on_vllm(vllm_module, tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), parquet)
     jsonl = tmp_path / "minerva.jsonl"  # the official system message: over 512 tokens here
     jsonl.write_text(json.dumps({"problem": "What is 1 + 1?", "answer": "2"}) + "\n")
-    common = ["--protocol", "exgrpo", "--data", str(parquet), "--data", str(jsonl), "--temperature", "0",
-              "--max-new-tokens", "48"]
+    common = ["--protocol", "exgrpo", "--data", str(parquet), "--data", str(jsonl), "--temperature", "0", "--max-new-tokens", "48"]
     vllm = _run(tmp_path, "vllm", common + ["--backend", "vllm"])
     hf = _run(tmp_path, "hf", common + ["--backend", "hf"])
     v, h = _by_id(vllm), _by_id(hf)

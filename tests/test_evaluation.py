@@ -1,5 +1,6 @@
 """Benchmark evaluation: the metrics (pass@k, avg@k, maj@k), the report, the
 ``rllib evaluate`` command, and evaluating an RLlib checkpoint of this project."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,20 @@ from rllib_exgrpo.evaluation import (
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT_KEYS = {"version", "created", "model", "settings", "sources", "overall", "wall_time_s", "questions"}
-SOURCE_KEYS = {"k", "n_questions", "samples", "avg_at_k", "pass_at_k", "maj_at_k", "mean_response_tokens",
-               "truncated_fraction", "unscored", "timed_out", "metrics", "wall_time_s"}
+SOURCE_KEYS = {
+    "k",
+    "n_questions",
+    "samples",
+    "avg_at_k",
+    "pass_at_k",
+    "maj_at_k",
+    "mean_response_tokens",
+    "truncated_fraction",
+    "unscored",
+    "timed_out",
+    "metrics",
+    "wall_time_s",
+}
 
 
 # =========================================================================== metrics
@@ -41,17 +54,20 @@ def _comb_pass_at_k(n, c, k):
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-@pytest.mark.parametrize("samples", [
-    [True],
-    [False],
-    [True, False],
-    [False, False, True, False, True],
-    [True] * 4,
-    [False] * 8,
-    [False, True, False, False, False, False, False, True, False, False],
-    [i % 3 == 0 for i in range(32)],
-    [i < 31 for i in range(32)],
-])
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [True],
+        [False],
+        [True, False],
+        [False, False, True, False, True],
+        [True] * 4,
+        [False] * 8,
+        [False, True, False, False, False, False, False, True, False, False],
+        [i % 3 == 0 for i in range(32)],
+        [i < 31 for i in range(32)],
+    ],
+)
 def test_pass_at_k_matches_the_unbiased_estimator(samples):
     n, c = len(samples), sum(samples)
     for k in range(1, n + 1):
@@ -91,19 +107,22 @@ def test_avg_at_k():
         avg_at_k([])
 
 
-@pytest.mark.parametrize("answers, correct, k, expected", [
-    (["5", "5", "3"], [True, True, False], None, 1.0),          # majority right
-    (["3", "5", "3"], [False, True, False], None, 0.0),         # majority wrong, one sample right
-    (["3", "5"], [False, True], None, 0.0),                     # tie: the first answer wins
-    (["5", "3"], [True, False], None, 1.0),                     # tie, other order
-    (["3", "5", "5", "3"], [False, True, True, False], None, 0.0),  # 2-2 tie: "3" seen first
-    ([None, None, "5"], [False, False, True], None, 1.0),       # None does not vote
-    ([None, None], [False, False], None, 0.0),                  # nobody answered
-    (["5", "3", "3", "3"], [True, False, False, False], 1, 1.0),  # only the first k vote
-    (["5", "3", "3", "3"], [True, False, False, False], 3, 0.0),
-    (["1 / 2", "1/2", "3"], [True, True, False], None, 1.0),    # whitespace does not split votes
-    (["", "4"], [False, True], None, 1.0),                      # an empty answer is no answer
-])
+@pytest.mark.parametrize(
+    "answers, correct, k, expected",
+    [
+        (["5", "5", "3"], [True, True, False], None, 1.0),  # majority right
+        (["3", "5", "3"], [False, True, False], None, 0.0),  # majority wrong, one sample right
+        (["3", "5"], [False, True], None, 0.0),  # tie: the first answer wins
+        (["5", "3"], [True, False], None, 1.0),  # tie, other order
+        (["3", "5", "5", "3"], [False, True, True, False], None, 0.0),  # 2-2 tie: "3" seen first
+        ([None, None, "5"], [False, False, True], None, 1.0),  # None does not vote
+        ([None, None], [False, False], None, 0.0),  # nobody answered
+        (["5", "3", "3", "3"], [True, False, False, False], 1, 1.0),  # only the first k vote
+        (["5", "3", "3", "3"], [True, False, False, False], 3, 0.0),
+        (["1 / 2", "1/2", "3"], [True, True, False], None, 1.0),  # whitespace does not split votes
+        (["", "4"], [False, True], None, 1.0),  # an empty answer is no answer
+    ],
+)
 def test_maj_at_k(answers, correct, k, expected):
     assert maj_at_k(answers, correct, k) == expected
 
@@ -128,8 +147,15 @@ def test_default_k_and_overrides():
 
 def _q(qid, source, correct, answers=None):
     answers = answers if answers is not None else [str(int(c)) for c in correct]
-    return QuestionResult(id=qid, data_source=source, source=source, correct=list(correct), answers=answers,
-                          response_tokens=[10] * len(correct), truncated=[False] * len(correct))
+    return QuestionResult(
+        id=qid,
+        data_source=source,
+        source=source,
+        correct=list(correct),
+        answers=answers,
+        response_tokens=[10] * len(correct),
+        truncated=[False] * len(correct),
+    )
 
 
 def test_aggregate_per_source_and_overall():
@@ -153,9 +179,14 @@ def test_report_table_and_json(tmp_path):
     qs = [_q("a1", "aime24", [True, False]), _q("m1", "math500", [True])]
     sources = {"aime24": aggregate(qs[:1]), "math500": aggregate(qs[1:])}
     overall = {**aggregate(qs), "macro_avg_at_k": 0.75}
-    report = EvalReport(model="m", settings={"temperature": 0.6, "top_p": 1.0, "max_new_tokens": 8, "seed": 0,
-                                             "pass_ks": [1, "k"]},
-                        sources=sources, overall=overall, wall_time_s=1.0, questions=qs)
+    report = EvalReport(
+        model="m",
+        settings={"temperature": 0.6, "top_p": 1.0, "max_new_tokens": 8, "seed": 0, "pass_ks": [1, "k"]},
+        sources=sources,
+        overall=overall,
+        wall_time_s=1.0,
+        questions=qs,
+    )
     table = report.table()
     for needle in ("aime24", "math500", "overall", "macro avg", "avg@k", "pass@1", "pass@k", "maj@k", "75.0"):
         assert needle in table, needle
@@ -183,8 +214,13 @@ def test_malformed_benchmark_from_the_console_script(tmp_path):
     bad = tmp_path / "broken.jsonl"
     bad.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "oops", \n')
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "rllib_exgrpo.cli.main", "evaluate", "--model", "tiny", "--data", str(bad)],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rllib_exgrpo.cli.main", "evaluate", "--model", "tiny", "--data", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     err = proc.stderr.strip()
@@ -243,8 +279,9 @@ def test_cli_on_math500_with_the_tiny_model(shared_data, tmp_path, capsys):
     if not math500.is_file():
         pytest.skip(f"{math500} absent")
     out = tmp_path / "results.json"
-    rc = cli.main(["evaluate", "--model", "tiny", "--data", str(math500), "--limit", "8",
-                   "--max-new-tokens", "32", "--output", str(out), "-q"])
+    rc = cli.main(
+        ["evaluate", "--model", "tiny", "--data", str(math500), "--limit", "8", "--max-new-tokens", "32", "--output", str(out), "-q"]
+    )
     assert rc == 0
     stdout = capsys.readouterr().out
     assert "math500_test" in stdout and "avg@k" in stdout and str(out) in stdout
@@ -281,9 +318,16 @@ def grpo_checkpoint(ray_local, quick_tiny_model, tmp_path_factory):
     cfg = (
         GRPOConfig()
         .environment(env_config={"dataset": "arithmetic", "instruction": "Answer in \\boxed{}."})
-        .training(model_name_or_path=quick_tiny_model, questions_per_step=2, group_size=4,
-                  max_prompt_tokens=128, max_response_tokens=8, lr=1e-2, minibatch_size=8,
-                  loss_agg_mode="token-mean")
+        .training(
+            model_name_or_path=quick_tiny_model,
+            questions_per_step=2,
+            group_size=4,
+            max_prompt_tokens=128,
+            max_response_tokens=8,
+            lr=1e-2,
+            minibatch_size=8,
+            loss_agg_mode="token-mean",
+        )
     )
     algo = cfg.build_algo()
     try:
@@ -291,8 +335,7 @@ def grpo_checkpoint(ray_local, quick_tiny_model, tmp_path_factory):
         trial = tmp_path_factory.mktemp("trial")
         path = trial / "checkpoint_000001"
         algo.save_to_path(str(path))
-        learner_state = {k: v.detach().clone() for k, v in
-                         algo.learner_group._learner.module[DEFAULT_MODULE_ID].model.state_dict().items()}
+        learner_state = {k: v.detach().clone() for k, v in algo.learner_group._learner.module[DEFAULT_MODULE_ID].model.state_dict().items()}
     finally:
         algo.stop()
     return trial, path, learner_state
@@ -332,8 +375,24 @@ def test_checkpoint_weights_and_cli_evaluate(grpo_checkpoint, quick_tiny_model, 
     assert any(not torch.equal(base[n], learner_state[n]) for n in learner_state), "training moved no weight"
 
     out = tmp_path / "ckpt.json"
-    rc = cli.main(["evaluate", "--model", str(trial), "--data", "arithmetic", "--limit", "6",
-                   "--temperature", "0", "--k", "4", "--output", str(out), "-q"])
+    rc = cli.main(
+        [
+            "evaluate",
+            "--model",
+            str(trial),
+            "--data",
+            "arithmetic",
+            "--limit",
+            "6",
+            "--temperature",
+            "0",
+            "--k",
+            "4",
+            "--output",
+            str(out),
+            "-q",
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     s = data["settings"]
@@ -344,8 +403,7 @@ def test_checkpoint_weights_and_cli_evaluate(grpo_checkpoint, quick_tiny_model, 
     assert data["sources"]["arithmetic"]["n_questions"] == 6
 
     # the (model, tokenizer) form gives the same greedy answers as the checkpoint form
-    report = evaluate((model, tokenizer), ["arithmetic"], limit=6, temperature=0, max_new_tokens=8,
-                      instruction="Answer in \\boxed{}.")
+    report = evaluate((model, tokenizer), ["arithmetic"], limit=6, temperature=0, max_new_tokens=8, instruction="Answer in \\boxed{}.")
     assert [q.answers for q in report.questions] == [q["answers"] for q in data["questions"]]
     # sampling is seeded: the same seed gives the same samples
     r1 = evaluate((model, tokenizer), ["arithmetic"], limit=3, k=2, max_new_tokens=8, seed=3)

@@ -1,4 +1,5 @@
 """ExGRPO experience management on hand-made groups: delayed start, plan, replay choice."""
+
 import numpy as np
 import pytest
 
@@ -17,8 +18,7 @@ def config(**kw):
 def group(qid, rewards, start=10):
     # Distinct completions so dedupe keeps every correct one.
     return [
-        Trajectory(qid, np.array([1, 2]), np.array([start + i, 3]), np.full(2, -0.1, np.float32), float(r))
-        for i, r in enumerate(rewards)
+        Trajectory(qid, np.array([1, 2]), np.array([start + i, 3]), np.full(2, -0.1, np.float32), float(r)) for i, r in enumerate(rewards)
     ]
 
 
@@ -151,8 +151,9 @@ def test_state_round_trip():
 
 
 def _cooldown_manager(cooldown):
-    m = ExperienceManager(config(delayed_start_solve_rate=0.0, retire_min_remaining=0,
-                                 experience_ratio=0.5, replay_cooldown_steps=cooldown))
+    m = ExperienceManager(
+        config(delayed_start_solve_rate=0.0, retire_min_remaining=0, experience_ratio=0.5, replay_cooldown_steps=cooldown)
+    )
     groups = []
     for q in "abcd":  # four pooled questions, all in bucket 2
         groups += group(q, [1, 1, 0, 0])

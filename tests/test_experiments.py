@@ -1,6 +1,7 @@
 """The studies' machinery (benchmarks/_runs.py, experiments/compare.py, learning_curves.py)
 on a two-step budget: every method is evaluated the same way, runs stop at GRPO's token
 budget, and finished runs are cached and reused."""
+
 import json
 import math
 import sys
@@ -20,8 +21,16 @@ def test_compare_runs_share_budget_and_cache(ray_local, quick_tiny_model, tmp_pa
     import compare
     import learning_curves
 
-    runs = _runs.collect(["ppo", "grpo", "exgrpo"], [0], iterations=2, eval_interval=1, overrides={},
-                         out=tmp_path, model=quick_tiny_model, log=lambda *_: None)
+    runs = _runs.collect(
+        ["ppo", "grpo", "exgrpo"],
+        [0],
+        iterations=2,
+        eval_interval=1,
+        overrides={},
+        out=tmp_path,
+        model=quick_tiny_model,
+        log=lambda *_: None,
+    )
     by_algo = {r["algo"]: r for r in runs}
     budget = _runs.budget_of(runs, 0, 2)
     assert budget == by_algo["grpo"]["steps"][1]["tokens"] > 0
@@ -31,15 +40,24 @@ def test_compare_runs_share_budget_and_cache(ray_local, quick_tiny_model, tmp_pa
         assert len(run["steps"]) >= 2 and tokens[-1] >= budget, name  # ran to both stops
         assert [e["step"] for e in run["evals"]][:3] == [0, 1, 2], name
         # accuracies of the same fixed question set: multiples of 1 / questions
-        assert all(abs(e["accuracy"] * _runs.HELDOUT_QUESTIONS - round(e["accuracy"] * _runs.HELDOUT_QUESTIONS)) < 1e-6
-                   for e in run["evals"]), name
+        assert all(
+            abs(e["accuracy"] * _runs.HELDOUT_QUESTIONS - round(e["accuracy"] * _runs.HELDOUT_QUESTIONS)) < 1e-6 for e in run["evals"]
+        ), name
         assert not math.isnan(_runs.accuracy_at_tokens(run, budget)), name
     # The same model and evaluation for everyone: identical starting accuracy.
     assert len({r["evals"][0]["accuracy"] for r in runs}) == 1
     assert len(list((tmp_path / "runs").glob("*.json"))) == 3
 
-    again = _runs.collect(["ppo", "grpo", "exgrpo"], [0], iterations=2, eval_interval=1, overrides={},
-                          out=tmp_path, model=quick_tiny_model, log=lambda *_: None)
+    again = _runs.collect(
+        ["ppo", "grpo", "exgrpo"],
+        [0],
+        iterations=2,
+        eval_interval=1,
+        overrides={},
+        out=tmp_path,
+        model=quick_tiny_model,
+        log=lambda *_: None,
+    )
     assert json.dumps(again) == json.dumps(runs)  # read back from the cache, nothing retrained
 
     budgets, table = compare.budget_table(runs, [0], 2)
@@ -50,10 +68,21 @@ def test_compare_runs_share_budget_and_cache(ray_local, quick_tiny_model, tmp_pa
 
 def _synthetic_run(seed: int, acc: list, reward: float) -> dict:
     """A testbed run record as _runs.train_run writes it, 20 steps, evaluations every 10."""
-    steps = [{"step": k, "tokens": 1000.0 * k, "wall_s": 1.0, "solve_rate": reward, "episodes": 8.0,
-              "experience": {"pool_size": 3.0, "retired": 1.0}, "xrpo": {}, "stage_s": {},
-              "top": {"zero_variance_group_fraction": 0.5}, "learner": {"entropy": 0.1}}
-             for k in range(1, 21)]
+    steps = [
+        {
+            "step": k,
+            "tokens": 1000.0 * k,
+            "wall_s": 1.0,
+            "solve_rate": reward,
+            "episodes": 8.0,
+            "experience": {"pool_size": 3.0, "retired": 1.0},
+            "xrpo": {},
+            "stage_s": {},
+            "top": {"zero_variance_group_fraction": 0.5},
+            "learner": {"entropy": 0.1},
+        }
+        for k in range(1, 21)
+    ]
     evals = [{"step": s, "tokens": 1000.0 * s, "accuracy": a, "val": a - 0.01} for s, a in zip((0, 10, 20), acc)]
     return {"seed": seed, "steps": steps, "evals": evals, "budget_step": 20}
 
@@ -63,8 +92,10 @@ def test_testbed_reading_report_and_plot_on_hand_made_runs(tmp_path):
     mean, the 95% interval, the paired difference, the table and the PNG."""
     import experience_testbed as tb
 
-    runs = {"grpo": [_synthetic_run(0, [0.3, 0.4, 0.5], 0.4), _synthetic_run(1, [0.3, 0.45, 0.55], 0.4)],
-            "exgrpo": [_synthetic_run(0, [0.3, 0.5, 0.6], 0.5), _synthetic_run(1, [0.3, 0.5, 0.62], 0.5)]}
+    runs = {
+        "grpo": [_synthetic_run(0, [0.3, 0.4, 0.5], 0.4), _synthetic_run(1, [0.3, 0.45, 0.55], 0.4)],
+        "exgrpo": [_synthetic_run(0, [0.3, 0.5, 0.6], 0.5), _synthetic_run(1, [0.3, 0.5, 0.62], 0.5)],
+    }
     budgets = {0: 20000.0, 1: 20000.0}
     assert tb.at_budget(runs["grpo"][0], 20000.0, "accuracy") == 0.5
     assert tb.tail(runs["grpo"][0], 20000.0, "accuracy", frac=0.5) == pytest.approx(0.45)  # steps 10 and 20
@@ -147,13 +178,11 @@ def test_main_job_levels_scores_the_final_set_by_level_without_validation():
     from main_job_levels import level_scores
 
     def qs(levels_and_oks):
-        return [SimpleNamespace(id=f"q{i}", difficulty=level, correct=[ok])
-                for i, (level, ok) in enumerate(levels_and_oks)]
+        return [SimpleNamespace(id=f"q{i}", difficulty=level, correct=[ok]) for i, (level, ok) in enumerate(levels_and_oks)]
 
     # 0-199: level 1 all right; 200-399 (validation): level 2 all wrong, ignored below;
     # 400-449: level 2 half right; 450-499: level 1 all wrong.
-    questions = qs([(1, True)] * 200 + [(2, False)] * 200
-                   + [(2, i % 2 == 0) for i in range(50)] + [(1, False)] * 50)
+    questions = qs([(1, True)] * 200 + [(2, False)] * 200 + [(2, i % 2 == 0) for i in range(50)] + [(1, False)] * 50)
     s = level_scores(questions)
     assert s["first200"] == 1.0
     assert s["L1"] == 200 / 250 and s["L2"] == 0.5
@@ -189,12 +218,20 @@ def test_replay_control_sets_and_accuracies_on_hand_made_records():
     split by ExGRPO's end pool, and a run's accuracy on each is its mean greedy reward there."""
     import _replay_control as rc
 
-    exgrpo_end = {"pool_buckets": {"a": 1, "b": 3, "c": 4, "d": 7},
-                  "train_greedy": {"a": 1.0, "b": 0.0, "c": 1.0, "d": 1.0, "e": 0.0, "f": 0.0}}
+    exgrpo_end = {
+        "pool_buckets": {"a": 1, "b": 3, "c": 4, "d": 7},
+        "train_greedy": {"a": 1.0, "b": 0.0, "c": 1.0, "d": 1.0, "e": 0.0, "f": 0.0},
+    }
     counts = {"a": 0, "b": 1, "c": 3, "d": 4, "e": 2, "f": 8}
     sets = rc.control_sets(exgrpo_end, counts)
-    assert sets == {"pool_hard": ["a", "b"], "warm_start_hard": ["b", "c", "e"], "warm_start_hard_pooled": ["b", "c"],
-                    "warm_start_hard_unpooled": ["e"], "pooled": ["a", "b", "c", "d"], "all": ["a", "b", "c", "d", "e", "f"]}
+    assert sets == {
+        "pool_hard": ["a", "b"],
+        "warm_start_hard": ["b", "c", "e"],
+        "warm_start_hard_pooled": ["b", "c"],
+        "warm_start_hard_unpooled": ["e"],
+        "pooled": ["a", "b", "c", "d"],
+        "all": ["a", "b", "c", "d", "e", "f"],
+    }
     grpo_end = {"train_greedy": {"a": 0.0, "b": 1.0, "c": 1.0, "d": 0.0, "e": 1.0, "f": 1.0}}
     assert rc.accuracy_on(exgrpo_end, sets["warm_start_hard"]) == pytest.approx(1 / 3)
     assert rc.accuracy_on(grpo_end, sets["warm_start_hard"]) == pytest.approx(1.0)
@@ -219,9 +256,11 @@ def test_format_rate_finds_the_format_decision_and_scores_it_in_a_padded_batch(q
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
     token = format_rate.boxed_first_token(tok)
     assert tok.decode([token]).strip() == "\\"
-    for text, boxed, number in [("3 + 4 = 7, 7 - 2 = 5. \\boxed{5}", True, "5"),
-                                ("3 + 4 = 7. Answer: 7", False, "7"),
-                                ("1.5 + 1 = 2.5. \\boxed{2.5}", True, "2.5")]:
+    for text, boxed, number in [
+        ("3 + 4 = 7, 7 - 2 = 5. \\boxed{5}", True, "5"),
+        ("3 + 4 = 7. Answer: 7", False, "7"),
+        ("1.5 + 1 = 2.5. \\boxed{2.5}", True, "2.5"),
+    ]:
         ids = enc(text)
         k, got_boxed, got_number = format_rate.decision_index(tok, ids)
         assert (got_boxed, got_number) == (boxed, number)
@@ -300,8 +339,7 @@ def test_parallel_runs_pin_each_child_to_one_core_and_wait_for_the_reference(tmp
     script.write_text(child)
 
     def job(name, after=None):
-        return pr.Job(name, pr.python_argv(script, [str(tmp_path), name, after or "-"]), after=after,
-                      log=tmp_path / f"{name}.log")
+        return pr.Job(name, pr.python_argv(script, [str(tmp_path), name, after or "-"]), after=after, log=tmp_path / f"{name}.log")
 
     jobs = [job("g0"), job("g1"), job("e0", "g0"), job("e1", "g1")]
     seconds = pr.run_jobs(jobs, workers, log=lambda *_: None)
@@ -314,8 +352,7 @@ def test_parallel_runs_pin_each_child_to_one_core_and_wait_for_the_reference(tmp
         assert rec["g0"]["cores"] != rec["g1"]["cores"]
         assert rec["g1"]["start"] < rec["g0"]["end"]
 
-    failing = pr.Job("bad", pr.python_argv(script, [str(tmp_path / "missing"), "bad", "-"]),
-                     log=tmp_path / "bad.log")
+    failing = pr.Job("bad", pr.python_argv(script, [str(tmp_path / "missing"), "bad", "-"]), log=tmp_path / "bad.log")
     with pytest.raises(SystemExit, match="run bad failed; its log: .*bad.log"):
         pr.run_jobs([failing, job("after_bad", "bad")], workers, log=lambda *_: None)
     with pytest.raises(ValueError, match="unknown jobs: \\['nope'\\]"):
@@ -329,13 +366,21 @@ def test_operators_parallel_jobs_run_one_run_each_after_its_seeds_reference(tmp_
 
     import operators_experiment as oe
 
-    args = argparse.Namespace(task_seed=1, iterations=160, eval_interval=160, out=tmp_path, phase="final",
-                              variants=None, best='{"grpo": {}, "exgrpo": {}}', task_options="", shuffled=False,
-                              seeds=[15, 16])
+    args = argparse.Namespace(
+        task_seed=1,
+        iterations=160,
+        eval_interval=160,
+        out=tmp_path,
+        phase="final",
+        variants=None,
+        best='{"grpo": {}, "exgrpo": {}}',
+        task_options="",
+        shuffled=False,
+        seeds=[15, 16],
+    )
     variants = {"grpo": (oe.G, {}, False), "exgrpo": (oe.E, {}, False)}
     jobs = oe.parallel_jobs(args, variants, "grpo")
-    assert [(j.name, j.after) for j in jobs] == [
-        ("grpo:15", None), ("grpo:16", None), ("exgrpo:15", "grpo:15"), ("exgrpo:16", "grpo:16")]
+    assert [(j.name, j.after) for j in jobs] == [("grpo:15", None), ("grpo:16", None), ("exgrpo:15", "grpo:15"), ("exgrpo:16", "grpo:16")]
     argv = jobs[2].argv
     assert argv[1].endswith("operators_experiment.py")
     flags = dict(zip(argv[2::2], argv[3::2]))
@@ -357,5 +402,4 @@ def test_lora_compare_picks_each_arms_lr_on_validation_and_reads_the_criterion()
     assert lora_compare.within_noise(0.0, 0.0) == "within noise"  # identical runs
     assert lora_compare.within_noise(0.01, float("nan")).startswith("no interval")
     assert lora_compare.arm_overrides("lora", 1e-3)["lora_rank"] == 16
-    assert lora_compare.arm_overrides("colocated", 1e-4) == {"colocate": True, "num_env_runners": 0,
-                                                             "num_learners": 0, "lr": 1e-4}
+    assert lora_compare.arm_overrides("colocated", 1e-4) == {"colocate": True, "num_env_runners": 0, "num_learners": 0, "lr": 1e-4}

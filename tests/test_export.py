@@ -2,6 +2,7 @@
 that ``AutoModelForCausalLM.from_pretrained`` loads with the policy's weights (logits equal
 those of the learner's module restored from the checkpoint), for a DDP-style checkpoint and
 a DeepSpeed ZeRO-3 one (weight shards of two learners consolidated)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -87,8 +88,9 @@ def _zero3_checkpoint(model: str, folder: Path):
     returns the full weights RLlib's learner group gives at the save."""
     from test_ddp import MODULE, two_learner_config
 
-    training = dict(learner_backend="deepspeed", deepspeed_zero_stage=3,
-                    deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    training = dict(
+        learner_backend="deepspeed", deepspeed_zero_stage=3, deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    )
     algo = two_learner_config(model, **training).build_algo()
     try:
         algo.train()
@@ -116,7 +118,7 @@ def test_export_a_zero3_checkpoint(quick_tiny_model, tmp_path, capsys):
     # the reference: the base model with the learners' full weights at the save
     reference = load_causal_lm({"model": quick_tiny_model})
     # the module's state names: its HF model under "model."
-    state = {k[len("model."):]: torch.as_tensor(v) for k, v in weights.items()}
+    state = {k[len("model.") :]: torch.as_tensor(v) for k, v in weights.items()}
     missing, unexpected = reference.load_state_dict(state, strict=False)
     assert not unexpected and all("lm_head" in k for k in missing)  # tied to the embeddings
     assert_same_logits(out, reference)

@@ -1,6 +1,7 @@
 """One way to extend: bucket weighting, trajectory selection, rewards, generation backends and
 algorithm names each come from a registry that a package outside rllib_exgrpo adds to with a
 decorator (tests/extension_example.py), and each addition is used where the built-ins are."""
+
 import importlib
 import sys
 from pathlib import Path
@@ -17,8 +18,13 @@ from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
 #: What tests/extension_example.py registers, by registry: removed again after this module,
 #: so that no other test sees them (the registries are process-wide).
-ADDED = ((BUCKET_WEIGHTING, "hardest_first"), (TRAJECTORY_SELECTION, "last"), (REWARD, "short_answer"),
-         (GENERATION_BACKEND, "hf_greedy_batch1"), (ALGORITHM, "MyGRPO"))
+ADDED = (
+    (BUCKET_WEIGHTING, "hardest_first"),
+    (TRAJECTORY_SELECTION, "last"),
+    (REWARD, "short_answer"),
+    (GENERATION_BACKEND, "hf_greedy_batch1"),
+    (ALGORITHM, "MyGRPO"),
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,8 +61,7 @@ def test_a_registered_trajectory_selection_is_chosen_by_name():
 def test_a_registered_reward_runs_in_the_verifier_workers(extension_example):
     fn, _ = load_reward_fn("short_answer")
     assert fn is extension_example.short_answer
-    results = score_with_fns(["42", "a much longer completion"], ["42", "7"], fns=["short_answer"], num_workers=1,
-                             timeout_s=60.0)
+    results = score_with_fns(["42", "a much longer completion"], ["42", "7"], fns=["short_answer"], num_workers=1, timeout_s=60.0)
     assert [r.score for r in results] == [1.0, 0.0] and all(r.error is None for r in results)
 
 

@@ -3,6 +3,7 @@
 Run alone with ``pytest -m faults``; the run ends with the line
 ``faults injected: N, survived: N, data lost: 0`` (tests/conftest.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -63,7 +64,12 @@ def _env(**extra: str) -> dict:
 def _train(yaml_file: Path, storage: Path, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
     return subprocess.Popen(
         RLLIB + ["train", "file", str(yaml_file), "--storage-path", str(storage), *extra],
-        cwd=REPO, env=_env(**(env or {})), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen,
+        cwd=REPO,
+        env=_env(**(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen,
     )
 
 
@@ -180,9 +186,7 @@ def _kill_once_runner_cls():
 
 
 @pytest.mark.slow
-def test_runner_killed_mid_sample_is_restarted_and_its_questions_sampled_again(
-    ray_local, quick_tiny_model, tmp_path, fault_log
-):
+def test_runner_killed_mid_sample_is_restarted_and_its_questions_sampled_again(ray_local, quick_tiny_model, tmp_path, fault_log):
     from ray import cloudpickle
 
     from rllib_exgrpo import ExGRPOConfig
@@ -194,8 +198,16 @@ def test_runner_killed_mid_sample_is_restarted_and_its_questions_sampled_again(
         ExGRPOConfig()
         .environment(env_config={"dataset": "arithmetic"})
         .env_runners(num_env_runners=2, num_cpus_per_env_runner=0.5, env_runner_cls=_kill_once_runner_cls())
-        .training(model_name_or_path=quick_tiny_model, questions_per_step=4, group_size=4, max_prompt_tokens=128,
-                  max_response_tokens=12, lr=1e-3, minibatch_size=16, loss_agg_mode="token-mean")
+        .training(
+            model_name_or_path=quick_tiny_model,
+            questions_per_step=4,
+            group_size=4,
+            max_prompt_tokens=128,
+            max_response_tokens=12,
+            lr=1e-3,
+            minibatch_size=16,
+            loss_agg_mode="token-mean",
+        )
     )
     algo = cfg.build_algo()
     try:
@@ -229,8 +241,16 @@ def test_dead_learner_ends_the_run_with_a_clear_message(ray_local, quick_tiny_mo
         ExGRPOConfig()
         .environment(env_config={"dataset": "arithmetic"})
         .learners(num_learners=2, num_cpus_per_learner=0.5)
-        .training(model_name_or_path=quick_tiny_model, questions_per_step=4, group_size=4, max_prompt_tokens=128,
-                  max_response_tokens=12, lr=1e-3, minibatch_size=8, loss_agg_mode="token-mean")
+        .training(
+            model_name_or_path=quick_tiny_model,
+            questions_per_step=4,
+            group_size=4,
+            max_prompt_tokens=128,
+            max_response_tokens=12,
+            lr=1e-3,
+            minibatch_size=8,
+            loss_agg_mode="token-mean",
+        )
     )
     algo = cfg.build_algo()
     try:
@@ -249,9 +269,7 @@ HANG_TRUTH = "9^{9^{9^{9^9}}}"  # sympy evaluates it for ever: the verifier hang
 
 
 @pytest.mark.slow
-def test_malformed_rows_hanging_and_crashing_verifier_do_not_stop_the_step(
-    ray_local, tiny_model, tmp_path, caplog, fault_log
-):
+def test_malformed_rows_hanging_and_crashing_verifier_do_not_stop_the_step(ray_local, tiny_model, tmp_path, caplog, fault_log):
     """A data file with two malformed rows, a question whose verification hangs, and the
     verifier's worker processes killed while the step scores: the step completes with
     every completion of every good question, the bad rows reported by file and line,
@@ -263,8 +281,10 @@ def test_malformed_rows_hanging_and_crashing_verifier_do_not_stop_the_step(
     from rllib_exgrpo import ExGRPOConfig
 
     data = tmp_path / "train.jsonl"
-    rows = [json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)}) for a, b in
-            [(3, 4), (12, 30), (7, 8), (21, 5), (9, 9), (14, 6)]]
+    rows = [
+        json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
+        for a, b in [(3, 4), (12, 30), (7, 8), (21, 5), (9, 9), (14, 6)]
+    ]
     rows.insert(2, '{"problem": "What is 1 + 1?", "answer": ')  # line 3: broken JSON
     rows.insert(5, json.dumps({"problem": "", "answer": "2"}))  # line 6: empty question
     rows.append(json.dumps({"problem": "What is 2 + 2?", "answer": HANG_TRUTH}))
@@ -273,9 +293,17 @@ def test_malformed_rows_hanging_and_crashing_verifier_do_not_stop_the_step(
     cfg = (
         ExGRPOConfig()
         .environment(env_config={"dataset": str(data), "reward_timeout_s": 1.0})
-        .training(model_name_or_path=tiny_model, questions_per_step=7, group_size=4, max_prompt_tokens=128,
-                  max_response_tokens=24, lr=1e-4, minibatch_size=28, loss_agg_mode="token-mean",
-                  experience_replay=False)
+        .training(
+            model_name_or_path=tiny_model,
+            questions_per_step=7,
+            group_size=4,
+            max_prompt_tokens=128,
+            max_response_tokens=24,
+            lr=1e-4,
+            minibatch_size=28,
+            loss_agg_mode="token-mean",
+            experience_replay=False,
+        )
     )
     stop = threading.Event()
 

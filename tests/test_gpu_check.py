@@ -2,6 +2,7 @@
 plain script, imports no Ray for the learner's functions, and writes every figure; its
 depth fit, master-weight optimiser, transfer accounting, budget skips and plan comparison
 on hand-made inputs."""
+
 import importlib.util
 import json
 import math
@@ -31,16 +32,30 @@ def _positive(x) -> bool:
 def test_gpu_check_tiny_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT.relative_to(REPO)), "--shape", "tiny", "--device", "cpu", "--steps", "1",
-         "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [sys.executable, str(SCRIPT.relative_to(REPO)), "--shape", "tiny", "--device", "cpu", "--steps", "1", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "learner step" in proc.stdout and "generation" in proc.stdout  # the table
     res = json.loads(out.read_text())
 
-    for key in ("shape", "device", "dtype", "torch", "transformers", "imports", "params", "stage_times_s",
-                "total_s", "learner", "generation", "learner_static_gib"):
+    for key in (
+        "shape",
+        "device",
+        "dtype",
+        "torch",
+        "transformers",
+        "imports",
+        "params",
+        "stage_times_s",
+        "total_s",
+        "learner",
+        "generation",
+        "learner_static_gib",
+    ):
         assert key in res, key
     assert res["shape"] == "tiny" and res["device"] == "cpu" and res["param_dtype"] == "bfloat16"
     assert res["imports_pull_in_ray"] is False
@@ -71,11 +86,24 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
 def _check_learner(res):
     # two response lengths, each with and without gradient checkpointing
     assert sorted((e["response"], e["gradient_checkpointing"]) for e in res["learner"]) == [
-        (16, False), (16, True), (48, False), (48, True)]
+        (16, False),
+        (16, True),
+        (48, False),
+        (48, True),
+    ]
     for e in res["learner"]:
         assert e["status"] == "ok", e
-        for key in ("step_s_mean", "step_s_min", "tokens_per_s", "valid_tokens_per_s", "peak_gib",
-                    "score_nograd_s", "score_nograd_tokens_per_s", "tokens_per_step", "valid_tokens_per_step"):
+        for key in (
+            "step_s_mean",
+            "step_s_min",
+            "tokens_per_s",
+            "valid_tokens_per_s",
+            "peak_gib",
+            "score_nograd_s",
+            "score_nograd_tokens_per_s",
+            "tokens_per_step",
+            "valid_tokens_per_step",
+        ):
             assert _positive(e[key]), (e["name"], key, e.get(key))
         assert e["steps"] == 1
         assert e["valid_tokens_per_step"] < e["tokens_per_step"]  # padded like a learner batch
@@ -102,8 +130,7 @@ def _check_slice(res):
     for e in sl["depths"]:
         assert e["status"] == "ok", e
         n = e["params"]
-        assert e["state_bytes_counted"] == {"weights": 2 * n, "fp32_master": 4 * n, "adamw_moments": 8 * n,
-                                            "total": 14 * n}
+        assert e["state_bytes_counted"] == {"weights": 2 * n, "fp32_master": 4 * n, "adamw_moments": 8 * n, "total": 14 * n}
         for key in ("fb_s", "opt_s", "step_s", "tokens_per_s", "fb_tokens_per_s", "score_nograd_s", "peak_bytes"):
             assert _positive(e[key]), (e["name"], key, e.get(key))
         # an lr 1e-6 step moves the fp32 master copy; few of those moves reach the bf16 weights
@@ -189,9 +216,11 @@ def _one_stage(tmp_path, stage: str):
     """``gpu_check.py --shape tiny --device cpu --stages <stage>``: the process and its JSON."""
     out = tmp_path / f"{stage}.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT.relative_to(REPO)), "--shape", "tiny", "--device", "cpu", "--stages", stage,
-         "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [sys.executable, str(SCRIPT.relative_to(REPO)), "--shape", "tiny", "--device", "cpu", "--stages", stage, "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
@@ -242,7 +271,7 @@ def test_colocate_plan_figures_for_the_1_5b_shape(gpu_check):
         pytest.skip("rllib_exgrpo.planning not importable")
     shape = gpu_check.SHAPES["qwen2.5-1.5b"]
     spec = shape["colocate"]
-    plan = gpu_check.colocate_plan(shape["config"], spec, "bfloat16", "sdpa", gpu_memory=80 * 2 ** 30)
+    plan = gpu_check.colocate_plan(shape["config"], spec, "bfloat16", "sdpa", gpu_memory=80 * 2**30)
     assert plan["status"] == "ok", plan
     p = gpu_check.count_params(shape["config"])
     li, ti = plan["learner_items"], plan["turn_items"]
@@ -264,16 +293,16 @@ def test_colocate_plan_figures_for_the_1_5b_shape(gpu_check):
 def test_colocate_skipped_when_predicted_over_budget(gpu_check, tmp_path):
     torch = pytest.importorskip("torch")
     clock = gpu_check.Clock(0.0, tmp_path / "s.json", {"stage_times_s": {}})
-    res = gpu_check.run_colocate(gpu_check.SHAPES["tiny"], torch.device("cpu"), torch.bfloat16, "sdpa", clock,
-                                 predicted_s=5.0)
+    res = gpu_check.run_colocate(gpu_check.SHAPES["tiny"], torch.device("cpu"), torch.bfloat16, "sdpa", clock, predicted_s=5.0)
     assert res["status"] == "skipped" and "predicted" in res["why"] and "phases" in res and not res["phases"]
     # the prediction: learner FLOP rate, generation rate, the copies of ~16 B/param state
     shape = gpu_check.SHAPES["qwen2.5-1.5b"]
     assert gpu_check.colocate_predicted_s({}, shape) is None
-    results = {"params": 1_543_714_304,
-               "learner": [{"status": "ok", "gradient_checkpointing": True, "rows": 8, "prompt": 1024,
-                            "response": 1024, "step_s_mean": 1.0}],
-               "generation": [{"status": "ok", "decoder": "generate", "batch": 64, "tokens_per_s": 2048.0}]}
+    results = {
+        "params": 1_543_714_304,
+        "learner": [{"status": "ok", "gradient_checkpointing": True, "rows": 8, "prompt": 1024, "response": 1024, "step_s_mean": 1.0}],
+        "generation": [{"status": "ok", "decoder": "generate", "batch": 64, "tokens_per_s": 2048.0}],
+    }
     s = gpu_check.colocate_predicted_s(results, shape)
     assert 20.0 < s < 120.0, s
 
@@ -290,8 +319,18 @@ def _check_packed(res):
     assert pk["tokens"] == 6 * 128 == pk["tokens_budget"] and pk["scored_tokens"] == 6 * 96
     assert pk["gradient_checkpointing"] is True and pk["dtype"] == "bfloat16" and pk["chunk_tokens"] == 512
     assert pk["model_config"]["vocab_size"] == 512 and pk["layers"] == 2
-    for key in ("pass_s", "first_pass_s", "tokens_per_s", "score_nograd_s", "measured_bytes", "measured_gib",
-                "planned_bytes", "planned_gib", "measured_over_planned", "params"):
+    for key in (
+        "pass_s",
+        "first_pass_s",
+        "tokens_per_s",
+        "score_nograd_s",
+        "measured_bytes",
+        "measured_gib",
+        "planned_bytes",
+        "planned_gib",
+        "measured_over_planned",
+        "params",
+    ):
         assert _positive(pk[key]), (key, pk.get(key))
     assert math.isclose(pk["tokens_per_s"], pk["tokens"] / pk["pass_s"])
     assert math.isclose(pk["measured_over_planned"], pk["measured_bytes"] / pk["planned_bytes"])
@@ -314,8 +353,14 @@ def test_gpu_check_packed_stage_alone_on_cpu(tmp_path):
 def test_packed_pass_reads_the_1_5b_recipe(gpu_check):
     spec = gpu_check.SHAPES["qwen2.5-1.5b"]["packed"]
     cfg = spec["config"]
-    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"],
-            cfg["vocab_size"], cfg["tie_word_embeddings"]) == (1536, 12, 2, 8960, 151936, True)
+    assert (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+        cfg["tie_word_embeddings"],
+    ) == (1536, 12, 2, 8960, 151936, True)
     assert spec["layers"] == 2 and cfg["num_hidden_layers"] == 28
     pp = gpu_check.packed_pass_spec(spec)
     assert "read_error" not in pp["recipe"], pp
@@ -332,7 +377,10 @@ def test_gpu_check_full_shape_without_cuda_says_so_in_one_line(tmp_path):
     out = tmp_path / "never.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT.relative_to(REPO)), "--shape", "qwen2.5-1.5b", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
@@ -350,12 +398,23 @@ def _planning_importable() -> bool:
 
 
 def test_gpu_check_help_lists_stages_and_flags():
-    proc = subprocess.run([sys.executable, str(SCRIPT.relative_to(REPO)), "--help"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(SCRIPT.relative_to(REPO)), "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for word in ("learner", "packed", "drift", "slice", "transfer", "generation", "colocate", "--stages",
-                 "--slice-layers",
-                 "--transfer-gb", "--transfer-chunk-mb", "--budget-s", "--shape"):
+    for word in (
+        "learner",
+        "packed",
+        "drift",
+        "slice",
+        "transfer",
+        "generation",
+        "colocate",
+        "--stages",
+        "--slice-layers",
+        "--transfer-gb",
+        "--transfer-chunk-mb",
+        "--budget-s",
+        "--shape",
+    ):
         assert word in proc.stdout, word
 
 
@@ -369,10 +428,23 @@ def test_depth_fit_on_hand_made_numbers(gpu_check):
     with pytest.raises(ValueError):
         gpu_check.linear_fit([4, 4], [1.0, 2.0])
     # the slice's own extrapolation: params 100 + 10/layer, step 0.5 + 0.25 s/layer
-    depths = [{"layers": L, "status": "ok", "params": 100 + 10 * L, "state_bytes": 14 * (100 + 10 * L),
-               "fb_peak_bytes": 1000 + 50 * L, "opt_peak_bytes": 800 + 60 * L, "peak_bytes": 1000 + 60 * L,
-               "peak_above_state_bytes": 1000 + 60 * L - 14 * (100 + 10 * L), "score_nograd_s": 0.1 * L,
-               "fb_s": 0.4 + 0.2 * L, "opt_s": 0.1 + 0.05 * L, "step_s": 0.5 + 0.25 * L} for L in (2, 4)]
+    depths = [
+        {
+            "layers": L,
+            "status": "ok",
+            "params": 100 + 10 * L,
+            "state_bytes": 14 * (100 + 10 * L),
+            "fb_peak_bytes": 1000 + 50 * L,
+            "opt_peak_bytes": 800 + 60 * L,
+            "peak_bytes": 1000 + 60 * L,
+            "peak_above_state_bytes": 1000 + 60 * L - 14 * (100 + 10 * L),
+            "score_nograd_s": 0.1 * L,
+            "fb_s": 0.4 + 0.2 * L,
+            "opt_s": 0.1 + 0.05 * L,
+            "step_s": 0.5 + 0.25 * L,
+        }
+        for L in (2, 4)
+    ]
     depths.append({"layers": 3, "status": "oom"})  # ignored by the fit
     res = {"depths": depths, "full_layers": 28, "tokens_per_step": 900, "params_full_depth": 380}
     out = gpu_check.extrapolate_slice(res)
@@ -421,15 +493,28 @@ def test_transfer_moves_exactly_the_bytes_asked_and_sizes_down(gpu_check, tmp_pa
 def test_stages_over_budget_are_skipped_with_a_reason(gpu_check, tmp_path):
     torch = pytest.importorskip("torch")
     clock = gpu_check.Clock(0.0, tmp_path / "b.json", {"stage_times_s": {}})
-    e = gpu_check.run_drift(None, "m", {"rows": 4, "prompt": 8, "response": 8}, 32, torch.device("cpu"), clock,
-                            tokens_per_s=1.0)
+    e = gpu_check.run_drift(None, "m", {"rows": 4, "prompt": 8, "response": 8}, 32, torch.device("cpu"), clock, tokens_per_s=1.0)
     assert e["status"] == "skipped" and "predicted" in e["why"]
     e = gpu_check.run_transfer(torch.device("cpu"), 10_000_000, 1_000_000, clock)
     assert e["status"] == "skipped" and "predicted" in e["why"]
-    spec = {"name": "t", "layers": (1, 2), "rows": 1, "prompt": 4, "response": 4, "steps": 1,
-            "config": dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-                           intermediate_size=64, vocab_size=64, tie_word_embeddings=False,
-                           max_position_embeddings=64)}
+    spec = {
+        "name": "t",
+        "layers": (1, 2),
+        "rows": 1,
+        "prompt": 4,
+        "response": 4,
+        "steps": 1,
+        "config": dict(
+            hidden_size=32,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=64,
+            vocab_size=64,
+            tie_word_embeddings=False,
+            max_position_embeddings=64,
+        ),
+    }
     res = gpu_check.run_slice(spec, torch.device("cpu"), "sdpa", 1, clock, flops_rate=1.0)
     assert [d["status"] for d in res["depths"]] == ["skipped", "skipped"]
     assert res["full_depth"]["status"].startswith("not extrapolated")
@@ -452,8 +537,11 @@ def test_plan_comparison_wiring(gpu_check, monkeypatch):
 
     def model_state_bytes(shape, *, backend, zero_stage, num_learners, model_dtype):
         calls.append((shape.num_hidden_layers, backend, zero_stage, num_learners, model_dtype))
-        return {"weights": 10 * shape.num_hidden_layers, "optimizer": 4 * shape.num_hidden_layers // num_learners,
-                "total": 10 * shape.num_hidden_layers + 4 * shape.num_hidden_layers // num_learners}
+        return {
+            "weights": 10 * shape.num_hidden_layers,
+            "optimizer": 4 * shape.num_hidden_layers // num_learners,
+            "total": 10 * shape.num_hidden_layers + 4 * shape.num_hidden_layers // num_learners,
+        }
 
     def learner_activation_bytes(shape, rows, tokens, *, gradient_checkpointing, dtype_bytes=2, response_tokens=None):
         assert gradient_checkpointing and dtype_bytes == 2 and response_tokens == 2 < tokens
@@ -467,13 +555,27 @@ def test_plan_comparison_wiring(gpu_check, monkeypatch):
     monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning.memory", memory)
     monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning.shapes", shapes)
 
-    cfg = dict(hidden_size=32, num_hidden_layers=28, num_attention_heads=2, num_key_value_heads=1,
-               intermediate_size=64, vocab_size=64, tie_word_embeddings=False, max_position_embeddings=64)
+    cfg = dict(
+        hidden_size=32,
+        num_hidden_layers=28,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        vocab_size=64,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
     depth = {"status": "ok", "state_bytes": 20, "peak_bytes": 100, "peak_above_state_bytes": 80}
-    res = {"model_config": cfg, "rows": 2, "prompt": 3, "response": 2, "full_layers": 28,
-           "memory_source": "torch.cuda.max_memory_allocated",
-           "depths": [{**depth, "layers": 2}, {**depth, "layers": 4}],
-           "full_depth": {"status": "ok", "state_bytes": 280, "peak_bytes": 1400, "peak_above_state_bytes": 1120}}
+    res = {
+        "model_config": cfg,
+        "rows": 2,
+        "prompt": 3,
+        "response": 2,
+        "full_layers": 28,
+        "memory_source": "torch.cuda.max_memory_allocated",
+        "depths": [{**depth, "layers": 2}, {**depth, "layers": 4}],
+        "full_depth": {"status": "ok", "state_bytes": 280, "peak_bytes": 1400, "peak_above_state_bytes": 1120},
+    }
     recipe = {"learner_backend": "deepspeed", "deepspeed_zero_stage": 2, "num_learners": 4, "model_dtype": "bfloat16"}
     out = gpu_check.plan_comparison(res, recipe)
     assert out["status"] == "ok", out
@@ -506,7 +608,7 @@ def _table(stdout: str) -> dict:
     rows = {}
     lines = stdout.splitlines()
     start = next(i for i, x in enumerate(lines) if x.startswith("stage ") and "| status" in x)
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         parts = [p.strip() for p in line.split("|")]
         if len(parts) < 4:
             break
@@ -524,15 +626,30 @@ def test_gpu_check_cpu_runs_every_stage_a_cpu_allows(tmp_path):
     """``--cpu``: exit 0, a table of every stage; the ZeRO offload round trip ran (bitwise equal
     to the run without offload, at ZeRO-1, 2 and 3); the GPU-only stages skipped with why."""
     out = tmp_path / "cpu.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT.relative_to(REPO)), "--cpu", "--steps", "1", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.relative_to(REPO)), "--cpu", "--steps", "1", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = _table(proc.stdout)
-    assert list(table) == ["learner", "packed", "drift", "slice", "transfer", "generation", "colocate",
-                           "zero3-colocate-offload", "nccl-broadcast", "packed-flash", "vllm-reload",
-                           "vllm-sleep-wake"]
-    assert all(table[s][0] == "ran" for s in ("learner", "packed", "drift", "slice", "transfer", "generation",
-                                               "colocate")), table
+    assert list(table) == [
+        "learner",
+        "packed",
+        "drift",
+        "slice",
+        "transfer",
+        "generation",
+        "colocate",
+        "zero3-colocate-offload",
+        "nccl-broadcast",
+        "packed-flash",
+        "vllm-reload",
+        "vllm-sleep-wake",
+    ]
+    assert all(table[s][0] == "ran" for s in ("learner", "packed", "drift", "slice", "transfer", "generation", "colocate")), table
     assert table["packed-flash"] == ("skipped", "flash-attention needs a CUDA device")
     assert table["vllm-sleep-wake"][0] == "skipped"
     res = json.loads(out.read_text())
@@ -562,8 +679,7 @@ def test_stage_table_status_of_the_measuring_stages(gpu_check):
     assert legacy_outcome("packed", {"packed": {"status": "ok"}}) == ("ran", "1/1 ok")
     assert legacy_outcome("packed", {"packed": {"status": "error", "error": "E: x"}}) == ("failed", "E: x")
     assert legacy_outcome("slice", {"slice": {"depths": [{"status": "skipped", "why": "w"}] * 2}})[0] == "skipped"
-    assert legacy_outcome("learner", {"learner": [{"status": "ok"}, {"status": "oom"}]}) == (
-        "ran", "1/2 ok, 1 out of memory")
+    assert legacy_outcome("learner", {"learner": [{"status": "ok"}, {"status": "oom"}]}) == ("ran", "1/2 ok, 1 out of memory")
     bad = {"colocate": {"status": "ok", "round_trip": {"ok": False}}}
     assert legacy_outcome("colocate", bad)[0] == "failed"
     assert legacy_outcome("transfer", {})[0] == "skipped"

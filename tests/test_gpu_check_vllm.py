@@ -3,6 +3,7 @@
 learner's (perturbed) weights with the colocated sampler's push, and its prompt log-probs
 then match HF's (and did not before the push), with no vLLM warning during the push;
 ``vllm-sleep-wake`` is skipped on CPU (no sleep mode) and says so."""
+
 import importlib.util
 import json
 import os
@@ -23,9 +24,14 @@ def test_gpu_check_vllm_stages_on_cpu(tmp_path):
         pytest.skip("vllm is not installed here (it runs in .venv-vllm: bash tests/run.sh vllm)")
     out = tmp_path / "vllm.json"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, str(SCRIPT.relative_to(REPO)), "--cpu", "--stages",
-                           "vllm-reload,vllm-sleep-wake", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.relative_to(REPO)), "--cpu", "--stages", "vllm-reload,vllm-sleep-wake", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = {r["stage"]: r for r in res["summary"]}

@@ -1,4 +1,5 @@
 """Grouping, advantages and the learner batch layout, on hand-made trajectories."""
+
 import numpy as np
 
 from rllib_exgrpo.core import columns as C
@@ -25,9 +26,7 @@ def test_replayed_group_advantage_uses_all_rewards():
     a_rows = [i for i, t in enumerate(g.trajectories) if t.question_id == "a"]
     assert len(a_rows) == 4
     # mean of a's rewards over all four (replayed included) = 0.5
-    np.testing.assert_allclose(
-        g.advantages[a_rows], [t.reward - 0.5 for t in (g.trajectories[i] for i in a_rows)]
-    )
+    np.testing.assert_allclose(g.advantages[a_rows], [t.reward - 0.5 for t in (g.trajectories[i] for i in a_rows)])
     assert list(g.group_correct) == [2, 1]
     assert list(g.group_size) == [4, 2]
     assert not g.zero_variance.any()

@@ -2,6 +2,7 @@
 questions of the arithmetic set and RLlib's metrics logger; the sampling call (the env
 runner fleet in a run) answers with episodes whose reward says whether the question's id
 is in a "solved" set."""
+
 import pytest
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
@@ -28,8 +29,7 @@ class Sampler:
 
     def __call__(self, question_ids, num_samples, **kwargs):
         self.calls.append((list(question_ids), list(num_samples), kwargs))
-        return [_episode(1.0 if q in self.solved else 0.0) for q, n in zip(question_ids, num_samples)
-                for _ in range(n)], []
+        return [_episode(1.0 if q in self.solved else 0.0) for q, n in zip(question_ids, num_samples) for _ in range(n)], []
 
 
 def test_heldout_questions_come_from_the_heldout_split():
@@ -47,7 +47,7 @@ def test_accuracy_is_avg_at_k_with_the_heldout_settings_and_is_logged():
     evaluator = HeldoutEvaluator(cfg, sampler, question_ids=ids)
     result = evaluator.evaluate()
     assert result == {"accuracy": 0.5, "num_questions": 6, "samples_per_question": 2}
-    (qs, ns, kwargs), = sampler.calls
+    ((qs, ns, kwargs),) = sampler.calls
     assert qs == ids and ns == [2] * 6
     assert kwargs == {"heldout": True, "temperature": 0.0, "max_new_tokens": 7, "return_logprobs": False}
     logger = MetricsLogger()

@@ -193,13 +193,8 @@ def test_state_round_trip():
 def test_format_examples():
     exs = [Example("a", "What is 1 + 1?", "\\boxed{2}"), Example("b", "Q2 {x}", "A2 {y}")]
     text = format_examples(exs)
-    assert text == (
-        "Question: What is 1 + 1?\nSolution: \\boxed{2}\n\n"
-        "Question: Q2 {x}\nSolution: A2 {y}\n\n"
-    )
-    assert format_examples(exs[:1], template="[{question_id}] {question} => {completion}\n") == (
-        "[a] What is 1 + 1? => \\boxed{2}\n"
-    )
+    assert text == ("Question: What is 1 + 1?\nSolution: \\boxed{2}\n\nQuestion: Q2 {x}\nSolution: A2 {y}\n\n")
+    assert format_examples(exs[:1], template="[{question_id}] {question} => {completion}\n") == ("[a] What is 1 + 1? => \\boxed{2}\n")
     assert DEFAULT_TEMPLATE.format(question="q", completion="c") == "Question: q\nSolution: c\n\n"
 
 

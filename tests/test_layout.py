@@ -1,4 +1,5 @@
 """The package's shape: no import cycles, public API at the top, no machine paths in the repo."""
+
 import ast
 import re
 import subprocess
@@ -42,8 +43,9 @@ def _type_checking_only(tree: ast.AST) -> set:
     """ids of the nodes under ``if TYPE_CHECKING:`` (imports for type checkers only)."""
     skip = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and (getattr(node.test, "id", None) == "TYPE_CHECKING"
-                                         or getattr(node.test, "attr", None) == "TYPE_CHECKING"):
+        if isinstance(node, ast.If) and (
+            getattr(node.test, "id", None) == "TYPE_CHECKING" or getattr(node.test, "attr", None) == "TYPE_CHECKING"
+        ):
             skip.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
     return skip
 
@@ -66,8 +68,7 @@ def _imports() -> dict:
             if id(node) in skip:
                 continue
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names
-                                           if f"{node.module}.{a.name}" in modules]
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -95,7 +96,7 @@ def test_no_import_cycle_inside_the_package():
         stack.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == "open":
-                cycles.append(stack[stack.index(dep):] + [dep])
+                cycles.append(stack[stack.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep)
         stack.pop()
@@ -127,9 +128,16 @@ def test_every_package_imports_only_from_lower_layers():
 
 def test_public_api_at_the_package_top():
     out = subprocess.run(
-        [sys.executable, "-c", "from rllib_exgrpo import ExGRPO, ExGRPOConfig, GRPO, GRPOConfig, "
-         "ExGRPOTorchLearner, LLMTorchRLModule, LLMEnvRunner; print(ExGRPOConfig().algo_class.__name__)"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-c",
+            "from rllib_exgrpo import ExGRPO, ExGRPOConfig, GRPO, GRPOConfig, "
+            "ExGRPOTorchLearner, LLMTorchRLModule, LLMEnvRunner; print(ExGRPOConfig().algo_class.__name__)",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.strip() == "ExGRPO"
 
@@ -138,8 +146,7 @@ def test_no_absolute_machine_paths_in_the_repo():
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     pattern = re.compile(r"(/home/\w|/work/|/Users/\w|/root/)")
     this = Path(__file__).resolve().relative_to(REPO).as_posix()  # holds the patterns
-    hits = [f for f in files if f != this and (REPO / f).is_file()
-            and pattern.search((REPO / f).read_text(errors="ignore"))]
+    hits = [f for f in files if f != this and (REPO / f).is_file() and pattern.search((REPO / f).read_text(errors="ignore"))]
     assert not hits, f"absolute machine paths in {hits}"
 
 
@@ -166,9 +173,11 @@ def _long_functions(root: Path, files) -> List[str]:
 def test_few_long_functions():
     long = _long_functions(PKG, PKG.rglob("*.py"))
     assert len(long) <= LONG_FUNCTIONS_ALLOWED, "functions over 60 lines:\n" + "\n".join(long)
-    files = [p for p in REPO.rglob("*.py")
-             if not any(part.startswith(".") or part.endswith(".egg-info") or part in ("build", "dist")
-                        for part in p.relative_to(REPO).parts)]
+    files = [
+        p
+        for p in REPO.rglob("*.py")
+        if not any(part.startswith(".") or part.endswith(".egg-info") or part in ("build", "dist") for part in p.relative_to(REPO).parts)
+    ]
     long = _long_functions(REPO, files)
     assert len(long) <= LONG_FUNCTIONS_ALLOWED_IN_REPO, "functions over 60 lines in the repository:\n" + "\n".join(long)
 
@@ -182,8 +191,12 @@ def _in_function_package_imports():
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(fn):
-                own = (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("rllib_exgrpo"))
-                       or isinstance(node, ast.Import) and any(a.name.startswith("rllib_exgrpo") for a in node.names))
+                own = (
+                    isinstance(node, ast.ImportFrom)
+                    and (node.level or (node.module or "").startswith("rllib_exgrpo"))
+                    or isinstance(node, ast.Import)
+                    and any(a.name.startswith("rllib_exgrpo") for a in node.names)
+                )
                 if own:
                     found.append((path, node.lineno))
     return sorted(set(found))
@@ -194,17 +207,25 @@ def test_imports_inside_functions_are_counted_and_each_says_why():
     inside functions, and each of those is under a comment (``# lazy: ...`` or ``# looked up
     when called: ...``) in its import block."""
     found = _in_function_package_imports()
-    stated = re.search(r"\*\*(\d+) imports of the package's own modules sit inside\s+functions\*\*",
-                       (REPO / "docs" / "ARCHITECTURE.md").read_text())
+    stated = re.search(
+        r"\*\*(\d+) imports of the package's own modules sit inside\s+functions\*\*", (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    )
     assert stated, "docs/ARCHITECTURE.md states the count of in-function imports"
     assert len(found) == int(stated.group(1)), f"{len(found)} in-function imports, the doc says {stated.group(1)}"
     unexplained = []
     for path, line in found:
         lines = path.read_text(encoding="utf-8").splitlines()
         above = line - 2
-        while above >= 0 and lines[above].strip().startswith(("from ", "import ", ")")) or (
-                above >= 0 and lines[above].startswith(" " * 8) and not lines[above].strip().startswith("#")
-                and lines[above].rstrip().endswith(",")):
+        while (
+            above >= 0
+            and lines[above].strip().startswith(("from ", "import ", ")"))
+            or (
+                above >= 0
+                and lines[above].startswith(" " * 8)
+                and not lines[above].strip().startswith("#")
+                and lines[above].rstrip().endswith(",")
+            )
+        ):
             above -= 1
         if not (above >= 0 and lines[above].strip().startswith(("# lazy:", "# looked up when called"))):
             unexplained.append(f"{path.relative_to(PKG)}:{line}")

@@ -1,6 +1,7 @@
 """ExGRPOTorchLearner's own logic on a real (quick) tiny model: the grad-norm skip, the clip
 removal in mixed mode, the no-shaping ablation, the frozen KL reference and the numerical
 guards (NaN/inf loss or gradients, zero-variance batches, extreme log-ratios)."""
+
 import copy
 import math
 
@@ -20,7 +21,11 @@ from rllib_exgrpo.rllib.env_runner import token_spaces
 def _learner(model, **training):
     training = {"loss_agg_mode": "token-mean", "entropy_coeff": 0.0, "grad_clip": None, **training}
     cfg = ExGRPOConfig().training(
-        model_name_or_path=model, max_prompt_tokens=16, max_response_tokens=8, lr=1e-2, **training,
+        model_name_or_path=model,
+        max_prompt_tokens=16,
+        max_response_tokens=8,
+        lr=1e-2,
+        **training,
     )
     vocab = len(load_tokenizer(model))
     group = cfg.build_learner_group(spaces={DEFAULT_MODULE_ID: token_spaces(vocab, 16, 8)})
@@ -112,8 +117,9 @@ def test_replay_ratio_over_an_iterations_minibatches_is_the_replayed_tokens_own(
 
     group2, learner2, _ = _learner(quick_tiny_model)  # an iteration with no replayed token at all
     logger2 = MetricsLogger(root=True)
-    logger2.aggregate(group2.update(batch=to_multi_agent_batch(_batch(learner2, advantages=[1.0, -1.0],
-                                                                       replayed=[False, False]))), key="learners")
+    logger2.aggregate(
+        group2.update(batch=to_multi_agent_batch(_batch(learner2, advantages=[1.0, -1.0], replayed=[False, False]))), key="learners"
+    )
     out2 = logger2.reduce()["learners"][DEFAULT_MODULE_ID]
     assert math.isnan(_value(out2.get("replay_ratio_mean", float("nan"))))
     assert _value(out2["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
@@ -232,10 +238,15 @@ def test_skip_counts_add_up_over_minibatches(quick_tiny_model):
     assert all(torch.equal(a, b) for a, b in zip(before, _params(learner)))
 
 
-@pytest.mark.parametrize("agg,ratio_mode", [
-    ("token-mean", "token"), ("seq-mean-token-mean", "sequence"),
-    ("seq-mean-token-sum-norm", "token"), ("seq-mean-token-sum-norm-official", "sequence"),
-])  # every mode x ratio mode x clip x replay is in tests/test_losses.py
+@pytest.mark.parametrize(
+    "agg,ratio_mode",
+    [
+        ("token-mean", "token"),
+        ("seq-mean-token-mean", "sequence"),
+        ("seq-mean-token-sum-norm", "token"),
+        ("seq-mean-token-sum-norm-official", "sequence"),
+    ],
+)  # every mode x ratio mode x clip x replay is in tests/test_losses.py
 def test_zero_variance_batch_gives_a_finite_loss_and_zero_gradient(quick_tiny_model, agg, ratio_mode):
     from rllib_exgrpo.core.losses import group_advantages
 
@@ -256,10 +267,16 @@ def test_zero_variance_batch_gives_a_finite_loss_and_zero_gradient(quick_tiny_mo
     assert ordinary[DEFAULT_MODULE_ID]["zero_advantage_fraction"] == 0.0
 
 
-@pytest.mark.parametrize("shift,ratio_mode,mixed", [
-    (1000.0, "token", False), (1000.0, "token", True), (-1000.0, "token", True),
-    (1000.0, "sequence", True), (-1000.0, "sequence", False),
-])
+@pytest.mark.parametrize(
+    "shift,ratio_mode,mixed",
+    [
+        (1000.0, "token", False),
+        (1000.0, "token", True),
+        (-1000.0, "token", True),
+        (1000.0, "sequence", True),
+        (-1000.0, "sequence", False),
+    ],
+)
 def test_extreme_log_ratios_give_a_finite_loss_and_gradient(quick_tiny_model, shift, ratio_mode, mixed):
     group, learner, _ = _learner(quick_tiny_model, ratio_mode=ratio_mode, skip_update_grad_norm=None)
     learner.set_mixed_mode(mixed)  # mixed mode: no clip on fresh tokens, -w A
@@ -284,8 +301,11 @@ def _ragged_batch(learner, n_rows: int = 6, seed: int = 0, lengths=None):
     trajs = []
     for i, (p_len, length) in enumerate(lengths):
         prompt = np.array([5, 6, 7]) if p_len == 3 else rng.integers(5, 60, size=p_len)
-        trajs.append(Trajectory(f"q{i // 3}", prompt, rng.integers(8, 60, size=length),
-                                np.zeros(length, np.float32), float(i % 2), off_policy=(i % 3 == 2)))
+        trajs.append(
+            Trajectory(
+                f"q{i // 3}", prompt, rng.integers(8, 60, size=length), np.zeros(length, np.float32), float(i % 2), off_policy=(i % 3 == 2)
+            )
+        )
     n_rows = len(lengths)
     adv = rng.normal(size=n_rows).astype(np.float32)
     batch = learner_batch(trajs, adv, pad_id=0)
@@ -305,8 +325,9 @@ def test_micro_batches_give_the_one_pass_update(quick_tiny_model, agg, micro):
     turns float noise on near-zero gradients into lr-sized differences)."""
     results, params = [], []
     for rows in (None, micro):
-        group, learner, _ = _learner(quick_tiny_model, loss_agg_mode=agg, entropy_coeff=0.01, kl_coeff=0.05,
-                                     grad_clip=1.0, learner_micro_batch_rows=rows)
+        group, learner, _ = _learner(
+            quick_tiny_model, loss_agg_mode=agg, entropy_coeff=0.01, kl_coeff=0.05, grad_clip=1.0, learner_micro_batch_rows=rows
+        )
         learner.set_mixed_mode(True)
         batch = _ragged_batch(learner)
         results.append(group.update(batch=to_multi_agent_batch(batch))[0][DEFAULT_MODULE_ID])
@@ -327,8 +348,19 @@ def _assert_same_update(results, grads):
         assert torch.allclose(a, b, atol=1e-5 * scale, rtol=1e-4)
     # the ratio statistics too: each weighted by the tokens it is taken over (a pass with no
     # replayed token leaves the replayed ratios out rather than adding a 0)
-    for key in ("policy_loss", "total_loss", "grad_norm_preclip", "ratio_max", "ratio_min", "ratio_mean",
-                "clip_fraction", "replay_ratio_mean", "replay_shaping_mean", "replayed_token_fraction", "entropy"):
+    for key in (
+        "policy_loss",
+        "total_loss",
+        "grad_norm_preclip",
+        "ratio_max",
+        "ratio_min",
+        "ratio_mean",
+        "clip_fraction",
+        "replay_ratio_mean",
+        "replay_shaping_mean",
+        "replayed_token_fraction",
+        "entropy",
+    ):
         assert _value(cut[key]) == pytest.approx(_value(one[key]), rel=1e-4, abs=1e-6), key
     return one, cut
 
@@ -345,29 +377,30 @@ def test_a_nonfinite_micro_batch_drops_the_whole_update(quick_tiny_model):
 
 def _long_tailed_batch(learner, seed=0, n_rows=12):
     """Rows with prompts of 2-6 tokens and completions of 1-8, one row much longer than the rest."""
-    return _ragged_batch(learner, seed=seed, lengths=[(2 + i % 5, 8 if i == 7 else 1 + (i * 5) % 4)
-                                                      for i in range(n_rows)])
+    return _ragged_batch(learner, seed=seed, lengths=[(2 + i % 5, 8 if i == 7 else 1 + (i * 5) % 4) for i in range(n_rows)])
 
 
-@pytest.mark.parametrize("agg,budget,rows,extra_passes,packing", [
-    *[(agg, 24, None, 0, True) for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
-                                           "seq-mean-token-sum-norm-official")],
-    ("seq-mean-token-mean", 24, None, 0, False),
-    ("seq-mean-token-mean", 40, 3, 0, False),
-    ("token-mean", 24, None, 2, True),
-])
-def test_token_budget_passes_give_the_one_pass_update(quick_tiny_model, monkeypatch, agg, budget, rows, extra_passes,
-                                                      packing):
+@pytest.mark.parametrize(
+    "agg,budget,rows,extra_passes,packing",
+    [
+        *[
+            (agg, 24, None, 0, True)
+            for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum-norm-official")
+        ],
+        ("seq-mean-token-mean", 24, None, 0, False),
+        ("seq-mean-token-mean", 40, 3, 0, False),
+        ("token-mean", 24, None, 2, True),
+    ],
+)
+def test_token_budget_passes_give_the_one_pass_update(quick_tiny_model, monkeypatch, agg, budget, rows, extra_passes, packing):
     """learner_micro_batch_tokens packs the passes (end to end without padding, or padded,
     sorted and trimmed), and the step's gradient and loss still equal the one-pass
     learner's; so do empty passes (``extra_passes``: as a data-parallel learner with fewer
     rows than another runs them). The KL term (kl_coeff) scores the reference model on the
     same packed passes."""
     grads, results = [], []
-    for fields in ({}, {"learner_micro_batch_tokens": budget, "learner_micro_batch_rows": rows,
-                        "learner_sequence_packing": packing}):
-        group, learner, _ = _learner(quick_tiny_model, loss_agg_mode=agg, entropy_coeff=0.01, kl_coeff=0.05,
-                                     grad_clip=1.0, **fields)
+    for fields in ({}, {"learner_micro_batch_tokens": budget, "learner_micro_batch_rows": rows, "learner_sequence_packing": packing}):
+        group, learner, _ = _learner(quick_tiny_model, loss_agg_mode=agg, entropy_coeff=0.01, kl_coeff=0.05, grad_clip=1.0, **fields)
         if fields and extra_passes:
             real = type(learner)._agreed_pass_count
             monkeypatch.setattr(type(learner), "_agreed_pass_count", lambda self, n: real(self, n) + extra_passes)
@@ -417,8 +450,9 @@ def test_packed_scoring_equals_padded_scoring(quick_tiny_model):
     model = learner.module[DEFAULT_MODULE_ID].model
     cols = {k: torch.as_tensor(v) for k, v in _long_tailed_batch(learner).items()}
     with torch.no_grad():
-        logp, ent = completion_logprobs_and_entropy(model, cols[C.INPUT_IDS], cols[C.ATTENTION_MASK],
-                                                    cols[C.RESPONSE_MASK].shape[1], temperature=0.7)
+        logp, ent = completion_logprobs_and_entropy(
+            model, cols[C.INPUT_IDS], cols[C.ATTENTION_MASK], cols[C.RESPONSE_MASK].shape[1], temperature=0.7
+        )
         packed = {**cols, **pack_rows(cols)}
         p_logp, p_ent = score_packed(model, packed, temperature=0.7)
     mask = cols[C.RESPONSE_MASK] > 0

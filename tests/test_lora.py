@@ -11,6 +11,7 @@
   two DDP learners); a checkpoint restores adapters and optimiser state exactly into a fresh
   algorithm; ``rllib export`` writes the merged model under plain names.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,14 +33,14 @@ def test_fields_default_off_and_are_checked():
     assert cfg.lora_rank == 0 and cfg.lora_target_modules == "all-linear"
     assert "lora" not in cfg.llm_model_config  # full fine-tuning: the module config as before
     on = ExGRPOConfig().training(lora_rank=8, lora_target_modules=["q_proj", "v_proj"])
-    assert on.llm_model_config["lora"] == {"rank": 8, "alpha": 32.0, "dropout": 0.0,
-                                           "target_modules": ["q_proj", "v_proj"]}
-    for bad, message in [({"lora_rank": -1}, "lora_rank must be an integer >= 0"),
-                         ({"lora_alpha": 0}, "lora_alpha must be > 0"),
-                         ({"lora_dropout": 1.0}, "lora_dropout must be in [0, 1)"),
-                         ({"lora_target_modules": []}, "lora_target_modules must be 'all-linear' or a non-empty"),
-                         ({"lora_rank": 4, "learner_backend": "deepspeed"},
-                          "lora_rank > 0 with learner_backend: deepspeed needs colocate: true")]:
+    assert on.llm_model_config["lora"] == {"rank": 8, "alpha": 32.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    for bad, message in [
+        ({"lora_rank": -1}, "lora_rank must be an integer >= 0"),
+        ({"lora_alpha": 0}, "lora_alpha must be > 0"),
+        ({"lora_dropout": 1.0}, "lora_dropout must be in [0, 1)"),
+        ({"lora_target_modules": []}, "lora_target_modules must be 'all-linear' or a non-empty"),
+        ({"lora_rank": 4, "learner_backend": "deepspeed"}, "lora_rank > 0 with learner_backend: deepspeed needs colocate: true"),
+    ]:
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
             ExGRPOConfig().training(**bad).validate()
 
@@ -50,15 +51,16 @@ def _learner(model, **training):
     from rllib_exgrpo.rllib.env_runner import token_spaces
 
     training = {"loss_agg_mode": "token-mean", "entropy_coeff": 0.0, "grad_clip": None, **LORA, **training}
-    cfg = ExGRPOConfig().training(model_name_or_path=model, max_prompt_tokens=16, max_response_tokens=8,
-                                  lr=1e-2, **training)
+    cfg = ExGRPOConfig().training(model_name_or_path=model, max_prompt_tokens=16, max_response_tokens=8, lr=1e-2, **training)
     group = cfg.build_learner_group(spaces={DEFAULT_MODULE_ID: token_spaces(len(load_tokenizer(model)), 16, 8)})
     return group, group._learner
 
 
 def _batch() -> dict:
-    trajs = [Trajectory("q", np.array([5, 6, 7]), np.array([8, 9, 10]), np.zeros(3, np.float32), 1.0),
-             Trajectory("q", np.array([5, 6, 7]), np.array([11, 12, 13]), np.zeros(3, np.float32), 0.0)]
+    trajs = [
+        Trajectory("q", np.array([5, 6, 7]), np.array([8, 9, 10]), np.zeros(3, np.float32), 1.0),
+        Trajectory("q", np.array([5, 6, 7]), np.array([11, 12, 13]), np.zeros(3, np.float32), 0.0),
+    ]
     return learner_batch(trajs, np.asarray([1.0, -1.0], np.float32), pad_id=0)
 
 
@@ -74,8 +76,12 @@ def _plain_module(model, state=None):
 
     from rllib_exgrpo.rllib.module import LLMTorchRLModule
 
-    module = LLMTorchRLModule(observation_space=gym.spaces.Discrete(2), action_space=gym.spaces.Discrete(2),
-                              inference_only=True, model_config={"model": model, "dtype": "float32"})
+    module = LLMTorchRLModule(
+        observation_space=gym.spaces.Discrete(2),
+        action_space=gym.spaces.Discrete(2),
+        inference_only=True,
+        model_config={"model": model, "dtype": "float32"},
+    )
     if state is not None:
         module.set_state(state)
     return module
@@ -120,8 +126,7 @@ def test_bf16_lora_learner_keeps_the_frozen_base_in_bf16_and_fp32_adapters(quick
     assert _update(group, learner)[DEFAULT_MODULE_ID]["update_skipped"] == 0
     after = _named(module)
     assert any(not torch.equal(before[n], after[n]) for n in after if ".lora_B." in n)
-    assert all(v.dtype == torch.bfloat16 for v in module.get_state(inference_only=True).values()
-               if torch.as_tensor(v).is_floating_point())
+    assert all(v.dtype == torch.bfloat16 for v in module.get_state(inference_only=True).values() if torch.as_tensor(v).is_floating_point())
 
 
 def test_kl_reference_is_the_base_model_with_adapters_disabled(quick_tiny_model):
@@ -152,12 +157,24 @@ def test_runners_get_the_merged_weights_under_plain_names(quick_tiny_model):
 
 # --- end to end ---------------------------------------------------------------------------------
 def _algo_config(model, **training):
-    return (ExGRPOConfig()
-            .environment(env_config={"dataset": "arithmetic"})
-            .training(model_name_or_path=model, questions_per_step=4, group_size=2, max_prompt_tokens=128,
-                      max_response_tokens=8, lr=1e-2, minibatch_size=8, loss_agg_mode="token-mean",
-                      delayed_start_solve_rate=0.0, **LORA, **training)
-            .env_runners(num_env_runners=1, num_cpus_per_env_runner=0.5))
+    return (
+        ExGRPOConfig()
+        .environment(env_config={"dataset": "arithmetic"})
+        .training(
+            model_name_or_path=model,
+            questions_per_step=4,
+            group_size=2,
+            max_prompt_tokens=128,
+            max_response_tokens=8,
+            lr=1e-2,
+            minibatch_size=8,
+            loss_agg_mode="token-mean",
+            delayed_start_solve_rate=0.0,
+            **LORA,
+            **training,
+        )
+        .env_runners(num_env_runners=1, num_cpus_per_env_runner=0.5)
+    )
 
 
 def _runner_logp(algo, batch) -> np.ndarray:
@@ -224,8 +241,7 @@ def test_runner_samples_the_merged_model_after_a_sync(lora_algo, quick_tiny_mode
 
 
 @pytest.mark.slow
-def test_checkpoint_restores_adapters_and_optimizer_exactly_and_exports_merged(lora_algo, quick_tiny_model,
-                                                                              tmp_path):
+def test_checkpoint_restores_adapters_and_optimizer_exactly_and_exports_merged(lora_algo, quick_tiny_model, tmp_path):
     from rllib_exgrpo.evaluation.export import export_checkpoint
     from rllib_exgrpo.rllib.algorithm import ExGRPO
     from test_export import assert_same_logits
@@ -247,8 +263,9 @@ def test_checkpoint_restores_adapters_and_optimizer_exactly_and_exports_merged(l
         _assert_same_tree(got_adapters, adapters)
         _assert_same_tree(got_optimizer, optimizer)
         batch = _batch()
-        np.testing.assert_allclose(_runner_logp(restored, batch), _learner_merged_logp(restored, quick_tiny_model,
-                                                                                       batch), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(
+            _runner_logp(restored, batch), _learner_merged_logp(restored, quick_tiny_model, batch), rtol=0, atol=1e-5
+        )
     finally:
         restored.stop()
 
@@ -259,8 +276,10 @@ def test_ddp_learners_runner_samples_the_merged_model_after_a_sync(ray_local, qu
     try:
         _train_and_check_the_runner(algo, quick_tiny_model)
         adapters = algo.learner_group.foreach_learner(
-            lambda learner: {n: p.detach().clone() for n, p in learner.module[DEFAULT_MODULE_ID].unwrapped()
-                             .named_parameters() if p.requires_grad})
+            lambda learner: {
+                n: p.detach().clone() for n, p in learner.module[DEFAULT_MODULE_ID].unwrapped().named_parameters() if p.requires_grad
+            }
+        )
         first, second = [r.get() if hasattr(r, "get") else r for r in adapters]
         assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     finally:

@@ -6,6 +6,7 @@ there into the vLLM engine, as ``LLMEnvRunner._load_module_state`` does. The eng
 log-probs of its samples then equal the merged model's (within the CPU kernels' round-off,
 as in ``test_vllm_backend.py``) and no longer the base model's.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,8 +29,7 @@ def _module(model, *, lora: bool):
     if lora:
         config["lora"] = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
     space = gym.spaces.Discrete(2)
-    return LLMTorchRLModule(observation_space=space, action_space=space, model_config=config,
-                            inference_only=not lora).eval()
+    return LLMTorchRLModule(observation_space=space, action_space=space, model_config=config, inference_only=not lora).eval()
 
 
 def _module_logp(model, prompts, groups, pad_id) -> list:
@@ -50,9 +50,13 @@ def test_engine_logprobs_after_a_sync_equal_the_merged_models(vllm_module, quick
     from rllib_exgrpo.models.loading import load_tokenizer
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
-    cfg = ExGRPOConfig().training(model_name_or_path=quick_tiny_model, max_prompt_tokens=128,
-                                  max_response_tokens=MAX_NEW, generation_batch_size=16,
-                                  vllm_kwargs={"kv_cache_memory_bytes": 64 << 20, "block_size": 32})
+    cfg = ExGRPOConfig().training(
+        model_name_or_path=quick_tiny_model,
+        max_prompt_tokens=128,
+        max_response_tokens=MAX_NEW,
+        generation_batch_size=16,
+        vllm_kwargs={"kv_cache_memory_bytes": 64 << 20, "block_size": 32},
+    )
     tok = load_tokenizer(quick_tiny_model)
     learner = _module(quick_tiny_model, lora=True)
     gen = torch.Generator().manual_seed(0)
@@ -61,8 +65,12 @@ def test_engine_logprobs_after_a_sync_equal_the_merged_models(vllm_module, quick
             if ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     runner = _module(quick_tiny_model, lora=False)
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                           tokenize=False), add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+    prompts = [
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )["input_ids"]
+        for q in QUESTIONS
+    ]
     backend = VLLMGenerationBackend(cfg, runner, tok)
     try:
         runner.set_state(learner.get_state(inference_only=True))  # the sync, as the env runner loads it

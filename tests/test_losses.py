@@ -28,9 +28,7 @@ def _ragged():
     g = torch.Generator().manual_seed(0)
     logp = (-torch.rand(4, 5, generator=g) * 2.0).requires_grad_(True)
     old = -torch.rand(4, 5, generator=g) * 2.0
-    mask = torch.tensor(
-        [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool
-    )
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]], dtype=torch.bool)
     adv = torch.tensor([0.5, -1.0, 0.3, 2.0])
     return logp, old, mask, adv
 
@@ -151,9 +149,7 @@ def test_clipped_surrogate_matches_loop(eps_low, eps_high, clip):
     torch.testing.assert_close(got.detach(), ref)
     torch.testing.assert_close(stats["ratio"], torch.exp(logp.detach() - old))
     # [N, T] advantages give the same as broadcast [N]
-    got2, _ = L.clipped_surrogate(
-        logp, old, adv.unsqueeze(-1).expand(4, 5), mask, eps_low=eps_low, eps_high=eps_high, clip=clip
-    )
+    got2, _ = L.clipped_surrogate(logp, old, adv.unsqueeze(-1).expand(4, 5), mask, eps_low=eps_low, eps_high=eps_high, clip=clip)
     torch.testing.assert_close(got2, got)
     if not clip:
         assert stats["clipped"].sum() == 0
@@ -247,9 +243,7 @@ def test_agg_loss_hand_numbers():
     assert float(L.agg_loss(loss, mask, "seq-mean-token-sum-norm-official")) == pytest.approx(10.0 / 3)
     assert float(L.agg_loss(loss, mask, "seq-mean-token-sum-norm-official", max_len=5)) == pytest.approx(2.0)
     # 3 rows in micro-batches of 1 row: sum / ((3 / 1) * 5)
-    assert float(
-        L.agg_loss(loss, mask, "seq-mean-token-sum-norm-official", max_len=5, micro_batch_rows=1)
-    ) == pytest.approx(10.0 / 15)
+    assert float(L.agg_loss(loss, mask, "seq-mean-token-sum-norm-official", max_len=5, micro_batch_rows=1)) == pytest.approx(10.0 / 15)
     with pytest.raises(ValueError):
         L.agg_loss(loss, mask, "nope")
 
@@ -323,8 +317,17 @@ def test_mixed_without_replay_equals_grpo(mode, ratio_mode):
     logp, old, mask, adv = _ragged()
     rep = torch.zeros(4, dtype=torch.bool)
     loss, met = L.mixed_policy_loss(
-        logp, old, adv, mask, rep, eps_low=0.2, eps_high=0.28, clip_fresh=True, beta=0.1,
-        agg_mode=mode, ratio_mode=ratio_mode,
+        logp,
+        old,
+        adv,
+        mask,
+        rep,
+        eps_low=0.2,
+        eps_high=0.28,
+        clip_fresh=True,
+        beta=0.1,
+        agg_mode=mode,
+        ratio_mode=ratio_mode,
     )
     pt, st = L.clipped_surrogate(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, ratio_mode=ratio_mode)
     ref = L.agg_loss(pt, mask, mode)
@@ -345,9 +348,21 @@ def test_mixed_policy_loss_by_hand():
     ent = torch.rand(4, 5, generator=torch.Generator().manual_seed(4)).requires_grad_(True)
     for clip_fresh in (True, False):
         loss, met = L.mixed_policy_loss(
-            logp, old, adv, mask, rep, eps_low=0.2, eps_high=0.2, clip_fresh=clip_fresh, beta=0.1,
-            agg_mode="seq-mean-token-sum-norm", max_len=6, entropy=ent, entropy_coeff=0.001,
-            ref_logp=ref_logp, kl_coeff=0.05,
+            logp,
+            old,
+            adv,
+            mask,
+            rep,
+            eps_low=0.2,
+            eps_high=0.2,
+            clip_fresh=clip_fresh,
+            beta=0.1,
+            agg_mode="seq-mean-token-sum-norm",
+            max_len=6,
+            entropy=ent,
+            entropy_coeff=0.001,
+            ref_logp=ref_logp,
+            kl_coeff=0.05,
         )
         clip_ref = _ref_clip_loss(logp.detach(), old, adv, 0.2, 0.2, clip_fresh)
         per_tok = torch.zeros(4, 5)
@@ -441,8 +456,14 @@ def test_float32_inputs_with_float64_advantages():
     logp, old, mask, adv = _ragged()
     lp32 = logp.detach().float().requires_grad_(True)
     loss, met = L.mixed_policy_loss(
-        lp32, old.float(), adv, mask, torch.tensor([False, True, False, False]),
-        clip_fresh=False, beta=0.1, agg_mode="token-mean",
+        lp32,
+        old.float(),
+        adv,
+        mask,
+        torch.tensor([False, True, False, False]),
+        clip_fresh=False,
+        beta=0.1,
+        agg_mode="token-mean",
     )
     assert loss.dtype == torch.float32
     loss.backward()
@@ -505,19 +526,24 @@ def test_official_aggregation_gradient_equals_the_official_run(num_learners):
 
     # Official: 8 GPUs x one 64-row micro-batch each; DDP averages the 8 gradients.
     official = sum(
-        (per_token(g * micro, (g + 1) * micro) * mask[g * micro : (g + 1) * micro]).sum() / L_max
-        for g in range(rows // micro)
+        (per_token(g * micro, (g + 1) * micro) * mask[g * micro : (g + 1) * micro]).sum() / L_max for g in range(rows // micro)
     ) / (rows // micro)
     (g_official,) = torch.autograd.grad(official, theta)
 
     shard = rows // num_learners
-    ours = sum(
-        L.agg_loss(
-            per_token(k * shard, (k + 1) * shard), mask[k * shard : (k + 1) * shard],
-            "seq-mean-token-sum-norm-official", max_len=L_max, micro_batch_rows=micro,
+    ours = (
+        sum(
+            L.agg_loss(
+                per_token(k * shard, (k + 1) * shard),
+                mask[k * shard : (k + 1) * shard],
+                "seq-mean-token-sum-norm-official",
+                max_len=L_max,
+                micro_batch_rows=micro,
+            )
+            for k in range(num_learners)
         )
-        for k in range(num_learners)
-    ) / num_learners
+        / num_learners
+    )
     (g_ours,) = torch.autograd.grad(ours, theta)
     torch.testing.assert_close(g_ours, g_official)
     # ... which is 64x Dr.GRPO's scale (sum / (N * L)), not the 512x of "sum / L".
@@ -577,8 +603,17 @@ def test_all_zero_variance_step_is_finite_with_zero_policy_gradient(agg, ratio_m
     for rep in (torch.zeros(4, dtype=torch.bool), torch.tensor([False, True, False, True])):
         for cap in (None, 2.0):
             loss, met = L.mixed_policy_loss(
-                logp, old, adv, mask, rep, agg_mode=agg, ratio_mode=ratio_mode, clip_fresh=clip,
-                ratio_cap=cap, max_len=8, micro_batch_rows=2,
+                logp,
+                old,
+                adv,
+                mask,
+                rep,
+                agg_mode=agg,
+                ratio_mode=ratio_mode,
+                clip_fresh=clip,
+                ratio_cap=cap,
+                max_len=8,
+                micro_batch_rows=2,
             )
             (g,) = torch.autograd.grad(loss, logp)
             assert float(loss) == 0.0
@@ -616,8 +651,17 @@ def test_extreme_log_ratios_give_finite_loss_and_gradient(shift, ratio_mode, cli
         for rep in (torch.zeros(4, dtype=torch.bool), torch.tensor([True, False, False, True])):
             for cap in (None, 2.0):
                 loss, met = L.mixed_policy_loss(
-                    logp, old, adv.to(dtype), mask, rep, agg_mode=agg, ratio_mode=ratio_mode,
-                    clip_fresh=clip, ratio_cap=cap, max_len=8, micro_batch_rows=2,
+                    logp,
+                    old,
+                    adv.to(dtype),
+                    mask,
+                    rep,
+                    agg_mode=agg,
+                    ratio_mode=ratio_mode,
+                    clip_fresh=clip,
+                    ratio_cap=cap,
+                    max_len=8,
+                    micro_batch_rows=2,
                 )
                 (g,) = torch.autograd.grad(loss, logp)
                 assert torch.isfinite(loss) and torch.isfinite(g).all()
@@ -630,8 +674,9 @@ def test_extreme_log_ratios_give_finite_loss_and_gradient(shift, ratio_mode, cli
     logp, _, mask, adv = _ragged()
     old = torch.full_like(logp, float("-inf"))
     for ratio_mode in L.RATIO_MODES:
-        loss, _ = L.mixed_policy_loss(logp, old, adv, mask, torch.tensor([True, False, False, False]), ratio_mode=ratio_mode,
-                                      clip_fresh=False)
+        loss, _ = L.mixed_policy_loss(
+            logp, old, adv, mask, torch.tensor([True, False, False, False]), ratio_mode=ratio_mode, clip_fresh=False
+        )
         (g,) = torch.autograd.grad(loss, logp)
         assert torch.isfinite(loss) and torch.isfinite(g).all()
 
@@ -717,8 +762,7 @@ def test_micro_batch_losses_with_batch_totals_sum_to_the_whole(mode, cut):
     parts = []
     for s in range(0, N, cut):
         sl = slice(s, s + cut)
-        part, _ = L.mixed_policy_loss(logp[sl], old[sl], adv[sl], mask[sl], off[sl], entropy=ent[sl],
-                                      ref_logp=ref[sl], totals=totals, **kw)
+        part, _ = L.mixed_policy_loss(logp[sl], old[sl], adv[sl], mask[sl], off[sl], entropy=ent[sl], ref_logp=ref[sl], totals=totals, **kw)
         parts.append(part)
     summed = sum(parts)
     p_logp, p_ent = torch.autograd.grad(summed, (logp, ent))
@@ -726,7 +770,17 @@ def test_micro_batch_losses_with_batch_totals_sum_to_the_whole(mode, cut):
     assert torch.allclose(p_logp, g_logp, atol=1e-12) and torch.allclose(p_ent, g_ent, atol=1e-12)
     # without the totals a slice divides by its own counts: the sum differs (the point)
     if cut < N and mode != "seq-mean-token-sum-norm-official":
-        own = sum(L.mixed_policy_loss(logp[s:s + cut], old[s:s + cut], adv[s:s + cut], mask[s:s + cut],
-                                      off[s:s + cut], entropy=ent[s:s + cut], ref_logp=ref[s:s + cut], **kw)[0]
-                  for s in range(0, N, cut))
+        own = sum(
+            L.mixed_policy_loss(
+                logp[s : s + cut],
+                old[s : s + cut],
+                adv[s : s + cut],
+                mask[s : s + cut],
+                off[s : s + cut],
+                entropy=ent[s : s + cut],
+                ref_logp=ref[s : s + cut],
+                **kw,
+            )[0]
+            for s in range(0, N, cut)
+        )
         assert not torch.allclose(own, whole)

@@ -2,6 +2,7 @@
 backend and ZeRO stage against DeepSpeed's own estimators, the activation formulas against
 autograd's saved tensors and the allocator's measured peak on tiny models, the plan of the
 shipped GPU recipes through the real `rllib train --dry-run`, and its one-line failure."""
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,17 @@ QWEN15 = "tuned_examples/exgrpo_qwen1.5b.yaml"
 Q7 = PUBLISHED_SHAPES["Qwen/Qwen2.5-Math-7B"]
 Q15 = PUBLISHED_SHAPES["Qwen/Qwen2.5-Math-1.5B"]
 #: A hand-made shape: every size different, GQA, untied.
-HAND = ModelShape(hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=24,
-                  intermediate_size=200, vocab_size=1000, tie_word_embeddings=False, max_position_embeddings=512)
+HAND = ModelShape(
+    hidden_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=24,
+    intermediate_size=200,
+    vocab_size=1000,
+    tie_word_embeddings=False,
+    max_position_embeddings=512,
+)
 
 
 # ------------------------------------------------------------------ shapes
@@ -43,21 +53,43 @@ def _hf_model(shape: ModelShape, layers: int = None, dtype=None, device="meta"):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     cls = Qwen2Config if shape.model_type == "qwen2" else LlamaConfig
-    cfg = cls(hidden_size=shape.hidden_size, num_hidden_layers=layers or shape.num_hidden_layers,
-              num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
-              head_dim=shape.head_dim, intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size,
-              tie_word_embeddings=shape.tie_word_embeddings, max_position_embeddings=shape.max_position_embeddings)
+    cfg = cls(
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=layers or shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        max_position_embeddings=shape.max_position_embeddings,
+    )
     with torch.device(device):
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.float32, attn_implementation="sdpa")
 
 
 def test_published_shapes_are_the_models_config_json():
-    assert (Q7.hidden_size, Q7.num_hidden_layers, Q7.num_attention_heads, Q7.num_key_value_heads, Q7.head_dim,
-            Q7.intermediate_size, Q7.vocab_size, Q7.tie_word_embeddings, Q7.max_position_embeddings) == \
-        (3584, 28, 28, 4, 128, 18944, 152064, False, 4096)
-    assert (Q15.hidden_size, Q15.num_hidden_layers, Q15.num_attention_heads, Q15.num_key_value_heads,
-            Q15.intermediate_size, Q15.vocab_size, Q15.tie_word_embeddings, Q15.max_position_embeddings) == \
-        (1536, 28, 12, 2, 8960, 151936, True, 4096)
+    assert (
+        Q7.hidden_size,
+        Q7.num_hidden_layers,
+        Q7.num_attention_heads,
+        Q7.num_key_value_heads,
+        Q7.head_dim,
+        Q7.intermediate_size,
+        Q7.vocab_size,
+        Q7.tie_word_embeddings,
+        Q7.max_position_embeddings,
+    ) == (3584, 28, 28, 4, 128, 18944, 152064, False, 4096)
+    assert (
+        Q15.hidden_size,
+        Q15.num_hidden_layers,
+        Q15.num_attention_heads,
+        Q15.num_key_value_heads,
+        Q15.intermediate_size,
+        Q15.vocab_size,
+        Q15.tie_word_embeddings,
+        Q15.max_position_embeddings,
+    ) == (1536, 28, 12, 2, 8960, 151936, True, 4096)
     # benchmarks/gpu_check.py builds its 1.5B shape from the same numbers
     import sys
 
@@ -65,16 +97,36 @@ def test_published_shapes_are_the_models_config_json():
     import gpu_check
 
     cfg = gpu_check.SHAPES["qwen2.5-1.5b"]["config"]
-    assert {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                                "intermediate_size", "vocab_size", "tie_word_embeddings")} == \
-        {k: getattr(Q15, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                      "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")}
+    assert {
+        k: cfg[k]
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+            "tie_word_embeddings",
+        )
+    } == {
+        k: getattr(Q15, k)
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+            "tie_word_embeddings",
+        )
+    }
     think = PUBLISHED_SHAPES["Elliott/Qwen2.5-Math-7B-16k-think"]
     assert dataclasses.replace(think, max_position_embeddings=4096) == Q7
 
 
-@pytest.mark.parametrize("shape", [Q7, Q15, PUBLISHED_SHAPES["HuggingFaceTB/SmolLM2-135M-Instruct"], HAND],
-                         ids=["qwen7b", "qwen1.5b", "smollm2", "hand"])
+@pytest.mark.parametrize(
+    "shape", [Q7, Q15, PUBLISHED_SHAPES["HuggingFaceTB/SmolLM2-135M-Instruct"], HAND], ids=["qwen7b", "qwen1.5b", "smollm2", "hand"]
+)
 def test_parameter_count_is_exact(shape):
     """The formula against a model built from the shape with 2 layers (on the meta device:
     no memory), and the full count against the published totals."""
@@ -89,11 +141,18 @@ def test_parameter_count_is_exact(shape):
 def test_shape_from_config_folder_cache_and_table(tmp_path, monkeypatch):
     from transformers import Qwen2Config
 
-    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=500, tie_word_embeddings=True, max_position_embeddings=256)
+    cfg = Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=500,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
     s = ModelShape.from_hf_config(cfg)
-    assert (s.head_dim, s.num_key_value_heads, s.tie_word_embeddings, s.model_type, s.qkv_bias) == (16, 2, True,
-                                                                                                   "qwen2", True)
+    assert (s.head_dim, s.num_key_value_heads, s.tie_word_embeddings, s.model_type, s.qkv_bias) == (16, 2, True, "qwen2", True)
     assert ModelShape.from_hf_config(cfg.to_dict()) == s
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg.to_dict()))
@@ -116,8 +175,7 @@ def test_model_states_by_backend_and_stage_on_a_hand_made_shape():
     assert (ddp["weights"], ddp["gradients"], ddp["optimizer"], ddp["buckets"]) == (4 * p, 4 * p, 8 * p, 4 * p)
     assert ddp["autocast_copies"] == 2 * (3 * HAND.layer_linear_parameters + HAND.vocab_size * HAND.hidden_size)
     assert model_state_bytes(HAND, backend="ddp", num_learners=1, model_dtype="float32")["buckets"] == 0
-    assert model_state_bytes(HAND, backend="ddp", num_learners=2, model_dtype="float32",
-                             ddp_bucket_view=True)["buckets"] == 0
+    assert model_state_bytes(HAND, backend="ddp", num_learners=2, model_dtype="float32", ddp_bucket_view=True)["buckets"] == 0
     n = 4
     z1, z2, z3 = (model_state_bytes(HAND, backend="deepspeed", zero_stage=s, num_learners=n) for s in (1, 2, 3))
     assert (z1["weights"], z1["gradients"], z1["optimizer"]) == (2 * p, 2 * p, int(12 * p / n))
@@ -153,8 +211,10 @@ def test_model_states_within_ten_percent_of_deepspeeds_estimators():
             ours = model_state_bytes(shape, backend="deepspeed", zero_stage=3, num_learners=n)["deepspeed_comparable"]
             ds = deepspeed_estimate_bytes(shape, zero_stage=3, num_learners=n)
             assert abs(ours / ds - 1) < 0.11, (shape.num_parameters, 3, n, ours / ds - 1)
-    print("\nDeepSpeed cross-check (params, stage, learners, difference):",
-          ", ".join(f"{p / 1e9:.2f}B/Z{s}/{n}: {d:+.1%}" for p, s, n, d in rows))
+    print(
+        "\nDeepSpeed cross-check (params, stage, learners, difference):",
+        ", ".join(f"{p / 1e9:.2f}B/Z{s}/{n}: {d:+.1%}" for p, s, n, d in rows),
+    )
     assert deepspeed_estimate_bytes(Q7, zero_stage=1, num_learners=4) is None
 
 
@@ -171,8 +231,12 @@ def test_saved_per_layer_is_what_autograd_keeps(mode):
 
     def saved(layers):
         torch.manual_seed(0)
-        model = _hf_model(dataclasses.replace(HAND, vocab_size=300), layers=layers,
-                          dtype=torch.bfloat16 if mode == "half" else torch.float32, device="cpu")
+        model = _hf_model(
+            dataclasses.replace(HAND, vocab_size=300),
+            layers=layers,
+            dtype=torch.bfloat16 if mode == "half" else torch.float32,
+            device="cpu",
+        )
         model.train()
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         seen = {}
@@ -216,9 +280,20 @@ def _measured_peak(shape, rows, prompt, response, ckpt, nograd=False):
     def learner(batch, resp):
         ids, attn, rmask, adv, off = batch
         logp, ent = completion_logprobs_and_entropy(model, ids, attn, resp)
-        loss, _ = mixed_policy_loss(logp, logp.detach(), adv, rmask, off, clip_fresh=False, beta=0.1,
-                                    agg_mode="seq-mean-token-sum-norm-official", max_len=resp,
-                                    micro_batch_rows=64, entropy=ent, entropy_coeff=0.001)
+        loss, _ = mixed_policy_loss(
+            logp,
+            logp.detach(),
+            adv,
+            rmask,
+            off,
+            clip_fresh=False,
+            beta=0.1,
+            agg_mode="seq-mean-token-sum-norm-official",
+            max_len=resp,
+            micro_batch_rows=64,
+            entropy=ent,
+            entropy_coeff=0.001,
+        )
         loss.backward()
 
     def scoring(batch, resp):
@@ -255,14 +330,12 @@ def test_activation_formulas_scale_as_they_should():
     chunk, logit_grad = 10 * 512 * 152064, 2 * 512 * 152064
     assert b["logit_chunks"] == max(chunk + head, logit_grad + 2 * head) + 4 * 4096 * 3584 * 2
     # a packed pass of the same tokens under a variable-length kernel has no [S, S] masks
-    packed = learner_activation_breakdown(Q7, 1, 4 * 5120, gradient_checkpointing=True, response_tokens=4 * 4096,
-                                          dense_mask=False)
+    packed = learner_activation_breakdown(Q7, 1, 4 * 5120, gradient_checkpointing=True, response_tokens=4 * 4096, dense_mask=False)
     assert packed["layers"] == b["layers"] and packed["outside"] == b["outside"] - 4 * 5120 * 5120
     no = learner_activation_bytes(Q7, 4, 5120, gradient_checkpointing=False, response_tokens=4096)
     assert no > b["peak"] * 5  # 28 layers' saved activations dwarf the logits
     assert learner_activation_bytes(Q7, 4, 5120, gradient_checkpointing=True) > b["peak"]  # all positions scored
-    one, two = (learner_activation_bytes(Q15, r, 4096, gradient_checkpointing=True, response_tokens=3072)
-                for r in (1, 2))
+    one, two = (learner_activation_bytes(Q15, r, 4096, gradient_checkpointing=True, response_tokens=3072) for r in (1, 2))
     assert one < two < 2 * one + 2 * GIB
 
 
@@ -290,13 +363,11 @@ def test_plan_of_the_recipes_names_the_key_when_it_does_not_fit():
     cases = {
         "learner_backend": dict(learner_backend="ddp"),
         "gradient_checkpointing": dict(gradient_checkpointing=False),
-        "learner_micro_batch_rows": dict(learner_micro_batch_rows=64, learner_micro_batch_tokens=None,
-                                         gradient_checkpointing=False),
+        "learner_micro_batch_rows": dict(learner_micro_batch_rows=64, learner_micro_batch_tokens=None, gradient_checkpointing=False),
         "learner_micro_batch_tokens": dict(learner_micro_batch_tokens=64 * 9216, gradient_checkpointing=False),
         # Scoring on the runners: each holds a torch copy of the model beside vLLM.
         "vllm_kwargs.gpu_memory_utilization": dict(scoring_on="runners", vllm_kwargs={"gpu_memory_utilization": 0.85}),
-        "generation_batch_size": dict(scoring_on="runners", vllm_kwargs={"gpu_memory_utilization": 0.5},
-                                      generation_batch_size=48),
+        "generation_batch_size": dict(scoring_on="runners", vllm_kwargs={"gpu_memory_utilization": 0.5}, generation_batch_size=48),
     }
     for key, over in cases.items():
         problems = plan_memory(_config(QWEN, **over), gpu_memory=gpu, gpu_memory_source="test").problems()
@@ -306,14 +377,20 @@ def test_plan_of_the_recipes_names_the_key_when_it_does_not_fit():
     # scoring on the runners it holds a torch copy too.
     shipped = plan_memory(_config(QWEN), gpu_memory=gpu, gpu_memory_source="test")
     runner = next(a for a in shipped.actors if a.kind == "env runner")
-    assert [i.what for i in runner.items] == ["vLLM engine", "weight sync receive buffer", "weight-sync NCCL buffers",
-                                              "CUDA context, workspaces"], shipped.render()
-    two = plan_memory(_config(QWEN, scoring_on="runners", vllm_kwargs={"gpu_memory_utilization": 0.5}),
-                      gpu_memory=gpu, gpu_memory_source="test")
+    assert [i.what for i in runner.items] == [
+        "vLLM engine",
+        "weight sync receive buffer",
+        "weight-sync NCCL buffers",
+        "CUDA context, workspaces",
+    ], shipped.render()
+    two = plan_memory(
+        _config(QWEN, scoring_on="runners", vllm_kwargs={"gpu_memory_utilization": 0.5}), gpu_memory=gpu, gpu_memory_source="test"
+    )
     assert "policy module (HF copy)" in [i.what for i in next(a for a in two.actors if a.kind == "env runner").items]
     # vLLM's share too small for one sequence of max_model_len
-    tiny_share = plan_memory(_config(QWEN, vllm_kwargs={"gpu_memory_utilization": 0.18}), gpu_memory=gpu,
-                             gpu_memory_source="test").problems()
+    tiny_share = plan_memory(
+        _config(QWEN, vllm_kwargs={"gpu_memory_utilization": 0.18}), gpu_memory=gpu, gpu_memory_source="test"
+    ).problems()
     assert tiny_share and tiny_share[0].startswith("config.vllm_kwargs.gpu_memory_utilization: ")
     # no GPU memory known: the plan is made, nothing is judged
     unknown = plan_memory(_config(QWEN, learner_backend="ddp"), gpu_memory=None, gpu_memory_source="none")
@@ -342,8 +419,20 @@ def _dry_run(monkeypatch, capsys, tmp_path, extra: dict, recipe: str = QWEN):
     overrides = {"env_config": {"dataset": "arithmetic"}, "heldout_dataset": heldout, **extra}
     if spec["run"] == "PPO":  # RLlib's PPO on the LLM: the project's settings are model_config's
         overrides = {"env_config": {"dataset": "arithmetic"}, "model_config": {"heldout_dataset": heldout, **extra}}
-    rc = main.main(["train", "file", recipe, "--dry-run", "--ray-num-gpus", "8", "--storage-path", str(tmp_path / "r"),
-                    "--config", json.dumps(overrides)])
+    rc = main.main(
+        [
+            "train",
+            "file",
+            recipe,
+            "--dry-run",
+            "--ray-num-gpus",
+            "8",
+            "--storage-path",
+            str(tmp_path / "r"),
+            "--config",
+            json.dumps(overrides),
+        ]
+    )
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -362,11 +451,11 @@ def test_dry_run_prints_the_plan_and_fails_in_one_line(monkeypatch, capsys, tmp_
         assert "the plan uses 79.2 GiB (card table: A100 / H100 80 GB" in out, out
         assert "weight sync receive buffer" in out and "weight-sync NCCL buffers" in out, out
         with capsys.disabled():
-            print("\n" + out[out.index("  memory plan"):])
+            print("\n" + out[out.index("  memory plan") :])
 
-    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path,
-                            {"gpu_memory_gb": 80, "learner_micro_batch_tokens": 64 * 9216,
-                             "gradient_checkpointing": False})
+    rc, out, err = _dry_run(
+        monkeypatch, capsys, tmp_path, {"gpu_memory_gb": 80, "learner_micro_batch_tokens": 64 * 9216, "gradient_checkpointing": False}
+    )
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1, err
     assert lines[0].startswith(f"rllib train: error: {QWEN}: experiment 'exgrpo-qwen': config.learner_micro_batch_tokens: ")
@@ -383,8 +472,13 @@ def test_optimizer_steps_match_the_minibatch_plan():
         for minibatch in (1, 64, 128, 512, 2000):
             for learners in (1, 2, 4, 8):
                 for epochs in (1, 2):
-                    plan = plan_minibatches(np.arange(rows) // 8, minibatch_size=minibatch, num_learners=learners,
-                                            num_epochs=epochs, rng=np.random.default_rng(0))
+                    plan = plan_minibatches(
+                        np.arange(rows) // 8,
+                        minibatch_size=minibatch,
+                        num_learners=learners,
+                        num_epochs=epochs,
+                        rng=np.random.default_rng(0),
+                    )
                     steps = sum(len(epoch) for epoch in plan)
                     assert optimizer_steps_per_iteration(rows, minibatch, learners, epochs) == steps
 
@@ -395,21 +489,22 @@ def test_the_plan_prints_optimizer_steps_and_warns_when_learners_change_them(mon
     monkeypatch.chdir(REPO)
     rc, out, err = _dry_run(monkeypatch, capsys, tmp_path, {"gpu_memory_gb": 80})
     assert rc == 0 and "warning" not in out + err, out + err
-    assert ("optimiser steps per iteration: 2 = num_epochs 1 x round(1024 completions / "
-            "(minibatch_size 128 x 4 learner(s)))") in out, out
+    assert ("optimiser steps per iteration: 2 = num_epochs 1 x round(1024 completions / (minibatch_size 128 x 4 learner(s)))") in out, out
     rc, out, err = _dry_run(monkeypatch, capsys, tmp_path, {"gpu_memory_gb": 80, "num_learners": 2})
     assert rc == 0, out + err
-    assert out.count("warning:") == 1 and ("warning: num_learners 2 (the file has 4) makes 4 optimiser step(s) per "
-                                           "iteration instead of 2") in out and "minibatch_size: 256 keeps 2" in out, out
+    assert (
+        out.count("warning:") == 1
+        and ("warning: num_learners 2 (the file has 4) makes 4 optimiser step(s) per iteration instead of 2") in out
+        and "minibatch_size: 256 keeps 2" in out
+    ), out
     assert "optimiser steps per iteration: 4 = " in out
-    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path,
-                            {"gpu_memory_gb": 80, "num_learners": 2, "minibatch_size": 256})
+    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path, {"gpu_memory_gb": 80, "num_learners": 2, "minibatch_size": 256})
     assert rc == 0 and "warning" not in out + err and "optimiser steps per iteration: 2 = " in out, out + err
-    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path,
-                            {"gpu_memory_gb": 80, "num_learners": {"grid_search": [2, 4]}})
+    rc, out, err = _dry_run(monkeypatch, capsys, tmp_path, {"gpu_memory_gb": 80, "num_learners": {"grid_search": [2, 4]}})
     assert rc == 0, out + err
-    assert ("warning: the search over num_learners gives its trials different optimiser steps per iteration "
-            "(2 learner(s): 4, 4 learner(s): 2)") in out, out
+    assert (
+        "warning: the search over num_learners gives its trials different optimiser steps per iteration (2 learner(s): 4, 4 learner(s): 2)"
+    ) in out, out
 
 
 def test_gpu_memory_from_the_field_or_the_machine(monkeypatch):
@@ -435,10 +530,18 @@ def test_lora_adapter_count_is_peft_s(targets):
 
     from rllib_exgrpo.planning.shapes import ModelShape
 
-    hf = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=96, vocab_size=500, tie_word_embeddings=False)
-    model = get_peft_model(AutoModelForCausalLM.from_config(hf),
-                           LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"))
+    hf = Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=500,
+        tie_word_embeddings=False,
+    )
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(hf), LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM")
+    )
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert ModelShape.from_hf_config(hf).lora_parameters(8, targets) == trained
 
@@ -452,9 +555,15 @@ def test_lora_learner_plan_holds_a_frozen_base_and_adapter_state():
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
     def plan(rank):
-        cfg = ExGRPOConfig().training(model_name_or_path="Qwen/Qwen2.5-Math-7B", model_dtype="bfloat16",
-                                      lora_rank=rank, kl_coeff=0.001, gradient_checkpointing=True,
-                                      learner_micro_batch_tokens=16384, gpu_memory_gb=80)
+        cfg = ExGRPOConfig().training(
+            model_name_or_path="Qwen/Qwen2.5-Math-7B",
+            model_dtype="bfloat16",
+            lora_rank=rank,
+            kl_coeff=0.001,
+            gradient_checkpointing=True,
+            learner_micro_batch_tokens=16384,
+            gpu_memory_gb=80,
+        )
         return plan_memory(cfg.learners(num_learners=0, num_gpus_per_learner=1)).actors[0]
 
     shape = model_shape("Qwen/Qwen2.5-Math-7B")
@@ -493,16 +602,13 @@ def test_every_gpu_recipe_fits_its_card_and_the_readme_table_shows_its_plan(reci
     assert actors, out
     assert all(verdict == "fits" for *_, verdict in actors), out
     if spec["config"].get("colocate"):
-        assert [kind for kind, *_ in actors] == ["learner, training turn (colocate)",
-                                                 "learner, generation turn (colocate)"], out
-    row = next((ln for ln in (REPO / "README.md").read_text().splitlines() if ln.startswith(f"| `{recipe.name}`")),
-               None)
+        assert [kind for kind, *_ in actors] == ["learner, training turn (colocate)", "learner, generation turn (colocate)"], out
+    row = next((ln for ln in (REPO / "README.md").read_text().splitlines() if ln.startswith(f"| `{recipe.name}`")), None)
     assert row is not None, f"README's recipe table has no row for {recipe.name}"
     for _, used, budget, _ in actors:
         assert f"{used} GiB" in row and f"{budget} GiB" in row, (row, actors)
     # The time estimate: per iteration and for the recipe's stop, on the card of the plan.
-    time = re.search(r"time per iteration \(ESTIMATE, (.*?), no GPU measurement\): (~\S+ s) .*; \d+ iterations: (~\S+ h)",
-                     out)
+    time = re.search(r"time per iteration \(ESTIMATE, (.*?), no GPU measurement\): (~\S+ s) .*; \d+ iterations: (~\S+ h)", out)
     assert time, out
     card, per_iteration, per_run = time.groups()
     assert f"{per_iteration} / iteration, {per_run} a run ({card}" in row, (row, time.group(0))
@@ -516,12 +622,20 @@ def test_lora_under_deepspeed_is_planned_for_colocated_learners():
 
     shape = PUBLISHED_SHAPES["Qwen/Qwen2.5-Math-7B"]
     a = shape.lora_parameters(64, "all-linear")
-    states = model_state_bytes(shape, backend="deepspeed", zero_stage=3, num_learners=8, model_dtype="bfloat16",
-                               lora_parameters=a)
+    states = model_state_bytes(shape, backend="deepspeed", zero_stage=3, num_learners=8, model_dtype="bfloat16", lora_parameters=a)
     assert states["weights"] == (2 * shape.num_parameters + 2 * a) // 8
     assert states["optimizer"] == 12 * a // 8 and states["gradients"] == 2 * a // 8
-    cfg = _config(QWEN, colocate=True, num_env_runners=0, num_gpus_per_env_runner=0, learner_backend="deepspeed",
-                  deepspeed_zero_stage=3, lora_rank=64, num_learners=8, scoring_on="learners")
+    cfg = _config(
+        QWEN,
+        colocate=True,
+        num_env_runners=0,
+        num_gpus_per_env_runner=0,
+        learner_backend="deepspeed",
+        deepspeed_zero_stage=3,
+        lora_rank=64,
+        num_learners=8,
+        scoring_on="learners",
+    )
     plan = plan_memory(cfg, gpu_memory=80 << 30, gpu_memory_source="test")
     training, turn = plan.actors
     assert training.kind == "learner, training turn (colocate)" and training.fits
@@ -617,7 +731,7 @@ def test_weight_sync_buffer_is_the_largest_bucket_the_broadcast_makes(bucket_mb)
     shape = dataclasses.replace(Q7, num_hidden_layers=2)
     model = _hf_model(shape, dtype=torch.bfloat16)
     specs = [(name, tuple(t.shape), torch.bfloat16) for name, t in model.state_dict().items()]
-    layout = plan_buckets(specs, int(bucket_mb * 2 ** 20))
+    layout = plan_buckets(specs, int(bucket_mb * 2**20))
     scratch = _Scratch(layout, torch.device("meta"))
     made = sum(buf.numel() * buf.element_size() for buf in scratch._buffers.values())
     assert made == weight_sync_bytes(shape, bucket_mb=bucket_mb, dtype_bytes=2)
@@ -648,8 +762,7 @@ def test_the_split_recipes_plan_the_weight_sync_and_the_colocated_ones_do_not():
     bare = ActorPlan("learner", 4, 1, items=[Item("CUDA context, workspaces", 1)])
     _learner_sync_items(bare, _config(QWEN), Q7, 2, after=0)
     assert {it.what: it.bytes for it in bare.items}["weight sync buffers"] == 2 * weight_sync_bytes(Q7)
-    for over in (dict(weight_sync="object_store"),
-                 dict(colocate=True, num_env_runners=0, num_gpus_per_env_runner=0, num_learners=8)):
+    for over in (dict(weight_sync="object_store"), dict(colocate=True, num_env_runners=0, num_gpus_per_env_runner=0, num_learners=8)):
         actors = plan_memory(_config(QWEN, **over), gpu_memory=gpu, gpu_memory_source="test").actors
         assert not [it.what for a in actors for it in a.items if "weight sync" in it.what or "NCCL" in it.what]
 
@@ -672,8 +785,15 @@ def test_lora_merge_terms_match_the_measured_peak_of_a_layer_push():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import memory_plan as bench
 
-    hf = Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                     intermediate_size=704, vocab_size=300, tie_word_embeddings=False)
+    hf = Qwen2Config(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=704,
+        vocab_size=300,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = lora.wrap(AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16), {"rank": 16, "alpha": 32})
     for name, p in model.named_parameters():  # B is zero at the start: a real merge has a real delta
@@ -748,8 +868,11 @@ def test_every_mirrored_term_is_tied_to_the_code_it_mirrors():
 
     from rllib_exgrpo.planning import memory
 
-    terms = {name for name, f in vars(memory).items() if inspect.isfunction(f) and f.__module__ == memory.__name__
-             and (name.endswith("_bytes") or name.endswith("_breakdown"))}
+    terms = {
+        name
+        for name, f in vars(memory).items()
+        if inspect.isfunction(f) and f.__module__ == memory.__name__ and (name.endswith("_bytes") or name.endswith("_breakdown"))
+    }
     assert terms - set(NOT_MIRRORED) == set(MIRRORED_TERMS), sorted(terms ^ (set(MIRRORED_TERMS) | set(NOT_MIRRORED)))
     for term, test in MIRRORED_TERMS.items():
         assert callable(globals().get(test)), f"{term}: its tie {test} is not a test of this module"

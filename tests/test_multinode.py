@@ -30,6 +30,7 @@ processes), SIGKILL to whatever is left in their process groups.
 Run as a script (``python tests/test_multinode.py ADDRESS MODEL OUT.json``), this file is
 the driver.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,7 +63,8 @@ def drive(address: str, model: str) -> dict:
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
     ray.init(
-        address=address, log_to_driver=False,
+        address=address,
+        log_to_driver=False,
         # Ship the code to every node through the cluster (what a real cluster without the
         # checkout needs); an installed copy on the nodes would do as well.
         runtime_env={"py_modules": [os.path.dirname(rllib_exgrpo.__file__)]},
@@ -73,17 +75,24 @@ def drive(address: str, model: str) -> dict:
             ExGRPOConfig()
             .environment(env_config={"dataset": "arithmetic"})
             .training(
-                model_name_or_path=model, questions_per_step=QUESTIONS, group_size=GROUP,
-                max_prompt_tokens=128, max_response_tokens=12, lr=1e-3, minibatch_size=16,
+                model_name_or_path=model,
+                questions_per_step=QUESTIONS,
+                group_size=GROUP,
+                max_prompt_tokens=128,
+                max_response_tokens=12,
+                lr=1e-3,
+                minibatch_size=16,
                 loss_agg_mode="token-mean",
             )
             # Two runners on node 2 (its 1 CPU, shared), one learner on the head.
             .env_runners(
-                num_env_runners=2, num_cpus_per_env_runner=0.4,
+                num_env_runners=2,
+                num_cpus_per_env_runner=0.4,
                 custom_resources_per_env_runner={NODE2_RESOURCE: 0.1},
             )
             .learners(
-                num_learners=1, num_cpus_per_learner=0.5,
+                num_learners=1,
+                num_cpus_per_learner=0.5,
                 custom_resources_per_learner={HEAD_RESOURCE: 0.1},
             )
             # The driver is no actor here (no Tune): this only sizes its torch threads and
@@ -112,13 +121,15 @@ def _train_iterations(algo) -> list:
     iterations = []
     for _ in range(ITERATIONS):
         r = algo.train()
-        iterations.append({
-            "training_iteration": int(r["training_iteration"]),
-            "num_completions": int(r["num_completions"]),
-            "num_episodes": int(r["env_runners"]["num_episodes"]),
-            "module_steps_trained": int(r["learners"]["default_policy"]["num_module_steps_trained"]),
-            "total_loss": float(r["learners"]["default_policy"]["total_loss"]),
-        })
+        iterations.append(
+            {
+                "training_iteration": int(r["training_iteration"]),
+                "num_completions": int(r["num_completions"]),
+                "num_episodes": int(r["env_runners"]["num_episodes"]),
+                "module_steps_trained": int(r["learners"]["default_policy"]["num_module_steps_trained"]),
+                "total_loss": float(r["learners"]["default_policy"]["total_loss"]),
+            }
+        )
     return iterations
 
 
@@ -137,8 +148,7 @@ def _where_actors_ran(ray, algo) -> tuple:
 
     runners = algo.env_runner_group.foreach_env_runner(where_runner, local_env_runner=False)
     learners = [
-        r.get() if hasattr(r, "get") else r
-        for r in algo.learner_group.foreach_learner(lambda _: ray.get_runtime_context().get_node_id())
+        r.get() if hasattr(r, "get") else r for r in algo.learner_group.foreach_learner(lambda _: ray.get_runtime_context().get_node_id())
     ]
     return runners, learners
 
@@ -208,30 +218,47 @@ class TwoNodeCluster:
         self._log_files: list = []
 
     def _start(self, name: str, args: list) -> subprocess.Popen:
-        cmd = [*self.ray, "start", *args, f"--temp-dir={self.root / 'ray'}", f"--num-cpus={NODE_CPUS}",
-               "--num-gpus=0", f"--object-store-memory={OBJECT_STORE}", "--min-worker-port=0",
-               "--max-worker-port=0", f"--dashboard-agent-listen-port={_free_port()}",
-               "--disable-usage-stats", "--block"]
+        cmd = [
+            *self.ray,
+            "start",
+            *args,
+            f"--temp-dir={self.root / 'ray'}",
+            f"--num-cpus={NODE_CPUS}",
+            "--num-gpus=0",
+            f"--object-store-memory={OBJECT_STORE}",
+            "--min-worker-port=0",
+            "--max-worker-port=0",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            "--disable-usage-stats",
+            "--block",
+        ]
         self.commands.append(cmd)
         log = open(self.root / f"{name}.log", "w")
         self._log_files.append(log)
-        proc = subprocess.Popen(cmd, env=_clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            cmd, env=_clean_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
         self.procs.append((name, proc))
         return proc
 
     def logs(self, chars: int = 3000) -> str:
         return "\n".join(
-            f"--- {name}.log ---\n{(self.root / f'{name}.log').read_text(errors='replace')[-chars:]}"
-            for name, _ in self.procs
+            f"--- {name}.log ---\n{(self.root / f'{name}.log').read_text(errors='replace')[-chars:]}" for name, _ in self.procs
         )
 
     def start(self) -> None:
         # --include-dashboard=false still starts Ray's headless dashboard process: give it
         # a free port rather than the machine-wide 8265.
-        head = self._start("head", ["--head", f"--port={self.port}", "--include-dashboard=false",
-                                    f"--dashboard-port={_free_port()}",
-                                    f"--resources={json.dumps({HEAD_RESOURCE: 1})}"])
+        head = self._start(
+            "head",
+            [
+                "--head",
+                f"--port={self.port}",
+                "--include-dashboard=false",
+                f"--dashboard-port={_free_port()}",
+                f"--resources={json.dumps({HEAD_RESOURCE: 1})}",
+            ],
+        )
         deadline = time.monotonic() + START_TIMEOUT
         while True:  # the GCS listens: the head is up
             assert head.poll() is None, f"ray start --head exited ({head.returncode})\n{self.logs()}"
@@ -250,8 +277,7 @@ class TwoNodeCluster:
         while True:
             for name, proc in self.procs:
                 assert proc.poll() is None, f"ray start ({name}) exited ({proc.returncode})\n{self.logs()}"
-            if all("Ray runtime started" in (self.root / f"{n}.log").read_text(errors="replace")
-                   for n, _ in self.procs):
+            if all("Ray runtime started" in (self.root / f"{n}.log").read_text(errors="replace") for n, _ in self.procs):
                 return
             assert time.monotonic() < deadline, f"the nodes did not start\n{self.logs()}"
             time.sleep(0.5)
@@ -283,8 +309,16 @@ def _run(cmd: list, cwd: Path, env: dict, cluster: TwoNodeCluster, what: str) ->
     import pytest
 
     # cwd outside the checkout: Ray adds the driver's cwd to every worker's sys.path.
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
     try:
         log, _ = proc.communicate(timeout=DRIVER_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -317,8 +351,13 @@ if __name__ != "__main__":
         out = tmp_path / "result.json"
         env = _clean_env()
         env["PYTHONPATH"] = str(REPO)  # the driver runs from the checkout; the nodes don't
-        _run([sys.executable, str(Path(__file__).resolve()), cluster.address, quick_tiny_model, str(out)],
-             tmp_path, env, cluster, "the driver")
+        _run(
+            [sys.executable, str(Path(__file__).resolve()), cluster.address, quick_tiny_model, str(out)],
+            tmp_path,
+            env,
+            cluster,
+            "the driver",
+        )
         report = json.loads(out.read_text())
         print(json.dumps(report, indent=1))  # shown with -s / on failure
 
@@ -349,25 +388,35 @@ if __name__ != "__main__":
         same pinning in the YAML, through Tune: checkpoints under storage_path, MLflow."""
         cluster = two_node_cluster
         results = tmp_path / "results"
-        (tmp_path / "exp.yaml").write_text(CLUSTER_YAML.format(
-            model=quick_tiny_model, storage=results, mlflow=f"sqlite:///{results}/mlflow.db",
-            iterations=ITERATIONS, questions=QUESTIONS, group=GROUP,
-            head=HEAD_RESOURCE, node2=NODE2_RESOURCE,
-        ))
+        (tmp_path / "exp.yaml").write_text(
+            CLUSTER_YAML.format(
+                model=quick_tiny_model,
+                storage=results,
+                mlflow=f"sqlite:///{results}/mlflow.db",
+                iterations=ITERATIONS,
+                questions=QUESTIONS,
+                group=GROUP,
+                head=HEAD_RESOURCE,
+                node2=NODE2_RESOURCE,
+            )
+        )
         rllib = _console_script("rllib", "rllib_exgrpo.cli.main")
         # The CLI's own ray.init has no runtime_env: the nodes import the package from the
         # installed copy (here the venv's editable install, as on a cluster built from one image).
-        log = _run([*rllib, "train", "file", str(tmp_path / "exp.yaml"), "--ray-address", cluster.address],
-                   tmp_path, _clean_env(), cluster, "rllib train")
+        log = _run(
+            [*rllib, "train", "file", str(tmp_path / "exp.yaml"), "--ray-address", cluster.address],
+            tmp_path,
+            _clean_env(),
+            cluster,
+            "rllib train",
+        )
         assert "all trials finished" in log, log[-4000:]
         (trial,) = (results / "exgrpo-cluster").glob("ExGRPO_*")
         rows = [json.loads(line) for line in (trial / "result.json").read_text().splitlines()]
         assert [r["training_iteration"] for r in rows] == list(range(1, ITERATIONS + 1))
         for r in rows:
             assert r["num_completions"] == r["env_runners"]["num_episodes"] == QUESTIONS * GROUP
-        assert sorted(c.name for c in trial.glob("checkpoint_*")) == [
-            f"checkpoint_{i:06d}" for i in range(ITERATIONS)
-        ]
+        assert sorted(c.name for c in trial.glob("checkpoint_*")) == [f"checkpoint_{i:06d}" for i in range(ITERATIONS)]
         assert (results / "mlflow.db").is_file()
 
 

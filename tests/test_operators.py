@@ -1,5 +1,6 @@
 """The embedded hidden-operator family: deterministic, split-disjoint, position-dependent
 tables, verifiable answers, and a guessing baseline of about 1/3 per operation."""
+
 from __future__ import annotations
 
 import random
@@ -97,8 +98,10 @@ def test_random_meanings_succeed_about_one_in_three_per_operation(train):
     spec_random = load_problems("operators:n=3000,meanings=random")
     assert [p.ground_truth for p in spec_random] == [p.ground_truth for p in train]  # answers stay true
     by_spec, _ = _guess_rates((p, p.solution) for p in spec_random)
-    print(f"\nrandom-meaning success by length (n per length {totals}): "
-          f"random_meaning_solution {by_function}, meanings=random {by_spec}; uniform 1/3, 1/9, 1/27")
+    print(
+        f"\nrandom-meaning success by length (n per length {totals}): "
+        f"random_meaning_solution {by_function}, meanings=random {by_spec}; uniform 1/3, 1/9, 1/27"
+    )
     bands = {1: (0.29, 0.40), 2: (0.08, 0.16), 3: (0.02, 0.07)}
     for rates in (by_function, by_spec):
         assert set(rates) == {1, 2, 3}
@@ -143,12 +146,23 @@ def test_shuffled_draws_meanings_per_question():
     assert all(len(m) == 1 for m in tabled_groups.values())
 
 
-@pytest.mark.parametrize("spec,option", [
-    ("operators:famlies=3", "famlies"), ("operators:families=0", "families"), ("operators:families=abc", "families"),
-    ("operators:lengths=0-3", "lengths"), ("operators:lengths=4", "lengths"), ("operators:shuffled=yes", "shuffled"),
-    ("operators:n=-1", "n"), ("operators:n_test=x", "n_test"), ("operators:meanings=some", "meanings"),
-    ("operators:seed=1.5", "seed"), ("operators:seed", "seed"), ("operators:balanced=2", "balanced"),
-])
+@pytest.mark.parametrize(
+    "spec,option",
+    [
+        ("operators:famlies=3", "famlies"),
+        ("operators:families=0", "families"),
+        ("operators:families=abc", "families"),
+        ("operators:lengths=0-3", "lengths"),
+        ("operators:lengths=4", "lengths"),
+        ("operators:shuffled=yes", "shuffled"),
+        ("operators:n=-1", "n"),
+        ("operators:n_test=x", "n_test"),
+        ("operators:meanings=some", "meanings"),
+        ("operators:seed=1.5", "seed"),
+        ("operators:seed", "seed"),
+        ("operators:balanced=2", "balanced"),
+    ],
+)
 def test_bad_option_is_one_line_naming_it(spec, option):
     with pytest.raises(ValueError) as info:
         load_problems(spec)
@@ -159,8 +173,17 @@ def test_bad_option_is_one_line_naming_it(spec, option):
 def test_parse_spec_defaults_and_values():
     assert ops.parse_spec("operators") == ops.DEFAULTS
     opts = ops.parse_spec("operators:seed=3, families=8,lengths=1+3,n=10,n_validation=2,n_test=4,shuffled=1,meanings=random")
-    assert opts == {"seed": 3, "families": 8, "lengths": (1, 3), "n": 10, "n_validation": 2, "n_test": 4,
-                    "shuffled": True, "meanings": "random", "balanced": False}
+    assert opts == {
+        "seed": 3,
+        "families": 8,
+        "lengths": (1, 3),
+        "n": 10,
+        "n_validation": 2,
+        "n_test": 4,
+        "shuffled": True,
+        "meanings": "random",
+        "balanced": False,
+    }
     assert ops.parse_spec("operators:balanced=1")["balanced"] is True
 
 
@@ -218,10 +241,10 @@ def test_read_worked_solution_reads_back_the_meanings_of_right_arithmetic(train)
     good = "7 # 5 = 7 - 5 = 2, 2 @ 2 = 2 x 2 = 4. \\boxed{4}"
     assert ops.read_worked_solution(q, good) == ("-", "x")
     for bad in (
-        "7 # 5 = 7 - 5 = 3, 3 @ 2 = 3 x 2 = 6. \\boxed{6}",   # wrong arithmetic
-        "7 # 5 = 7 - 5 = 2, 2 @ 2 = 2 x 2 = 4. \\boxed{5}",   # box disagrees with the steps
-        "7 @ 5 = 7 - 5 = 2, 2 # 2 = 2 x 2 = 4. \\boxed{4}",   # symbols out of order
-        "7 # 5 = 7 - 5 = 2. \\boxed{2}",                      # a step missing
+        "7 # 5 = 7 - 5 = 3, 3 @ 2 = 3 x 2 = 6. \\boxed{6}",  # wrong arithmetic
+        "7 # 5 = 7 - 5 = 2, 2 @ 2 = 2 x 2 = 4. \\boxed{5}",  # box disagrees with the steps
+        "7 @ 5 = 7 - 5 = 2, 2 # 2 = 2 x 2 = 4. \\boxed{4}",  # symbols out of order
+        "7 # 5 = 7 - 5 = 2. \\boxed{2}",  # a step missing
         "7 # 5 = 7 - 5 = 2, 9 @ 2 = 9 x 2 = 18. \\boxed{18}",  # chain not carried
         "The answer is 4",
     ):

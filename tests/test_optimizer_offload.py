@@ -2,6 +2,7 @@
 ``offload_states`` / ``reload_states`` under ZeRO-1, 2 and 3 and the learners' real optimizer
 (torch AdamW), on CPU (gloo, one rank). The state round-trips bit for bit, what the next
 weight push reads never moves, and training after a round trip equals training without one."""
+
 import pytest
 import torch
 
@@ -18,8 +19,7 @@ deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not importable
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                               torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
 def _engine(stage: int):
@@ -31,10 +31,13 @@ def _engine(stage: int):
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 1_000_000,
-                              "allgather_bucket_size": 1_000_000,
-                              # every parameter partitioned, none kept whole (ZeRO-3)
-                              "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 1_000_000,
+            "allgather_bucket_size": 1_000_000,
+            # every parameter partitioned, none kept whole (ZeRO-3)
+            "stage3_param_persistence_threshold": 0,
+        },
         "bf16": {"enabled": False},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,

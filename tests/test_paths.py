@@ -1,6 +1,7 @@
 """Paths as users type them: ``rllib evaluate --model`` / ``--data`` and ``rllib export``
 take paths relative to the working directory, and a folder that is neither a checkpoint
 nor a model folder is a one-line error (exit 2, no traceback)."""
+
 from __future__ import annotations
 
 import json
@@ -79,8 +80,9 @@ def test_evaluate_a_relative_checkpoint_path_from_another_directory(grpo_checkpo
     assert find_checkpoint(relative)[0] == path
     out = tmp_path / "eval.json"
     for model in (relative, trial.name, "./" + relative + "/"):
-        rc = cli.main(["evaluate", "--model", model, "--data", "arithmetic", "--limit", "2",
-                       "--temperature", "0", "--output", str(out), "-q"])
+        rc = cli.main(
+            ["evaluate", "--model", model, "--data", "arithmetic", "--limit", "2", "--temperature", "0", "--output", str(out), "-q"]
+        )
         assert rc == 0, capsys.readouterr().err
         data = json.loads(out.read_text())
         assert data["settings"]["checkpoint"]["path"] == str(path)

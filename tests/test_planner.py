@@ -98,9 +98,7 @@ def test_priority_small_n_is_finite_fallback():
     assert priority(np.std([0, 1], ddof=1), 2, 10, lam=0.0) == pytest.approx(fallback)
     assert fallback == pytest.approx(4.5962, abs=1e-3)
     # n_bonus: the count used in the bonus only
-    assert priority(0.0, 0, 15, n_bonus=3) == pytest.approx(
-        fallback + math.sqrt(math.log(16) / 3)
-    )
+    assert priority(0.0, 0, 15, n_bonus=3) == pytest.approx(fallback + math.sqrt(math.log(16) / 3))
     with pytest.raises(ValueError):
         priority(0.0, 0, 15)  # bonus with n = 0 is undefined
     with pytest.raises(ValueError):
@@ -237,9 +235,7 @@ def test_high_variance_gets_more_than_zero_variance():
     rewards = [[0] * 4, [0] * 4, [1] * 4, [1] * 4, [0, 1, 0, 1], [1, 1, 0, 1]]
     for allocation in ALLOCATIONS:
         for lam, bpq in [(0.3, 8), (0.3, 16), (0.1, 8), (0.1, 16)]:
-            pl = RolloutPlanner(
-                n0=4, budget_per_question=bpq, rounds=1, lam=lam, allocation=allocation
-            )
+            pl = RolloutPlanner(n0=4, budget_per_question=bpq, rounds=1, lam=lam, allocation=allocation)
             extra = pl.next_round(rewards, 0)
             assert sum(extra) == 6 * (bpq - 4)
             assert min(extra[4], extra[5]) >= max(extra[:4]), (allocation, lam, extra)
@@ -285,7 +281,11 @@ def test_max_per_question_respected():
     for allocation in ALLOCATIONS:
         rewards = [[0, 1, 0, 1], [0] * 4, [1] * 4, [0] * 4]
         pl = RolloutPlanner(
-            n0=4, budget_per_question=8, rounds=2, lam=0.05, max_per_question=9,
+            n0=4,
+            budget_per_question=8,
+            rounds=2,
+            lam=0.05,
+            max_per_question=9,
             allocation=allocation,
         )
         totals = [4, 4, 4, 4]

@@ -1,4 +1,5 @@
 """The held-out accuracy plot of ``rllib train`` (rllib_exgrpo/cli/plots.py)."""
+
 import math
 
 from rllib_exgrpo.cli.plots import PLOT_FILE, heldout_points, write_heldout_plot
@@ -36,9 +37,9 @@ def test_grid_plots_one_per_trial_with_evaluations(tmp_path):
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    evaluated = pd.DataFrame({"heldout/accuracy": [0.3, 0.3, 0.4], "heldout/after_iteration": [0, 0, 2],
-                              "training_iteration": [1, 2, 3]})
-    grid = [SimpleNamespace(metrics_dataframe=evaluated, path=str(tmp_path / "a"), metrics={"trial_id": "x1"}),
-            SimpleNamespace(metrics_dataframe=pd.DataFrame({"training_iteration": [1]}), path=str(tmp_path / "b"),
-                            metrics={})]
+    evaluated = pd.DataFrame({"heldout/accuracy": [0.3, 0.3, 0.4], "heldout/after_iteration": [0, 0, 2], "training_iteration": [1, 2, 3]})
+    grid = [
+        SimpleNamespace(metrics_dataframe=evaluated, path=str(tmp_path / "a"), metrics={"trial_id": "x1"}),
+        SimpleNamespace(metrics_dataframe=pd.DataFrame({"training_iteration": [1]}), path=str(tmp_path / "b"), metrics={}),
+    ]
     assert write_grid_plots(grid, "exp") == [tmp_path / "a" / PLOT_FILE]

@@ -8,6 +8,7 @@ value head would be exact from its zero initialisation), so the run scores compl
 with a scripted reward that depends on the question: the value head has something to
 regress to.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,8 +49,10 @@ class ScriptedRewardEnv(ReasoningEnv):
     """ReasoningEnv whose verifier is replaced by :func:`scripted_reward`."""
 
     def score(self, question_ids, completions):
-        return [RewardResult(score=scripted_reward(q, c), parsed=None, timed_out=False, format_ok=True)
-                for q, c in zip(question_ids, completions)]
+        return [
+            RewardResult(score=scripted_reward(q, c), parsed=None, timed_out=False, format_ok=True)
+            for q, c in zip(question_ids, completions)
+        ]
 
 
 # ------------------------------------------------------------------ distribution
@@ -65,8 +68,9 @@ def _dist(token_logp, token_ids, lengths, entropy=None):
 
 def test_logp_is_the_masked_sum_of_token_logprobs():
     # Padding positions carry garbage log-probs that must not count.
-    dist, actions = _dist([[-0.5, -1.0, -2.0], [-0.25, -7.0, -9.0]], [[5, 6, 7], [8, 0, 0]], [3, 1],
-                          entropy=[[1.0, 2.0, 3.0], [0.5, 9.0, 9.0]])
+    dist, actions = _dist(
+        [[-0.5, -1.0, -2.0], [-0.25, -7.0, -9.0]], [[5, 6, 7], [8, 0, 0]], [3, 1], entropy=[[1.0, 2.0, 3.0], [0.5, 9.0, 9.0]]
+    )
     torch.testing.assert_close(dist.logp(actions), torch.tensor([-3.5, -0.25]))
     torch.testing.assert_close(dist.entropy(), torch.tensor([6.0, 0.5]))  # summed, masked
     # Another completion than the one scored is refused, not silently mis-scored.
@@ -83,7 +87,7 @@ def test_kl_is_a_per_completion_k3_estimate():
     old, actions = _dist([[-0.5, -1.0, -2.0], [-0.25, -5.0, -5.0]], ids, lens)
     new, _ = _dist([[-0.7, -1.0, -1.5], [-0.25, -1.0, -1.0]], ids, lens)
     d = torch.tensor([[-0.2, 0.0, 0.5], [0.0, 0.0, 0.0]])
-    expected = (torch.exp(d) - 1 - d)
+    expected = torch.exp(d) - 1 - d
     expected[1, 1:] = 0
     torch.testing.assert_close(old.kl(new), expected.sum(-1))
     assert float(old.kl(old).abs().max()) == 0.0
@@ -101,9 +105,12 @@ def _episode(prompt, completion, logp, reward=1.0):
 
     obs = np.asarray(prompt, dtype=np.int64)
     return SingleAgentEpisode(
-        observations=[obs, obs], actions=[np.asarray(completion, dtype=np.int64)], rewards=[reward],
+        observations=[obs, obs],
+        actions=[np.asarray(completion, dtype=np.int64)],
+        rewards=[reward],
         extra_model_outputs={Columns.ACTION_LOGP: [np.asarray(logp, dtype=np.float32)]},
-        terminated=True, len_lookback_buffer=0,
+        terminated=True,
+        len_lookback_buffer=0,
     )
 
 
@@ -132,7 +139,9 @@ def ppo_module(quick_tiny_model):
 
     space = gym.spaces.Box(0, 300, shape=(16,), dtype=np.int64)
     return LLMPPOTorchRLModule(
-        observation_space=space, action_space=space, inference_only=False,
+        observation_space=space,
+        action_space=space,
+        inference_only=False,
         model_config={"model": quick_tiny_model, "temperature": 1.0, "vf_share_layers": False},
     )
 
@@ -188,8 +197,9 @@ def test_module_train_outputs_values_and_inference_only(ppo_module, quick_tiny_m
     import gymnasium as gym
 
     space = gym.spaces.Box(0, 300, shape=(16,), dtype=np.int64)
-    runner_module = LLMPPOTorchRLModule(observation_space=space, action_space=space, inference_only=True,
-                                        model_config={"model": quick_tiny_model})
+    runner_module = LLMPPOTorchRLModule(
+        observation_space=space, action_space=space, inference_only=True, model_config={"model": quick_tiny_model}
+    )
     assert not hasattr(runner_module, "value_head")
     runner_module.set_state(state)
 
@@ -200,8 +210,7 @@ def test_runner_settings_from_ppo_model_config():
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
     from rllib_exgrpo.rllib.env_runner import RunnerSettings
 
-    cfg = PPOConfig().rl_module(model_config={"model": "tiny", "dtype": "bfloat16", "group_size": 4,
-                                              "max_response_tokens": 32})
+    cfg = PPOConfig().rl_module(model_config={"model": "tiny", "dtype": "bfloat16", "group_size": 4, "max_response_tokens": 32})
     cfg.training(train_batch_size_per_learner=30).env_runners(num_env_runners=0)
     s = RunnerSettings(cfg)
     assert not s.from_config_fields
@@ -243,7 +252,7 @@ def test_yaml_names_the_module_class_and_learner_connector():
 
     from rllib_exgrpo.cli.experiment import build_experiments
 
-    exp, = build_experiments(_ppo_spec(), validate=False)
+    (exp,) = build_experiments(_ppo_spec(), validate=False)
     assert exp.algo_cls is PPO
     spec = exp.config.rl_module_spec
     assert spec.module_class is LLMPPOTorchRLModule
@@ -291,10 +300,9 @@ def test_rllib_ppo_trains_the_llm_and_its_value_loss_goes_down(tmp_path, quick_t
 
     iterations = 5
     overrides = {
-        "model_config": {"model": quick_tiny_model, "group_size": 4, "max_prompt_tokens": 128,
-                         "max_response_tokens": 12},
-        "train_batch_size_per_learner": 64,   # 16 questions x 4 samples
-        "minibatch_size": 64,                 # learner rows, PPO's phantom rows included: 2 steps/iteration
+        "model_config": {"model": quick_tiny_model, "group_size": 4, "max_prompt_tokens": 128, "max_response_tokens": 12},
+        "train_batch_size_per_learner": 64,  # 16 questions x 4 samples
+        "minibatch_size": 64,  # learner rows, PPO's phantom rows included: 2 steps/iteration
         "lr": 0.002,
         # Exercise the distribution's KL under PPO's default KL loss too.
         "use_kl_loss": True,
@@ -302,22 +310,40 @@ def test_rllib_ppo_trains_the_llm_and_its_value_loss_goes_down(tmp_path, quick_t
     }
     env = "test_ppo:ScriptedRewardEnv"
     # What `rllib train file` resolves the file to: RLlib's own PPO class, not a subclass or copy.
-    exp, = build_experiments(PPO_TINY, config_overrides=overrides)
+    (exp,) = build_experiments(PPO_TINY, config_overrides=overrides)
     assert exp.algo_cls is PPO and exp.algo_cls.__module__ == "ray.rllib.algorithms.ppo.ppo"
 
     storage = tmp_path / "results"
     t0 = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "file", str(PPO_TINY),
-         "--env", env, "--config", json.dumps(overrides),
-         "--stop", json.dumps({"training_iteration": iterations}),
-         "--storage-path", str(storage), "--ray-num-cpus", "2"],
-        cwd=tmp_path, env=_cli_env(), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "rllib_exgrpo.cli.main",
+            "train",
+            "file",
+            str(PPO_TINY),
+            "--env",
+            env,
+            "--config",
+            json.dumps(overrides),
+            "--stop",
+            json.dumps({"training_iteration": iterations}),
+            "--storage-path",
+            str(storage),
+            "--ray-num-cpus",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=_cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     print(f"ppo run: {time.time() - t0:.1f} s")
     log = proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-8000:]
     assert proc.returncode == 0, log
-    trial, = [p for p in (storage / "ppo-tiny").iterdir() if p.is_dir() and p.name.startswith("PPO_")]
+    (trial,) = [p for p in (storage / "ppo-tiny").iterdir() if p.is_dir() and p.name.startswith("PPO_")]
     rows = [json.loads(line) for line in (trial / "result.json").read_text().splitlines() if line.strip()]
     assert [r["training_iteration"] for r in rows] == list(range(1, iterations + 1))
     learner = [r["learners"]["default_policy"] for r in rows]
@@ -325,8 +351,16 @@ def test_rllib_ppo_trains_the_llm_and_its_value_loss_goes_down(tmp_path, quick_t
     kl = [x["mean_kl_loss"] for x in learner]
     ret = [r["env_runners"]["episode_return_mean"] for r in rows]
     secs = [r["time_this_iter_s"] for r in rows]
-    print("vf_loss", [round(v, 4) for v in vf], "kl", [round(k, 5) for k in kl],
-          "return", [round(r, 3) for r in ret], "s/iter", [round(t, 1) for t in secs])
+    print(
+        "vf_loss",
+        [round(v, 4) for v in vf],
+        "kl",
+        [round(k, 5) for k in kl],
+        "return",
+        [round(r, 3) for r in ret],
+        "s/iter",
+        [round(t, 1) for t in secs],
+    )
     assert all(math.isfinite(v) for v in vf + kl) and all(k >= 0 for k in kl)
     # V starts at 0, where the value loss is E[r^2] = E[r] (0/1 rewards, ~0.75 here); it
     # drops towards Var[r] (~0.19) as the head regresses to the mean. The first report is
@@ -361,7 +395,8 @@ def test_bf16_lora_module_scores_in_chunks_under_autocast(quick_tiny_model, monk
 
     space = gym.spaces.Box(0, 300, shape=(16,), dtype=np.int64)
     build = lambda mc, inf=False: LLMPPOTorchRLModule(  # noqa: E731
-        observation_space=space, action_space=space, inference_only=inf, model_config={"model": quick_tiny_model, **mc})
+        observation_space=space, action_space=space, inference_only=inf, model_config={"model": quick_tiny_model, **mc}
+    )
     learner = build({"dtype": "bfloat16", "logit_chunk_tokens": 2})
     assert learner.compute_dtype == torch.bfloat16
     assert next(learner.model.parameters()).dtype == torch.float32  # master weights
@@ -376,7 +411,7 @@ def test_bf16_lora_module_scores_in_chunks_under_autocast(quick_tiny_model, monk
     monkeypatch.setattr("rllib_exgrpo.core.scoring.logprobs_entropy_from_hidden", spy)
     batch = _train_batch([[11, 12, 13], [15, 16]], [[20, 21, 22], [23]])
     out = learner.forward_train(batch)
-    (shape, chunk, autocast), = calls
+    ((shape, chunk, autocast),) = calls
     assert shape[0] == 2 * 3 and chunk == 2 and autocast  # 2 real rows x 3 positions: hidden states, not logits
     assert CompletionDistribution.from_logits(out[Columns.ACTION_DIST_INPUTS]).logp(batch[Columns.ACTIONS]).requires_grad
 
@@ -399,8 +434,7 @@ def test_model_config_keys_are_checked_and_documented():
     for key in PPO_REFUSED:
         assert f"`{key}" in doc, key
     # Both shipped CPU recipes and every ppo_qwen* twin pass; one line per bad key, naming it.
-    for path in [PPO_TINY, REPO / "tuned_examples" / "ppo_smollm2_cpu.yaml",
-                 *sorted((REPO / "tuned_examples").glob("ppo_qwen*.yaml"))]:
+    for path in [PPO_TINY, REPO / "tuned_examples" / "ppo_smollm2_cpu.yaml", *sorted((REPO / "tuned_examples").glob("ppo_qwen*.yaml"))]:
         import yaml
 
         spec = next(iter(yaml.safe_load(path.read_text()).values()))

@@ -5,6 +5,7 @@ subprocess): exit code 2, the key and the file named on one line, no traceback, 
 Ray. The wall time of each run is printed (``pytest -s``).
 The rest are in-process checks of ``rllib_exgrpo.cli.preflight``.
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,8 +44,7 @@ def _rllib() -> list:
 
 def _run(args, *, cwd, env=None):
     t0 = time.perf_counter()
-    proc = subprocess.run(_rllib() + list(args), cwd=cwd, env=env or _env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(_rllib() + list(args), cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=300)
     return proc, time.perf_counter() - t0
 
 
@@ -57,7 +57,7 @@ def _check_failed_before_ray(proc, path, keys, storage):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     prefix = "rllib train: error: "
     assert lines and lines[0].startswith(prefix), out
-    lines[0] = lines[0][len(prefix):]
+    lines[0] = lines[0][len(prefix) :]
     for ln in lines:  # every line names the file and the experiment
         assert ln.startswith(f"{path}: experiment 'bad': "), out
     for key in keys:
@@ -95,40 +95,59 @@ def _no_tokenizer_model(tmp_path: Path) -> str:
 
 # name -> (file text, keys that must be named, optional setup returning format kwargs)
 BAD_FILES = {
-    "missing_dataset": (EXGRPO_HEAD + "    env_config: {dataset: /nonexistent/preflight/train.jsonl}\n",
-                        ["config.env_config.dataset: no such file: /nonexistent/preflight/train.jsonl"]),
-    "missing_heldout_dataset": (EXGRPO_HEAD + "    heldout_dataset: /nonexistent/preflight/valid.parquet\n",
-                                ["config.heldout_dataset: no such file: /nonexistent/preflight/valid.parquet"]),
-    "bad_dataset_spec": (EXGRPO_HEAD + "    env_config: {dataset: 'arithmetic:levels=1,2'}\n",
-                         ["config.env_config.dataset: bad dataset spec"]),
-    "misspelled_env_config_key": (EXGRPO_HEAD + "    env_config: {datset: arithmetic}\n",
-                                  ["config.env_config.datset", "'dataset'"]),
-    "missing_model_folder": (EXGRPO_HEAD.replace("model_name_or_path: tiny", "model_name_or_path: ./no/such/model"),
-                             ["config.model_name_or_path: no such model folder"]),
-    "model_folder_without_tokenizer": (EXGRPO_HEAD.replace("model_name_or_path: tiny", "model_name_or_path: {model}"),
-                                       ["config.model_name_or_path", "no tokenizer files"]),
-    "uncached_hub_model_offline": (EXGRPO_HEAD.replace("model_name_or_path: tiny",
-                                                       "model_name_or_path: no-such-org/no-such-model-preflight"),
-                                   ["config.model_name_or_path", "HF_HUB_OFFLINE"]),
-    "misspelled_stop_key": (EXGRPO_HEAD.replace("stop: {training_iteration: 1}",
-                                                "stop: {env_runners/episode_retrun_mean: 0.9}"),
-                            ["stop: 'env_runners/episode_retrun_mean'", "'env_runners/episode_return_mean'"]),
-    "stop_key_not_reported_by_config": (EXGRPO_HEAD.replace("stop: {training_iteration: 1}",
-                                                            "stop: {heldout/accuracy: 0.5}"),
-                                        ["stop: 'heldout/accuracy'", "heldout_dataset"]),
-    "misspelled_stop_key_ppo": (PPO_HEAD.replace("stop: {training_iteration: 1}", "stop: {trainig_iteration: 2}"),
-                                ["stop: 'trainig_iteration'", "'training_iteration'"]),
-    "field_values": (EXGRPO_HEAD + "    group_size: 1\n    temperature: -1.0\n",
-                     ["config.group_size: must be", "config.temperature: must be"]),
+    "missing_dataset": (
+        EXGRPO_HEAD + "    env_config: {dataset: /nonexistent/preflight/train.jsonl}\n",
+        ["config.env_config.dataset: no such file: /nonexistent/preflight/train.jsonl"],
+    ),
+    "missing_heldout_dataset": (
+        EXGRPO_HEAD + "    heldout_dataset: /nonexistent/preflight/valid.parquet\n",
+        ["config.heldout_dataset: no such file: /nonexistent/preflight/valid.parquet"],
+    ),
+    "bad_dataset_spec": (
+        EXGRPO_HEAD + "    env_config: {dataset: 'arithmetic:levels=1,2'}\n",
+        ["config.env_config.dataset: bad dataset spec"],
+    ),
+    "misspelled_env_config_key": (EXGRPO_HEAD + "    env_config: {datset: arithmetic}\n", ["config.env_config.datset", "'dataset'"]),
+    "missing_model_folder": (
+        EXGRPO_HEAD.replace("model_name_or_path: tiny", "model_name_or_path: ./no/such/model"),
+        ["config.model_name_or_path: no such model folder"],
+    ),
+    "model_folder_without_tokenizer": (
+        EXGRPO_HEAD.replace("model_name_or_path: tiny", "model_name_or_path: {model}"),
+        ["config.model_name_or_path", "no tokenizer files"],
+    ),
+    "uncached_hub_model_offline": (
+        EXGRPO_HEAD.replace("model_name_or_path: tiny", "model_name_or_path: no-such-org/no-such-model-preflight"),
+        ["config.model_name_or_path", "HF_HUB_OFFLINE"],
+    ),
+    "misspelled_stop_key": (
+        EXGRPO_HEAD.replace("stop: {training_iteration: 1}", "stop: {env_runners/episode_retrun_mean: 0.9}"),
+        ["stop: 'env_runners/episode_retrun_mean'", "'env_runners/episode_return_mean'"],
+    ),
+    "stop_key_not_reported_by_config": (
+        EXGRPO_HEAD.replace("stop: {training_iteration: 1}", "stop: {heldout/accuracy: 0.5}"),
+        ["stop: 'heldout/accuracy'", "heldout_dataset"],
+    ),
+    "misspelled_stop_key_ppo": (
+        PPO_HEAD.replace("stop: {training_iteration: 1}", "stop: {trainig_iteration: 2}"),
+        ["stop: 'trainig_iteration'", "'training_iteration'"],
+    ),
+    "field_values": (
+        EXGRPO_HEAD + "    group_size: 1\n    temperature: -1.0\n",
+        ["config.group_size: must be", "config.temperature: must be"],
+    ),
     "rllib_validate": (PPO_HEAD + "    minibatch_size: 100000\n", ["config: `minibatch_size`"]),
-    "grid_search_value": (EXGRPO_HEAD + "    env_config:\n      dataset: {grid_search: [arithmetic, /nonexistent/preflight/b.jsonl]}\n",
-                          ["config.env_config.dataset: no such file", "variant env_config/dataset="]),
-    "checkpoint_config": (EXGRPO_HEAD.replace("  config:", "  checkpoint_config: {checkpoint_frequency: -1, "
-                                              "checkpoint_score_attribute: solve_rat}\n  config:"),
-                          ["checkpoint_config.checkpoint_frequency", "checkpoint_config.checkpoint_score_attribute",
-                           "'solve_rate'"]),
-    "too_many_gpus": (EXGRPO_HEAD + "    num_learners: 2\n    num_gpus_per_learner: 512\n",
-                      ["config.num_gpus_per_learner", "GPU"]),
+    "grid_search_value": (
+        EXGRPO_HEAD + "    env_config:\n      dataset: {grid_search: [arithmetic, /nonexistent/preflight/b.jsonl]}\n",
+        ["config.env_config.dataset: no such file", "variant env_config/dataset="],
+    ),
+    "checkpoint_config": (
+        EXGRPO_HEAD.replace(
+            "  config:", "  checkpoint_config: {checkpoint_frequency: -1, checkpoint_score_attribute: solve_rat}\n  config:"
+        ),
+        ["checkpoint_config.checkpoint_frequency", "checkpoint_config.checkpoint_score_attribute", "'solve_rate'"],
+    ),
+    "too_many_gpus": (EXGRPO_HEAD + "    num_learners: 2\n    num_gpus_per_learner: 512\n", ["config.num_gpus_per_learner", "GPU"]),
     "vllm_not_installed": (EXGRPO_HEAD + "    generation_backend: vllm\n", ["config.generation_backend", "vllm"]),
 }
 
@@ -189,7 +208,7 @@ def test_tuned_examples_pass_preflight_on_this_machine():
     for f in sorted((REPO / "tuned_examples").glob("*.yaml")):
         if f.name.startswith(("exgrpo_qwen", "grpo_qwen", "ppo_qwen")) or ("smollm2" in f.name and not smollm2_available()):  # GPU recipes
             continue
-        exp, = build_experiments(str(f))
+        (exp,) = build_experiments(str(f))
         assert exp.name, f
 
 
@@ -201,8 +220,12 @@ def _build_error(spec) -> str:
 
 def test_every_problem_of_every_experiment_is_reported_one_line_each():
     spec_a = {"run": "GRPO", "stop": {"solve_rat": 1}, "config": {"group_size": 0, "heldout_dataset": "/nonexistent/h.jsonl"}}
-    spec_b = {"run": "PPO", "env": "CartPole-v1", "stop": {"training_iteration": 1}, "config": {"lr": -1, "num_env_runners": 0,
-                                                                                              "num_gpus_per_learner": 4096}}
+    spec_b = {
+        "run": "PPO",
+        "env": "CartPole-v1",
+        "stop": {"training_iteration": 1},
+        "config": {"lr": -1, "num_env_runners": 0, "num_gpus_per_learner": 4096},
+    }
     with pytest.raises(CliConfigError) as e:
         build_experiments({"a": spec_a, "b": spec_b})
     lines = str(e.value).splitlines()
@@ -214,32 +237,48 @@ def test_every_problem_of_every_experiment_is_reported_one_line_each():
 
 
 def test_search_space_values_are_checked_one_by_one():
-    msg = _build_error({"run": "GRPO", "config": {
-        "model_name_or_path": {"choice": ["tiny", "/nonexistent/model"]},
-        "temperature": {"grid_search": [1.0, 0.5, -2.0]},
-    }})
+    msg = _build_error(
+        {
+            "run": "GRPO",
+            "config": {
+                "model_name_or_path": {"choice": ["tiny", "/nonexistent/model"]},
+                "temperature": {"grid_search": [1.0, 0.5, -2.0]},
+            },
+        }
+    )
     lines = msg.splitlines()
     assert len(lines) == 2, lines
     assert "config.model_name_or_path: no such model folder: /nonexistent/model (variant model_name_or_path=" in msg
     assert "config.temperature: must be > 0 for sampling, got -2.0 (variant temperature=-2.0)." in msg
 
 
-
 def test_beyond_max_variants_every_value_is_still_checked(monkeypatch):
     monkeypatch.setattr(preflight, "MAX_VARIANTS", 4)
-    msg = _build_error({"run": "GRPO", "config": {"group_size": {"grid_search": [2, 3, 4, 1]},
-                                                   "lr": {"grid_search": [1e-4, 1e-3]}}})
+    msg = _build_error({"run": "GRPO", "config": {"group_size": {"grid_search": [2, 3, 4, 1]}, "lr": {"grid_search": [1e-4, 1e-3]}}})
     assert "config.group_size: must be an integer >= 2 (a group needs a baseline), got 1" in msg
 
 
 def test_stop_criteria_nested_and_flattened():
-    exp, = build_experiments({"ok": {"run": "PPO", "env": "CartPole-v1",
-                                     "stop": {"env_runners": {"episode_return_mean": 150}, "training_iteration": 3},
-                                     "config": {"num_env_runners": 0}}})
+    (exp,) = build_experiments(
+        {
+            "ok": {
+                "run": "PPO",
+                "env": "CartPole-v1",
+                "stop": {"env_runners": {"episode_return_mean": 150}, "training_iteration": 3},
+                "config": {"num_env_runners": 0},
+            }
+        }
+    )
     assert exp.stop == {"env_runners/episode_return_mean": 150, "training_iteration": 3}
-    exp, = build_experiments({"ok": {"run": "GRPO", "stop": {"heldout/accuracy": 0.5, "experience/bucket_7": 3,
-                                                             "learners/default_policy/total_loss": -1},
-                                     "config": {"heldout_dataset": "arithmetic"}}})
+    (exp,) = build_experiments(
+        {
+            "ok": {
+                "run": "GRPO",
+                "stop": {"heldout/accuracy": 0.5, "experience/bucket_7": 3, "learners/default_policy/total_loss": -1},
+                "config": {"heldout_dataset": "arithmetic"},
+            }
+        }
+    )
     msg = _build_error({"run": "GRPO", "stop": {"experience/bucket_8": 1, "xrpo/sharpened_fraction": 0.1}})
     assert "experience/bucket_7 (group_size 8)" in msg and "novelty_sharpening is off" in msg
 
@@ -253,9 +292,17 @@ def test_relative_paths_become_absolute_because_trials_run_in_their_own_folder(t
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
     monkeypatch.chdir(tmp_path)
-    exp, = build_experiments({"ok": {"run": "GRPO", "config": {
-        "env_config": {"dataset": "data/train.jsonl"},
-        "heldout_dataset": {"grid_search": ["arithmetic", "./data/train.jsonl"]}}}})
+    (exp,) = build_experiments(
+        {
+            "ok": {
+                "run": "GRPO",
+                "config": {
+                    "env_config": {"dataset": "data/train.jsonl"},
+                    "heldout_dataset": {"grid_search": ["arithmetic", "./data/train.jsonl"]},
+                },
+            }
+        }
+    )
     assert exp.config.env_config["dataset"] == str(tmp_path / "data" / "train.jsonl")
     assert exp.config.heldout_dataset == {"grid_search": ["arithmetic", str(tmp_path / "data" / "train.jsonl")]}
     assert any("trials run in their own folder" in n for n in exp.notes)
@@ -271,7 +318,7 @@ def test_no_gpu_check_when_joining_a_cluster(monkeypatch):
     if ray.is_initialized():
         pytest.skip("a running Ray cluster is what preflight checks against")
     spec = {"run": "GRPO", "config": {"num_learners": 1, "num_gpus_per_learner": 1}}
-    exp, = build_experiments({"ok": spec}, ray_address="ray://somewhere:10001")
+    (exp,) = build_experiments({"ok": spec}, ray_address="ray://somewhere:10001")
     assert exp.config.num_gpus_per_learner == 1
     monkeypatch.setenv("RAY_ADDRESS", "somewhere:6379")
     build_experiments({"ok": spec})
@@ -282,6 +329,7 @@ def test_no_gpu_check_when_joining_a_cluster(monkeypatch):
 def _log_value_names(path: Path, module) -> set:
     """The literal names of ``log_value`` calls in a module's source (a tuple key joined by
     "/"; module constants resolved; calls whose key is computed are left out)."""
+
     def const(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return node.value
@@ -342,11 +390,16 @@ def test_every_declared_metric_name_is_logged_where_it_is_declared():
         return Path(module.__file__).read_text()
 
     declared = [
-        (losses, losses.LOSS_METRICS), (env_runner, env_runner.ENV_RUNNER_METRICS[4:]),
-        (colocation, colocation.COLOCATION_METRICS), (heldout, heldout.HELDOUT_METRICS),
-        (rollouts, rollouts.ROLLOUT_METRICS), (experience, experience.POOL_METRICS),
-        (experience, experience.REPLAY_CHOICE_METRICS), (experience, experience.OBSERVE_METRICS[:2]),
-        (steps, steps.SEEDING_METRICS + steps.SHARPENING_METRICS), (algorithm, algorithm.WEIGHT_SYNC_METRICS),
+        (losses, losses.LOSS_METRICS),
+        (env_runner, env_runner.ENV_RUNNER_METRICS[4:]),
+        (colocation, colocation.COLOCATION_METRICS),
+        (heldout, heldout.HELDOUT_METRICS),
+        (rollouts, rollouts.ROLLOUT_METRICS),
+        (experience, experience.POOL_METRICS),
+        (experience, experience.REPLAY_CHOICE_METRICS),
+        (experience, experience.OBSERVE_METRICS[:2]),
+        (steps, steps.SEEDING_METRICS + steps.SHARPENING_METRICS),
+        (algorithm, algorithm.WEIGHT_SYNC_METRICS),
         (algorithm, [m for m in algorithm.TOP_LEVEL_METRICS if m not in rollouts.ROLLOUT_METRICS]),
         (learner, [m for m in learner.LEARNER_METRICS if m not in losses.LOSS_METRICS]),
     ]
@@ -364,11 +417,13 @@ def test_dry_run_summary_shows_notes(capsys, tmp_path, monkeypatch):
     from rllib_exgrpo.cli import main as cli
 
     f = tmp_path / "hub.yaml"
-    f.write_text(textwrap.dedent("""\
+    f.write_text(
+        textwrap.dedent("""\
         hub:
           run: GRPO
           config: {model_name_or_path: no-such-org/no-such-model-preflight}
-    """))
+    """)
+    )
     assert cli.main(["train", "file", str(f), "--dry-run", "--storage-path", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
     assert "note:" in out and "not in the local Hugging Face cache" in out

@@ -2,6 +2,7 @@
 rules it relies on (repeated rows counted once, ``limit`` per data source, system messages
 kept), on hand-made files and, when ../shared/data has it, the official ExGRPO valid parquet.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,16 +22,27 @@ from rllib_exgrpo.evaluation.protocol import (
 SHORT_SYSTEM = "Think, then answer."
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("aime", ("AIME24", "in_distribution")), ("aime25", ("AIME25", "in_distribution")),
-    ("aime24_test", ("AIME24", "in_distribution")), ("AIME 2025", ("AIME25", "in_distribution")),
-    ("amc", ("AMC", "in_distribution")), ("amc23_test", ("AMC", "in_distribution")),
-    ("math", ("MATH-500", "in_distribution")), ("math500_test", ("MATH-500", "in_distribution")),
-    ("minerva", ("Minerva", "in_distribution")), ("olympiad_bench", ("OlympiadBench", "in_distribution")),
-    ("arc_c", ("ARC-c", "out_of_distribution")), ("gpqa", ("GPQA-diamond", "out_of_distribution")),
-    ("mmlu_pro", ("MMLU-Pro", "out_of_distribution")),
-    ("gsm8k_test", None), ("arithmetic", None), ("mathqa", None),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("aime", ("AIME24", "in_distribution")),
+        ("aime25", ("AIME25", "in_distribution")),
+        ("aime24_test", ("AIME24", "in_distribution")),
+        ("AIME 2025", ("AIME25", "in_distribution")),
+        ("amc", ("AMC", "in_distribution")),
+        ("amc23_test", ("AMC", "in_distribution")),
+        ("math", ("MATH-500", "in_distribution")),
+        ("math500_test", ("MATH-500", "in_distribution")),
+        ("minerva", ("Minerva", "in_distribution")),
+        ("olympiad_bench", ("OlympiadBench", "in_distribution")),
+        ("arc_c", ("ARC-c", "out_of_distribution")),
+        ("gpqa", ("GPQA-diamond", "out_of_distribution")),
+        ("mmlu_pro", ("MMLU-Pro", "out_of_distribution")),
+        ("gsm8k_test", None),
+        ("arithmetic", None),
+        ("mathqa", None),
+    ],
+)
 def test_data_sources_map_to_the_papers_benchmarks(name, expected):
     assert benchmark_of(name) == expected
 
@@ -50,8 +62,7 @@ def test_group_averages_are_over_the_benchmarks_present():
     assert g["out_of_distribution"]["avg"] == pytest.approx(0.5)
     assert group_averages({"gsm8k": {"avg_at_k": 1.0, "n_questions": 1}})["in_distribution"]["avg"] is None
     # One benchmark in two data sources: weighted by questions, counted once.
-    two = group_averages({"aime24_a": {"avg_at_k": 1.0, "n_questions": 1},
-                          "aime24_b": {"avg_at_k": 0.0, "n_questions": 3}})
+    two = group_averages({"aime24_a": {"avg_at_k": 1.0, "n_questions": 1}, "aime24_b": {"avg_at_k": 0.0, "n_questions": 3}})
     assert two["in_distribution"]["benchmarks"] == {"AIME24": 0.25}
 
 
@@ -75,10 +86,13 @@ def _write_parquet(path, rows):
 
 
 def _verl_row(source, question, answer, system=SHORT_SYSTEM):
-    return {"data_source": source,
-            "prompt": [{"role": "system", "content": system}, {"role": "user", "content": question}],
-            "ability": "math", "reward_model": {"ground_truth": answer, "style": "rule"},
-            "extra_info": {"index": 0, "split": "test"}}
+    return {
+        "data_source": source,
+        "prompt": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "ability": "math",
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "extra_info": {"index": 0, "split": "test"},
+    }
 
 
 @pytest.fixture
@@ -92,8 +106,11 @@ def hand_made(tmp_path):
     parquet = tmp_path / "valid.parquet"
     _write_parquet(parquet, rows)
     jsonl = tmp_path / "minerva_test.jsonl"
-    jsonl.write_text("".join(json.dumps({"problem": f"What is {i} * 2?", "answer": str(2 * i)}) + "\n"
-                             for i in range(2)) + json.dumps({"problem": "What is 0 * 2?", "answer": "0"}) + "\n")
+    jsonl.write_text(
+        "".join(json.dumps({"problem": f"What is {i} * 2?", "answer": str(2 * i)}) + "\n" for i in range(2))
+        + json.dumps({"problem": "What is 0 * 2?", "answer": "0"})
+        + "\n"
+    )
     return parquet, jsonl
 
 
@@ -116,8 +133,25 @@ def test_protocol_on_hand_made_files_with_the_tiny_model(hand_made, tmp_path, ca
 
     parquet, jsonl = hand_made
     out = tmp_path / "eval.json"
-    rc = cli.main(["evaluate", "--model", "tiny", "--protocol", "exgrpo", "--data", str(parquet), "--data", str(jsonl),
-                   "--max-new-tokens", "4", "--backend", "hf", "--output", str(out)])
+    rc = cli.main(
+        [
+            "evaluate",
+            "--model",
+            "tiny",
+            "--protocol",
+            "exgrpo",
+            "--data",
+            str(parquet),
+            "--data",
+            str(jsonl),
+            "--max-new-tokens",
+            "4",
+            "--backend",
+            "hf",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 0
     captured = capsys.readouterr()
     data = json.loads(out.read_text())
@@ -131,8 +165,9 @@ def test_protocol_on_hand_made_files_with_the_tiny_model(hand_made, tmp_path, ca
     tok = load_tokenizer(resolve_model_path("tiny"))
 
     def tokens(system, question):
-        text = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": question}],
-                                       tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
     by_q = {q["id"]: q for q in data["questions"]}
@@ -144,8 +179,7 @@ def test_protocol_on_hand_made_files_with_the_tiny_model(hand_made, tmp_path, ca
     assert minerva[0]["prompt_tokens"] == tokens(EXGRPO_SYSTEM_PROMPT, "What is 0 * 2?") > 512
     assert all(q["response_tokens"] == [0] and q["correct"] == [False] for q in minerva)
     assert s["no_room"] == 2 and s["budget_capped"] == 2
-    assert sum("capped to max_position_embeddings (512) - prompt length" in line
-               for line in captured.err.splitlines()) == 1
+    assert sum("capped to max_position_embeddings (512) - prompt length" in line for line in captured.err.splitlines()) == 1
     assert "repeated rows counted once" in captured.err
     # The report: per data source questions, k and score, then the two averages.
     g = data["groups"]
@@ -173,15 +207,40 @@ def test_protocol_on_the_official_valid_parquet(shared_data, tmp_path, capsys):
     out = tmp_path / "eval.json"
     # Its prompts (official system message included) are over 1000 tokens for the tiny
     # model's byte-level tokenizer: keep their last 96 so that the 512 positions leave room.
-    rc = cli.main(["evaluate", "--model", "tiny", "--protocol", "exgrpo", "--data", str(valid), "--limit", "2",
-                   "--k", "2", "--max-new-tokens", "8", "--max-prompt-tokens", "96", "--backend", "hf",
-                   "--output", str(out), "-q"])
+    rc = cli.main(
+        [
+            "evaluate",
+            "--model",
+            "tiny",
+            "--protocol",
+            "exgrpo",
+            "--data",
+            str(valid),
+            "--limit",
+            "2",
+            "--k",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--max-prompt-tokens",
+            "96",
+            "--backend",
+            "hf",
+            "--output",
+            str(out),
+            "-q",
+        ]
+    )
     assert rc == 0
     data = json.loads(out.read_text())
     rows = {name: (m["rows"], m["distinct_questions"], m["n_questions"], m["k"]) for name, m in data["sources"].items()}
     assert rows == {
-        "aime": (240, 30, 2, 2), "aime25": (240, 30, 2, 2), "amc": (332, 83, 2, 2),
-        "math": (500, 500, 2, 2), "minerva": (272, 272, 2, 2), "olympiad_bench": (675, 675, 2, 2),
+        "aime": (240, 30, 2, 2),
+        "aime25": (240, 30, 2, 2),
+        "amc": (332, 83, 2, 2),
+        "math": (500, 500, 2, 2),
+        "minerva": (272, 272, 2, 2),
+        "olympiad_bench": (675, 675, 2, 2),
     }
     g = data["groups"]
     assert g["in_distribution"]["missing"] == [] and g["in_distribution"]["avg"] is not None

@@ -1,4 +1,5 @@
 """ReasoningEnv: gymnasium-valid text spaces, question selection, rewards, no leaked answers."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,7 @@ from rllib_exgrpo.envs.prompting import DEFAULT_INSTRUCTION
 from rllib_exgrpo.envs.rewards import RewardResult
 
 SMALL = "arithmetic:n=40,n_test=10,seed=0"
-STEP_INFO_KEYS = {"question_id", "data_source", "parsed", "timed_out", "format_ok", "error", "correct",
-                  "completion_truncated"}
+STEP_INFO_KEYS = {"question_id", "data_source", "parsed", "timed_out", "format_ok", "error", "correct", "completion_truncated"}
 
 
 def _no_truth_leak(env, obs, info, problem):
@@ -25,8 +25,9 @@ def test_check_env_arithmetic():
     assert all(c in env.observation_space.character_set for c in "+-*/^$\\{}")
 
 
-@pytest.mark.parametrize("relpath", ["simplerl_eval/math500_test.jsonl", "luffy_exgrpo/ExGRPO_data_valid.parquet",
-                                     "simplerl_eval/gsm8k_test.jsonl"])
+@pytest.mark.parametrize(
+    "relpath", ["simplerl_eval/math500_test.jsonl", "luffy_exgrpo/ExGRPO_data_valid.parquet", "simplerl_eval/gsm8k_test.jsonl"]
+)
 def test_check_env_shared_data(shared_data, relpath):
     env = ReasoningEnv({"dataset": str(shared_data / relpath)})
     check_env(env.unwrapped, skip_render_check=True)
@@ -154,7 +155,8 @@ def _tiny_tokenizer(tmp_path):
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
     fast.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     fast.save_pretrained(tmp_path / "tok")
     return fast, tmp_path / "tok"
 

@@ -1,4 +1,5 @@
 """Registries a user package adds to: advantage estimators, loss aggregations, ratio modes."""
+
 import pytest
 import torch
 
@@ -12,8 +13,7 @@ def user_estimator():
 
     @L.register_advantage_estimator("below_best")
     def below_best(rewards, group_index, eps=1e-6):
-        best = torch.full((int(group_index.max()) + 1,), -float("inf")).scatter_reduce(
-            0, group_index, rewards, reduce="amax")
+        best = torch.full((int(group_index.max()) + 1,), -float("inf")).scatter_reduce(0, group_index, rewards, reduce="amax")
         return rewards - best[group_index]
 
     yield "below_best"
@@ -34,8 +34,7 @@ def user_agg():
 
 def test_builtins_are_registered_in_order():
     assert L.ADVANTAGE_ESTIMATORS.names() == ("mean_centered", "std_normalized")
-    assert L.LOSS_AGG_MODES.names() == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
-                                        "seq-mean-token-sum-norm-official")
+    assert L.LOSS_AGG_MODES.names() == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum-norm-official")
     assert L.RATIO_MODES.names() == ("token", "sequence")
 
 
@@ -45,15 +44,14 @@ def test_user_estimator_and_aggregation_end_to_end(user_estimator, user_agg):
     adv = L.group_advantages(rewards, group_index, mode=user_estimator)
     torch.testing.assert_close(adv, torch.tensor([0.0, -1.0, -0.5, 0.0, 0.0]))
 
-    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0], [-1.2, -0.1, -0.4],
-                         [-0.6, -0.6, -0.6], [-2.0, -1.0, -3.0]], requires_grad=True)
-    old_logp = logp.detach() + torch.tensor([[0.05, -0.1, 0.0], [0.1, -0.05, 0.2], [-0.02, 0.0, 0.03],
-                                             [0.0, 0.1, 0.0], [0.3, 0.0, 0.0]])
+    logp = torch.tensor(
+        [[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0], [-1.2, -0.1, -0.4], [-0.6, -0.6, -0.6], [-2.0, -1.0, -3.0]], requires_grad=True
+    )
+    old_logp = logp.detach() + torch.tensor([[0.05, -0.1, 0.0], [0.1, -0.05, 0.2], [-0.02, 0.0, 0.03], [0.0, 0.1, 0.0], [0.3, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
     off_policy = torch.tensor([False, True, False, False, False])
     beta = 0.1
-    loss, metrics = L.mixed_policy_loss(logp, old_logp, adv, mask, off_policy, agg_mode=user_agg, beta=beta,
-                                        eps_low=0.2, eps_high=0.2)
+    loss, metrics = L.mixed_policy_loss(logp, old_logp, adv, mask, off_policy, agg_mode=user_agg, beta=beta, eps_low=0.2, eps_high=0.2)
 
     # By hand: ratios are within the clip range, so fresh tokens give -w * A, the replayed
     # row -A * w / (w + beta); the user aggregation sums the valid tokens.
@@ -90,12 +88,18 @@ def test_unregistered_name_fails_validation_naming_the_choices():
 @pytest.mark.parametrize(
     "call, fragment",
     [
-        (lambda: L.group_advantages(torch.ones(2), torch.zeros(2, dtype=torch.long), mode="nope"),
-         "unknown advantage estimator 'nope'; choose from ['mean_centered', 'std_normalized']"),
-        (lambda: L.agg_loss(torch.ones(1, 2), torch.ones(1, 2), "nope"),
-         "unknown loss aggregation mode 'nope'; choose from ['token-mean', "),
-        (lambda: L.clipped_surrogate(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), ratio_mode="nope"),
-         "unknown ratio mode 'nope'; choose from ['token', 'sequence']"),
+        (
+            lambda: L.group_advantages(torch.ones(2), torch.zeros(2, dtype=torch.long), mode="nope"),
+            "unknown advantage estimator 'nope'; choose from ['mean_centered', 'std_normalized']",
+        ),
+        (
+            lambda: L.agg_loss(torch.ones(1, 2), torch.ones(1, 2), "nope"),
+            "unknown loss aggregation mode 'nope'; choose from ['token-mean', ",
+        ),
+        (
+            lambda: L.clipped_surrogate(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), ratio_mode="nope"),
+            "unknown ratio mode 'nope'; choose from ['token', 'sequence']",
+        ),
     ],
 )
 def test_unknown_name_is_a_clear_value_error(call, fragment):

@@ -6,6 +6,7 @@ with a checkpoint, then ``--resume`` to a third (the GRPO / PPO twins of the ExG
 recipes: 2 iterations, in tests/test_twins.py). The recipes that sample with vLLM rehearse
 with vLLM's CPU build, in its own virtualenv (marked ``vllm``; see ``tests/run.sh``).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,13 +45,26 @@ GPU_SPEC = {
     "stop": {"training_iteration": 701},
     "config": {
         "env_config": {"dataset": "/no/such/train.parquet"},
-        "model_name_or_path": "Qwen/Qwen2.5-Math-7B", "model_dtype": "bfloat16",
-        "learner_backend": "deepspeed", "deepspeed_zero_stage": 3,
-        "generation_backend": "vllm", "vllm_kwargs": {"gpu_memory_utilization": 0.5, "max_num_seqs": 256},
-        "questions_per_step": 128, "group_size": 8, "minibatch_size": 128, "learner_micro_batch_rows": 4,
-        "max_prompt_tokens": 1024, "max_response_tokens": 8192, "behaviour_logprobs": "recompute",
-        "heldout_dataset": "/no/such/valid.parquet", "heldout_num_questions": 500, "heldout_interval": 50,
-        "num_env_runners": 4, "num_gpus_per_env_runner": 1, "num_learners": 4, "num_gpus_per_learner": 1,
+        "model_name_or_path": "Qwen/Qwen2.5-Math-7B",
+        "model_dtype": "bfloat16",
+        "learner_backend": "deepspeed",
+        "deepspeed_zero_stage": 3,
+        "generation_backend": "vllm",
+        "vllm_kwargs": {"gpu_memory_utilization": 0.5, "max_num_seqs": 256},
+        "questions_per_step": 128,
+        "group_size": 8,
+        "minibatch_size": 128,
+        "learner_micro_batch_rows": 4,
+        "max_prompt_tokens": 1024,
+        "max_response_tokens": 8192,
+        "behaviour_logprobs": "recompute",
+        "heldout_dataset": "/no/such/valid.parquet",
+        "heldout_num_questions": 500,
+        "heldout_interval": 50,
+        "num_env_runners": 4,
+        "num_gpus_per_env_runner": 1,
+        "num_learners": 4,
+        "num_gpus_per_learner": 1,
     },
 }
 
@@ -59,8 +73,16 @@ def test_a_gpu_recipe_keeps_its_structure_and_swaps_what_a_cpu_cannot_hold():
     spec, swaps = _one(GPU_SPEC, vllm=False)
     c = spec["config"]
     # Kept as written: dtype, learner backend and stage, counts, micro-batches, log-prob mode.
-    for key in ("model_dtype", "learner_backend", "deepspeed_zero_stage", "num_env_runners", "num_learners",
-                "learner_micro_batch_rows", "behaviour_logprobs", "group_size"):
+    for key in (
+        "model_dtype",
+        "learner_backend",
+        "deepspeed_zero_stage",
+        "num_env_runners",
+        "num_learners",
+        "learner_micro_batch_rows",
+        "behaviour_logprobs",
+        "group_size",
+    ):
         assert c[key] == GPU_SPEC["config"][key], key
         assert key not in swaps
     # The vocabulary and tying of the recipe's model are kept (published shapes table).
@@ -83,8 +105,10 @@ def test_a_gpu_recipe_keeps_its_structure_and_swaps_what_a_cpu_cannot_hold():
     assert c["minibatch_size"] >= 2 * c["learner_micro_batch_rows"]
     assert c["heldout_num_questions"] <= 8 and c["heldout_interval"] == 2
     # A token budget scales with the token limits: the same rows per pass at full width.
-    tokens = dict(GPU_SPEC, config={**{k: v for k, v in GPU_SPEC["config"].items() if k != "learner_micro_batch_rows"},
-                                    "learner_micro_batch_tokens": 32768})
+    tokens = dict(
+        GPU_SPEC,
+        config={**{k: v for k, v in GPU_SPEC["config"].items() if k != "learner_micro_batch_rows"}, "learner_micro_batch_tokens": 32768},
+    )
     t_spec, t_swaps = _one(tokens, vllm=False)
     budget = t_spec["config"]["learner_micro_batch_tokens"]
     assert budget == round(32768 * (128 + 16) / 9216) and "same rows per pass" in t_swaps["learner_micro_batch_tokens"].why
@@ -93,8 +117,7 @@ def test_a_gpu_recipe_keeps_its_structure_and_swaps_what_a_cpu_cannot_hold():
     line = swaps["model_name_or_path"].line()
     assert "Qwen/Qwen2.5-Math-7B" in line and "rehearsal:qwen2:vocab=152064,untied" in line and "no download" in line
     assert "vocabulary of 152,064 and untied embeddings kept" in line
-    tied, _ = _one({**GPU_SPEC, "config": {**GPU_SPEC["config"], "model_name_or_path": "Qwen/Qwen2.5-Math-1.5B"}},
-                   vllm=False)
+    tied, _ = _one({**GPU_SPEC, "config": {**GPU_SPEC["config"], "model_name_or_path": "Qwen/Qwen2.5-Math-1.5B"}}, vllm=False)
     assert tied["config"]["model_name_or_path"] == "rehearsal:qwen2:vocab=151936,tied"
 
 
@@ -115,8 +138,7 @@ def test_with_vllm_installed_the_engine_stays_and_its_cache_is_sized_in_bytes():
 
 
 def test_overrides_stop_and_search_spaces():
-    spec, swaps = _one(GPU_SPEC, vllm=False, config_overrides={"max_response_tokens": 12, "num_learners": 2},
-                       stop_given=True)
+    spec, swaps = _one(GPU_SPEC, vllm=False, config_overrides={"max_response_tokens": 12, "num_learners": 2}, stop_given=True)
     c = spec["config"]
     assert c["max_response_tokens"] == 12 and "max_response_tokens" not in swaps
     assert c["num_learners"] == 2
@@ -145,8 +167,10 @@ def test_rllib_ppo_on_the_llm_runner_and_a_non_llm_recipe():
 def test_the_recipes_own_rewards_keep_running_at_weight_zero():
     from rllib_exgrpo.envs.reasoning_env import validate_config
 
-    for env_config, fns in [({"reward_fn": "multiple_choice"}, ["multiple_choice"]),
-                            ({"reward_fns": ["math", "format"], "reward_weights": [0.9, 0.1]}, ["math", "format"])]:
+    for env_config, fns in [
+        ({"reward_fn": "multiple_choice"}, ["multiple_choice"]),
+        ({"reward_fns": ["math", "format"], "reward_weights": [0.9, 0.1]}, ["math", "format"]),
+    ]:
         spec = {**GPU_SPEC, "config": {**GPU_SPEC["config"], "env_config": {"dataset": "arithmetic", **env_config}}}
         rehearsed, swaps = _one(spec, vllm=False)
         now = rehearsed["config"]["env_config"]
@@ -199,14 +223,18 @@ def test_every_recipe_rehearses_checkpoints_and_resumes(recipe, tmp_path, capsys
     assert main(common + ["--stop", '{"training_iteration": 2}']) == 0
     err = capsys.readouterr().err
     assert "rehearsal:" in err and "model" in err  # the swaps were said
-    if "colocate: true" in recipe.read_text() and "generation_backend: 'vllm' -> 'hf'" not in err \
-            and "generation_backend: vllm" in recipe.read_text():
+    if (
+        "colocate: true" in recipe.read_text()
+        and "generation_backend: 'vllm' -> 'hf'" not in err
+        and "generation_backend: vllm" in recipe.read_text()
+    ):
         assert "skips its sleep and wake calls" in err, err  # vLLM's CPU build has no sleep mode
     name = next(iter(yaml.safe_load(recipe.read_text()))) + SUFFIX
     trials = _results(storage, name)
     assert trials and all(rows[-1]["training_iteration"] == 2 for rows in trials)
-    if "colocate: true" in recipe.read_text() and ("deepspeed_zero_stage: 3" in recipe.read_text()
-                                                   or "generation_backend: 'vllm' -> 'hf'" not in err):
+    if "colocate: true" in recipe.read_text() and (
+        "deepspeed_zero_stage: 3" in recipe.read_text() or "generation_backend: 'vllm' -> 'hf'" not in err
+    ):
         # The learners' turns offloaded the optimizer state (DeepSpeed's offload and reload
         # under ZeRO-3): the bytes moved reach the results.
         assert all(rows[-1]["env_runners"]["optimizer_offload_bytes"] > 0 for rows in trials), trials
@@ -242,10 +270,18 @@ UNWRITTEN = {
             "learner_backend": "deepspeed",
             "deepspeed_zero_stage": 1,
             "gradient_checkpointing": True,
-            "questions_per_step": 96, "group_size": 4, "minibatch_size": 64, "learner_micro_batch_rows": 2,
-            "max_prompt_tokens": 2048, "max_response_tokens": 4096,
-            "delayed_start_solve_rate": 0.2, "trajectory_selection": "random",
-            "num_env_runners": 1, "num_gpus_per_env_runner": 1, "num_learners": 3, "num_gpus_per_learner": 1,
+            "questions_per_step": 96,
+            "group_size": 4,
+            "minibatch_size": 64,
+            "learner_micro_batch_rows": 2,
+            "max_prompt_tokens": 2048,
+            "max_response_tokens": 4096,
+            "delayed_start_solve_rate": 0.2,
+            "trajectory_selection": "random",
+            "num_env_runners": 1,
+            "num_gpus_per_env_runner": 1,
+            "num_learners": 3,
+            "num_gpus_per_learner": 1,
         },
     },
 }
@@ -253,19 +289,21 @@ UNWRITTEN = {
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("overrides", [
-    pytest.param(None, id="llama-deepspeed-zero1-3-learners"),
-    # The 7B recipe's structure on the DDP learner (bf16 with fp32 master weights), 2 learners.
-    pytest.param({"learner_backend": "ddp", "num_learners": 2, "num_env_runners": 1}, id="ddp-bf16-2-learners"),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(None, id="llama-deepspeed-zero1-3-learners"),
+        # The 7B recipe's structure on the DDP learner (bf16 with fp32 master weights), 2 learners.
+        pytest.param({"learner_backend": "ddp", "num_learners": 2, "num_env_runners": 1}, id="ddp-bf16-2-learners"),
+    ],
+)
 def test_a_recipe_nobody_wrote_rehearses(overrides, tmp_path, capsys):
     from rllib_exgrpo.cli.main import main
 
     path = tmp_path / "unwritten.yaml"
     path.write_text(yaml.safe_dump(UNWRITTEN))
     storage = tmp_path / "results"
-    args = ["train", "file", str(path), "--rehearse", "--storage-path", str(storage),
-            "--stop", '{"training_iteration": 3}']
+    args = ["train", "file", str(path), "--rehearse", "--storage-path", str(storage), "--stop", '{"training_iteration": 3}']
     if overrides:
         args += ["--config", json.dumps(overrides)]
     assert main(args) == 0

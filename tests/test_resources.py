@@ -1,4 +1,5 @@
 """CPUs/GPUs fitted to the cluster before start; torch threads follow the CPUs held."""
+
 import os
 
 import pytest
@@ -92,31 +93,30 @@ def test_an_actor_gets_as_many_torch_threads_as_cpus_it_holds():
 def test_env_runner_and_learner_actors_use_their_cpus(quick_tiny_model):
     """Real actors of a built algorithm: a 2-CPU env runner, then a 2-CPU remote learner."""
     base = dict(
-        model_name_or_path=quick_tiny_model, questions_per_step=2, group_size=2,
-        max_prompt_tokens=64, max_response_tokens=4, minibatch_size=4,
+        model_name_or_path=quick_tiny_model,
+        questions_per_step=2,
+        group_size=2,
+        max_prompt_tokens=64,
+        max_response_tokens=4,
+        minibatch_size=4,
     )
     cfg = (
-        ExGRPOConfig().training(**base)
+        ExGRPOConfig()
+        .training(**base)
         .env_runners(num_env_runners=1, num_cpus_per_env_runner=2)
         .learners(num_cpus_per_learner=0)
         .resources(num_cpus_for_main_process=0)
     )
     algo = cfg.build_algo()
     try:
-        assert algo.env_runner_group.foreach_env_runner(
-            lambda r: torch.get_num_threads(), local_env_runner=False
-        ) == [2]
-        assert algo.env_runner_group.foreach_env_runner(
-            lambda r: os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), local_env_runner=False
-        ) == [CUDA_ALLOC_CONF]
+        assert algo.env_runner_group.foreach_env_runner(lambda r: torch.get_num_threads(), local_env_runner=False) == [2]
+        assert algo.env_runner_group.foreach_env_runner(lambda r: os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), local_env_runner=False) == [
+            CUDA_ALLOC_CONF
+        ]
         algo.train()
     finally:
         algo.stop()
-    cfg = (
-        ExGRPOConfig().training(**base)
-        .learners(num_learners=1, num_cpus_per_learner=2)
-        .resources(num_cpus_for_main_process=0)
-    )
+    cfg = ExGRPOConfig().training(**base).learners(num_learners=1, num_cpus_per_learner=2).resources(num_cpus_for_main_process=0)
     algo = cfg.build_algo()
     try:
         results = algo.learner_group.foreach_learner(lambda learner: torch.get_num_threads())

@@ -1,6 +1,7 @@
 """`rllib train ... --resume` with a raised `stop`: a finished trial goes on from its latest
 checkpoint to the new stop, in its own folder, its history and counters kept; one that
 meets the stop, ended early, or has no checkpoint stays finished; one stderr line each."""
+
 from __future__ import annotations
 
 import json
@@ -87,6 +88,7 @@ def test_resume_with_a_raised_stop_continues_a_finished_trial(tmp_path, ray_loca
 
 # --- the other cases, on a toy trainable (seconds) -------------------------------------
 
+
 def _toy_trainable():
     """A Trainable counting steps (its count is its checkpoint); `mode` in its config:
     'early' reports done at iteration 1, 'fail_once' raises at its first step while the
@@ -117,9 +119,17 @@ def _toy_trainable():
 def _toy_run(tmp_path, name, param_space, checkpoint_at_end, toy):
     from ray import tune
 
-    tuner = tune.Tuner(toy, param_space=param_space, run_config=tune.RunConfig(
-        name=name, storage_path=str(tmp_path), stop={"training_iteration": 2}, verbose=0,
-        checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=checkpoint_at_end)))
+    tuner = tune.Tuner(
+        toy,
+        param_space=param_space,
+        run_config=tune.RunConfig(
+            name=name,
+            storage_path=str(tmp_path),
+            stop={"training_iteration": 2},
+            verbose=0,
+            checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=checkpoint_at_end),
+        ),
+    )
     return tuner.fit()
 
 
@@ -150,10 +160,10 @@ def test_toy_finished_trials_continue_or_stay_and_errored_ones_resume(tmp_path, 
     lines = [ln for ln in err.splitlines() if ln.startswith("rllib train: --resume: experiment 'toy': trial")]
     assert len(lines) == 3, err
     assert any("finished at iteration 2; continuing to training_iteration 3 from checkpoint_000000" in ln for ln in lines)
-    assert any("ended at iteration 1 before its stop (training_iteration 2) was reached" in ln
-               and ln.endswith("stays finished") for ln in lines)
-    assert any("errored at iteration 0; continues from scratch (no checkpoint was saved) to training_iteration 3" in ln
-               for ln in lines)
+    assert any(
+        "ended at iteration 1 before its stop (training_iteration 2) was reached" in ln and ln.endswith("stays finished") for ln in lines
+    )
+    assert any("errored at iteration 0; continues from scratch (no checkpoint was saved) to training_iteration 3" in ln for ln in lines)
     counts = _counts(grid)
     assert counts["normal"] == [1, 2, 3]  # the count comes back from the checkpoint
     assert counts["early"] == [1]

@@ -1,4 +1,5 @@
 """The verifier reward: right answers, bounded time, and the same verdicts in every context."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -133,7 +134,7 @@ def test_same_scores_from_threads_as_from_main_thread():
     assert _scores(main) == [e for _, _, e in CASES] * 3
     with ThreadPoolExecutor(max_workers=4) as pool:
         single = list(pool.map(lambda a: math_reward(a[0], a[1], fast_path=False), zip(completions, truths)))
-        chunks = [(completions[i:i + 7], truths[i:i + 7]) for i in range(0, len(completions), 7)]
+        chunks = [(completions[i : i + 7], truths[i : i + 7]) for i in range(0, len(completions), 7)]
         batched = [r for rs in pool.map(lambda ch: score_batch(*ch, fast_path=False), chunks) for r in rs]
     assert single == main
     assert batched == main
@@ -155,8 +156,7 @@ def test_worker_killed_from_outside_is_replaced():
 def _child_score(queue):
     from rllib_exgrpo.envs.rewards import score_batch as sb
 
-    queue.put([r.score for r in sb(["\\boxed{0.5}", "\\boxed{2}", HANG], ["\\frac{1}{2}", "3", "1"],
-                                   timeout_s=1.0, fast_path=False)])
+    queue.put([r.score for r in sb(["\\boxed{0.5}", "\\boxed{2}", HANG], ["\\frac{1}{2}", "3", "1"], timeout_s=1.0, fast_path=False)])
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -176,10 +176,13 @@ def test_scores_inside_multiprocessing_children(method):
 
 
 def test_scores_in_a_plain_subprocess():
-    code = ("from rllib_exgrpo.envs.rewards import score_batch\n"
-            "print([r.score for r in score_batch(['\\\\boxed{0.5}', '\\\\boxed{3}'], ['1/2', '4'], fast_path=False)])\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "from rllib_exgrpo.envs.rewards import score_batch\n"
+        "print([r.score for r in score_batch(['\\\\boxed{0.5}', '\\\\boxed{3}'], ['1/2', '4'], fast_path=False)])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[1.0, 0.0]"
 
@@ -188,14 +191,17 @@ def test_pool_loads_as_a_bare_script_and_rewards_import_the_standard_library_onl
     """Workers load verifier_pool.py by path; rewards.py (which the workers import for the
     built-in reward functions, and the TRL benchmark imports without ray) pulls in no
     third-party package at import."""
-    code = ("import sys, importlib.util as u\n"
-            f"s = u.spec_from_file_location('bare_pool', {str(REPO / 'rllib_exgrpo' / 'envs' / 'verifier_pool.py')!r})\n"
-            "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
-            "import rllib_exgrpo.envs.rewards\n"
-            "names = {n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names)\n"
-            "print(sorted(n for n in names if not n.startswith('_') and n != 'rllib_exgrpo'))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import sys, importlib.util as u\n"
+        f"s = u.spec_from_file_location('bare_pool', {str(REPO / 'rllib_exgrpo' / 'envs' / 'verifier_pool.py')!r})\n"
+        "m = u.module_from_spec(s); s.loader.exec_module(m)\n"
+        "import rllib_exgrpo.envs.rewards\n"
+        "names = {n.split('.')[0] for n in sys.modules} - set(sys.stdlib_module_names)\n"
+        "print(sorted(n for n in names if not n.startswith('_') and n != 'rllib_exgrpo'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -221,8 +227,9 @@ def test_hung_worker_dies_with_its_parent():
         "print(' '.join(str(w.proc.pid) for w in verifier_pool._pool()._all), flush=True)\n"
         "time.sleep(600)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     try:
         pids = [int(x) for x in proc.stdout.readline().split()]
     finally:
@@ -265,8 +272,7 @@ def _pairs(problems):
     truths = [p.ground_truth for p in problems]
     wrong = []
     for i, truth in enumerate(truths):
-        other = next(truths[(i + j) % len(truths)] for j in range(1, len(truths))
-                     if truths[(i + j) % len(truths)].strip() != truth.strip())
+        other = next(truths[(i + j) % len(truths)] for j in range(1, len(truths)) if truths[(i + j) % len(truths)].strip() != truth.strip())
         wrong.append(other)
     return truths, wrong
 
@@ -274,14 +280,12 @@ def _pairs(problems):
 def _acceptance(path: Path, timeout_s: float = 5.0):
     problems = load_problems(path, strict=True)
     truths, wrong = _pairs(problems)
-    correct = score_batch([f"The answer is \\boxed{{{t}}}." for t in truths], truths, timeout_s=timeout_s,
-                          fast_path=False)
+    correct = score_batch([f"The answer is \\boxed{{{t}}}." for t in truths], truths, timeout_s=timeout_s, fast_path=False)
     swapped = score_batch([f"\\boxed{{{w}}}" for w in wrong], truths, timeout_s=timeout_s, fast_path=False)
     pos = sum(r.score for r in correct) / len(correct)
     neg = sum(r.score == 0.0 for r in swapped) / len(swapped)
     errors = sum(r.error is not None for r in correct + swapped)
-    print(f"{path.name}: {len(truths)} rows, own ground truth scores 1: {pos:.2%}, "
-          f"another row's scores 0: {neg:.2%}, errors {errors}")
+    print(f"{path.name}: {len(truths)} rows, own ground truth scores 1: {pos:.2%}, another row's scores 0: {neg:.2%}, errors {errors}")
     assert pos >= 0.99
     assert neg >= 0.99
     assert errors == 0

@@ -1,6 +1,7 @@
 """The package's contract with RLlib: the private names it uses (``rllib/rllib_contract.py``)
 still exist in the installed Ray as listed, they are used nowhere else, and every method
 that overrides an RLlib method says so with ``@override``."""
+
 import ast
 import importlib
 import inspect
@@ -18,8 +19,11 @@ CONTRACT = ROOT / "rllib" / "rllib_contract.py"
 
 
 def _package_modules():
-    return [importlib.import_module(m.name) for m in pkgutil.walk_packages(rllib_exgrpo.__path__, "rllib_exgrpo.")
-            if not m.name.endswith("__main__")]
+    return [
+        importlib.import_module(m.name)
+        for m in pkgutil.walk_packages(rllib_exgrpo.__path__, "rllib_exgrpo.")
+        if not m.name.endswith("__main__")
+    ]
 
 
 def _assigned_in_source(owner: type, name: str) -> bool:
@@ -53,7 +57,8 @@ def test_each_private_name_still_exists_as_listed(entry):
             assert got == entry.signature, f"{where} changed its signature: {entry.signature} -> {got}"
     elif entry.kind == "attribute":
         assert _assigned_in_source(owner, entry.name), (
-            f"{where}: {owner.__name__} no longer assigns self.{entry.name} (used for: {entry.used_for})")
+            f"{where}: {owner.__name__} no longer assigns self.{entry.name} (used for: {entry.used_for})"
+        )
     else:
         assert entry.kind == "module_attribute", entry.kind
         assert hasattr(owner, entry.name), f"{where} is gone (used for: {entry.used_for})"
@@ -100,29 +105,43 @@ def test_no_module_outside_the_contract_touches_a_private_rllib_name():
         for line, what in _private_uses(tree, names):
             found.append(f"{path.relative_to(ROOT)}:{line}: {what}")
         for node in ast.walk(tree):  # super()._x(...) of an overridden private method
-            if (isinstance(node, ast.Attribute) and node.attr in overridden and isinstance(node.value, ast.Call)
-                    and getattr(node.value.func, "id", None) == "super"):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in overridden
+                and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "id", None) == "super"
+            ):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: super().{node.attr}")
-    assert not found, ("private RLlib / Ray names used outside rllib/rllib_contract.py (add them to "
-                       "PRIVATE_NAMES and use an accessor there):\n" + "\n".join(found))
+    assert not found, (
+        "private RLlib / Ray names used outside rllib/rllib_contract.py (add them to "
+        "PRIVATE_NAMES and use an accessor there):\n" + "\n".join(found)
+    )
 
 
 def test_every_overridden_private_method_is_declared_in_the_contract():
     declared = {p.name for p in PRIVATE_NAMES if p.kind == "override"}
     for path in sorted(ROOT.rglob("*.py")):
         for cls, method, _ in _override_defs(ast.parse(path.read_text(encoding="utf-8"))):
-            if method.startswith("_") and not method.startswith("__") and method not in ("_forward", "_forward_train",
-                                                                                          "_get_torch_distribution"):
-                assert method in declared, f"{path.relative_to(ROOT)}: {cls}.{method} overrides a private " \
-                                           "RLlib method not listed in rllib_contract.PRIVATE_NAMES"
+            if (
+                method.startswith("_")
+                and not method.startswith("__")
+                and method not in ("_forward", "_forward_train", "_get_torch_distribution")
+            ):
+                assert method in declared, (
+                    f"{path.relative_to(ROOT)}: {cls}.{method} overrides a private RLlib method not listed in rllib_contract.PRIVATE_NAMES"
+                )
 
 
 def _rllib_subclasses():
     seen = []
     for module in _package_modules():
         for cls in vars(module).values():
-            if (inspect.isclass(cls) and cls.__module__ == module.__name__ and cls not in seen
-                    and any(b.__module__.startswith("ray.") for b in cls.__mro__[1:])):
+            if (
+                inspect.isclass(cls)
+                and cls.__module__ == module.__name__
+                and cls not in seen
+                and any(b.__module__.startswith("ray.") for b in cls.__mro__[1:])
+            ):
                 seen.append(cls)
     return seen
 

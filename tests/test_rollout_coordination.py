@@ -1,6 +1,7 @@
 """The rollout coordinator (``rllib/rollouts.py``) without an Algorithm: a fleet of runners
 that can die mid-call stands in for RLlib's ``EnvRunnerGroup`` of Ray actors; the metrics
 logger is RLlib's own."""
+
 import numpy as np
 import pytest
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
@@ -132,9 +133,17 @@ class Learners:
     def foreach_learner(self, func):
         out = []
         for rank in range(2):
-            learner = type("L", (), {"score_rows": lambda self, p, c, pad, rank=rank: (
-                list(range(rank, len(p), 2)), [np.asarray(c[i], dtype=np.float32) * 0 - i for i in range(rank, len(p), 2)],
-                [float(i) for i in range(rank, len(p), 2)])})()
+            learner = type(
+                "L",
+                (),
+                {
+                    "score_rows": lambda self, p, c, pad, rank=rank: (
+                        list(range(rank, len(p), 2)),
+                        [np.asarray(c[i], dtype=np.float32) * 0 - i for i in range(rank, len(p), 2)],
+                        [float(i) for i in range(rank, len(p), 2)],
+                    )
+                },
+            )()
             out.append(_Result(func(learner)))
         return out
 

@@ -8,6 +8,7 @@ fills every field of a generation config left unset from the model's own
 model a generation config full of such settings and check the processed scores
 ``generate`` sampled from against the raw logits.
 """
+
 import pytest
 import torch
 
@@ -21,13 +22,26 @@ def model_with_hostile_generation_config():
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     model = Qwen2ForCausalLM(cfg).eval()
     model.generation_config = GenerationConfig(
-        top_k=3, top_p=0.5, min_p=0.2, repetition_penalty=3.0, no_repeat_ngram_size=1,
-        suppress_tokens=[5, 6], temperature=0.3, do_sample=True, bos_token_id=1, eos_token_id=2,
+        top_k=3,
+        top_p=0.5,
+        min_p=0.2,
+        repetition_penalty=3.0,
+        no_repeat_ngram_size=1,
+        suppress_tokens=[5, 6],
+        temperature=0.3,
+        do_sample=True,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     return model
 
@@ -44,9 +58,7 @@ def test_hf_backend_samples_softmax_of_logits_over_temperature(model_with_hostil
     backend = HFGenerationBackend(model, pad_token_id=0)
     params = SamplingParams(max_new_tokens=6, temperature=temperature, top_p=top_p, stop_token_ids=(2,))
     ids = torch.tensor([[7, 8, 9, 10]] * 4)
-    out = backend.generate_raw(
-        ids, torch.ones_like(ids), params, output_scores=True, output_logits=True, return_dict_in_generate=True
-    )
+    out = backend.generate_raw(ids, torch.ones_like(ids), params, output_scores=True, output_logits=True, return_dict_in_generate=True)
     scores, logits = _scores_and_logits(out)
     torch.testing.assert_close(scores, logits / temperature)
     # the model's own config is back in place afterwards
@@ -58,8 +70,14 @@ def test_the_leak_is_real_without_the_backend(model_with_hostile_generation_conf
     model = model_with_hostile_generation_config
     ids = torch.tensor([[7, 8, 9, 10]] * 4)
     out = model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-        max_new_tokens=6, output_scores=True, output_logits=True, return_dict_in_generate=True,
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=1.0,
+        max_new_tokens=6,
+        output_scores=True,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     scores, logits = _scores_and_logits(out)
     assert torch.isinf(scores).any()  # top-k / min-p / suppressed tokens masked out
@@ -71,12 +89,10 @@ def test_hf_backend_greedy_is_argmax_of_raw_logits(model_with_hostile_generation
     backend = HFGenerationBackend(model, pad_token_id=0)
     params = SamplingParams(max_new_tokens=5, temperature=0.0, top_p=1.0, stop_token_ids=(2,))
     ids = torch.tensor([[7, 8, 9, 10]])
-    out = backend.generate_raw(
-        ids, torch.ones_like(ids), params, output_scores=True, output_logits=True, return_dict_in_generate=True
-    )
+    out = backend.generate_raw(ids, torch.ones_like(ids), params, output_scores=True, output_logits=True, return_dict_in_generate=True)
     scores, logits = _scores_and_logits(out)
     torch.testing.assert_close(scores, logits)  # no repetition penalty / suppression
-    generated = out.sequences[0, ids.shape[1]:]
+    generated = out.sequences[0, ids.shape[1] :]
     assert generated.tolist() == logits[0].argmax(-1)[: len(generated)].tolist()
 
 
@@ -95,8 +111,7 @@ def test_logprobs_from_generation_equal_the_scoring_pass(model_with_hostile_gene
         torch.manual_seed(1)
         groups = engine.generate(prompts, [3, 2, 4], params)
         flat = [(prompts[i], c) for i, g in enumerate(groups) for c in g]
-        scored, _ = recompute.score([p for p, _ in flat], [c.token_ids for _, c in flat], temperature=temperature,
-                                    with_entropy=False)
+        scored, _ = recompute.score([p for p, _ in flat], [c.token_ids for _, c in flat], temperature=temperature, with_entropy=False)
         for (_, c), ref in zip(flat, scored):
             assert c.logp.shape == c.token_ids.shape
             np.testing.assert_allclose(c.logp, ref, atol=1e-5, rtol=0)

@@ -13,6 +13,7 @@ learners, where the training weights are (verl's actor computes ``old_log_prob``
 The runner that then holds no torch module at all (vLLM) is tested in the vLLM venv
 (``tests/test_vllm_backend.py``).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -30,16 +31,17 @@ def test_scoring_on_is_checked():
     with pytest.raises(ValueError, match=r"scoring_on must be one of \['runners', 'learners'\]"):
         ExGRPOConfig().training(scoring_on="gpu").validate()
     with pytest.raises(ValueError, match="scoring_on: 'learners' does not go with async_rollouts"):
-        (ExGRPOConfig().training(scoring_on="learners", async_rollouts=True)
-         .env_runners(num_env_runners=1).validate())
+        (ExGRPOConfig().training(scoring_on="learners", async_rollouts=True).env_runners(num_env_runners=1).validate())
 
 
 def _rows(algo, n=12):
     """Stored-trajectory-like rows: real prompts, sampled completions cut to different lengths."""
     runner = algo.env_runner_group.local_env_runner
     episodes = runner.sample(question_ids=[p.id for p in runner.env.problems[:n]], num_samples=1)
-    return ([np.asarray(e.get_observations(0)) for e in episodes],
-            [np.asarray(e.get_actions(0))[: 3 + i % 9] for i, e in enumerate(episodes)])
+    return (
+        [np.asarray(e.get_observations(0)) for e in episodes],
+        [np.asarray(e.get_actions(0))[: 3 + i % 9] for i, e in enumerate(episodes)],
+    )
 
 
 def _assert_same_numbers(algo):
@@ -66,8 +68,7 @@ def _train_scored_on_learners(algo, config) -> dict:
 @pytest.mark.usefixtures("ray_local")
 def test_learner_scores_equal_the_runner_module_and_an_iteration_trains(quick_tiny_model):
     """One local learner; the local runner samples (no remote runners)."""
-    config = two_learner_config(quick_tiny_model, num_learners=0, scoring_on="learners",
-                                learner_micro_batch_tokens=256)
+    config = two_learner_config(quick_tiny_model, num_learners=0, scoring_on="learners", learner_micro_batch_tokens=256)
     algo = config.env_runners(num_env_runners=0).build_algo()
     try:
         _assert_same_numbers(algo)
@@ -88,8 +89,9 @@ def test_two_learners_score_their_shares(quick_tiny_model, backend):
     if backend == "deepspeed3":
         if not deepspeed_importable():
             pytest.skip("deepspeed is not importable (pip install 'rllib-exgrpo[deepspeed]')")
-        extra = dict(learner_backend="deepspeed", deepspeed_zero_stage=3,
-                     deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+        extra = dict(
+            learner_backend="deepspeed", deepspeed_zero_stage=3, deepspeed={"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+        )
     # A token budget that gives the two learners different numbers of passes.
     config = two_learner_config(quick_tiny_model, scoring_on="learners", learner_micro_batch_tokens=64, **extra)
     algo = config.env_runners(num_env_runners=0).build_algo()

@@ -3,6 +3,7 @@ ZeRO optimiser shard (``rllib_exgrpo/rllib/checkpointing.py``, ``docs/deepspeed.
 
 ``benchmarks/checkpoint_memory.py`` measures the memory this saves.
 """
+
 import pickle
 
 import numpy as np

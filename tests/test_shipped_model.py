@@ -1,4 +1,5 @@
 """The default tiny model shipped with the package (rllib_exgrpo/models/shipped.py)."""
+
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ DEFAULT_NAME = f"tiny-{recipe_key(tiny_recipe())}"
 @pytest.fixture
 def no_build(monkeypatch):
     """Fail the test if anything starts a build (the pinned child or the build itself)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a build was launched")
 
@@ -46,11 +48,10 @@ def test_the_default_recipe_is_shipped_and_its_files_match_the_record():
     folder = shipped.shipped_folder(DEFAULT_NAME)
     assert folder is not None, f"no shipped folder for the default recipe {DEFAULT_NAME}"
     shipped.verify(folder, DEFAULT_NAME)
-    assert set(shipped.SHIPPED[DEFAULT_NAME]) >= {"model.safetensors", "tokenizer.json", "config.json",
-                                                   WARM_START_FILE}
+    assert set(shipped.SHIPPED[DEFAULT_NAME]) >= {"model.safetensors", "tokenizer.json", "config.json", WARM_START_FILE}
     report = read_warm_start(str(folder))
     assert report["recipe"] == tiny_recipe()
-    assert report["recipe_key"] == DEFAULT_NAME[len("tiny-"):]
+    assert report["recipe_key"] == DEFAULT_NAME[len("tiny-") :]
     assert report["reached_target"] and report["cpu_capability"] == "AVX2"
     assert shipped_cli.main(["check"]) == 0
 
@@ -119,8 +120,9 @@ def test_the_package_data_carries_the_shipped_folder():
 
     setup_py = Path(__file__).resolve().parents[1] / "setup.py"
     tree = ast.parse(setup_py.read_text())
-    package_data = next(kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
-                        for kw in node.keywords if kw.arg == "package_data")
+    package_data = next(
+        kw.value for node in ast.walk(tree) if isinstance(node, ast.Call) for kw in node.keywords if kw.arg == "package_data"
+    )
     patterns = ast.literal_eval(package_data)["rllib_exgrpo"]
     root = Path(shipped.__file__).resolve().parents[1]
     matched = {p.relative_to(root) for pattern in patterns for p in root.glob(pattern) if p.is_file()}
@@ -131,6 +133,7 @@ def test_the_package_data_carries_the_shipped_folder():
 def test_the_rebuild_command_compares_the_built_weights_with_the_shipped_ones(tmp_path, monkeypatch, capsys):
     """``python -m rllib_exgrpo.models.shipped_cli rebuild`` (here with a stand-in for the build):
     exit status 0 when the built weights are the shipped ones, 1 when they differ."""
+
     def copy_build(folder, recipe, progress):
         for file in shipped.SHIPPED[DEFAULT_NAME]:
             shutil.copyfile(shipped.PREBUILT_DIR / DEFAULT_NAME / file, Path(folder) / file)
@@ -151,8 +154,10 @@ def test_the_rebuild_command_compares_the_built_weights_with_the_shipped_ones(tm
     assert shipped.REBUILD_ENV_VAR not in os.environ  # the switch is the command's own
 
 
-@pytest.mark.skipif(os.environ.get("RLLIB_EXGRPO_TEST_REBUILD") != "1",
-                    reason="builds the default recipe from scratch (5-25 min on 2 cores): RLLIB_EXGRPO_TEST_REBUILD=1 runs it")
+@pytest.mark.skipif(
+    os.environ.get("RLLIB_EXGRPO_TEST_REBUILD") != "1",
+    reason="builds the default recipe from scratch (5-25 min on 2 cores): RLLIB_EXGRPO_TEST_REBUILD=1 runs it",
+)
 def test_a_rebuild_gives_the_shipped_weights(tmp_path):
     """The pinned build of the default recipe equals the shipped weights on an AVX2 machine."""
     assert shipped_cli.main(["rebuild", "--cache", str(tmp_path / "cache")]) == 0

@@ -1,6 +1,7 @@
 """docs/support_matrix.md is what the validation rules say today, every refused combination
 is refused by ExGRPOConfig.validate before any actor starts in one line naming fields, and
 every test the table names exists."""
+
 from pathlib import Path
 
 from rllib_exgrpo.rllib import support_matrix

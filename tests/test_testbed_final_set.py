@@ -1,6 +1,7 @@
 """The experience testbed's large final set (experiments/experience_testbed.py): which
 questions it holds, its level-mean score and the two-way bootstrap of a paired
 difference, on the real dataset and on hand-made outcomes."""
+
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ def test_final_set_is_the_test_split_outside_validation():
     # the figure's first 200 questions are its head; validation is never in it
     default = list(load_problems("arithmetic", split="test"))
     assert [p.id for p in chosen[:200]] == [p.id for p in default[:200]]
-    val_ids = {p.id for p in default[tb.VAL_SLICE[0]:tb.VAL_SLICE[1]]}
+    val_ids = {p.id for p in default[tb.VAL_SLICE[0] : tb.VAL_SLICE[1]]}
     assert not val_ids & {p.id for p in chosen}
     # never a training question of the testbed's finite set
     train = {p.question for p in load_problems("arithmetic:levels=1-4,n=600", split="train")}
@@ -50,8 +51,11 @@ def test_final_set_scores_weigh_levels_equally():
 
 
 def _run(seed: int, bits: str) -> dict:
-    return {"algo": "x", "seed": seed, "evals": [{"step": 0, "tokens": 0.0, "final_bits": "0" * len(bits)},
-                                                 {"step": 10, "tokens": 100.0, "final_bits": bits}]}
+    return {
+        "algo": "x",
+        "seed": seed,
+        "evals": [{"step": 0, "tokens": 0.0, "final_bits": "0" * len(bits)}, {"step": 10, "tokens": 100.0, "final_bits": bits}],
+    }
 
 
 def test_paired_bootstrap_point_and_interval():
@@ -64,8 +68,9 @@ def test_paired_bootstrap_point_and_interval():
     assert "+0.500" in line and "seeds [0, 1]" in line
     lo, hi = (float(x) for x in line.split("[")[-1].split("]")[0].split(","))
     assert 0.0 <= lo <= 0.5 <= hi <= 1.0 and lo < hi  # level 1's tie question can be drawn alone
-    sure = tb.paired_bootstrap({"a": [_run(0, "1111"), _run(1, "1111")], "b": [_run(0, "0000"), _run(1, "0000")]},
-                               budgets, "a", "b", levels, draws=200)
+    sure = tb.paired_bootstrap(
+        {"a": [_run(0, "1111"), _run(1, "1111")], "b": [_run(0, "0000"), _run(1, "0000")]}, budgets, "a", "b", levels, draws=200
+    )
     assert "+1.000, 95% bootstrap over seeds and questions [+1.000, +1.000]; 100% of draws above 0" in sure
     same = tb.paired_bootstrap({"a": runs["a"], "b": runs["a"]}, budgets, "a", "b", levels, draws=200)
     assert "+0.000, 95% bootstrap over seeds and questions [+0.000, +0.000]" in same

@@ -1,6 +1,7 @@
 """The experience testbed's ``--train-dataset`` (experiments/experience_testbed.py): every
 variant of a phase trains on the named set, through the real recipe configs, and the
 held-out questions stay outside it."""
+
 import sys
 from pathlib import Path
 
@@ -17,9 +18,11 @@ LARGE = "arithmetic:levels=1-4,n=5000"
 
 
 def test_every_variant_trains_on_the_named_set_and_keeps_its_other_keys():
-    variants = {"grpo": [tb.G, {"lr": 4e-4}],
-                "exgrpo": [tb.E, {"lr": 4e-4, "delayed_start_solve_rate": 0.0}],
-                "ppo": [tb.P, {"env_config": {"dataset": "arithmetic:levels=1-4,n=600", "seed": 3}}]}
+    variants = {
+        "grpo": [tb.G, {"lr": 4e-4}],
+        "exgrpo": [tb.E, {"lr": 4e-4, "delayed_start_solve_rate": 0.0}],
+        "ppo": [tb.P, {"env_config": {"dataset": "arithmetic:levels=1-4,n=600", "seed": 3}}],
+    }
     moved = tb.with_train_dataset(variants, LARGE)
     assert list(moved) == list(variants)
     assert moved["exgrpo"] == [tb.E, {"lr": 4e-4, "delayed_start_solve_rate": 0.0, "env_config": {"dataset": LARGE}}]

@@ -1,5 +1,6 @@
 """The time estimate the memory plan prints (``planning/timing.py``): its arithmetic on
 hand-made inputs, and its calibration point, the 7B learner update of docs/scaling.md."""
+
 from __future__ import annotations
 
 import math
@@ -22,9 +23,18 @@ def test_mean_completion_of_the_length_mix():
 
 def test_stages_follow_the_formulas():
     n, completions = 7_615_616_512, 1024
-    est = timing.estimate_iteration(parameters=n, completions=completions, prompt_cap=1024, completion_cap=8192,
-                                    generating_gpus=4, learner_gpus=4, card="H100 80 GB", lora=False,
-                                    gradient_checkpointing=True, colocate=False)
+    est = timing.estimate_iteration(
+        parameters=n,
+        completions=completions,
+        prompt_cap=1024,
+        completion_cap=8192,
+        generating_gpus=4,
+        learner_gpus=4,
+        card="H100 80 GB",
+        lora=False,
+        gradient_checkpointing=True,
+        colocate=False,
+    )
     peak, bandwidth = timing.CARD_SPEEDS["H100 80 GB"]
     mean = timing.mean_completion_tokens(8192)
     per_learner = completions * (157 + mean) / 4
@@ -39,8 +49,16 @@ def test_stages_follow_the_formulas():
 
 
 def test_lora_colocation_and_the_single_stream_floor():
-    kw = dict(parameters=1_543_714_304, completions=16, prompt_cap=512, completion_cap=8192, generating_gpus=1,
-              learner_gpus=1, card="A10 24 GB", gradient_checkpointing=False)
+    kw = dict(
+        parameters=1_543_714_304,
+        completions=16,
+        prompt_cap=512,
+        completion_cap=8192,
+        generating_gpus=1,
+        learner_gpus=1,
+        card="A10 24 GB",
+        gradient_checkpointing=False,
+    )
     full = timing.estimate_iteration(lora=False, colocate=True, optimizer_state_bytes=12 * 1.5e9, **kw)
     lora = timing.estimate_iteration(lora=True, colocate=True, **kw)
     assert lora.stages["update"] == pytest.approx(full.stages["update"] * 4 / 6)
@@ -48,8 +66,7 @@ def test_lora_colocation_and_the_single_stream_floor():
     assert "optimiser offload" not in lora.stages
     # 16 completions: the longest one, decoded alone, sets the generation time
     _, bandwidth = timing.CARD_SPEEDS["A10 24 GB"]
-    assert full.stages["generation"] == pytest.approx(
-        8192 / (timing.SINGLE_STREAM_EFFICIENCY * bandwidth / (2 * 1_543_714_304)))
+    assert full.stages["generation"] == pytest.approx(8192 / (timing.SINGLE_STREAM_EFFICIENCY * bandwidth / (2 * 1_543_714_304)))
     ppo = timing.estimate_iteration(lora=True, colocate=False, value_trunk=True, **kw)
     assert ppo.stages["update"] == pytest.approx(2 * lora.stages["update"])
 

@@ -1,4 +1,5 @@
 """The one prompt + completion token layout (core/tokens.py), on hand-made rows."""
+
 import torch
 
 from rllib_exgrpo.core.tokens import (

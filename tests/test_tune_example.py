@@ -1,4 +1,5 @@
 """tuned_examples/exgrpo_tune.yaml: a Tune search with ASHA, every trial in MLflow."""
+
 import json
 import os
 import subprocess
@@ -16,8 +17,9 @@ TUNE_YAML = REPO / "tuned_examples" / "exgrpo_tune.yaml"
 
 def test_scheduler_section_is_checked_and_builds_asha():
     errors = []
-    settings = scheduler_settings({"type": "asha", "metric": "heldout/accuracy", "mode": "max", "max_t": 8,
-                                   "grace_period": 2, "reduction_factor": 2}, errors)
+    settings = scheduler_settings(
+        {"type": "asha", "metric": "heldout/accuracy", "mode": "max", "max_t": 8, "grace_period": 2, "reduction_factor": 2}, errors
+    )
     assert not errors
     asha = make_scheduler(settings)
     assert type(asha).__name__ == "AsyncHyperBandScheduler"
@@ -41,15 +43,38 @@ def test_tune_example_runs_four_trials_with_asha_and_mlflow_reads_them_back(tmp_
     import mlflow
 
     db = tmp_path / "mlflow.db"
-    small = {"model_name_or_path": quick_tiny_model, "questions_per_step": 4, "group_size": 4,
-             "minibatch_size": 16, "max_response_tokens": 12, "heldout_num_questions": 8}
+    small = {
+        "model_name_or_path": quick_tiny_model,
+        "questions_per_step": 4,
+        "group_size": 4,
+        "minibatch_size": 16,
+        "max_response_tokens": 12,
+        "heldout_num_questions": 8,
+    }
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "rllib_exgrpo.cli.main", "train", "file", str(TUNE_YAML), "--config", json.dumps(small),
-         "--stop", json.dumps({"training_iteration": 4}), "--storage-path", str(tmp_path / "results"),
-         "--mlflow-uri", f"sqlite:///{db}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            "-m",
+            "rllib_exgrpo.cli.main",
+            "train",
+            "file",
+            str(TUNE_YAML),
+            "--config",
+            json.dumps(small),
+            "--stop",
+            json.dumps({"training_iteration": 4}),
+            "--storage-path",
+            str(tmp_path / "results"),
+            "--mlflow-uri",
+            f"sqlite:///{db}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     log = proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.returncode == 0, log
@@ -64,7 +89,8 @@ def test_tune_example_runs_four_trials_with_asha_and_mlflow_reads_them_back(tmp_
     runs = mlflow.search_runs(experiment_names=["exgrpo-tune"])
     assert len(runs) == 4
     assert sorted(zip(runs["params.lr"], runs["params.experience_ratio"])) == sorted(
-        [(lr, er) for lr in ("0.0001", "0.0003") for er in ("0.25", "0.5")])
+        [(lr, er) for lr in ("0.0001", "0.0003") for er in ("0.25", "0.5")]
+    )
     assert runs["metrics.heldout/accuracy"].notna().all()
 
 
@@ -95,8 +121,15 @@ def test_gpu_search_recipe_dry_run_runs_its_four_trials_at_once_on_four_gpus(mon
     """The recipe's dry run on this machine (no GPU, no vLLM, no model download: the shape
     comes from the published table) with the 4 GPUs of a local Ray instance: 4 trials, all at
     once, one GPU each, the CPUs divided, and each trial's one-GPU memory plan fitting."""
-    common = [str(GPU_TUNE_YAML.relative_to(REPO)), "--ray-num-gpus", "4", "--storage-path", str(tmp_path / "r"),
-              "--config", json.dumps(HERE_DATA)]
+    common = [
+        str(GPU_TUNE_YAML.relative_to(REPO)),
+        "--ray-num-gpus",
+        "4",
+        "--storage-path",
+        str(tmp_path / "r"),
+        "--config",
+        json.dumps(HERE_DATA),
+    ]
     rc, out, err = _dry_run(monkeypatch, capsys, *common)
     assert rc == 0, out + err
     assert "rllib train: experiment 'exgrpo-qwen1.5b-lora-tune': 4 trials, 4 at once (1 GPU each of 4; " in err, err
@@ -110,8 +143,7 @@ def test_gpu_search_recipe_dry_run_runs_its_four_trials_at_once_on_four_gpus(mon
 
 
 def test_the_cpu_search_still_runs_one_trial_at_a_time(monkeypatch, capsys, tmp_path):
-    rc, out, err = _dry_run(monkeypatch, capsys, str(TUNE_YAML), "--storage-path", str(tmp_path / "r"),
-                            "--ray-num-cpus", "2")
+    rc, out, err = _dry_run(monkeypatch, capsys, str(TUNE_YAML), "--storage-path", str(tmp_path / "r"), "--ray-num-cpus", "2")
     assert rc == 0, out + err
     assert "rllib train: experiment 'exgrpo-tune': 4 trials, 1 at a time (no GPUs; 2 CPUs each of 2)" in err, err
 
@@ -145,12 +177,15 @@ def _with(text: str, **config) -> dict:
     return data
 
 
-@pytest.mark.parametrize("config, bad", [
-    ({"heldout_interval": 4}, "every 4 iterations"),                       # longer than grace_period 2
-    ({"heldout_interval": {"grid_search": [1, 3]}}, "every 3 iterations"),  # one value of a search
-    ({"heldout_interval": 0}, "only before training"),
-    ({"scheduler.grace_period": None, "heldout_interval": 2}, "(ASHA's default 1)"),
-])
+@pytest.mark.parametrize(
+    "config, bad",
+    [
+        ({"heldout_interval": 4}, "every 4 iterations"),  # longer than grace_period 2
+        ({"heldout_interval": {"grid_search": [1, 3]}}, "every 3 iterations"),  # one value of a search
+        ({"heldout_interval": 0}, "only before training"),
+        ({"scheduler.grace_period": None, "heldout_interval": 2}, "(ASHA's default 1)"),
+    ],
+)
 def test_asha_before_the_first_heldout_evaluation_is_refused_in_one_line(config, bad):
     from rllib_exgrpo.cli.registry import CliConfigError
 
@@ -164,9 +199,17 @@ def test_asha_before_the_first_heldout_evaluation_is_refused_in_one_line(config,
 
 
 def test_the_grace_period_rule_stops_the_command_before_anything_starts(monkeypatch, capsys, tmp_path):
-    rc, out, err = _dry_run(monkeypatch, capsys, str(GPU_TUNE_YAML.relative_to(REPO)), "--ray-num-gpus", "4",
-                            "--storage-path", str(tmp_path / "r"),
-                            "--config", json.dumps({**HERE_DATA, "heldout_interval": 75}))
+    rc, out, err = _dry_run(
+        monkeypatch,
+        capsys,
+        str(GPU_TUNE_YAML.relative_to(REPO)),
+        "--ray-num-gpus",
+        "4",
+        "--storage-path",
+        str(tmp_path / "r"),
+        "--config",
+        json.dumps({**HERE_DATA, "heldout_interval": 75}),
+    )
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err
     assert "scheduler.grace_period: ASHA compares trials on heldout/accuracy from iteration 50" in lines[0]

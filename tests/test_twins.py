@@ -9,6 +9,7 @@ learners and 1 env runner (the ExGRPO recipe's rehearsal covers its full actor c
 checkpoint and resume); their dry runs (memory plan fits the card)
 are in tests/test_memory_plan.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,11 +24,25 @@ TUNED = REPO / "tuned_examples"
 EXGRPO_GPU = sorted(p for p in TUNED.glob("exgrpo_qwen*.yaml") if not p.stem.endswith("_tune"))
 TWINS = sorted(TUNED.glob("grpo_qwen*.yaml")) + sorted(TUNED.glob("ppo_qwen*.yaml"))
 #: ExGRPO-only settings a GRPO twin leaves out (replay; GRPO refuses experience_replay: true).
-REPLAY_KEYS = {"experience_replay", "experience_ratio", "delayed_start_solve_rate", "bucket_weighting",
-               "trajectory_selection", "replay_candidates_per_question", "policy_shaping_beta",
-               "remove_clip_in_mixed_mode"}
-HELDOUT_KEYS = ("heldout_dataset", "heldout_split", "heldout_num_questions", "heldout_interval", "heldout_samples",
-                "heldout_temperature", "heldout_max_response_tokens")
+REPLAY_KEYS = {
+    "experience_replay",
+    "experience_ratio",
+    "delayed_start_solve_rate",
+    "bucket_weighting",
+    "trajectory_selection",
+    "replay_candidates_per_question",
+    "policy_shaping_beta",
+    "remove_clip_in_mixed_mode",
+}
+HELDOUT_KEYS = (
+    "heldout_dataset",
+    "heldout_split",
+    "heldout_num_questions",
+    "heldout_interval",
+    "heldout_samples",
+    "heldout_temperature",
+    "heldout_max_response_tokens",
+)
 
 
 def _spec(path: Path):
@@ -59,8 +74,9 @@ def _summary(path: Path) -> dict:
         "data": c["env_config"],
         "seed": c.get("seed"),
         "model": (model, dtype),
-        "sampling": {k: get(k) for k in ("group_size", "temperature", "top_p", "max_prompt_tokens",
-                                          "max_response_tokens", "generation_backend")},
+        "sampling": {
+            k: get(k) for k in ("group_size", "temperature", "top_p", "max_prompt_tokens", "max_response_tokens", "generation_backend")
+        },
         "token_budget": questions * get("group_size") * get("max_response_tokens") * iterations,
         "questions_per_iteration": questions,
         "iterations": iterations,
@@ -98,8 +114,10 @@ def test_twin_matches_its_exgrpo_recipe(twin):
         mc = c["model_config"]
         assert mc.get("gpu_memory_gb", 80) == src["config"].get("gpu_memory_gb", 80)  # the same card
         # The same GPUs: what the ExGRPO recipe's actors hold in all, split between PPO's.
-        gpus = lambda cfg: (cfg.get("num_env_runners", 0) * cfg.get("num_gpus_per_env_runner", 0)  # noqa: E731
-                            + max(1, cfg.get("num_learners", 0)) * cfg.get("num_gpus_per_learner", 0))
+        gpus = lambda cfg: (
+            cfg.get("num_env_runners", 0) * cfg.get("num_gpus_per_env_runner", 0)  # noqa: E731
+            + max(1, cfg.get("num_learners", 0)) * cfg.get("num_gpus_per_learner", 0)
+        )
         assert gpus(c) == gpus(src["config"])
         if src["config"].get("lora_rank"):
             assert mc["lora_rank"] == src["config"]["lora_rank"]
@@ -125,29 +143,36 @@ def test_ppo_twin_refuses_what_ppo_cannot_do_in_one_line(tmp_path):
 
     name, spec = _spec(TUNED / "ppo_qwen1.5b.yaml")
     spec["config"]["env_config"] = {"dataset": "arithmetic"}
-    spec["config"]["model_config"].update(lroa=64, colocate=True, learner_backend="deepspeed",
-                                          learner_micro_batch_tokens=32768, scoring_on="learners")
+    spec["config"]["model_config"].update(
+        lroa=64, colocate=True, learner_backend="deepspeed", learner_micro_batch_tokens=32768, scoring_on="learners"
+    )
     path = tmp_path / "ppo.yaml"
     path.write_text(yaml.safe_dump({name: spec}))
     with pytest.raises(CliConfigError) as err:
         build_experiments(str(path), ray_num_gpus=8, dry_run=True, storage_path=str(tmp_path / "r"))
     lines = [ln for ln in str(err.value).splitlines() if "config.model_config." in ln]
-    for key, needle in [("lroa", "Did you mean: 'lora'"), ("colocate", "cannot colocate"),
-                        ("learner_backend", "DeepSpeed"), ("learner_micro_batch_tokens", "minibatch_size"),
-                        ("scoring_on", "behaviour log-probs")]:
+    for key, needle in [
+        ("lroa", "Did you mean: 'lora'"),
+        ("colocate", "cannot colocate"),
+        ("learner_backend", "DeepSpeed"),
+        ("learner_micro_batch_tokens", "minibatch_size"),
+        ("scoring_on", "behaviour log-probs"),
+    ]:
         hits = [ln for ln in lines if f"config.model_config.{key}:" in ln]
         assert len(hits) == 1 and needle in hits[0], (key, lines)
 
 
 # ------------------------------------------------------------------ rehearsals: 2 iterations
 
+
 #: The smallest run a rehearsal allows: its own caps, completions of 8 tokens and a held-out
 #: evaluation of 2 questions. PPO's held-out settings live in model_config, which the
 #: rehearsal's rules do not read (its held-out file is not swapped, nor its size scaled): given here.
 def _smallest(spec: dict) -> dict:
     if spec["run"] == "PPO":
-        return {"model_config": {"heldout_dataset": "arithmetic", "heldout_num_questions": 2, "heldout_interval": 2,
-                                 "max_response_tokens": 8}}
+        return {
+            "model_config": {"heldout_dataset": "arithmetic", "heldout_num_questions": 2, "heldout_interval": 2, "max_response_tokens": 8}
+        }
     return {"heldout_num_questions": 2, "max_response_tokens": 8}
 
 
@@ -192,8 +217,23 @@ def test_every_twin_rehearses_two_iterations(twin, tmp_path, capsys):
     name, spec = _spec(twin)
     storage = tmp_path / "results"
     overrides = {**_smallest(spec), **_fewer_actors(spec)}
-    assert main(["train", "file", str(twin), "--rehearse", "--storage-path", str(storage),
-                 "--stop", '{"training_iteration": 2}', "--config", json.dumps(overrides)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "file",
+                str(twin),
+                "--rehearse",
+                "--storage-path",
+                str(storage),
+                "--stop",
+                '{"training_iteration": 2}',
+                "--config",
+                json.dumps(overrides),
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "rehearsal:" in err
     rows = []

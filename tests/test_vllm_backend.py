@@ -8,6 +8,7 @@ runs them there (and deselects them in ``.venv``); a skip there fails the run. T
 vLLM against the HF backend on the same weights of the quick tiny model (head_dim 32):
 greedy tokens, behaviour log-probs, finish reasons, samples per prompt, and weight sync.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -163,7 +164,11 @@ def test_installed_vllm_is_supported_and_has_the_calls_the_backend_makes(vllm_mo
     import vllm
 
     from rllib_exgrpo.generation.vllm import (
-        check_vllm_api, import_vllm, installed_vllm_version, vllm_api_problems, vllm_version_supported,
+        check_vllm_api,
+        import_vllm,
+        installed_vllm_version,
+        vllm_api_problems,
+        vllm_version_supported,
     )
 
     assert vllm_version_supported(vllm.__version__), vllm.__version__
@@ -462,9 +467,15 @@ def test_exgrpo_trains_and_syncs_weights_with_the_vllm_backend(vllm_module, quic
         ExGRPOConfig()
         .environment(env_config={"dataset": "arithmetic"})
         .training(
-            model_name_or_path=quick_tiny_model, questions_per_step=4, group_size=4,
-            max_prompt_tokens=128, max_response_tokens=12, lr=1e-3, minibatch_size=16,
-            loss_agg_mode="token-mean", generation_backend="vllm",
+            model_name_or_path=quick_tiny_model,
+            questions_per_step=4,
+            group_size=4,
+            max_prompt_tokens=128,
+            max_response_tokens=12,
+            lr=1e-3,
+            minibatch_size=16,
+            loss_agg_mode="token-mean",
+            generation_backend="vllm",
             vllm_kwargs={"kv_cache_memory_bytes": 64 << 20, "block_size": 32},
         )
         .build_algo()
@@ -537,9 +548,16 @@ def test_engine_only_runner_with_scoring_on_learners(vllm_module, quick_tiny_mod
         ExGRPOConfig()
         .environment(env_config={"dataset": "arithmetic"})
         .training(
-            model_name_or_path=quick_tiny_model, questions_per_step=4, group_size=4,
-            max_prompt_tokens=128, max_response_tokens=12, lr=1e-3, minibatch_size=16,
-            loss_agg_mode="token-mean", generation_backend="vllm", scoring_on="learners",
+            model_name_or_path=quick_tiny_model,
+            questions_per_step=4,
+            group_size=4,
+            max_prompt_tokens=128,
+            max_response_tokens=12,
+            lr=1e-3,
+            minibatch_size=16,
+            loss_agg_mode="token-mean",
+            generation_backend="vllm",
+            scoring_on="learners",
             vllm_kwargs={"kv_cache_memory_bytes": 64 << 20, "block_size": 32},
         )
         .build_algo()
@@ -569,7 +587,7 @@ def test_engine_only_runner_with_scoring_on_learners(vllm_module, quick_tiny_mod
         assert runner.module is None
 
         model = load_causal_lm({"model": quick_tiny_model, "dtype": "float32"}).eval()
-        model.load_state_dict({k[len("model."):]: torch.as_tensor(v) for k, v in weights["default_policy"].items()})
+        model.load_state_dict({k[len("model.") :]: torch.as_tensor(v) for k, v in weights["default_policy"].items()})
         got = runner.backend.generate(prompts, [1] * 4, params)
         want = HFGenerationBackend(model, pad_token_id=runner.tokenizer.pad_token_id).generate(prompts, [1] * 4, params)
         assert any(not np.array_equal(a[0].token_ids, b[0].token_ids) for a, b in zip(got, before))

@@ -10,6 +10,7 @@ naming the field (``generation/vllm.py``: ``engine_config_problems``):
 
 The engine build in the learner says the same, in case a config reaches it another way.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -21,9 +22,11 @@ from rllib_exgrpo.rllib.algorithm import GRPOConfig
 
 
 def _spec(**config):
-    return {"run": "GRPO", "stop": {"training_iteration": 1},
-            "config": {"model_name_or_path": "tiny", "generation_backend": "vllm", "num_env_runners": 0,
-                       **config}}
+    return {
+        "run": "GRPO",
+        "stop": {"training_iteration": 1},
+        "config": {"model_name_or_path": "tiny", "generation_backend": "vllm", "num_env_runners": 0, **config},
+    }
 
 
 def _lines(spec) -> list:
@@ -44,8 +47,10 @@ def test_cpu_engines_that_each_ask_for_most_of_the_node_are_refused():
     lines = _lines(_spec(colocate=True, num_learners=2, vllm_kwargs={"gpu_memory_utilization": 0.92}))
     ours = [ln for ln in lines if "vllm_kwargs.gpu_memory_utilization" in ln]
     assert len(ours) == 1, lines
-    assert ours[0].startswith("experiment 'bad': config: vllm_kwargs.gpu_memory_utilization: 2 vLLM engines on CPU "
-                              "(one per learner) each reserve 0.92 of the node's memory"), ours
+    assert ours[0].startswith(
+        "experiment 'bad': config: vllm_kwargs.gpu_memory_utilization: 2 vLLM engines on CPU "
+        "(one per learner) each reserve 0.92 of the node's memory"
+    ), ours
     assert "1.84 > 1" in ours[0] and "kv_cache_memory_bytes" in ours[0]
 
 
@@ -53,8 +58,12 @@ def _cfg(**training):
     learners = training.pop("num_learners", 2)
     gpus = training.pop("num_gpus_per_learner", 0)
     training = {"generation_backend": "vllm", **training}
-    return (GRPOConfig().training(colocate=True, **training)
-            .env_runners(num_env_runners=0).learners(num_learners=learners, num_gpus_per_learner=gpus))
+    return (
+        GRPOConfig()
+        .training(colocate=True, **training)
+        .env_runners(num_env_runners=0)
+        .learners(num_learners=learners, num_gpus_per_learner=gpus)
+    )
 
 
 def test_what_fits_passes_and_the_default_share_counts(monkeypatch):
@@ -71,14 +80,17 @@ def test_what_fits_passes_and_the_default_share_counts(monkeypatch):
 def test_engines_sharing_a_gpu_must_fit_it():
     half = dict(num_learners=4, num_gpus_per_learner=0.5)
     (line,) = engine_config_problems(_cfg(vllm_kwargs={"gpu_memory_utilization": 0.6}, **half))
-    assert line.startswith("vllm_kwargs.gpu_memory_utilization: 2 vLLM engines share each GPU "
-                           "(num_gpus_per_learner: 0.5) and each takes 0.6 of it: 1.20 > 1")
+    assert line.startswith(
+        "vllm_kwargs.gpu_memory_utilization: 2 vLLM engines share each GPU (num_gpus_per_learner: 0.5) and each takes 0.6 of it: 1.20 > 1"
+    )
     assert engine_config_problems(_cfg(vllm_kwargs={"gpu_memory_utilization": 0.45}, **half)) == []
-    assert engine_config_problems(_cfg(vllm_kwargs={"gpu_memory_utilization": 0.9}, num_learners=4,
-                                       num_gpus_per_learner=1)) == []
+    assert engine_config_problems(_cfg(vllm_kwargs={"gpu_memory_utilization": 0.9}, num_learners=4, num_gpus_per_learner=1)) == []
     # Env runners (no colocate) that share a GPU: the same rule.
-    runners = (GRPOConfig().training(generation_backend="vllm", vllm_kwargs={"gpu_memory_utilization": 0.9})
-               .env_runners(num_env_runners=3, num_gpus_per_env_runner=0.3))
+    runners = (
+        GRPOConfig()
+        .training(generation_backend="vllm", vllm_kwargs={"gpu_memory_utilization": 0.9})
+        .env_runners(num_env_runners=3, num_gpus_per_env_runner=0.3)
+    )
     (line,) = engine_config_problems(runners)
     assert "3 vLLM engines share each GPU (num_gpus_per_env_runner: 0.3)" in line
 

@@ -10,6 +10,7 @@
   ``vllm`` logger, nothing printed but its INFO lines); the engine then scores a fixed sequence as a plain HF
   model with the learner's weights does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +23,10 @@ import torch
 from rllib_exgrpo.generation.vllm import VLLMGenerationBackend, WeightSyncWorkerExtension
 
 NAMES = [f"model.layers.{i}.{p}.weight" for i in range(3) for p in ("q_proj", "k_proj")] + [
-    "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    "model.embed_tokens.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+]
 
 
 def _backend(llm, *, in_process: bool) -> VLLMGenerationBackend:
@@ -132,7 +136,6 @@ def test_every_model_runner_loads_through_vllms_inplace_reload():
     assert "does not load through" in _same_reload_problem(Elsewhere, "Elsewhere.reload_weights")
 
 
-
 class _Said(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -154,11 +157,21 @@ def test_colocated_push_is_one_reload_and_vllm_says_nothing(quick_tiny_model):
     from rllib_exgrpo.rllib.env_runner import token_spaces
     from test_colocate_sync import _engine_prompt_logprobs, _plain_logprobs
 
-    cfg = (ExGRPOConfig().environment(env_config={"dataset": "arithmetic"})
-           .training(model_name_or_path=quick_tiny_model, max_prompt_tokens=96, max_response_tokens=8,
-                     colocate=True, generation_backend="vllm", behaviour_logprobs="engine",
-                     generation_batch_size=8, vllm_kwargs=dict(VLLM_CPU_KWARGS))
-           .env_runners(num_env_runners=0))
+    cfg = (
+        ExGRPOConfig()
+        .environment(env_config={"dataset": "arithmetic"})
+        .training(
+            model_name_or_path=quick_tiny_model,
+            max_prompt_tokens=96,
+            max_response_tokens=8,
+            colocate=True,
+            generation_backend="vllm",
+            behaviour_logprobs="engine",
+            generation_batch_size=8,
+            vllm_kwargs=dict(VLLM_CPU_KWARGS),
+        )
+        .env_runners(num_env_runners=0)
+    )
     tok = load_tokenizer(quick_tiny_model)
     group = cfg.build_learner_group(spaces={DEFAULT_MODULE_ID: token_spaces(len(tok), 96, 8)})
     learner = group._learner
@@ -212,8 +225,9 @@ def test_an_engine_in_its_own_process_takes_the_weights_a_layer_of_bytes_at_a_ti
     cfg.max_prompt_tokens, cfg.max_response_tokens, cfg.generation_batch_size = 96, 8, 8
     cfg.vllm_kwargs = {"kv_cache_memory_bytes": 64 << 20, "block_size": 32, "enforce_eager": True}
     space = gym.spaces.Discrete(2)
-    module = LLMTorchRLModule(observation_space=space, action_space=space,
-                              model_config={"model": quick_tiny_model, "dtype": "float32"}).eval()
+    module = LLMTorchRLModule(
+        observation_space=space, action_space=space, model_config={"model": quick_tiny_model, "dtype": "float32"}
+    ).eval()
     backend = VLLMGenerationBackend(cfg, module, None)
     try:
         backend.build_engine()

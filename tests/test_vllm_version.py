@@ -7,6 +7,7 @@ the signature check tells a missing keyword from a present one. The check agains
 installed vLLM itself is ``test_installed_vllm_is_supported_and_has_the_calls_the_backend_makes``
 in ``tests/test_vllm_backend.py`` (marked ``vllm``: it runs in ``.venv-vllm``).
 """
+
 from __future__ import annotations
 
 import ast

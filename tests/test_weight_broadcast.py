@@ -14,6 +14,7 @@ and through Ray's object store (``object_store``, RLlib's ``sync_weights``).
 * a runner killed and restarted rejoins a new generation of the group with the others and
   receives weights equal to the learners'.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,8 +34,13 @@ BUCKET_MB = 0.5
 
 # --- the plan and one broadcast, in this process ------------------------------------------------
 def test_buckets_hold_at_most_their_size_and_each_dtype_lies_end_to_end():
-    specs = [("a", (4, 4), torch.float32), ("b", (8,), torch.bfloat16), ("c", (100,), torch.float32),
-             ("d", (2, 3), torch.bfloat16), ("e", (3,), torch.float32)]
+    specs = [
+        ("a", (4, 4), torch.float32),
+        ("b", (8,), torch.bfloat16),
+        ("c", (100,), torch.float32),
+        ("d", (2, 3), torch.bfloat16),
+        ("e", (3,), torch.float32),
+    ]
     layout = wb.plan_buckets(specs, bucket_bytes=96, aliases=[("tied", "a")])
     # a (64 B) + b (16 B) fit in 96; c (400 B) is larger than a bucket: one of its own; d + e.
     assert [[s.name for s in b.slots] for b in layout.buckets] == [["a", "b"], ["c"], ["d", "e"]]
@@ -142,19 +148,22 @@ def _config(model: str, **training):
     from test_ddp import two_learner_config
 
     return two_learner_config(model, weight_sync_bucket_mb=BUCKET_MB, **training).env_runners(
-        num_env_runners=2, num_cpus_per_env_runner=0.5)
+        num_env_runners=2, num_cpus_per_env_runner=0.5
+    )
 
 
 def _learner_weights(algo) -> dict:
     """The weights as a sync ships them (inference-only, in the runners' dtype)."""
     state = algo.learner_group.get_state(components="learner/rl_module", inference_only=True)
-    return {k: torch.as_tensor(np.array(v)) if not torch.is_tensor(v) else v.clone()
-            for k, v in state["learner"]["rl_module"][MODULE].items()}
+    return {
+        k: torch.as_tensor(np.array(v)) if not torch.is_tensor(v) else v.clone() for k, v in state["learner"]["rl_module"][MODULE].items()
+    }
 
 
 def _runner_weights(algo) -> list:
     return algo.env_runner_group.foreach_env_runner(
-        lambda r: {k: v.detach().clone() for k, v in r.module.state_dict().items()}, local_env_runner=False)
+        lambda r: {k: v.detach().clone() for k, v in r.module.state_dict().items()}, local_env_runner=False
+    )
 
 
 def _assert_runners_hold(algo, expected: dict) -> None:
@@ -168,6 +177,7 @@ def _assert_runners_hold(algo, expected: dict) -> None:
 
 def _nudge_learners(algo) -> None:
     """Move every learner's weights by the same amount (an update the runners have not seen)."""
+
     def add(learner):  # ZeRO-3: each rank moves its own partition
         module = learner.module[MODULE]
         module = module.unwrapped() if hasattr(module, "unwrapped") else module
@@ -183,12 +193,13 @@ def _nudge_learners(algo) -> None:
 
 def _sync_on(algo, path: str) -> dict:
     """One sync on ``path`` as the algorithm makes it; returns what Ray serialised meanwhile."""
+
     def sync():
         if path == "collective":
             algo._sync_runner_weights()
         else:
-            algo.env_runner_group.sync_weights(from_worker_or_learner_group=algo.learner_group,
-                                               inference_only=True, timeout_seconds=None)
+            algo.env_runner_group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True, timeout_seconds=None)
+
     _, counts = wb.ray_serialization_during(sync, algo.learner_group, algo.env_runner_group)
     return counts
 
@@ -249,9 +260,11 @@ def test_ddp_runners_equal_the_learners_on_each_path(ddp_algo):
     # The measure sees the object store's copies: the learner's reply and the driver's put.
     assert stored["object_store"]["store_bytes"] >= 2 * model_bytes
     assert stored["collective"]["store_bytes"] == 0 and stored["collective"]["store_objects"] == 0
-    print(f"\nDDP x2 -> 2 runners: object store path {stored['object_store']['store_bytes'] / 2**20:.1f} MiB into "
-          f"the object store, collective {stored['collective']['store_bytes']} B "
-          f"({stored['collective']['bytes']} B of small call arguments and replies in all)")
+    print(
+        f"\nDDP x2 -> 2 runners: object store path {stored['object_store']['store_bytes'] / 2**20:.1f} MiB into "
+        f"the object store, collective {stored['collective']['store_bytes']} B "
+        f"({stored['collective']['bytes']} B of small call arguments and replies in all)"
+    )
 
 
 @pytest.mark.slow
@@ -308,8 +321,8 @@ def test_zero3_runners_equal_the_learners_on_each_path(ray_local, quick_tiny_mod
     algo = _config(quick_tiny_model, **ds_training(3)).build_algo()
     try:
         held = algo.learner_group.foreach_learner(
-            lambda learner: all(hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel
-                                for p in learner.module[MODULE].parameters()))
+            lambda learner: all(hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel for p in learner.module[MODULE].parameters())
+        )
         assert all(h.get() for h in held), "ZeRO-3 did not partition every parameter"
         stored = _check_both_paths(algo)
         assert stored["collective"]["store_bytes"] == 0
@@ -336,10 +349,20 @@ def test_engine_only_vllm_runner_gets_the_broadcast_through_load_weights(ray_loc
     algo = (
         ExGRPOConfig()
         .environment(env_config={"dataset": "arithmetic"})
-        .training(model_name_or_path=quick_tiny_model, questions_per_step=4, group_size=4, max_prompt_tokens=128,
-                  max_response_tokens=12, lr=1e-3, minibatch_size=16, loss_agg_mode="token-mean",
-                  generation_backend="vllm", scoring_on="learners", weight_sync_bucket_mb=BUCKET_MB,
-                  vllm_kwargs={"kv_cache_memory_bytes": 64 << 20, "block_size": 32})
+        .training(
+            model_name_or_path=quick_tiny_model,
+            questions_per_step=4,
+            group_size=4,
+            max_prompt_tokens=128,
+            max_response_tokens=12,
+            lr=1e-3,
+            minibatch_size=16,
+            loss_agg_mode="token-mean",
+            generation_backend="vllm",
+            scoring_on="learners",
+            weight_sync_bucket_mb=BUCKET_MB,
+            vllm_kwargs={"kv_cache_memory_bytes": 64 << 20, "block_size": 32},
+        )
         .env_runners(num_env_runners=1, num_cpus_per_env_runner=1)
         .build_algo()
     )
@@ -349,12 +372,10 @@ def test_engine_only_vllm_runner_gets_the_broadcast_through_load_weights(ray_loc
         prompts = [runner.encode_prompt(q) for q in qids]
         params = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=runner.stop_token_ids)
         out = runner.backend.generate(prompts, [1] * 4, params)
-        return (runner.engine_only and runner.module is None, prompts, [g[0].token_ids for g in out],
-                params, runner.tokenizer.pad_token_id)
+        return (runner.engine_only and runner.module is None, prompts, [g[0].token_ids for g in out], params, runner.tokenizer.pad_token_id)
 
     try:
-        engine_only, prompts, before, _, _ = algo.env_runner_group.foreach_env_runner(
-            greedy, local_env_runner=False)[0]
+        engine_only, prompts, before, _, _ = algo.env_runner_group.foreach_env_runner(greedy, local_env_runner=False)[0]
         assert engine_only
 
         def shake(learner):  # weights far enough from the start to change greedy completions
@@ -369,7 +390,7 @@ def test_engine_only_vllm_runner_gets_the_broadcast_through_load_weights(ray_loc
         assert counts["store_bytes"] == 0
         _, prompts, got, params, pad = algo.env_runner_group.foreach_env_runner(greedy, local_env_runner=False)[0]
         model = load_causal_lm({"model": quick_tiny_model, "dtype": "float32"}).eval()
-        model.load_state_dict({k[len("model."):]: v for k, v in _learner_weights(algo).items()})
+        model.load_state_dict({k[len("model.") :]: v for k, v in _learner_weights(algo).items()})
         want = [g[0].token_ids for g in HFGenerationBackend(model, pad_token_id=pad).generate(prompts, [1] * 4, params)]
         assert any(not np.array_equal(a, b) for a, b in zip(got, before)), "the engine kept its old weights"
         for prompt, a, b in zip(prompts, got, want):

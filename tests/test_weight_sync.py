@@ -3,6 +3,7 @@ store), and the driver's local env runner keeps no copy of the synced weights.
 
 ``benchmarks/weight_sync.py`` measures the same path on a 226 M-parameter model.
 """
+
 import pickle
 
 import pytest
@@ -33,8 +34,9 @@ def test_module_set_state_loads_bf16_without_a_float32_detour(quick_tiny_model):
     from rllib_exgrpo.rllib.env_runner import token_spaces
 
     obs, act = token_spaces(100, 8, 8)
-    module = LLMTorchRLModule(observation_space=obs, action_space=act, inference_only=True,
-                              model_config={"model": quick_tiny_model, "dtype": "bfloat16"})
+    module = LLMTorchRLModule(
+        observation_space=obs, action_space=act, inference_only=True, model_config={"model": quick_tiny_model, "dtype": "bfloat16"}
+    )
     state = module.get_state()
     assert all(isinstance(v, ShippedBF16) for v in state.values())
     new = {k: (v.float() + 1).to(torch.bfloat16).as_subclass(ShippedBF16) for k, v in state.items()}
@@ -52,8 +54,15 @@ def test_local_runner_keeps_no_weights_and_remote_runner_gets_bf16(quick_tiny_mo
     config = (
         ExGRPOConfig()
         .environment("rllib_exgrpo.envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
-        .training(model_name_or_path=quick_tiny_model, model_dtype="bfloat16", questions_per_step=2,
-                  group_size=2, max_prompt_tokens=64, max_response_tokens=4, minibatch_size=4)
+        .training(
+            model_name_or_path=quick_tiny_model,
+            model_dtype="bfloat16",
+            questions_per_step=2,
+            group_size=2,
+            max_prompt_tokens=64,
+            max_response_tokens=4,
+            minibatch_size=4,
+        )
         .env_runners(num_env_runners=1, num_cpus_per_env_runner=1)
         .learners(num_learners=0)
     )
@@ -69,8 +78,7 @@ def test_local_runner_keeps_no_weights_and_remote_runner_gets_bf16(quick_tiny_mo
         with torch.no_grad():
             for p in learner_module.model.parameters():
                 p.add_(0.5)
-        group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True,
-                           timeout_seconds=None)
+        group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True, timeout_seconds=None)
         expected = {k: p.detach().to(torch.bfloat16) for k, p in learner_module.state_dict().items()}
 
         local = group.local_env_runner

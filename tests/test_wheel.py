@@ -16,6 +16,7 @@
   files in that folder (the editable install's import hook among them) are not run there,
   and the checkout stays out of reach.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,24 +35,28 @@ PKG = REPO / "rllib_exgrpo"
 RECIPE = REPO / "tuned_examples" / "grpo_tiny.yaml"
 #: What the copy of the checkout leaves out: version control, environments, build and run
 #: outputs (none of it is part of a build).
-_NOT_COPIED = shutil.ignore_patterns(".git", ".venv", ".venv-*", "build", "dist", "*.egg-info", "__pycache__",
-                                     "*.pyc", ".pytest_cache", "results", "mlruns", "*.db")
+_NOT_COPIED = shutil.ignore_patterns(
+    ".git", ".venv", ".venv-*", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache", "results", "mlruns", "*.db"
+)
 
 
 def _package_files() -> set:
     """The checkout's files of the package, as paths relative to the repository root
     (compiled files and dot-files such as ``.gitattributes`` aside)."""
     return {
-        p.relative_to(REPO).as_posix() for p in PKG.rglob("*")
+        p.relative_to(REPO).as_posix()
+        for p in PKG.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc" and not p.name.startswith(".")
     }
 
 
 def _build_wheel(src: Path, out: Path) -> Path:
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "-w", str(out), str(src)],
-        cwd=out.parent, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out), str(src)],
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     wheels = list(out.glob("rllib_exgrpo-*.whl"))
@@ -61,8 +66,7 @@ def _build_wheel(src: Path, out: Path) -> Path:
 
 def _wheel_files(wheel: Path) -> set:
     """The wheel's files outside its ``.dist-info`` folder."""
-    return {n for n in zipfile.ZipFile(wheel).namelist()
-            if not n.endswith("/") and not n.split("/")[0].endswith(".dist-info")}
+    return {n for n in zipfile.ZipFile(wheel).namelist() if not n.endswith("/") and not n.split("/")[0].endswith(".dist-info")}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +94,8 @@ def test_wheel_holds_every_module_and_data_file_and_nothing_else(wheel):
     # Every folder of the package with Python modules is a package (``__init__.py``).
     for folder in sorted({Path(f).parent for f in _package_files() if f.endswith(".py")}):
         assert (REPO / folder / "__init__.py").is_file(), (
-            f"{folder} has modules but no __init__.py: find_packages leaves it out of the wheel")
+            f"{folder} has modules but no __init__.py: find_packages leaves it out of the wheel"
+        )
     # The wheel's package files are the checkout's: every module and data file, no other.
     expected = _package_files()
     assert sorted(expected - files) == [], "in the checkout, missing from the wheel"
@@ -118,8 +123,11 @@ def test_source_distribution_builds_the_same_wheel(build_root, wheel):
     out = build_root / "sdist"
     out.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))",
-         str(out)], cwd=build_root / "src", capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))", str(out)],
+        cwd=build_root / "src",
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     sdist = out / proc.stdout.strip().splitlines()[-1]
@@ -144,11 +152,18 @@ def _fresh_venv(root: Path, wheel: Path) -> Path:
     # environment, whose path does not reach this one yet (nothing there to replace).
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
     ours = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
     (Path(purelib) / "dev_dependencies.pth").write_text("".join(f"{p}\n" for p in ours))
     return python
@@ -188,13 +203,28 @@ print(json.dumps({{
 
     recipe = work / RECIPE.name
     shutil.copy(RECIPE, recipe)
-    small = {"questions_per_step": 4, "group_size": 4, "minibatch_size": 16, "max_response_tokens": 12,
-             "heldout_num_questions": 8}
+    small = {"questions_per_step": 4, "group_size": 4, "minibatch_size": 16, "max_response_tokens": 12, "heldout_num_questions": 8}
     storage = tmp_path / "results"
     proc = subprocess.run(
-        [str(python.with_name("rllib")), "train", "file", str(recipe), "--stop", json.dumps({"training_iteration": 1}),
-         "--config", json.dumps(small), "--storage-path", str(storage), "--ray-num-cpus", "2"],
-        cwd=work, env=env, capture_output=True, text=True, timeout=900,
+        [
+            str(python.with_name("rllib")),
+            "train",
+            "file",
+            str(recipe),
+            "--stop",
+            json.dumps({"training_iteration": 1}),
+            "--config",
+            json.dumps(small),
+            "--storage-path",
+            str(storage),
+            "--ray-num-cpus",
+            "2",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     log = proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-8000:]
     assert proc.returncode == 0, log

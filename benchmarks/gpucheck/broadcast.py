@@ -13,6 +13,7 @@ What needs Ray: ``learner_open`` and ``RunnerEnd.join`` ask Ray for the node's a
 (``ray.util.get_node_ip_address``) and the root reads its tensors through RLlib's
 ``InferenceOnlyAPI``; without Ray the stage is skipped, saying so.
 """
+
 from __future__ import annotations
 
 import io
@@ -53,8 +54,16 @@ def _receiver(address, device: str, queue) -> None:
         end.close()
         buf = io.BytesIO()  # bytes, not tensors: torch would share their memory with a process about to end
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
-        queue.put({"ok": True, "seq_no": seq_no, "missing": missing, "collected": collected is not None,
-                   "seconds": seconds, "state": buf.getvalue()})
+        queue.put(
+            {
+                "ok": True,
+                "seq_no": seq_no,
+                "missing": missing,
+                "collected": collected is not None,
+                "seconds": seconds,
+                "state": buf.getvalue(),
+            }
+        )
     except Exception as e:  # the root reports it
         queue.put({"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
 
@@ -71,12 +80,14 @@ def pick_backend(device) -> tuple:
 
 
 def run_broadcast(device) -> dict:
-    entry = {"name": "nccl-broadcast", "bucket_bytes": BUCKET_BYTES,
-             "model_config": {**ZERO_MODEL, "tie_word_embeddings": True}}
+    entry = {"name": "nccl-broadcast", "bucket_bytes": BUCKET_BYTES, "model_config": {**ZERO_MODEL, "tie_word_embeddings": True}}
     if not have("ray"):
-        return {**entry, "status": "skipped",
-                "why": "Ray is absent: weight_broadcast.learner_open / RunnerEnd.join ask Ray for the node's "
-                       "address and read the learner's tensors through RLlib's InferenceOnlyAPI"}
+        return {
+            **entry,
+            "status": "skipped",
+            "why": "Ray is absent: weight_broadcast.learner_open / RunnerEnd.join ask Ray for the node's "
+            "address and read the learner's tensors through RLlib's InferenceOnlyAPI",
+        }
     os.environ.setdefault("RLLIB_EXGRPO_WEIGHT_SYNC_TIMEOUT_S", TIMEOUT_S)
     backend, root_dev, runner_dev, why = pick_backend(device)
     entry.update(backend=backend, root_device=root_dev, runner_device=runner_dev, backend_why=why)
@@ -88,15 +99,21 @@ def run_broadcast(device) -> dict:
     theirs = torch.load(io.BytesIO(got["state"]))
     mine = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     same = [k for k in mine if k in theirs and torch.equal(mine[k].to(theirs[k].dtype), theirs[k])]
-    entry.update(sent=sent, runner_seconds=got["seconds"], seq_no=got["seq_no"], missing=got["missing"],
-                 tensors=len(mine), tensors_equal=len(same))
+    entry.update(
+        sent=sent, runner_seconds=got["seconds"], seq_no=got["seq_no"], missing=got["missing"], tensors=len(mine), tensors_equal=len(same)
+    )
     ok = "error" not in sent and len(same) == len(mine) and not got["missing"] and got["seq_no"] == 3
     entry["status"] = "ran" if ok else "failed"
     if not ok:
-        entry["error"] = (f"{len(mine) - len(same)} of {len(mine)} tensors differ after the broadcast"
-                          + (f"; root: {sent['error']}" if "error" in sent else "") + f"; seq no {got['seq_no']}")
-    entry["note"] = (f"{backend} ({why}): {sent.get('bytes', 0) / 2**20:.2f} MiB in {sent.get('buckets', 0)} buckets, "
-                     f"{sent.get('seconds', 0):.3f} s; {len(same)}/{len(mine)} tensors bitwise equal on the runner")
+        entry["error"] = (
+            f"{len(mine) - len(same)} of {len(mine)} tensors differ after the broadcast"
+            + (f"; root: {sent['error']}" if "error" in sent else "")
+            + f"; seq no {got['seq_no']}"
+        )
+    entry["note"] = (
+        f"{backend} ({why}): {sent.get('bytes', 0) / 2**20:.2f} MiB in {sent.get('buckets', 0)} buckets, "
+        f"{sent.get('seconds', 0):.3f} s; {len(same)}/{len(mine)} tensors bitwise equal on the runner"
+    )
     return entry
 
 

@@ -1,4 +1,5 @@
 """The colocate stage: learner and HF generation taking turns on one device, the optimizer state round trip."""
+
 from __future__ import annotations
 
 import math
@@ -6,8 +7,20 @@ import time
 
 from gpucheck.generation import generate_tokens
 from gpucheck.common import (
-    allocated_bytes, build_model, Clock, count_params, free_memory, GIB, is_oom, learner_batch,
-    learner_flops_rate, learner_forward_backward, reset_peak, score_nograd, set_checkpointing, step_flops,
+    allocated_bytes,
+    build_model,
+    Clock,
+    count_params,
+    free_memory,
+    GIB,
+    is_oom,
+    learner_batch,
+    learner_flops_rate,
+    learner_forward_backward,
+    reset_peak,
+    score_nograd,
+    set_checkpointing,
+    step_flops,
     sync,
 )
 
@@ -50,21 +63,32 @@ def colocate_plan(cfg: dict, spec: dict, model_dtype: str, attn: str, gpu_memory
 
         turn_items = items(turn)
         resident = turn_items.get("learner weights", 0) + turn_items.get("DDP gradient buckets", 0)
-        phases = {"learner": seen(learner), "release": resident,
-                  "generation": seen(turn) - turn_items.get("optimizer state", 0), "restore": seen(learner)}
-        return {"status": "ok", "source": "rllib_exgrpo.planning.memory.plan_memory",
-                "args": f"ddp, 1 learner, model_dtype {model_dtype}, gradient_checkpointing, learner "
-                        f"{spec['rows']} x ({spec['prompt']} + {spec['response']}) padded; generation hf, "
-                        f"generation_batch_size {spec['gen_batch']}, {spec['gen_prompt']} + "
-                        f"{spec['gen_new_tokens']} tokens, behaviour_logprobs engine",
-                "learner_items": items(learner), "turn_items": turn_items,
-                "learner_total_bytes": learner.total, "turn_total_bytes": turn.total,
-                "learner_fits": learner.fits, "turn_fits": turn.fits,
-                "phase_bytes": phases, "generation_as_planned_bytes": seen(turn),
-                # bf16 weight copies autocast keeps through a pass (the learner entry has them;
-                # a turn under the learner's autocast makes them too)
-                "autocast_copies_bytes": items(learner).get("autocast weight copies", 0),
-                "excluded": list(PLAN_OUTSIDE_ALLOCATOR)}
+        phases = {
+            "learner": seen(learner),
+            "release": resident,
+            "generation": seen(turn) - turn_items.get("optimizer state", 0),
+            "restore": seen(learner),
+        }
+        return {
+            "status": "ok",
+            "source": "rllib_exgrpo.planning.memory.plan_memory",
+            "args": f"ddp, 1 learner, model_dtype {model_dtype}, gradient_checkpointing, learner "
+            f"{spec['rows']} x ({spec['prompt']} + {spec['response']}) padded; generation hf, "
+            f"generation_batch_size {spec['gen_batch']}, {spec['gen_prompt']} + "
+            f"{spec['gen_new_tokens']} tokens, behaviour_logprobs engine",
+            "learner_items": items(learner),
+            "turn_items": turn_items,
+            "learner_total_bytes": learner.total,
+            "turn_total_bytes": turn.total,
+            "learner_fits": learner.fits,
+            "turn_fits": turn.fits,
+            "phase_bytes": phases,
+            "generation_as_planned_bytes": seen(turn),
+            # bf16 weight copies autocast keeps through a pass (the learner entry has them;
+            # a turn under the learner's autocast makes them too)
+            "autocast_copies_bytes": items(learner).get("autocast weight copies", 0),
+            "excluded": list(PLAN_OUTSIDE_ALLOCATOR),
+        }
     except Exception as e:  # the plan's API moved: say so, keep the run
         return {"status": f"unavailable ({type(e).__name__}: {str(e)[:200]})"}
 
@@ -82,23 +106,38 @@ def _colocate_plan_entries(cfg: dict, spec: dict, model_dtype: str, attn: str, g
 
     shape = ModelShape.from_hf_config(Qwen2Config(**cfg))
     base = field_defaults()
-    base.update(model_name_or_path="gpu_check (random weights)", colocate=True, num_learners=0,
-                num_gpus_per_learner=1, num_env_runners=0, num_gpus_per_env_runner=0, learner_backend="ddp",
-                model_dtype=model_dtype, gradient_checkpointing=True,
-                attn_implementation=attn if attn in ATTN_IMPLEMENTATIONS else "sdpa",
-                learner_micro_batch_rows=spec["rows"], minibatch_size=spec["rows"],
-                learner_micro_batch_tokens=None, generation_backend="hf", hf_decoder="generate",
-                behaviour_logprobs="engine", scoring_on="runners", kl_coeff=0.0, lora_rank=0,
-                torch_ddp_kwargs={}, generation_batch_size=spec["gen_batch"])
-    kw = {"gpu_memory": gpu_memory, "gpu_memory_source": "torch.cuda.get_device_properties", "shape": shape} \
-        if gpu_memory else {"shape": shape}
-    learner_cfg = SimpleNamespace(**{**base, "max_prompt_tokens": spec["prompt"],
-                                     "max_response_tokens": spec["response"]})
-    turn_cfg = SimpleNamespace(**{**base, "max_prompt_tokens": spec["gen_prompt"],
-                                  "max_response_tokens": spec["gen_new_tokens"]})
+    base.update(
+        model_name_or_path="gpu_check (random weights)",
+        colocate=True,
+        num_learners=0,
+        num_gpus_per_learner=1,
+        num_env_runners=0,
+        num_gpus_per_env_runner=0,
+        learner_backend="ddp",
+        model_dtype=model_dtype,
+        gradient_checkpointing=True,
+        attn_implementation=attn if attn in ATTN_IMPLEMENTATIONS else "sdpa",
+        learner_micro_batch_rows=spec["rows"],
+        minibatch_size=spec["rows"],
+        learner_micro_batch_tokens=None,
+        generation_backend="hf",
+        hf_decoder="generate",
+        behaviour_logprobs="engine",
+        scoring_on="runners",
+        kl_coeff=0.0,
+        lora_rank=0,
+        torch_ddp_kwargs={},
+        generation_batch_size=spec["gen_batch"],
+    )
+    kw = (
+        {"gpu_memory": gpu_memory, "gpu_memory_source": "torch.cuda.get_device_properties", "shape": shape}
+        if gpu_memory
+        else {"shape": shape}
+    )
+    learner_cfg = SimpleNamespace(**{**base, "max_prompt_tokens": spec["prompt"], "max_response_tokens": spec["response"]})
+    turn_cfg = SimpleNamespace(**{**base, "max_prompt_tokens": spec["gen_prompt"], "max_response_tokens": spec["gen_new_tokens"]})
     # the learner entry ("learner", or "learner, training turn (colocate)") and the turn's
-    learner = next(a for a in plan_memory(learner_cfg, **kw).actors
-                   if a.kind.startswith("learner") and "generation turn" not in a.kind)
+    learner = next(a for a in plan_memory(learner_cfg, **kw).actors if a.kind.startswith("learner") and "generation turn" not in a.kind)
     turn = next(a for a in plan_memory(turn_cfg, **kw).actors if "generation turn" in a.kind)
     return learner, turn
 
@@ -109,15 +148,17 @@ def colocate_predicted_s(results: dict, shape: dict):
     or None when nothing measured it."""
     spec, cfg = shape["colocate"], shape["config"]
     rate = learner_flops_rate(results, cfg)
-    gen = [e["tokens_per_s"] for e in results.get("generation", [])
-           if e.get("status") == "ok" and e.get("decoder") == "generate" and e.get("batch") == spec["gen_batch"]]
+    gen = [
+        e["tokens_per_s"]
+        for e in results.get("generation", [])
+        if e.get("status") == "ok" and e.get("decoder") == "generate" and e.get("batch") == spec["gen_batch"]
+    ]
     if rate is None and not gen:
         return None
     params = results.get("params") or count_params(cfg)
     seconds = 10.0  # model build, first-call warm-ups
     if rate:  # two fp32-weight steps under autocast (x1.5 for the casts) and one scoring pass
-        flops = step_flops(cfg, cfg["num_hidden_layers"], spec["rows"], spec["prompt"] + spec["response"],
-                           spec["response"], True)
+        flops = step_flops(cfg, cfg["num_hidden_layers"], spec["rows"], spec["prompt"] + spec["response"], spec["response"], True)
         seconds += 2.5 * 1.5 * flops / rate
     if gen:
         seconds += 2.0 * spec["gen_batch"] * spec["gen_new_tokens"] / min(gen)
@@ -136,8 +177,10 @@ def _phase_memory(device, base: int) -> dict:
 
     if device.type != "cuda":
         return {"peak_bytes": None, "resident_bytes": None}
-    return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)) - base,
-            "resident_bytes": int(torch.cuda.memory_allocated(device)) - base}
+    return {
+        "peak_bytes": int(torch.cuda.max_memory_allocated(device)) - base,
+        "resident_bytes": int(torch.cuda.memory_allocated(device)) - base,
+    }
 
 
 def run_colocate(shape: dict, device, dtype, attn: str, clock: Clock, predicted_s=None) -> dict:
@@ -154,16 +197,28 @@ def run_colocate(shape: dict, device, dtype, attn: str, clock: Clock, predicted_
     cuda = device.type == "cuda"
     compute = None if dtype == torch.float32 else dtype  # the DDP learner: fp32 weights, autocast compute
     model_dtype = str(dtype).replace("torch.", "")
-    res = {"name": "colocate", "model_config": cfg, "weights_dtype": "float32",
-           "compute_dtype": model_dtype if compute is not None else "float32",
-           "rows": spec["rows"], "prompt": spec["prompt"], "response": spec["response"],
-           "gradient_checkpointing": True, "gen_batch": spec["gen_batch"], "gen_prompt": spec["gen_prompt"],
-           "gen_new_tokens": spec["gen_new_tokens"], "decoder": "generate",
-           "optimizer": "torch.optim.AdamW(lr=1e-6, weight_decay=0.01), grad-norm clip 1.0",
-           "offload": "rllib_exgrpo.rllib.colocation.OptimizerOffload",
-           "memory_source": ("torch.cuda.max_memory_allocated / memory_allocated, above the stage's start"
-                             if cuda else "unavailable (no CUDA: torch's allocator figures are per GPU)"),
-           "phases": {}}
+    res = {
+        "name": "colocate",
+        "model_config": cfg,
+        "weights_dtype": "float32",
+        "compute_dtype": model_dtype if compute is not None else "float32",
+        "rows": spec["rows"],
+        "prompt": spec["prompt"],
+        "response": spec["response"],
+        "gradient_checkpointing": True,
+        "gen_batch": spec["gen_batch"],
+        "gen_prompt": spec["gen_prompt"],
+        "gen_new_tokens": spec["gen_new_tokens"],
+        "decoder": "generate",
+        "optimizer": "torch.optim.AdamW(lr=1e-6, weight_decay=0.01), grad-norm clip 1.0",
+        "offload": "rllib_exgrpo.rllib.colocation.OptimizerOffload",
+        "memory_source": (
+            "torch.cuda.max_memory_allocated / memory_allocated, above the stage's start"
+            if cuda
+            else "unavailable (no CUDA: torch's allocator figures are per GPU)"
+        ),
+        "phases": {},
+    }
     clock.results["colocate"] = res
     t_stage = time.perf_counter()
     if predicted_s is not None:
@@ -180,13 +235,16 @@ def run_colocate(shape: dict, device, dtype, attn: str, clock: Clock, predicted_
     except Exception as e:
         if not is_oom(e):
             raise
-        res.update(status="oom", phase=cycle.phase, error=str(e).splitlines()[0][:300],
-                   peak_bytes=_phase_memory(device, res.get("stage_start_allocated_bytes", 0))["peak_bytes"])
+        res.update(
+            status="oom",
+            phase=cycle.phase,
+            error=str(e).splitlines()[0][:300],
+            peak_bytes=_phase_memory(device, res.get("stage_start_allocated_bytes", 0))["peak_bytes"],
+        )
     cycle = None
     free_memory(device)
     rt = res.get("round_trip", {})
-    clock.stage("colocate (whole stage)", time.perf_counter() - t_stage,
-                f"round trip ok={rt['ok']}" if rt else res["status"])
+    clock.stage("colocate (whole stage)", time.perf_counter() - t_stage, f"round trip ok={rt['ok']}" if rt else res["status"])
     return res
 
 
@@ -208,8 +266,7 @@ class ColocateCycle:
 
         import torch
 
-        return (torch.autocast(self.device.type, dtype=self.compute) if self.compute is not None
-                else contextlib.nullcontext())
+        return torch.autocast(self.device.type, dtype=self.compute) if self.compute is not None else contextlib.nullcontext()
 
     def run(self) -> None:
         self.build()
@@ -236,8 +293,7 @@ class ColocateCycle:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.res["params"] = sum(p.numel() for p in self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-6, weight_decay=0.01)
-        self.batch = learner_batch(spec["rows"], spec["prompt"], spec["response"], self.cfg["vocab_size"], device,
-                                   seed=11)
+        self.batch = learner_batch(spec["rows"], spec["prompt"], spec["response"], self.cfg["vocab_size"], device, seed=11)
         with self.autocast():
             self.batch["old_logp"] = score_nograd(self.model, self.batch, spec["response"])[0]  # behaviour log-probs
         free_memory(device)
@@ -263,15 +319,18 @@ class ColocateCycle:
         loss, norm = self.step_grads()
         self.optimizer.step()
         sync(self.device)
-        self.phases["learner"] = {"seconds": time.perf_counter() - t, "loss": loss, "grad_norm": norm,
-                                  **_phase_memory(self.device, self.base)}
+        self.phases["learner"] = {
+            "seconds": time.perf_counter() - t,
+            "loss": loss,
+            "grad_norm": norm,
+            **_phase_memory(self.device, self.base),
+        }
         self.clock.stage("colocate: learner step", self.phases["learner"]["seconds"])
         state = list(optimizer_state_tensors([self.optimizer]))
         self.ref_state = [(v.device, v.detach().to("cpu", copy=True)) for _, _, v in state]
         self.ref_params = [p.detach().to("cpu", copy=True) for p in self.params]
         self.checks["state_bytes"] = sum(v.numel() * v.element_size() for _, _, v in state)
-        self.checks["device_state_bytes"] = sum(v.numel() * v.element_size() for _, _, v in state
-                                                if v.device.type != "cpu")
+        self.checks["device_state_bytes"] = sum(v.numel() * v.element_size() for _, _, v in state if v.device.type != "cpu")
 
     def release_phase(self) -> None:
         """2. release: gradients dropped, optimizer state to (pinned) host memory, cache emptied."""
@@ -289,14 +348,24 @@ class ColocateCycle:
         free_memory(self.device)
         sync(self.device)
         held = [v for _, _, v in optimizer_state_tensors([self.optimizer])]
-        self.phases["release"] = {"seconds": time.perf_counter() - t, "offload_s": offload_s,
-                                  "bytes_offloaded": moved, **_phase_memory(self.device, self.base)}
-        self.checks.update(moved=moved, offload_s=offload_s, moved_by_kind=dict(getattr(self.offload, "moved", {})),
-                           on_host=all(v.device.type == "cpu" for v in held),
-                           pinned=(all(v.is_pinned() for v, (home, _) in zip(held, self.ref_state)
-                                       if home.type != "cpu") if self.cuda else None))
-        self.clock.stage("colocate: release", self.phases["release"]["seconds"],
-                         f"{moved / 1e9:.3f} GB of optimizer state to the host in {offload_s:.2f} s")
+        self.phases["release"] = {
+            "seconds": time.perf_counter() - t,
+            "offload_s": offload_s,
+            "bytes_offloaded": moved,
+            **_phase_memory(self.device, self.base),
+        }
+        self.checks.update(
+            moved=moved,
+            offload_s=offload_s,
+            moved_by_kind=dict(getattr(self.offload, "moved", {})),
+            on_host=all(v.device.type == "cpu" for v in held),
+            pinned=(all(v.is_pinned() for v, (home, _) in zip(held, self.ref_state) if home.type != "cpu") if self.cuda else None),
+        )
+        self.clock.stage(
+            "colocate: release",
+            self.phases["release"]["seconds"],
+            f"{moved / 1e9:.3f} GB of optimizer state to the host in {offload_s:.2f} s",
+        )
 
     def generation_phase(self) -> None:
         """3. generation turn: the same model object, eval mode, no grad, the learner's autocast."""
@@ -320,11 +389,15 @@ class ColocateCycle:
         free_memory(device)
         self.model.config.use_cache = False
         self.model.train()
-        self.phases["generation"] = {"seconds": gen_s, "generated_tokens": n_tokens, "tokens_per_s": n_tokens / gen_s,
-                                     **_phase_memory(device, self.base), "peak_bytes": peak}
+        self.phases["generation"] = {
+            "seconds": gen_s,
+            "generated_tokens": n_tokens,
+            "tokens_per_s": n_tokens / gen_s,
+            **_phase_memory(device, self.base),
+            "peak_bytes": peak,
+        }
         with torch.no_grad():
-            self.checks["unchanged"] = all(torch.equal(p.detach(), r.to(device))
-                                           for p, r in zip(self.params, self.ref_params))
+            self.checks["unchanged"] = all(torch.equal(p.detach(), r.to(device)) for p, r in zip(self.params, self.ref_params))
         self.clock.stage("colocate: generation", gen_s, f"{n_tokens / gen_s:,.0f} new tok/s (first call)")
 
     def restore_phase(self) -> None:
@@ -341,11 +414,11 @@ class ColocateCycle:
         reload_s = time.perf_counter() - t
         reload_peak = _phase_memory(self.device, self.base)["peak_bytes"]
         state = list(optimizer_state_tensors([self.optimizer]))
-        back_home = len(state) == len(self.ref_state) and all(
-            v.device == home for (_, _, v), (home, _) in zip(state, self.ref_state))
+        back_home = len(state) == len(self.ref_state) and all(v.device == home for (_, _, v), (home, _) in zip(state, self.ref_state))
         with torch.no_grad():
-            bitwise = back_home and all(v.dtype == r.dtype and torch.equal(v, r.to(v.device))
-                                        for (_, _, v), (_, r) in zip(state, self.ref_state))
+            bitwise = back_home and all(
+                v.dtype == r.dtype and torch.equal(v, r.to(v.device)) for (_, _, v), (_, r) in zip(state, self.ref_state)
+            )
         del state
         reset_peak(self.device)  # the comparison's copies are not the cycle's
         t1 = time.perf_counter()
@@ -359,11 +432,20 @@ class ColocateCycle:
         mem = _phase_memory(self.device, self.base)
         if self.cuda:
             mem["peak_bytes"] = max(mem["peak_bytes"], reload_peak)
-        self.phases["restore"] = {"seconds": reload_s + time.perf_counter() - t1 - copy_s, "reload_s": reload_s,
-                                  "bytes_reloaded": reloaded, "loss": loss, "grad_norm": norm, **mem}
+        self.phases["restore"] = {
+            "seconds": reload_s + time.perf_counter() - t1 - copy_s,
+            "reload_s": reload_s,
+            "bytes_reloaded": reloaded,
+            "loss": loss,
+            "grad_norm": norm,
+            **mem,
+        }
         self.checks.update(reloaded=reloaded, reload_s=reload_s, back_home=back_home, bitwise=bitwise)
-        self.clock.stage("colocate: restore", self.phases["restore"]["seconds"],
-                         f"{reloaded / 1e9:.3f} GB back in {reload_s:.2f} s, second step loss {loss:.4f}")
+        self.clock.stage(
+            "colocate: restore",
+            self.phases["restore"]["seconds"],
+            f"{reloaded / 1e9:.3f} GB back in {reload_s:.2f} s, second step loss {loss:.4f}",
+        )
 
     def reference_check(self) -> None:
         """The same second step from the state as it was before the offload: equal, bitwise."""
@@ -384,20 +466,39 @@ class ColocateCycle:
         with torch.no_grad():
             matches = all(torch.equal(p.detach(), a) for p, a in zip(self.params, after))
             moved_by_step = sum(int((a != r.to(device)).sum()) for a, r in zip(after, self.ref_params))
-        rt = {"state_tensors": len(self.ref_state), "state_bytes": c["state_bytes"],
-              "device_state_bytes": c["device_state_bytes"], "bytes_offloaded": c["moved"],
-              "bytes_reloaded": c["reloaded"], "moved_by_kind": c["moved_by_kind"], "offload_s": c["offload_s"],
-              "reload_s": c["reload_s"], "on_host_during_turn": c["on_host"], "pinned_during_turn": c["pinned"],
-              "back_on_device": c["back_home"], "state_bitwise_equal": c["bitwise"],
-              "weights_unchanged_by_generation": c["unchanged"], "step_after_reload_matches_reference": matches,
-              "second_step_update_fraction": moved_by_step / max(1, self.res["params"])}
+        rt = {
+            "state_tensors": len(self.ref_state),
+            "state_bytes": c["state_bytes"],
+            "device_state_bytes": c["device_state_bytes"],
+            "bytes_offloaded": c["moved"],
+            "bytes_reloaded": c["reloaded"],
+            "moved_by_kind": c["moved_by_kind"],
+            "offload_s": c["offload_s"],
+            "reload_s": c["reload_s"],
+            "on_host_during_turn": c["on_host"],
+            "pinned_during_turn": c["pinned"],
+            "back_on_device": c["back_home"],
+            "state_bitwise_equal": c["bitwise"],
+            "weights_unchanged_by_generation": c["unchanged"],
+            "step_after_reload_matches_reference": matches,
+            "second_step_update_fraction": moved_by_step / max(1, self.res["params"]),
+        }
         if not self.cuda:
             rt["note"] = "CPU run: the state is copied into new host tensors and back (no device to leave)"
         losses = (self.phases["learner"]["loss"], self.phases["restore"]["loss"])
         # every state tensor goes to the host (the step counts too), and all of it comes back
-        rt["ok"] = bool(c["on_host"] and c["back_home"] and c["bitwise"] and c["unchanged"] and matches
-                        and c["moved"] == c["state_bytes"] and c["reloaded"] == c["moved"]
-                        and c["pinned"] is not False and all(math.isfinite(x) for x in losses) and moved_by_step > 0)
+        rt["ok"] = bool(
+            c["on_host"]
+            and c["back_home"]
+            and c["bitwise"]
+            and c["unchanged"]
+            and matches
+            and c["moved"] == c["state_bytes"]
+            and c["reloaded"] == c["moved"]
+            and c["pinned"] is not False
+            and all(math.isfinite(x) for x in losses)
+            and moved_by_step > 0
+        )
         self.res["round_trip"] = rt
 
     def set_plan_figures(self) -> None:
@@ -416,5 +517,4 @@ class ColocateCycle:
                 if e["within_plan"] is False:
                     e["over_plan_bytes"] = measured - e["plan_bytes"]
         if plan.get("status") == "ok" and self.cuda:
-            phases["generation"]["within_plan_as_planned"] = (phases["generation"]["peak_bytes"]
-                                                              <= plan["generation_as_planned_bytes"])
+            phases["generation"]["within_plan_as_planned"] = phases["generation"]["peak_bytes"] <= plan["generation_as_planned_bytes"]

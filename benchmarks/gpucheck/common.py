@@ -1,4 +1,5 @@
 """Shapes, the clock, device memory helpers and the learner's step, shared by the stages."""
+
 from __future__ import annotations
 
 import gc
@@ -22,54 +23,119 @@ SHAPES = {
     # Qwen/Qwen2.5-Math-1.5B's config.json (max_position_embeddings raised: the recipe's
     # 1024 + 8192 tokens need more than its 4096; it changes no compute).
     "qwen2.5-1.5b": {
-        "config": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                       intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
-                       max_position_embeddings=16384, rope_theta=10000.0, rms_norm_eps=1e-6),
-        "rows": 8, "prompt": 1024, "responses": (1024, 3072),
-        "gen_batches": (64, 256), "gen_prompt": 256, "gen_new_tokens": 512,
+        "config": dict(
+            hidden_size=1536,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            intermediate_size=8960,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            max_position_embeddings=16384,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+        ),
+        "rows": 8,
+        "prompt": 1024,
+        "responses": (1024, 3072),
+        "gen_batches": (64, 256),
+        "gen_prompt": 256,
+        "gen_new_tokens": 512,
     },
     "tiny": {
-        "config": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
-                       max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6),
-        "rows": 4, "prompt": 16, "responses": (16, 48),
-        "gen_batches": (4,), "gen_prompt": 8, "gen_new_tokens": 16,
+        "config": dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=512,
+            tie_word_embeddings=True,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+        ),
+        "rows": 4,
+        "prompt": 16,
+        "responses": (16, 48),
+        "gen_batches": (4,),
+        "gen_prompt": 8,
+        "gen_new_tokens": 16,
     },
 }
 # Qwen/Qwen2.5-Math-7B's config.json (7,615,616,512 parameters; max_position_embeddings
 # raised as above). The slice stage builds only ``layers`` of its 28 decoder layers.
-QWEN25_MATH_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                      intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
-                      max_position_embeddings=16384, rope_theta=10000.0, rms_norm_eps=1e-6)
+QWEN25_MATH_7B = dict(
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+    max_position_embeddings=16384,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+)
 # The 7B recipe (tuned_examples/exgrpo_qwen.yaml): one learner pass holds at most
 # learner_micro_batch_tokens 32768, i.e. 4 rows at full width (max_prompt_tokens 1024 +
 # max_response_tokens 8192).
 SHAPES["qwen2.5-1.5b"].update(
     drift={"rows": 4, "prompt": 1024, "response": 8192},
-    slice={"name": "qwen2.5-math-7b", "config": QWEN25_MATH_7B, "layers": (2, 4), "rows": 4, "prompt": 1024,
-           "response": 8192, "steps": 3},
+    slice={"name": "qwen2.5-math-7b", "config": QWEN25_MATH_7B, "layers": (2, 4), "rows": 4, "prompt": 1024, "response": 8192, "steps": 3},
     transfer_gb=15.2,  # Qwen2.5-Math-7B's bf16 weights: 7.6 G parameters x 2 bytes
     transfer_chunk_mb=512,
     # The 1.5B recipe's packed pass: learner_micro_batch_tokens (read from the recipe;
     # 32768 when it was written) as rows of 1024 prompt + 3072 completion tokens (the
     # backbone's 4096 positions), on 2 of the 28 decoder layers.
-    packed={"name": "qwen2.5-math-1.5b", "config": SHAPES["qwen2.5-1.5b"]["config"], "layers": 2,
-            "prompt": 1024, "response": 3072, "tokens": 32768, "recipe": RECIPE_1_5B, "max_len": 8192},
+    packed={
+        "name": "qwen2.5-math-1.5b",
+        "config": SHAPES["qwen2.5-1.5b"]["config"],
+        "layers": 2,
+        "prompt": 1024,
+        "response": 3072,
+        "tokens": 32768,
+        "recipe": RECIPE_1_5B,
+        "max_len": 8192,
+    },
     # The colocated cycle on the full 1.5B model: fp32 weights + AdamW (~25 GB of state) under
     # bf16 autocast, the learner stage's shorter rows, a generation turn of 64 x (256 + 128).
-    colocate={"rows": 8, "prompt": 1024, "response": 1024, "gen_batch": 64, "gen_prompt": 256,
-              "gen_new_tokens": 128},
+    colocate={"rows": 8, "prompt": 1024, "response": 1024, "gen_batch": 64, "gen_prompt": 256, "gen_new_tokens": 128},
 )
 SHAPES["tiny"].update(
     drift={"rows": 4, "prompt": 16, "response": 48},
-    slice={"name": "tiny-untied", "layers": (1, 2), "rows": 2, "prompt": 8, "response": 24, "steps": 1,
-           "config": dict(hidden_size=64, num_hidden_layers=28, num_attention_heads=4, num_key_value_heads=2,
-                          intermediate_size=160, vocab_size=512, tie_word_embeddings=False,
-                          max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6)},
+    slice={
+        "name": "tiny-untied",
+        "layers": (1, 2),
+        "rows": 2,
+        "prompt": 8,
+        "response": 24,
+        "steps": 1,
+        "config": dict(
+            hidden_size=64,
+            num_hidden_layers=28,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=160,
+            vocab_size=512,
+            tie_word_embeddings=False,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+        ),
+    },
     transfer_gb=0.016,
     transfer_chunk_mb=4,
-    packed={"name": "tiny", "config": SHAPES["tiny"]["config"], "layers": 2, "prompt": 32, "response": 96,
-            "tokens": 768, "recipe": None, "max_len": 8192},
+    packed={
+        "name": "tiny",
+        "config": SHAPES["tiny"]["config"],
+        "layers": 2,
+        "prompt": 32,
+        "response": 96,
+        "tokens": 768,
+        "recipe": None,
+        "max_len": 8192,
+    },
     colocate={"rows": 4, "prompt": 16, "response": 16, "gen_batch": 4, "gen_prompt": 8, "gen_new_tokens": 8},
 )
 LEGACY_STAGES = ("learner", "packed", "drift", "slice", "transfer", "generation", "colocate")
@@ -217,10 +283,20 @@ def learner_forward_backward(model, batch, response: int, max_len: int) -> float
     # what the learner's module calls (rllib/module.py), logit_chunk_tokens at its default
     logp, entropy = score_learner_batch(model, batch, temperature=1.0, chunk_tokens=DEFAULT_CHUNK_TOKENS)
     loss, _ = mixed_policy_loss(
-        logp, batch["old_logp"], batch["advantages"], batch["response_mask"], batch["off_policy"],
-        eps_low=0.2, eps_high=0.2, clip_fresh=False, beta=0.1,
-        agg_mode="seq-mean-token-sum-norm-official", max_len=max_len, micro_batch_rows=64,
-        entropy=entropy, entropy_coeff=0.001,
+        logp,
+        batch["old_logp"],
+        batch["advantages"],
+        batch["response_mask"],
+        batch["off_policy"],
+        eps_low=0.2,
+        eps_high=0.2,
+        clip_fresh=False,
+        beta=0.1,
+        agg_mode="seq-mean-token-sum-norm-official",
+        max_len=max_len,
+        micro_batch_rows=64,
+        entropy=entropy,
+        entropy_coeff=0.001,
     )
     loss.backward()
     return float(loss.detach())
@@ -276,10 +352,13 @@ class MasterWeightAdamW:
         """Bytes of what persists between steps, counted from the tensors themselves."""
         weights = sum(p.numel() * p.element_size() for p in self.params)
         master = sum(m.numel() * m.element_size() for m in self.masters)
-        moments = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                      for k, t in st.items() if k != "step" and hasattr(t, "numel"))
-        return {"weights": weights, "fp32_master": master, "adamw_moments": moments,
-                "total": weights + master + moments}
+        moments = sum(
+            t.numel() * t.element_size()
+            for st in self.optimizer.state.values()
+            for k, t in st.items()
+            if k != "step" and hasattr(t, "numel")
+        )
+        return {"weights": weights, "fp32_master": master, "adamw_moments": moments, "total": weights + master + moments}
 
 
 def score_nograd(model, batch, response: int):
@@ -290,7 +369,11 @@ def score_nograd(model, batch, response: int):
 
     with torch.no_grad():
         return completion_logprobs_and_entropy(
-            model, batch["input_ids"], batch["attention_mask"], response, temperature=1.0,
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            response,
+            temperature=1.0,
             chunk_tokens=DEFAULT_CHUNK_TOKENS,
         )
 
@@ -347,9 +430,11 @@ def step_flops(cfg: dict, layers: int, rows: int, seq: int, response: int, check
 
 def learner_flops_rate(results: dict, cfg: dict):
     """Achieved FLOP/s of the learner stage's checkpointed steps (the slowest), or None."""
-    rates = [step_flops(cfg, cfg["num_hidden_layers"], e["rows"], e["prompt"] + e["response"], e["response"], True)
-             / e["step_s_mean"] for e in results.get("learner", [])
-             if e.get("status") == "ok" and e.get("gradient_checkpointing")]
+    rates = [
+        step_flops(cfg, cfg["num_hidden_layers"], e["rows"], e["prompt"] + e["response"], e["response"], True) / e["step_s_mean"]
+        for e in results.get("learner", [])
+        if e.get("status") == "ok" and e.get("gradient_checkpointing")
+    ]
     return min(rates) if rates else None
 
 
@@ -362,10 +447,17 @@ def nograd_token_rate(results: dict):
 def read_recipe(path: Path) -> dict:
     """The 7B recipe's learner settings (tuned_examples/exgrpo_qwen.yaml) for the plan's
     per-GPU estimate; the defaults of ``config_fields`` where the file says nothing."""
-    recipe = {"file": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
-              "learner_backend": "ddp", "deepspeed_zero_stage": 2, "num_learners": 4, "model_dtype": "bfloat16",
-              "learner_micro_batch_rows": 4, "max_prompt_tokens": 1024, "max_response_tokens": 8192,
-              "gradient_checkpointing": True}
+    recipe = {
+        "file": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
+        "learner_backend": "ddp",
+        "deepspeed_zero_stage": 2,
+        "num_learners": 4,
+        "model_dtype": "bfloat16",
+        "learner_micro_batch_rows": 4,
+        "max_prompt_tokens": 1024,
+        "max_response_tokens": 8192,
+        "gradient_checkpointing": True,
+    }
     try:
         import yaml
 
@@ -395,4 +487,3 @@ def host_available_bytes():
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
         return None
-

@@ -1,4 +1,5 @@
 """Optional dependencies: which are here, and carried wheels installed before the stages."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -28,8 +29,7 @@ def install_wheels(folder: Path) -> dict:
     wheels = sorted(str(p) for p in Path(folder).glob("*.whl"))
     if not wheels:
         return {"status": "failed", "error": f"no wheels in {folder}"}
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-           "--disable-pip-version-check", *wheels]
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--disable-pip-version-check", *wheels]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     importlib.invalidate_caches()
     out = {"wheels": [Path(w).name for w in wheels], "returncode": proc.returncode}

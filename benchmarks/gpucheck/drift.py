@@ -1,10 +1,15 @@
 """The drift stage: bf16 log-prob drift of the same rows in other batch compositions."""
+
 from __future__ import annotations
 
 import time
 
 from gpucheck.common import (
-    Clock, free_memory, is_oom, learner_batch, score_nograd,
+    Clock,
+    free_memory,
+    is_oom,
+    learner_batch,
+    score_nograd,
 )
 
 
@@ -34,21 +39,27 @@ def logp_drift(model, rows: int, prompt: int, response: int, vocab: int, device,
     order = torch.arange(rows - 1, -1, -1, device=ids.device)
     ids2 = torch.zeros(rows, pad + prompt + response + pad, dtype=ids.dtype, device=ids.device)
     attn2 = torch.zeros_like(ids2)
-    ids2[:, pad:pad + prompt + response] = ids[order]
-    attn2[:, pad:pad + prompt + response] = attn[order]
+    ids2[:, pad : pad + prompt + response] = ids[order]
+    attn2[:, pad : pad + prompt + response] = attn[order]
     wide = score(ids2, attn2, response + pad)[:, :response]
     back = torch.empty_like(wide)
     back[order] = wide
     variants["reversed_wider_padding"] = back
 
-    out = {"rows": rows, "prompt": prompt, "response": response,
-           "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-           "reference": "all rows in one padded batch (learner layout)",
-           "tokens_compared": int(real.sum()), "comparisons": {}}
+    out = {
+        "rows": rows,
+        "prompt": prompt,
+        "response": response,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "reference": "all rows in one padded batch (learner layout)",
+        "tokens_compared": int(real.sum()),
+        "comparisons": {},
+    }
     for name, x in variants.items():
         d = (x - ref)[real]
         out["comparisons"][name] = {
-            "max_abs_delta_logp": float(d.abs().max()), "mean_abs_delta_logp": float(d.abs().mean()),
+            "max_abs_delta_logp": float(d.abs().max()),
+            "mean_abs_delta_logp": float(d.abs().mean()),
             # what it does to an unclipped importance ratio exp(logp - old_logp) = 1 + ...
             "max_abs_ratio_minus_1": float(d.exp().sub(1).abs().max()),
         }
@@ -75,8 +86,10 @@ def run_drift(model, label: str, spec: dict, vocab: int, device, clock: Clock, t
             entry.update(status="oom", error=str(e).splitlines()[0][:300])
     free_memory(device)
     c = entry.get("comparisons", {})
-    note = (", ".join(f"{k} max {v['max_abs_delta_logp']:.3g} mean {v['mean_abs_delta_logp']:.3g}" for k, v in c.items())
-            if entry["status"] == "ok" else entry["status"] + (f" ({entry['why']})" if "why" in entry else ""))
+    note = (
+        ", ".join(f"{k} max {v['max_abs_delta_logp']:.3g} mean {v['mean_abs_delta_logp']:.3g}" for k, v in c.items())
+        if entry["status"] == "ok"
+        else entry["status"] + (f" ({entry['why']})" if "why" in entry else "")
+    )
     clock.stage(name, time.perf_counter() - t, note)
     return entry
-

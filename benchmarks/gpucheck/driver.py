@@ -1,4 +1,5 @@
 """The command line: options, the device, the stages in order, the table of stages."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,36 +26,60 @@ EXIT_FAILED = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpu_check.py", description=PACKAGE_DOC,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b",
-                   help="qwen2.5-1.5b (GPU; its slice stage is Qwen2.5-Math-7B-shaped) or tiny (CPU, tests)")
+    p = argparse.ArgumentParser(prog="gpu_check.py", description=PACKAGE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen2.5-1.5b",
+        help="qwen2.5-1.5b (GPU; its slice stage is Qwen2.5-Math-7B-shaped) or tiny (CPU, tests)",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cuda:N or cpu")
-    p.add_argument("--cpu", action="store_true",
-                   help="every stage a CPU allows, at the tiny shape (--shape tiny --device cpu)")
-    p.add_argument("--stages", default=",".join(STAGES),
-                   help=f"comma-separated subset of {','.join(STAGES)} (always run in that order; default all)")
-    p.add_argument("--steps", type=int, default=5,
-                   help="timed learner steps per configuration (after 1 warm-up); the slice stage times "
-                        "at most its shape's count (3)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="weights of the learner / drift / generation model (the slice is always bf16 + fp32 master)")
+    p.add_argument("--cpu", action="store_true", help="every stage a CPU allows, at the tiny shape (--shape tiny --device cpu)")
+    p.add_argument(
+        "--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)} (always run in that order; default all)"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="timed learner steps per configuration (after 1 warm-up); the slice stage times at most its shape's count (3)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="weights of the learner / drift / generation model (the slice is always bf16 + fp32 master)",
+    )
     p.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa: what load_causal_lm gets by default)")
-    p.add_argument("--slice-layers", default=None,
-                   help="decoder-layer counts of the slice stage, comma-separated, >= 2 distinct "
-                        "(default: 2,4 for the 7B shape)")
-    p.add_argument("--transfer-gb", type=float, default=None,
-                   help="bytes (1e9) moved each way by the transfer stage (default: 15.2, the 7B bf16 weights; "
-                        f"tiny: 0.016; a CPU run is capped at {CPU_TRANSFER_CAP_GB})")
-    p.add_argument("--transfer-chunk-mb", type=float, default=None,
-                   help="chunk size (1e6 bytes) of the transfer stage (default 512; tiny 4)")
+    p.add_argument(
+        "--slice-layers",
+        default=None,
+        help="decoder-layer counts of the slice stage, comma-separated, >= 2 distinct (default: 2,4 for the 7B shape)",
+    )
+    p.add_argument(
+        "--transfer-gb",
+        type=float,
+        default=None,
+        help="bytes (1e9) moved each way by the transfer stage (default: 15.2, the 7B bf16 weights; "
+        f"tiny: 0.016; a CPU run is capped at {CPU_TRANSFER_CAP_GB})",
+    )
+    p.add_argument(
+        "--transfer-chunk-mb", type=float, default=None, help="chunk size (1e6 bytes) of the transfer stage (default 512; tiny 4)"
+    )
     p.add_argument("--zero-stages", default="1,2,3", help="ZeRO stages of zero3-colocate-offload (default 1,2,3)")
-    p.add_argument("--budget-s", type=float, default=420.0,
-                   help="stages predicted to end past this are skipped or cut (the new stages' time is "
-                        "kept back from the measuring stages)")
-    p.add_argument("--wheels", type=Path, default=None,
-                   help="a folder of wheels (benchmarks/prepare_gpu_wheels.sh) pip-installed --no-deps "
-                        "--no-index before anything runs: DeepSpeed on a machine without it")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="stages predicted to end past this are skipped or cut (the new stages' time is kept back from the measuring stages)",
+    )
+    p.add_argument(
+        "--wheels",
+        type=Path,
+        default=None,
+        help="a folder of wheels (benchmarks/prepare_gpu_wheels.sh) pip-installed --no-deps "
+        "--no-index before anything runs: DeepSpeed on a machine without it",
+    )
     p.add_argument("--skip-generation", action="store_true", help="same as leaving generation out of --stages")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results, rewritten after every stage")
     return p
@@ -105,14 +130,19 @@ def pick_device(args):
     cuda = torch.cuda.is_available()
     device_arg = ("cuda" if cuda else "cpu") if args.device == "auto" else args.device
     if device_arg.startswith("cuda") and not cuda:
-        print(f"gpu_check: --device {device_arg} but torch sees no CUDA device "
-              f"(torch {torch.__version__}); use --cpu (--shape tiny --device cpu) for the CPU check.",
-              file=sys.stderr)
+        print(
+            f"gpu_check: --device {device_arg} but torch sees no CUDA device "
+            f"(torch {torch.__version__}); use --cpu (--shape tiny --device cpu) for the CPU check.",
+            file=sys.stderr,
+        )
         return None
     if args.shape != "tiny" and not device_arg.startswith("cuda"):
-        print(f"gpu_check: --shape {args.shape} needs a CUDA GPU (torch {torch.__version__} sees "
-              f"{'none' if not cuda else 'one, but --device ' + device_arg}); use --cpu "
-              "(--shape tiny --device cpu) on CPU.", file=sys.stderr)
+        print(
+            f"gpu_check: --shape {args.shape} needs a CUDA GPU (torch {torch.__version__} sees "
+            f"{'none' if not cuda else 'one, but --device ' + device_arg}); use --cpu "
+            "(--shape tiny --device cpu) on CPU.",
+            file=sys.stderr,
+        )
         return None
     return torch.device(device_arg)
 
@@ -123,33 +153,55 @@ def start_results(args, device, wheels) -> dict:
 
     imports = import_project()
     if int(transformers.__version__.split(".")[0]) < 5:
-        print(f"gpu_check: note: transformers {transformers.__version__}; the project pins >=5,<6 "
-              "(scoring needs logits_to_keep): measuring anyway", flush=True)
+        print(
+            f"gpu_check: note: transformers {transformers.__version__}; the project pins >=5,<6 "
+            "(scoring needs logits_to_keep): measuring anyway",
+            flush=True,
+        )
     return {
-        "shape": args.shape, "device": str(device),
+        "shape": args.shape,
+        "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "dtype": args.dtype, "attn_implementation": args.attn, "torch": torch.__version__,
-        "transformers": transformers.__version__, "python": platform.python_version(),
-        "imports": imports, "imports_pull_in_ray": any(isinstance(v, list) and "ray" in v for v in imports.values()),
-        "flash_attn": flash_attn_status(), "optional_dependencies": present(), "wheels": wheels,
+        "dtype": args.dtype,
+        "attn_implementation": args.attn,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "imports": imports,
+        "imports_pull_in_ray": any(isinstance(v, list) and "ray" in v for v in imports.values()),
+        "flash_attn": flash_attn_status(),
+        "optional_dependencies": present(),
+        "wheels": wheels,
         "peak_memory": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "process peak RSS (ru_maxrss)",
-        "model_config": SHAPES[args.shape]["config"], "stages": list(args.stage_list), "budget_s": args.budget_s,
-        "stage_times_s": {}, "summary": [],
+        "model_config": SHAPES[args.shape]["config"],
+        "stages": list(args.stage_list),
+        "budget_s": args.budget_s,
+        "stage_times_s": {},
+        "summary": [],
     }
 
 
 def print_header(ctx) -> None:
     args, results = ctx.args, ctx.results
-    print(f"gpu_check: {args.shape} on {results['device_name']} ({ctx.device}), {args.dtype}; stages "
-          f"{','.join(args.stage_list)}; budget {args.budget_s:.0f} s; out {args.out}", flush=True)
+    print(
+        f"gpu_check: {args.shape} on {results['device_name']} ({ctx.device}), {args.dtype}; stages "
+        f"{','.join(args.stage_list)}; budget {args.budget_s:.0f} s; out {args.out}",
+        flush=True,
+    )
     for module, pulled in results["imports"].items():
-        print(f"  import {module}: " + (("pulls in " + ", ".join(pulled)) if isinstance(pulled, list) and pulled
-                                        else pulled if isinstance(pulled, str) else "no ray/vllm/deepspeed"))
+        print(
+            f"  import {module}: "
+            + (
+                ("pulls in " + ", ".join(pulled))
+                if isinstance(pulled, list) and pulled
+                else pulled
+                if isinstance(pulled, str)
+                else "no ray/vllm/deepspeed"
+            )
+        )
     fa = results["flash_attn"]
-    print("  flash_attn: " + (f"importable ({fa['version']})" if fa["importable"]
-                              else f"not importable ({fa['error']})"), flush=True)
-    print("  optional: " + ", ".join(f"{k} {'here' if v else 'absent'}"
-                                     for k, v in results["optional_dependencies"].items()), flush=True)
+    print("  flash_attn: " + (f"importable ({fa['version']})" if fa["importable"] else f"not importable ({fa['error']})"), flush=True)
+    print("  optional: " + ", ".join(f"{k} {'here' if v else 'absent'}" for k, v in results["optional_dependencies"].items()), flush=True)
 
 
 def record(ctx, stage: str, status: str, seconds: float, note: str) -> None:
@@ -217,8 +269,7 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    ctx = SimpleNamespace(args=args, device=device, dtype=getattr(torch, args.dtype), shape=SHAPES[args.shape],
-                          model=None)
+    ctx = SimpleNamespace(args=args, device=device, dtype=getattr(torch, args.dtype), shape=SHAPES[args.shape], model=None)
     ctx.results = start_results(args, device, wheels)
     ctx.clock = Clock(args.budget_s, args.out, ctx.results)
     ctx.clock.t0 = t_start

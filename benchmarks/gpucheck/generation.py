@@ -1,10 +1,16 @@
 """The generation stage: HF ``generate`` and the backend's ``pruned_decode``."""
+
 from __future__ import annotations
 
 import time
 
 from gpucheck.common import (
-    Clock, free_memory, is_oom, peak_gib, reset_peak, sync,
+    Clock,
+    free_memory,
+    is_oom,
+    peak_gib,
+    reset_peak,
+    sync,
 )
 
 
@@ -30,13 +36,13 @@ def generate_tokens(model, decoder: str, batch: int, max_new: int, ids, attn) ->
         return sum(len(r) for r in rows)
     if HFGenerationBackend is not None:
         params = SamplingParams(max_new_tokens=max_new, temperature=1.0, top_p=1.0, stop_token_ids=())
-        seqs = HFGenerationBackend(model, pad_token_id=0, batch_size=batch, decoder="generate").generate_raw(
-            ids, attn, params)
+        seqs = HFGenerationBackend(model, pad_token_id=0, batch_size=batch, decoder="generate").generate_raw(ids, attn, params)
     else:
         from transformers import GenerationConfig
 
-        gc_ = GenerationConfig(max_new_tokens=max_new, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                               pad_token_id=0, eos_token_id=None, use_cache=True)
+        gc_ = GenerationConfig(
+            max_new_tokens=max_new, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, eos_token_id=None, use_cache=True
+        )
         seqs = model.generate(input_ids=ids, attention_mask=attn, generation_config=gc_)
     return int(seqs.shape[0] * (seqs.shape[1] - ids.shape[1]))
 
@@ -82,16 +88,24 @@ def run_generation(model, shape, device, clock: Clock) -> list:
                         n_tokens = run(decoder, batch, new, ids, attn)
                         sync(device)
                         seconds = time.perf_counter() - t1
-                        entry.update(status="ok", seconds=seconds, generated_tokens=n_tokens,
-                                     tokens_per_s=n_tokens / seconds, warmup_s=warm_s, peak_gib=peak_gib(device))
+                        entry.update(
+                            status="ok",
+                            seconds=seconds,
+                            generated_tokens=n_tokens,
+                            tokens_per_s=n_tokens / seconds,
+                            warmup_s=warm_s,
+                            peak_gib=peak_gib(device),
+                        )
             except Exception as e:
                 if not is_oom(e):
                     raise
                 entry.update(status="oom", error=str(e).splitlines()[0][:300], peak_gib=peak_gib(device))
             ids = attn = None
             free_memory(device)
-            note = (f"{entry['tokens_per_s']:,.0f} new tok/s, peak {entry['peak_gib']:.2f} GiB"
-                    if entry["status"] == "ok" else entry["status"] + (f" ({entry['why']})" if "why" in entry else ""))
+            note = (
+                f"{entry['tokens_per_s']:,.0f} new tok/s, peak {entry['peak_gib']:.2f} GiB"
+                if entry["status"] == "ok"
+                else entry["status"] + (f" ({entry['why']})" if "why" in entry else "")
+            )
             clock.stage(name, time.perf_counter() - t, note)
     return out
-

@@ -1,4 +1,5 @@
 """What the project's imports pull in, and which optional dependencies are here."""
+
 from __future__ import annotations
 
 import sys
@@ -27,8 +28,7 @@ def import_project() -> dict:
     from rllib_exgrpo.core.packing import pack_rows, score_packed  # noqa: F401
 
     new = set(sys.modules) - before
-    report["rllib_exgrpo.core.packing+attention"] = sorted(
-        {m.split(".")[0] for m in new if m.split(".")[0] in HEAVY})
+    report["rllib_exgrpo.core.packing+attention"] = sorted({m.split(".")[0] for m in new if m.split(".")[0] in HEAVY})
     before = set(sys.modules)
     try:
         from rllib_exgrpo.rllib.colocation import OptimizerOffload  # noqa: F401
@@ -46,4 +46,3 @@ def import_project() -> dict:
         new = set(sys.modules) - before
         report["rllib_exgrpo.generation.hf"] = sorted({m.split(".")[0] for m in new if m.split(".")[0] in HEAVY})
     return report
-

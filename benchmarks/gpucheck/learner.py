@@ -1,11 +1,21 @@
 """The learner stage: one optimiser step of the project's learner, with and without checkpointing."""
+
 from __future__ import annotations
 
 import time
 
 from gpucheck.common import (
-    allocated_gib, Clock, free_memory, is_oom, learner_batch, learner_step, peak_gib, reset_peak,
-    score_nograd, set_checkpointing, sync,
+    allocated_gib,
+    Clock,
+    free_memory,
+    is_oom,
+    learner_batch,
+    learner_step,
+    peak_gib,
+    reset_peak,
+    score_nograd,
+    set_checkpointing,
+    sync,
 )
 
 
@@ -20,8 +30,14 @@ def run_learner(model, shape, device, steps: int, clock: Clock) -> list:
     out = []
     for response, ckpt in [(r, ckpt) for r in shape["responses"] for ckpt in (True, False)]:
         name = f"learner {rows}x({prompt}+{response}) {'ckpt' if ckpt else 'no-ckpt'}"
-        entry = {"name": name, "rows": rows, "prompt": prompt, "response": response,
-                 "tokens_per_step": rows * (prompt + response), "gradient_checkpointing": ckpt}
+        entry = {
+            "name": name,
+            "rows": rows,
+            "prompt": prompt,
+            "response": response,
+            "tokens_per_step": rows * (prompt + response),
+            "gradient_checkpointing": ckpt,
+        }
         out.append(entry)
         clock.results["learner"] = out
         t = time.perf_counter()
@@ -36,8 +52,11 @@ def run_learner(model, shape, device, steps: int, clock: Clock) -> list:
             entry.update(status="oom", error=str(e).splitlines()[0][:300], peak_gib=peak_gib(device))
         optimizer.zero_grad(set_to_none=True)
         free_memory(device)
-        note = (f"{entry['step_s_mean']:.2f} s/step, {entry['tokens_per_s']:,.0f} tok/s, peak {entry['peak_gib']:.2f} GiB"
-                if entry["status"] == "ok" else entry["status"])
+        note = (
+            f"{entry['step_s_mean']:.2f} s/step, {entry['tokens_per_s']:,.0f} tok/s, peak {entry['peak_gib']:.2f} GiB"
+            if entry["status"] == "ok"
+            else entry["status"]
+        )
         clock.stage(name, time.perf_counter() - t, note)
         if clock.left() <= 0:
             break
@@ -68,8 +87,11 @@ def warm_optimizer(model, optimizer, shape, device, clock: Clock) -> None:
     sync(device)
     base = allocated_gib(device)
     clock.results["learner_static_gib"] = round(base, 3)
-    clock.stage("learner: optimiser state", time.perf_counter() - t,
-                f"weights + AdamW state {base:.2f} GiB; one lr 1e-6 step changes {fraction:.1%} of the weights")
+    clock.stage(
+        "learner: optimiser state",
+        time.perf_counter() - t,
+        f"weights + AdamW state {base:.2f} GiB; one lr 1e-6 step changes {fraction:.1%} of the weights",
+    )
 
 
 def timed(device, fn):
@@ -85,8 +107,7 @@ def learner_config(model, optimizer, shape, device, steps: int, clock: Clock, en
     """One configuration: the no-grad scoring pass twice (behaviour log-probs / replay choice
     on an env runner), a warm-up step, then as many timed steps as the budget allows."""
     response = entry["response"]
-    batch = learner_batch(entry["rows"], entry["prompt"], response, shape["config"]["vocab_size"], device,
-                          seed=response)
+    batch = learner_batch(entry["rows"], entry["prompt"], response, shape["config"]["vocab_size"], device, seed=response)
     entry["valid_tokens_per_step"] = int(batch["attention_mask"].sum())
     reset_peak(device)
     first_score, logp = timed(device, lambda: score_nograd(model, batch, response)[0])
@@ -106,6 +127,14 @@ def learner_config(model, optimizer, shape, device, steps: int, clock: Clock, en
         entry["steps_cut_by_budget"] = True
     times = [timed(device, step)[0] for _ in range(n)]
     mean = sum(times) / len(times)
-    entry.update(status="ok", steps=len(times), warmup_step_s=warm_s, first_score_s=first_score,
-                 step_s_mean=mean, step_s_min=min(times), tokens_per_s=entry["tokens_per_step"] / mean,
-                 valid_tokens_per_s=entry["valid_tokens_per_step"] / mean, peak_gib=peak_gib(device))
+    entry.update(
+        status="ok",
+        steps=len(times),
+        warmup_step_s=warm_s,
+        first_score_s=first_score,
+        step_s_mean=mean,
+        step_s_min=min(times),
+        tokens_per_s=entry["tokens_per_step"] / mean,
+        valid_tokens_per_s=entry["valid_tokens_per_step"] / mean,
+        peak_gib=peak_gib(device),
+    )

@@ -1,6 +1,7 @@
 """The stages after the measuring ones: each returns ``(status, note)`` for the table of
 stages and keeps its figures in the results (``zero3_colocate_offload``, ``nccl_broadcast``,
 ``packed_flash``, ``vllm_reload``, ``vllm_sleep_wake``)."""
+
 from __future__ import annotations
 
 from gpucheck.deps import have
@@ -9,10 +10,20 @@ NEW_STAGES = ("zero3-colocate-offload", "nccl-broadcast", "packed-flash", "vllm-
 
 #: Seconds each new stage is expected to take where it runs (GPU, CPU), kept back from the
 #: measuring stages' budget; a stage whose dependency is absent costs nothing.
-EXPECTED_S = {"zero3-colocate-offload": (60, 60), "nccl-broadcast": (40, 30), "packed-flash": (30, 0),
-              "vllm-reload": (90, 60), "vllm-sleep-wake": (90, 0)}
-NEEDS = {"zero3-colocate-offload": "deepspeed", "nccl-broadcast": "ray", "packed-flash": "flash_attn",
-         "vllm-reload": "vllm", "vllm-sleep-wake": "vllm"}
+EXPECTED_S = {
+    "zero3-colocate-offload": (60, 60),
+    "nccl-broadcast": (40, 30),
+    "packed-flash": (30, 0),
+    "vllm-reload": (90, 60),
+    "vllm-sleep-wake": (90, 0),
+}
+NEEDS = {
+    "zero3-colocate-offload": "deepspeed",
+    "nccl-broadcast": "ray",
+    "packed-flash": "flash_attn",
+    "vllm-reload": "vllm",
+    "vllm-sleep-wake": "vllm",
+}
 
 
 def reserve_s(stages, device) -> float:
@@ -53,9 +64,12 @@ def packed_flash(ctx) -> tuple:
         return _keep(ctx, "packed_flash", {"status": "skipped", "why": f"flash_attn not importable ({fa['error']})"})
     entry = run_packed(ctx.shape["packed"], ctx.device, ctx.clock, kernel="flash_attention_2", key="packed_flash")
     status = {"ok": "ran", "oom": "ran", "skipped": "skipped"}.get(entry["status"], "failed")
-    note = (f"{entry['pass_s']:.2f} s/pass, peak {entry['measured_gib']:.3f} GiB, measured_over_planned="
-            f"{entry.get('measured_over_planned', float('nan')):.3f}" if entry["status"] == "ok"
-            else entry.get("why", entry.get("error", entry["status"])))
+    note = (
+        f"{entry['pass_s']:.2f} s/pass, peak {entry['measured_gib']:.3f} GiB, measured_over_planned="
+        f"{entry.get('measured_over_planned', float('nan')):.3f}"
+        if entry["status"] == "ok"
+        else entry.get("why", entry.get("error", entry["status"]))
+    )
     entry["table_status"] = status
     return status, note
 
@@ -72,5 +86,10 @@ def vllm_sleep_wake(ctx) -> tuple:
     return _keep(ctx, "vllm_sleep_wake", run_vllm_sleep_wake(ctx.device))
 
 
-NEW_RUNNERS = {"zero3-colocate-offload": zero3_colocate_offload, "nccl-broadcast": nccl_broadcast,
-               "packed-flash": packed_flash, "vllm-reload": vllm_reload, "vllm-sleep-wake": vllm_sleep_wake}
+NEW_RUNNERS = {
+    "zero3-colocate-offload": zero3_colocate_offload,
+    "nccl-broadcast": nccl_broadcast,
+    "packed-flash": packed_flash,
+    "vllm-reload": vllm_reload,
+    "vllm-sleep-wake": vllm_sleep_wake,
+}

@@ -1,4 +1,5 @@
 """The packed stage: one packed learner pass at the real vocabulary, its peak against the plan."""
+
 from __future__ import annotations
 
 import sys
@@ -6,8 +7,17 @@ from pathlib import Path
 import time
 
 from gpucheck.common import (
-    allocated_bytes, build_model, Clock, free_memory, GIB, is_oom, read_recipe, reset_peak, set_checkpointing,
-    step_flops, sync,
+    allocated_bytes,
+    build_model,
+    Clock,
+    free_memory,
+    GIB,
+    is_oom,
+    read_recipe,
+    reset_peak,
+    set_checkpointing,
+    step_flops,
+    sync,
 )
 
 
@@ -40,8 +50,11 @@ def packed_pass_spec(spec: dict) -> dict:
     out = {"tokens_budget": int(spec["tokens"]), "gradient_checkpointing": True, "max_len": int(spec["max_len"])}
     if spec.get("recipe") is not None:
         recipe = read_recipe(Path(spec["recipe"]))
-        out["recipe"] = {k: recipe[k] for k in ("file", "learner_micro_batch_tokens", "gradient_checkpointing",
-                                                "max_response_tokens", "read_error") if k in recipe}
+        out["recipe"] = {
+            k: recipe[k]
+            for k in ("file", "learner_micro_batch_tokens", "gradient_checkpointing", "max_response_tokens", "read_error")
+            if k in recipe
+        }
         if recipe.get("learner_micro_batch_tokens"):
             out["tokens_budget"] = int(recipe["learner_micro_batch_tokens"])
         out["gradient_checkpointing"] = bool(recipe.get("gradient_checkpointing", True))
@@ -64,16 +77,20 @@ def packed_plan(cfg: dict, tokens: int, scored: int, checkpointing: bool) -> dic
     except ImportError as e:
         return {"status": f"unavailable ({type(e).__name__}: {e})"}
     shape = ModelShape.from_hf_config(Qwen2Config(**cfg))
-    args = dict(gradient_checkpointing=checkpointing, dtype_bytes=2, autocast=False, dense_mask=False,
-                chunk_tokens=None)
+    args = dict(gradient_checkpointing=checkpointing, dtype_bytes=2, autocast=False, dense_mask=False, chunk_tokens=None)
     parts = learner_activation_breakdown(shape, 1, tokens, response_tokens=scored, **args)
     # The planner's own pass under a token budget scores every position (its worst case).
     every = learner_activation_breakdown(shape, 1, tokens, response_tokens=tokens, **args)
-    return {"status": "ok", "source": "rllib_exgrpo.planning.memory.learner_activation_breakdown",
-            "args": f"rows 1, tokens {tokens}, response_tokens {scored}, gradient_checkpointing {checkpointing}, "
-                    "dtype_bytes 2, dense_mask False, chunk_tokens default",
-            "planned_bytes": int(parts["peak"]), "peak_phase": parts["peak_phase"], "breakdown": parts,
-            "planned_every_position_scored_bytes": int(every["peak"])}
+    return {
+        "status": "ok",
+        "source": "rllib_exgrpo.planning.memory.learner_activation_breakdown",
+        "args": f"rows 1, tokens {tokens}, response_tokens {scored}, gradient_checkpointing {checkpointing}, "
+        "dtype_bytes 2, dense_mask False, chunk_tokens default",
+        "planned_bytes": int(parts["peak"]),
+        "peak_phase": parts["peak_phase"],
+        "breakdown": parts,
+        "planned_every_position_scored_bytes": int(every["peak"]),
+    }
 
 
 def run_packed(spec: dict, device, clock: Clock, flops_rate=None, kernel=None, key: str = "packed") -> dict:
@@ -95,9 +112,16 @@ def run_packed(spec: dict, device, clock: Clock, flops_rate=None, kernel=None, k
     pp = packed_pass_spec(spec)
     cfg = entry["model_config"]
     # build + warm-up + no-grad pass + two passes, from the learner stage's FLOP rate
-    predicted = (4 * step_flops(cfg, spec["layers"], entry["rows"], entry["prompt"] + entry["response"],
-                                entry["response"], entry["gradient_checkpointing"]) / flops_rate * 1.5
-                 if flops_rate else None)
+    predicted = (
+        4
+        * step_flops(
+            cfg, spec["layers"], entry["rows"], entry["prompt"] + entry["response"], entry["response"], entry["gradient_checkpointing"]
+        )
+        / flops_rate
+        * 1.5
+        if flops_rate
+        else None
+    )
     if predicted is not None:
         entry["predicted_s"] = predicted
     if predicted is not None and predicted > clock.left():
@@ -109,8 +133,9 @@ def run_packed(spec: dict, device, clock: Clock, flops_rate=None, kernel=None, k
         except Exception as e:  # OOM is a result; any other failure is reported and the check goes on
             import traceback
 
-            entry.update(status="oom" if is_oom(e) else "error",
-                         error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            entry.update(
+                status="oom" if is_oom(e) else "error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            )
             if entry["status"] == "error":
                 entry["traceback"] = traceback.format_exc()[-3000:]
                 print(entry["traceback"], file=sys.stderr, flush=True)
@@ -127,18 +152,37 @@ def packed_entry(spec: dict, device, kernel: str, fa: dict) -> dict:
     pp = packed_pass_spec(spec)
     rows, prompt, response, tokens = pp["rows"], spec["prompt"], spec["response"], pp["tokens"]
     ckpt = pp["gradient_checkpointing"]
-    name = (f"packed {spec['name']} {spec['layers']}/{spec['config']['num_hidden_layers']} layers "
-            f"{rows}x({prompt}+{response})={tokens} tok {'ckpt' if ckpt else 'no-ckpt'}")
-    entry = {"name": name, "model": spec["name"], "layers": spec["layers"],
-             "full_layers": spec["config"]["num_hidden_layers"], "model_config": cfg, "rows": rows,
-             "prompt": prompt, "response": response, "tokens": tokens, "scored_tokens": pp["scored_tokens"],
-             "tokens_budget": pp["tokens_budget"], "gradient_checkpointing": ckpt, "dtype": "bfloat16",
-             "chunk_tokens": int(DEFAULT_CHUNK_TOKENS), "kernel_requested": kernel, "kernel": kernel,
-             "flash_attn_importable": fa["importable"], "flash_attn": fa, "loss_max_len": pp["max_len"],
-             "memory_source": ("torch.cuda.max_memory_allocated after reset_peak_memory_stats minus "
-                               "memory_allocated before the pass" if device.type == "cuda" else
-                               "torch.profiler memory events: peak live CPU tensor bytes during the pass"),
-             "before_pass": "weights and their (zeroed) gradients allocated, as under gradient accumulation"}
+    name = (
+        f"packed {spec['name']} {spec['layers']}/{spec['config']['num_hidden_layers']} layers "
+        f"{rows}x({prompt}+{response})={tokens} tok {'ckpt' if ckpt else 'no-ckpt'}"
+    )
+    entry = {
+        "name": name,
+        "model": spec["name"],
+        "layers": spec["layers"],
+        "full_layers": spec["config"]["num_hidden_layers"],
+        "model_config": cfg,
+        "rows": rows,
+        "prompt": prompt,
+        "response": response,
+        "tokens": tokens,
+        "scored_tokens": pp["scored_tokens"],
+        "tokens_budget": pp["tokens_budget"],
+        "gradient_checkpointing": ckpt,
+        "dtype": "bfloat16",
+        "chunk_tokens": int(DEFAULT_CHUNK_TOKENS),
+        "kernel_requested": kernel,
+        "kernel": kernel,
+        "flash_attn_importable": fa["importable"],
+        "flash_attn": fa,
+        "loss_max_len": pp["max_len"],
+        "memory_source": (
+            "torch.cuda.max_memory_allocated after reset_peak_memory_stats minus memory_allocated before the pass"
+            if device.type == "cuda"
+            else "torch.profiler memory events: peak live CPU tensor bytes during the pass"
+        ),
+        "before_pass": "weights and their (zeroed) gradients allocated, as under gradient accumulation",
+    }
     if "recipe" in pp:
         entry["recipe"] = pp["recipe"]
     return entry
@@ -149,10 +193,11 @@ def packed_note(entry: dict, fa: dict) -> str:
     if entry["status"] != "ok":
         return f"{entry['status']} ({entry.get('why', entry.get('error', ''))}); kernel {entry['kernel']}, {fa_note}"
     ratio = entry.get("measured_over_planned")
-    return (f"kernel {entry['kernel']} ({fa_note}), {entry['pass_s']:.2f} s/pass, {entry['tokens_per_s']:,.0f} "
-            f"tok/s, peak {entry['measured_gib']:.3f} GiB, plan "
-            + (f"{entry['planned_gib']:.3f} GiB, measured_over_planned={ratio:.3f}" if ratio is not None
-               else entry["plan"]["status"]))
+    return (
+        f"kernel {entry['kernel']} ({fa_note}), {entry['pass_s']:.2f} s/pass, {entry['tokens_per_s']:,.0f} "
+        f"tok/s, peak {entry['measured_gib']:.3f} GiB, plan "
+        + (f"{entry['planned_gib']:.3f} GiB, measured_over_planned={ratio:.3f}" if ratio is not None else entry["plan"]["status"])
+    )
 
 
 class PackedPass:
@@ -218,10 +263,20 @@ class PackedPass:
 
         logp, entropy = score_packed(self.model, b, temperature=1.0, chunk_tokens=DEFAULT_CHUNK_TOKENS)
         loss, _ = mixed_policy_loss(
-            logp, b["old_logp"], b["advantages"], b[C.RESPONSE_MASK], b["off_policy"],
-            eps_low=0.2, eps_high=0.2, clip_fresh=False, beta=0.1,
-            agg_mode="seq-mean-token-sum-norm-official", max_len=self.pp["max_len"], micro_batch_rows=64,
-            entropy=entropy, entropy_coeff=0.001,
+            logp,
+            b["old_logp"],
+            b["advantages"],
+            b[C.RESPONSE_MASK],
+            b["off_policy"],
+            eps_low=0.2,
+            eps_high=0.2,
+            clip_fresh=False,
+            beta=0.1,
+            agg_mode="seq-mean-token-sum-norm-official",
+            max_len=self.pp["max_len"],
+            micro_batch_rows=64,
+            entropy=entropy,
+            entropy_coeff=0.001,
         )
         loss.backward()
         return float(loss.detach())
@@ -286,12 +341,19 @@ class PackedPass:
             entry["passes_cut_by_budget"] = True
         peaks = [p_[1] for p_ in passes if p_[1] is not None]
         seconds = passes[-1][0]
-        entry.update(status="ok", passes=len(passes), first_pass_s=passes[0][0], pass_s=seconds,
-                     tokens_per_s=entry["tokens"] / seconds, loss=passes[-1][2],
-                     allocated_before_bytes=passes[0][3], measured_bytes=max(peaks),
-                     measured_gib=max(peaks) / GIB, measured_per_pass_bytes=peaks)
-        plan = packed_plan(entry["model_config"], entry["tokens"], entry["scored_tokens"],
-                           entry["gradient_checkpointing"])
+        entry.update(
+            status="ok",
+            passes=len(passes),
+            first_pass_s=passes[0][0],
+            pass_s=seconds,
+            tokens_per_s=entry["tokens"] / seconds,
+            loss=passes[-1][2],
+            allocated_before_bytes=passes[0][3],
+            measured_bytes=max(peaks),
+            measured_gib=max(peaks) / GIB,
+            measured_per_pass_bytes=peaks,
+        )
+        plan = packed_plan(entry["model_config"], entry["tokens"], entry["scored_tokens"], entry["gradient_checkpointing"])
         entry["plan"] = plan
         if plan["status"] == "ok":
             entry["planned_bytes"] = plan["planned_bytes"]

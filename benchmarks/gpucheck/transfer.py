@@ -1,4 +1,5 @@
 """The transfer stage: host <-> device copies of 7B-sized bf16 state."""
+
 from __future__ import annotations
 
 import gc
@@ -16,8 +17,13 @@ def run_transfer(device, nbytes: int, chunk_bytes: int, clock: Clock) -> dict:
     import torch
 
     cuda = device.type == "cuda"
-    entry = {"name": "transfer", "dtype": "bfloat16", "device": str(device), "bytes_requested": int(nbytes),
-             "chunk_bytes": int(chunk_bytes)}
+    entry = {
+        "name": "transfer",
+        "dtype": "bfloat16",
+        "device": str(device),
+        "bytes_requested": int(nbytes),
+        "chunk_bytes": int(chunk_bytes),
+    }
     clock.results["transfer"] = entry
     t = time.perf_counter()
     size = _capped_size(device, int(nbytes), entry)
@@ -44,8 +50,10 @@ def run_transfer(device, nbytes: int, chunk_bytes: int, clock: Clock) -> dict:
     dev = None
     free_memory(device)
     entry["status"] = "ok"
-    note = ", ".join(f"{kind} h2d {entry[kind]['h2d_gb_per_s']:.1f} GB/s d2h {entry[kind]['d2h_gb_per_s']:.1f} GB/s"
-                     for kind in kinds) + f" ({entry['bytes'] / 1e9:.3f} GB each way)"
+    note = (
+        ", ".join(f"{kind} h2d {entry[kind]['h2d_gb_per_s']:.1f} GB/s d2h {entry[kind]['d2h_gb_per_s']:.1f} GB/s" for kind in kinds)
+        + f" ({entry['bytes'] / 1e9:.3f} GB each way)"
+    )
     clock.stage("transfer", time.perf_counter() - t, note)
     return entry
 
@@ -95,8 +103,8 @@ def _copy_chunks(dst, src, chunk_elems: int, pinned: bool, device) -> tuple:
     sync(device)
     t1 = time.perf_counter()
     for s in range(0, src.numel(), chunk_elems):
-        part = dst[s:s + chunk_elems]
-        part.copy_(src[s:s + chunk_elems], non_blocking=pinned)
+        part = dst[s : s + chunk_elems]
+        part.copy_(src[s : s + chunk_elems], non_blocking=pinned)
         moved += part.numel() * ESIZE
     sync(device)
     return time.perf_counter() - t1, moved
@@ -115,12 +123,12 @@ def _round_trip(device, dev, pinned: bool, chunk_elems: int) -> dict:
     host = torch.empty(n_elems, dtype=torch.bfloat16, pin_memory=pinned).zero_()  # pages touched
     r["alloc_s"] = time.perf_counter() - t1
     host[:k] = head
-    host[n_elems - k:] = tail
+    host[n_elems - k :] = tail
     r["h2d_s"], r["bytes_h2d"] = _copy_chunks(dev, host, chunk_elems, pinned, device)
     host[:k].zero_()
-    host[n_elems - k:].zero_()
+    host[n_elems - k :].zero_()
     r["d2h_s"], r["bytes_d2h"] = _copy_chunks(host, dev, chunk_elems, pinned, device)
-    r["round_trip_ok"] = bool(torch.equal(host[:k], head) and torch.equal(host[n_elems - k:], tail))
+    r["round_trip_ok"] = bool(torch.equal(host[:k], head) and torch.equal(host[n_elems - k :], tail))
     for d in ("h2d", "d2h"):
         r[f"{d}_gb_per_s"] = r[f"bytes_{d}"] / 1e9 / max(r[f"{d}_s"], 1e-12)
         # the full 7B bf16 state (15.2 GB) at this rate
@@ -137,8 +145,7 @@ def _empty_host_cache() -> None:
     """torch caches freed pinned blocks: give them back before the pageable buffer."""
     import torch
 
-    empty = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-             or getattr(torch._C, "_host_emptyCache", None))
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
     try:
         if empty is not None:
             empty()

@@ -10,6 +10,7 @@ vocabulary; ``models/rehearsal.py``). The learner's copy is perturbed before the
 an engine still holding the checkpoint's weights fails the comparison (its mismatch before
 the push is reported too: the check must tell the two apart).
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,8 +56,7 @@ def run_vllm_sleep_wake(device) -> dict:
     if skipped:
         return {"name": "vllm-sleep-wake", **skipped}
     if device.type != "cuda":
-        return {"name": "vllm-sleep-wake", "status": "skipped",
-                "why": "vLLM's CPU build has no sleep mode (enable_sleep_mode needs CUDA)"}
+        return {"name": "vllm-sleep-wake", "status": "skipped", "why": "vLLM's CPU build has no sleep mode (enable_sleep_mode needs CUDA)"}
     rig = Rig(device, sleep_mode=True)
     try:
         entry = {"name": "vllm-sleep-wake", "model": MODEL_SPEC, "dtype": rig.dtype, **rig.build()}
@@ -84,8 +84,7 @@ def finish(entry: dict, rig) -> dict:
     the plan where it was measured."""
     tol = TOLERANCE[rig.dtype]
     after = entry["after_push"]["max_abs_diff"]
-    checks = {"log-probs match HF after the push": after <= tol,
-              "no vLLM warning during the push": entry["push"]["vllm_warnings"] == 0}
+    checks = {"log-probs match HF after the push": after <= tol, "no vLLM warning during the push": entry["push"]["vllm_warnings"] == 0}
     if "before_push" in entry:
         checks["the check tells the checkpoint's weights apart"] = entry["before_push"]["max_abs_diff"] > 10 * tol
     mem = entry.get("memory", {})
@@ -96,11 +95,16 @@ def finish(entry: dict, rig) -> dict:
     entry.update(tolerance=tol, checks=checks, status="failed" if failed else "ran")
     if failed:
         entry["error"] = "; ".join(failed) + f" (max |d logp| {after:.3g}, warnings {entry['push']['vllm_warnings']})"
-    entry["note"] = (f"max |vLLM - HF| prompt log-prob {after:.2e} (tolerance {tol:g})"
-                     + (f", before the push {entry['before_push']['max_abs_diff']:.2f}" if "before_push" in entry else "")
-                     + f"; {entry['push']['tensors']} tensors pushed, {entry['push']['vllm_warnings']} vLLM warnings"
-                     + (f"; asleep {mem['asleep_bytes'] / GIB:.2f} GiB (plan {mem['plan_asleep_bytes'] / GIB:.2f})"
-                        if mem.get("plan_asleep_bytes") else ""))
+    entry["note"] = (
+        f"max |vLLM - HF| prompt log-prob {after:.2e} (tolerance {tol:g})"
+        + (f", before the push {entry['before_push']['max_abs_diff']:.2f}" if "before_push" in entry else "")
+        + f"; {entry['push']['tensors']} tensors pushed, {entry['push']['vllm_warnings']} vLLM warnings"
+        + (
+            f"; asleep {mem['asleep_bytes'] / GIB:.2f} GiB (plan {mem['plan_asleep_bytes'] / GIB:.2f})"
+            if mem.get("plan_asleep_bytes")
+            else ""
+        )
+    )
     return entry
 
 
@@ -137,11 +141,15 @@ class Rig:
         made = time.perf_counter() - t
         t = time.perf_counter()
         self.backend.build_engine()
-        out = {"model_s": made, "engine_build_s": time.perf_counter() - t, "folder": self.folder,
-               "vocab_size": int(self.model.config.vocab_size),
-               "params": sum(p.numel() for p in self.model.parameters()),
-               "engine_kwargs": {k: v for k, v in self.backend.engine_kwargs().items() if k != "model"},
-               "sleep_mode": self.sleep_mode}
+        out = {
+            "model_s": made,
+            "engine_build_s": time.perf_counter() - t,
+            "folder": self.folder,
+            "vocab_size": int(self.model.config.vocab_size),
+            "params": sum(p.numel() for p in self.model.parameters()),
+            "engine_kwargs": {k: v for k, v in self.backend.engine_kwargs().items() if k != "model"},
+            "sleep_mode": self.sleep_mode,
+        }
         out["engine_kwargs"]["dtype"] = str(out["engine_kwargs"].get("dtype"))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -170,11 +178,19 @@ class Rig:
         from rllib_exgrpo.rllib.colocation import ColocatedSampler
 
         cuda = self.device.type == "cuda"
-        vk = ({"gpu_memory_utilization": 0.25, "enforce_eager": True} if cuda
-              else {"kv_cache_memory_bytes": 64 << 20, "block_size": 32})
-        cfg = SimpleNamespace(model_name_or_path=self.folder, model_dtype=self.dtype, seed=0, max_prompt_tokens=128,
-                              max_response_tokens=32, generation_batch_size=8, colocate=self.sleep_mode,
-                              vllm_kwargs=vk, behaviour_logprobs="recompute", _worker_index=0)
+        vk = {"gpu_memory_utilization": 0.25, "enforce_eager": True} if cuda else {"kv_cache_memory_bytes": 64 << 20, "block_size": 32}
+        cfg = SimpleNamespace(
+            model_name_or_path=self.folder,
+            model_dtype=self.dtype,
+            seed=0,
+            max_prompt_tokens=128,
+            max_response_tokens=32,
+            generation_batch_size=8,
+            colocate=self.sleep_mode,
+            vllm_kwargs=vk,
+            behaviour_logprobs="recompute",
+            _worker_index=0,
+        )
         module = torch.nn.Module()
         module.model = self.model
         module.autocast = contextlib.nullcontext
@@ -195,8 +211,12 @@ class Rig:
         finally:
             vlog.removeHandler(count)
         from_vllm = [str(w.message)[:200] for w in caught if "vllm" in (w.filename or "")]
-        return {"tensors": int(pushed), "seconds": time.perf_counter() - t,
-                "vllm_warnings": len(count.messages) + len(from_vllm), "messages": (count.messages + from_vllm)[:5]}
+        return {
+            "tensors": int(pushed),
+            "seconds": time.perf_counter() - t,
+            "vllm_warnings": len(count.messages) + len(from_vllm),
+            "messages": (count.messages + from_vllm)[:5],
+        }
 
     def engine_prompt_logprobs(self) -> list:
         from vllm import SamplingParams
@@ -205,8 +225,7 @@ class Rig:
         outs = self.backend.llm.generate([{"prompt_token_ids": p} for p in self.prompts], params, use_tqdm=False)
         rows = []
         for prompt, out in zip(self.prompts, outs):
-            rows.append([float(getattr(pos[tok], "logprob", pos[tok]))
-                         for pos, tok in zip(out.prompt_logprobs[1:], prompt[1:])])
+            rows.append([float(getattr(pos[tok], "logprob", pos[tok])) for pos, tok in zip(out.prompt_logprobs[1:], prompt[1:])])
         return rows
 
     def hf_prompt_logprobs(self) -> list:
@@ -229,8 +248,9 @@ class Rig:
         from rllib_exgrpo.generation.base import SamplingParams
 
         t = time.perf_counter()
-        groups = self.backend.generate(self.prompts, [2] * len(self.prompts),
-                                       SamplingParams(max_new_tokens=16, temperature=1.0, stop_token_ids=()))
+        groups = self.backend.generate(
+            self.prompts, [2] * len(self.prompts), SamplingParams(max_new_tokens=16, temperature=1.0, stop_token_ids=())
+        )
         tokens = sum(len(c.token_ids) for g in groups for c in g)
         return {"seconds": time.perf_counter() - t, "new_tokens": tokens}
 
@@ -266,15 +286,13 @@ def sleep_memory(rig, mem: dict) -> dict:
     util = float(rig.backend.engine_kwargs().get("gpu_memory_utilization", 0.9))
     learner = sum(p.numel() * p.element_size() for p in rig.model.parameters())
     try:
-        from rllib_exgrpo.planning.memory import (PROCESS_OVERHEAD_BYTES, SLEEPING_ENGINE_MIN_BYTES,
-                                                  SLEEPING_ENGINE_SHARE)
+        from rllib_exgrpo.planning.memory import PROCESS_OVERHEAD_BYTES, SLEEPING_ENGINE_MIN_BYTES, SLEEPING_ENGINE_SHARE
     except ImportError as e:
         out["plan"] = f"unavailable ({e})"
         return out
     share = int(util * total)
     out["plan_awake_bytes"] = share + learner + PROCESS_OVERHEAD_BYTES
-    out["plan_asleep_bytes"] = max(SLEEPING_ENGINE_MIN_BYTES, int(SLEEPING_ENGINE_SHARE * share)) + learner \
-        + PROCESS_OVERHEAD_BYTES
+    out["plan_asleep_bytes"] = max(SLEEPING_ENGINE_MIN_BYTES, int(SLEEPING_ENGINE_SHARE * share)) + learner + PROCESS_OVERHEAD_BYTES
     out["awake_within_plan"] = mem["awake"] <= out["plan_awake_bytes"]
     out["asleep_within_plan"] = mem["asleep"] <= out["plan_asleep_bytes"]
     out["released_by_sleep_bytes"] = mem["awake"] - mem["asleep"]

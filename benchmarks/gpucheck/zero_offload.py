@@ -10,6 +10,7 @@ state (AdamW's moments and steps), the fp32 master partitions and the weights co
 for bit with a reference run of the same two steps without the offload. ZeRO stages 1, 2
 and 3 each (``--zero-stages``).
 """
+
 from __future__ import annotations
 
 import os
@@ -20,15 +21,29 @@ from gpucheck.common import GIB, free_memory
 from gpucheck.deps import have
 
 #: The model: small enough for seconds per stage on 2 CPU cores; every tensor partitioned.
-ZERO_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=512, tie_word_embeddings=False,
-                  max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6)
+ZERO_MODEL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+)
 
 
 def run_zero_offload(device, stages=(1, 2, 3)) -> dict:
     """Each ZeRO stage's round trip (module doc); ``status`` ran / skipped / failed."""
-    entry = {"name": "zero3-colocate-offload", "zero_stages": list(stages), "model_config": ZERO_MODEL,
-             "offload": "rllib_exgrpo.rllib.optimizer_offload.OptimizerOffload", "per_stage": {}}
+    entry = {
+        "name": "zero3-colocate-offload",
+        "zero_stages": list(stages),
+        "model_config": ZERO_MODEL,
+        "offload": "rllib_exgrpo.rllib.optimizer_offload.OptimizerOffload",
+        "per_stage": {},
+    }
     if not have("deepspeed"):
         return {**entry, "status": "skipped", "why": "deepspeed is not installed (--wheels DIR installs it)"}
     from rllib_exgrpo.rllib.optimizer_offload import OptimizerOffload  # noqa: F401  (fails the stage if absent)
@@ -46,7 +61,9 @@ def run_zero_offload(device, stages=(1, 2, 3)) -> dict:
         entry["error"] = "; ".join(f"ZeRO-{s}: {entry['per_stage'][s]['failed_checks']}" for s in bad)
     entry["note"] = ", ".join(
         f"ZeRO-{s} moved {r['bytes_offloaded'] / 2**20:.2f} MiB ({', '.join(sorted(r['moved_by_kind']))}), "
-        f"bitwise={r['bitwise_equal_to_reference']}" for s, r in entry["per_stage"].items())
+        f"bitwise={r['bitwise_equal_to_reference']}"
+        for s, r in entry["per_stage"].items()
+    )
     return entry
 
 
@@ -67,9 +84,12 @@ def one_rank_group(device) -> None:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            rank=0,
+            world_size=1,
+        )
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(device.index or 0) if device.type == "cuda" else "0")
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -86,9 +106,17 @@ def ds_config(stage: int, device) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 1_000_000, "allgather_bucket_size": 1_000_000}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "zero_optimization": zero, "bf16": {"enabled": device.type == "cuda"}, "fp16": {"enabled": False},
-            "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": device.type == "cuda"},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
 
 
 class _LossOf:
@@ -112,8 +140,7 @@ def build_engine(stage: int, device):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**ZERO_MODEL), attn_implementation="sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(stage, device),
-                                           dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(stage, device), dist_init_required=False)
     return engine
 
 
@@ -143,8 +170,11 @@ def snapshot(engine) -> dict:
     def host(ts):
         return [t.detach().to("cpu", copy=True) for t in ts]
 
-    return {"optim_states": host(v for _, _, v in optimizer_state_tensors([engine.optimizer.optimizer])),
-            "hp_params": host(hp_tensors(engine)), "lp_params": host(lp_tensors(engine))}
+    return {
+        "optim_states": host(v for _, _, v in optimizer_state_tensors([engine.optimizer.optimizer])),
+        "hp_params": host(hp_tensors(engine)),
+        "lp_params": host(lp_tensors(engine)),
+    }
 
 
 def _equal(a: list, b: list) -> bool:
@@ -176,13 +206,16 @@ def zero_round_trip(stage: int, device) -> dict:
     before = _allocated(device)
     t = time.perf_counter()
     moved = offload.offload()
-    out.update(offload_s=time.perf_counter() - t, bytes_offloaded=moved, moved_by_kind=dict(offload.moved),
-               device_bytes_freed=before - _allocated(device) if device.type == "cuda" else None,
-               on_device_flag_after_offload=offload.on_device)
+    out.update(
+        offload_s=time.perf_counter() - t,
+        bytes_offloaded=moved,
+        moved_by_kind=dict(offload.moved),
+        device_bytes_freed=before - _allocated(device) if device.type == "cuda" else None,
+        on_device_flag_after_offload=offload.on_device,
+    )
     held = [v for _, _, v in optimizer_state_tensors([engine.optimizer.optimizer])] + hp_tensors(engine)
     out["state_on_host_during_turn"] = all(v.device.type == "cpu" for v in held)
-    out["lp_params_kept"] = all(x.device == d and x.data_ptr() == ptr and _equal([x.detach().cpu()], [c])
-                                for x, d, ptr, c in lp_before)
+    out["lp_params_kept"] = all(x.device == d and x.data_ptr() == ptr and _equal([x.detach().cpu()], [c]) for x, d, ptr, c in lp_before)
     t = time.perf_counter()
     out["bytes_reloaded"] = offload.reload()
     out.update(reload_s=time.perf_counter() - t, on_device_flag_after_reload=offload.on_device)
@@ -193,10 +226,14 @@ def zero_round_trip(stage: int, device) -> dict:
     out["bitwise_equal_to_reference"] = all(out["bitwise"].values()) and out["loss_2"] == ref_losses[1]
     out["plan"] = zero_plan(stage, out)
     engine = offload = None  # freed before the next stage
-    checks = {"bytes moved": moved > 0, "on_device False after offload": not out["on_device_flag_after_offload"],
-              "state on host during the turn": out["state_on_host_during_turn"] or device.type == "cpu",
-              "lp_params kept": out["lp_params_kept"], "on_device True after reload": out["on_device_flag_after_reload"],
-              "bitwise equal to the reference": out["bitwise_equal_to_reference"]}
+    checks = {
+        "bytes moved": moved > 0,
+        "on_device False after offload": not out["on_device_flag_after_offload"],
+        "state on host during the turn": out["state_on_host_during_turn"] or device.type == "cpu",
+        "lp_params kept": out["lp_params_kept"],
+        "on_device True after reload": out["on_device_flag_after_reload"],
+        "bitwise equal to the reference": out["bitwise_equal_to_reference"],
+    }
     out["failed_checks"] = [k for k, ok in checks.items() if not ok]
     out["ok"] = not out["failed_checks"]
     return out
@@ -211,10 +248,16 @@ def zero_plan(stage: int, out: dict) -> dict:
         from rllib_exgrpo.planning.memory import model_state_bytes
         from rllib_exgrpo.planning.shapes import ModelShape
 
-        states = model_state_bytes(ModelShape.from_hf_config(Qwen2Config(**ZERO_MODEL)), backend="deepspeed",
-                                   zero_stage=stage, num_learners=1)
+        states = model_state_bytes(
+            ModelShape.from_hf_config(Qwen2Config(**ZERO_MODEL)), backend="deepspeed", zero_stage=stage, num_learners=1
+        )
     except Exception as e:  # the plan's API moved, or it is absent: say so
         return {"status": f"unavailable ({type(e).__name__}: {e})"}
     moved = out["moved_by_kind"].get("hp_params", 0) + out["moved_by_kind"].get("optim_states", 0)
-    return {"status": "ok", "plan_optimizer_bytes": states["optimizer"], "moved_optimizer_bytes": moved,
-            "moved_over_plan": moved / max(1, states["optimizer"]), "plan_optimizer_gib": states["optimizer"] / GIB}
+    return {
+        "status": "ok",
+        "plan_optimizer_bytes": states["optimizer"],
+        "moved_optimizer_bytes": moved,
+        "moved_over_plan": moved / max(1, states["optimizer"]),
+        "plan_optimizer_gib": states["optimizer"] / GIB,
+    }

@@ -1,4 +1,5 @@
 """argparse value types shared by the ``rllib`` subcommands (errors name the bad text)."""
+
 from __future__ import annotations
 
 import argparse

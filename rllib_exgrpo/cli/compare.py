@@ -10,6 +10,7 @@ table. Prints the table (avg@k with 95% bootstrap intervals over questions, pair
 differences against the first RUN) and writes ``compare.md``, ``compare.csv`` and
 ``compare.png`` to ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from rllib_exgrpo.cli.args import non_negative_float, positive_int
+
 PROG = "rllib"
 
 
@@ -28,24 +30,38 @@ def add_compare_parser(subparsers: Any) -> None:
     from rllib_exgrpo.evaluation.compare import DEFAULT_BOOTSTRAP
 
     p = subparsers.add_parser(
-        "compare", help="compare runs or checkpoints on the same benchmarks (table with intervals)",
-        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+        "compare",
+        help="compare runs or checkpoints on the same benchmarks (table with intervals)",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("runs", nargs="+", metavar="RUN", help="saved evaluation JSON, run/trial/checkpoint folder or model")
-    p.add_argument("--label", action="append", default=None, metavar="NAME",
-                   help="a name per RUN, in order (default: the file or folder name)")
-    p.add_argument("--data", action="append", default=None, metavar="FILE_OR_SPEC",
-                   help="benchmark file or arithmetic spec (repeatable; needed when a RUN is evaluated here)")
+    p.add_argument(
+        "--label", action="append", default=None, metavar="NAME", help="a name per RUN, in order (default: the file or folder name)"
+    )
+    p.add_argument(
+        "--data",
+        action="append",
+        default=None,
+        metavar="FILE_OR_SPEC",
+        help="benchmark file or arithmetic spec (repeatable; needed when a RUN is evaluated here)",
+    )
     p.add_argument("--k", type=positive_int, default=None, help="samples per question (default: the papers')")
     p.add_argument("--temperature", type=non_negative_float, default=None, metavar="T")
-    p.add_argument("--limit", type=positive_int, default=None, metavar="N",
-                   help="first N distinct questions of each data source")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="first N distinct questions of each data source")
     p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N")
     p.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto")
     p.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed")
-    p.add_argument("--bootstrap", type=positive_int, default=DEFAULT_BOOTSTRAP, metavar="B",
-                   help=f"bootstrap draws (default {DEFAULT_BOOTSTRAP})")
-    p.add_argument("--out", type=Path, default=Path("compare"), metavar="DIR",
-                   help="where compare.md, compare.csv, compare.png and the evaluations go (default ./compare)")
+    p.add_argument(
+        "--bootstrap", type=positive_int, default=DEFAULT_BOOTSTRAP, metavar="B", help=f"bootstrap draws (default {DEFAULT_BOOTSTRAP})"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("compare"),
+        metavar="DIR",
+        help="where compare.md, compare.csv, compare.png and the evaluations go (default ./compare)",
+    )
     p.set_defaults(func=run_compare)
 
 
@@ -116,8 +132,17 @@ def _evaluate(run: str, label: str, args: argparse.Namespace) -> dict:
     from rllib_exgrpo.evaluation.paths import policy_source
 
     print(f"{PROG} compare: evaluating {label} ({run})", file=sys.stderr, flush=True)
-    report = evaluate(policy_source(run), args.data, k=args.k, temperature=args.temperature, limit=args.limit,
-                      max_new_tokens=args.max_new_tokens, backend=args.backend, seed=args.seed, progress=False)
+    report = evaluate(
+        policy_source(run),
+        args.data,
+        k=args.k,
+        temperature=args.temperature,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        backend=args.backend,
+        seed=args.seed,
+        progress=False,
+    )
     path = args.out / f"eval-{re.sub(r'[^A-Za-z0-9_.-]', '_', label)}.json"
     report.to_json(path)
     with open(path, encoding="utf-8") as fh:

@@ -5,6 +5,7 @@ multi-agent sub-keys, ``rl_module_spec`` and connector paths; each bad key one m
 The project's own fields are attributes of ``ExGRPOConfig`` (``rllib/config_fields.py``),
 so they are checked like RLlib's.
 """
+
 from __future__ import annotations
 
 
@@ -88,7 +89,8 @@ def _candidate_keys(config: Any) -> List[str]:
         deprecated = _deprecated_attributes(config)
         keys = [k for k in attrs if not k.startswith("_") and k not in deprecated]
         keys += [
-            name for name, prop in inspect.getmembers(cls, lambda a: isinstance(a, property))
+            name
+            for name, prop in inspect.getmembers(cls, lambda a: isinstance(a, property))
             if prop.fset is not None and not name.startswith("_") and f"_{name}" in attrs
         ]
         keys += list(_ALIAS_KEYS) + list(_EXTRA_CONFIG_KEYS)
@@ -120,8 +122,9 @@ def check_config_keys(config: Any, user_config: Mapping[str, Any], algo_name: st
         if key == "model_config":
             problems = _llm_model_config_problems(config, value, "config.model_config")
         elif key == "rl_module_spec" and not problems and isinstance(value, dict) and "model_config" in value:
-            problems = _llm_model_config_problems(config, value["model_config"], "config.rl_module_spec.model_config",
-                                                  module_class=value.get("module_class"))
+            problems = _llm_model_config_problems(
+                config, value["model_config"], "config.rl_module_spec.model_config", module_class=value.get("module_class")
+            )
         if problems is None:
             problems = _attribute_key_problems(config, deprecated, key, value, where, algo_name)
         errors += problems
@@ -134,8 +137,9 @@ def _special_key_problems(key: str, value: Any, where: str) -> Optional[List[str
     if key in _OLD_STACK_SWITCHES:
         if value is True:
             return []
-        return [f"{where}: {value!r}: this command runs RLlib's new API stack only "
-                "(RLModule, Learner, EnvRunner, ConnectorV2); remove the key."]
+        return [
+            f"{where}: {value!r}: this command runs RLlib's new API stack only (RLModule, Learner, EnvRunner, ConnectorV2); remove the key."
+        ]
     if key in ("_enable_new_api_stack", "api_stack"):
         return [f"{where}: this command always runs RLlib's new API stack; remove the key."]
     if key == "framework" and value not in ("torch", None):
@@ -143,16 +147,21 @@ def _special_key_problems(key: str, value: Any, where: str) -> Optional[List[str
     if key == "multiagent":
         if not isinstance(value, dict):
             return [f"{where}: must be a mapping."]
-        return [f"config key 'multiagent/{sub}': unknown.{suggest(str(sub), _MULTIAGENT_KEYS)} "
-                f"Known: {', '.join(_MULTIAGENT_KEYS)}." for sub in value if sub not in _MULTIAGENT_KEYS]
+        return [
+            f"config key 'multiagent/{sub}': unknown.{suggest(str(sub), _MULTIAGENT_KEYS)} Known: {', '.join(_MULTIAGENT_KEYS)}."
+            for sub in value
+            if sub not in _MULTIAGENT_KEYS
+        ]
     if key == "learner_class":
         return []
     if key == "model_config":
         return None  # checked with the config (_llm_model_config_problems)
     if key == "learner_connector":
         if value is not None and not (isinstance(value, str) and _looks_like_class_path(value)):
-            return [f"{where}: must be a 'pkg.mod:Callable' path (a ConnectorV2 class or a "
-                    f"function (obs_space, action_space) -> ConnectorV2 piece(s)), got {value!r}."]
+            return [
+                f"{where}: must be a 'pkg.mod:Callable' path (a ConnectorV2 class or a "
+                f"function (obs_space, action_space) -> ConnectorV2 piece(s)), got {value!r}."
+            ]
         return []
     if key == "rl_module_spec":
         return _check_rl_module_spec(value, where)
@@ -192,8 +201,7 @@ def _llm_model_config_problems(config: Any, model_config: Any, where: str, modul
     return model_config_problems(model_config, where)
 
 
-def _attribute_key_problems(config: Any, deprecated: frozenset, key: str, value: Any, where: str,
-                            algo_name: str) -> List[str]:
+def _attribute_key_problems(config: Any, deprecated: frozenset, key: str, value: Any, where: str, algo_name: str) -> List[str]:
     """The problems of ``key`` as an attribute of the config: a settable property (whose
     setter accepts ``value``), a non-deprecated attribute, else a method or unknown."""
     cls = type(config)
@@ -211,12 +219,18 @@ def _attribute_key_problems(config: Any, deprecated: frozenset, key: str, value:
         if name not in deprecated:
             return []
         msg = _deprecation_message(cls, key)
-        return [f"{where}: is deprecated and has no effect in RLlib 2.60" + (f" ({msg})" if msg else "") + "."
-                + suggest(key, _candidate_keys(config))]
+        return [
+            f"{where}: is deprecated and has no effect in RLlib 2.60"
+            + (f" ({msg})" if msg else "")
+            + "."
+            + suggest(key, _candidate_keys(config))
+        ]
     if static is not None and callable(static):
-        return [f"{where}: is a method of {cls.__name__}, not a setting. Write its "
-                f"arguments directly under `config:` (e.g. `lr: 0.001` instead of "
-                f"`training: {{lr: 0.001}}`)."]
+        return [
+            f"{where}: is a method of {cls.__name__}, not a setting. Write its "
+            f"arguments directly under `config:` (e.g. `lr: 0.001` instead of "
+            f"`training: {{lr: 0.001}}`)."
+        ]
     return [f"{where}: unknown setting for {algo_name} ({cls.__name__}).{suggest(key, _candidate_keys(config))}"]
 
 

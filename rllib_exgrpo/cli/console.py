@@ -1,4 +1,5 @@
 """What ``rllib train`` prints: one line per iteration and trial (Tune's tables only with -v)."""
+
 from __future__ import annotations
 
 
@@ -6,6 +7,7 @@ from typing import Any, Dict
 
 
 from rllib_exgrpo.cli.mlflow_logging import new_heldout_step
+
 
 def iteration_lines_callback_class() -> type:
     """A Tune callback that prints one line per training iteration (Tune's own tables only

@@ -6,6 +6,7 @@ Registered in :data:`rllib_exgrpo.cli.main.SUBCOMMANDS`. The work is done by
 Exit codes: 0 done, 2 bad command line, benchmark file or backend (nothing generated; a
 malformed row is reported as ``path:line: reason``), 130 interrupted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,54 +91,94 @@ def add_evaluate_parser(subparsers: Any) -> None:
         epilog=_EPILOG,
         formatter_class=_Formatter,
     )
-    p.add_argument("--model", required=True, metavar="NAME_PATH_OR_CHECKPOINT",
-                   help="model name/path or RLlib checkpoint folder")
-    p.add_argument("--best", action="store_true",
-                   help="--model is a run or trial folder: evaluate its checkpoint of highest heldout/accuracy")
-    p.add_argument("--data", required=True, action="append", metavar="FILE_OR_SPEC",
-                   help="benchmark file or arithmetic spec (repeatable)")
-    p.add_argument("--k", type=positive_int, default=None, metavar="K",
-                   help="samples per question for every source (default: 32 for aime/amc, else 1)")
-    p.add_argument("--temperature", type=non_negative_float, default=None, metavar="T",
-                   help=f"sampling temperature; 0: greedy (default: {DEFAULT_TEMPERATURE})")
-    p.add_argument("--top-p", type=float, default=None, metavar="P",
-                   help=f"nucleus sampling threshold (default: {DEFAULT_TOP_P})")
-    p.add_argument("--limit", type=positive_int, default=None, metavar="N",
-                   help="first N questions of each benchmark")
-    p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
-                   help="completion budget, capped by the model's context (default: the protocol's 8192, else "
-                   "the checkpoint's max_response_tokens, else 1024)")
-    p.add_argument("--max-prompt-tokens", type=positive_int, default=None, metavar="N",
-                   help="left-truncate prompts to N tokens (default: no limit)")
-    p.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
-                   help="sequences per generate call (default: %(default)s)")
-    p.add_argument("--pass-k", type=_pass_k, action="append", default=None, metavar="J",
-                   help="report pass@J (repeatable; 'k' = each source's k; default: 1 and k)")
+    p.add_argument("--model", required=True, metavar="NAME_PATH_OR_CHECKPOINT", help="model name/path or RLlib checkpoint folder")
+    p.add_argument(
+        "--best", action="store_true", help="--model is a run or trial folder: evaluate its checkpoint of highest heldout/accuracy"
+    )
+    p.add_argument("--data", required=True, action="append", metavar="FILE_OR_SPEC", help="benchmark file or arithmetic spec (repeatable)")
+    p.add_argument(
+        "--k", type=positive_int, default=None, metavar="K", help="samples per question for every source (default: 32 for aime/amc, else 1)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=None,
+        metavar="T",
+        help=f"sampling temperature; 0: greedy (default: {DEFAULT_TEMPERATURE})",
+    )
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help=f"nucleus sampling threshold (default: {DEFAULT_TOP_P})")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="first N questions of each benchmark")
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="completion budget, capped by the model's context (default: the protocol's 8192, else "
+        "the checkpoint's max_response_tokens, else 1024)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens", type=positive_int, default=None, metavar="N", help="left-truncate prompts to N tokens (default: no limit)"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help="sequences per generate call (default: %(default)s)",
+    )
+    p.add_argument(
+        "--pass-k",
+        type=_pass_k,
+        action="append",
+        default=None,
+        metavar="J",
+        help="report pass@J (repeatable; 'k' = each source's k; default: 1 and k)",
+    )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default: %(default)s)")
-    p.add_argument("--output", "-o", default=None, metavar="FILE",
-                   help="JSON results file (default: ./eval-<timestamp>.json)")
-    p.add_argument("--instruction", default=None, metavar="TEXT",
-                   help="answer-format instruction appended to each question (default: the checkpoint's or "
-                   "the env's); '' for none")
+    p.add_argument("--output", "-o", default=None, metavar="FILE", help="JSON results file (default: ./eval-<timestamp>.json)")
+    p.add_argument(
+        "--instruction",
+        default=None,
+        metavar="TEXT",
+        help="answer-format instruction appended to each question (default: the checkpoint's or the env's); '' for none",
+    )
     p.add_argument("--system-prompt", default=None, metavar="TEXT", help="system message")
-    p.add_argument("--think-format", action="store_true", default=None,
-                   help="ask for <think>...</think> and verify only the text after it")
+    p.add_argument("--think-format", action="store_true", default=None, help="ask for <think>...</think> and verify only the text after it")
     p.add_argument("--split", default="test", help="split of arithmetic specs (default: %(default)s)")
-    p.add_argument("--protocol", choices=PROTOCOLS, default=None,
-                   help="a paper's evaluation protocol by name (exgrpo: see below)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="generation: vLLM engines or transformers (default: auto: vLLM where vLLM and a GPU "
-                   "are present, else hf)")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
-                   help="GPUs per vLLM engine (default: %(default)s); engines = GPUs // N")
-    p.add_argument("--num-engines", type=positive_int, default=None, metavar="N",
-                   help="vLLM engines (default: as many as the GPUs allow)")
-    p.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="Ray cluster whose GPUs the vLLM engines use (default: RAY_ADDRESS, else this machine)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="weights' dtype (default: float32 with hf, the model config's with vllm)")
-    p.add_argument("--vllm-kwargs", type=_json_object, default=None, metavar="JSON",
-                   help="extra vllm.LLM arguments, e.g. '{\"gpu_memory_utilization\": 0.85}'")
+    p.add_argument("--protocol", choices=PROTOCOLS, default=None, help="a paper's evaluation protocol by name (exgrpo: see below)")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="generation: vLLM engines or transformers (default: auto: vLLM where vLLM and a GPU are present, else hf)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="GPUs per vLLM engine (default: %(default)s); engines = GPUs // N",
+    )
+    p.add_argument("--num-engines", type=positive_int, default=None, metavar="N", help="vLLM engines (default: as many as the GPUs allow)")
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="Ray cluster whose GPUs the vLLM engines use (default: RAY_ADDRESS, else this machine)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="weights' dtype (default: float32 with hf, the model config's with vllm)",
+    )
+    p.add_argument(
+        "--vllm-kwargs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="extra vllm.LLM arguments, e.g. '{\"gpu_memory_utilization\": 0.85}'",
+    )
     p.add_argument("--device", default=None, help="torch device of the hf backend (default: cuda when available, else cpu)")
     p.add_argument("--keep-completions", action="store_true", help="store completion texts in the JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
@@ -173,8 +214,15 @@ def run_evaluate(args: argparse.Namespace) -> int:
     if args.top_p is not None and not 0 < args.top_p <= 1:
         return fail(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.protocol:
-        given = [flag for flag, v in (("--instruction", args.instruction), ("--system-prompt", args.system_prompt),
-                                      ("--think-format", args.think_format)) if v is not None]
+        given = [
+            flag
+            for flag, v in (
+                ("--instruction", args.instruction),
+                ("--system-prompt", args.system_prompt),
+                ("--think-format", args.think_format),
+            )
+            if v is not None
+        ]
         if given:
             return fail(f"--protocol {args.protocol} sets the prompt; drop {', '.join(given)}")
     # Check every benchmark before loading a model (cheap, and errors come first).

@@ -55,6 +55,7 @@ from rllib_exgrpo.cli.experiment_file import convert_search_spaces, deep_merge, 
 from rllib_exgrpo.cli.scheduler import scheduler_settings
 from rllib_exgrpo.cli.mlflow_logging import build_mlflow, make_mlflow_callback
 from rllib_exgrpo.cli import preflight
+
 logger = logging.getLogger(__name__)
 
 #: Default for ``storage_path`` (relative to the current directory, made absolute).
@@ -229,10 +230,7 @@ def _build_checkpoint_config(spec: Dict[str, Any], errors: List[str]) -> Any:
     ckpt = dict(ckpt)
     for k in ckpt:
         if k not in CHECKPOINT_KEYS:
-            errors.append(
-                f"checkpoint_config: unknown key {k!r}.{suggest(str(k), CHECKPOINT_KEYS)} "
-                f"Known: {', '.join(CHECKPOINT_KEYS)}."
-            )
+            errors.append(f"checkpoint_config: unknown key {k!r}.{suggest(str(k), CHECKPOINT_KEYS)} Known: {', '.join(CHECKPOINT_KEYS)}.")
     for legacy, new in (("checkpoint_freq", "checkpoint_frequency"), ("checkpoint_at_end", "checkpoint_at_end")):
         if spec.get(legacy) is not None:
             if new in ckpt and ckpt[new] != spec[legacy]:
@@ -289,16 +287,25 @@ def build_experiments(
         raise CliConfigError(f"--stop must be a JSON object, got {stop!r}.")
     if config_overrides is not None and not isinstance(config_overrides, Mapping):
         raise CliConfigError(f"--config must be a JSON object, got {config_overrides!r}.")
-    shared = dict(src_name=src_name, stop=stop, config_overrides=config_overrides, storage_path=storage_path,
-                  num_samples=num_samples, env_override=env, mlflow_uri=mlflow_uri,
-                  checkpoint_freq=checkpoint_freq, checkpoint_at_end=checkpoint_at_end, validate=validate,
-                  cluster=_cluster(ray_address, ray_num_gpus), dry_run=dry_run)
+    shared = dict(
+        src_name=src_name,
+        stop=stop,
+        config_overrides=config_overrides,
+        storage_path=storage_path,
+        num_samples=num_samples,
+        env_override=env,
+        mlflow_uri=mlflow_uri,
+        checkpoint_freq=checkpoint_freq,
+        checkpoint_at_end=checkpoint_at_end,
+        validate=validate,
+        cluster=_cluster(ray_address, ray_num_gpus),
+        dry_run=dry_run,
+    )
     experiments: List[Experiment] = []
     problems: List[str] = []
     for name, spec in data.items():
         try:
-            experiments.append(_build_one(str(experiment_name if experiment_name is not None else name), spec,
-                                          **shared))
+            experiments.append(_build_one(str(experiment_name if experiment_name is not None else name), spec, **shared))
         except CliConfigError as e:
             problems.append(str(e))
     if problems:
@@ -306,8 +313,9 @@ def build_experiments(
     return experiments
 
 
-def _load_experiments(source: Union[str, os.PathLike, Mapping[str, Any]], source_name: Optional[str],
-                      experiment_name: Optional[str]) -> Tuple[Dict[str, Any], Optional[str]]:
+def _load_experiments(
+    source: Union[str, os.PathLike, Mapping[str, Any]], source_name: Optional[str], experiment_name: Optional[str]
+) -> Tuple[Dict[str, Any], Optional[str]]:
     """``(experiments by name, the source's name for messages)`` of a file path or a
     loaded mapping; :class:`CliConfigError` when it holds none, or several while
     ``experiment_name`` renames one."""
@@ -324,8 +332,7 @@ def _load_experiments(source: Union[str, os.PathLike, Mapping[str, Any]], source
         raise CliConfigError(f"{src_name or 'experiments'}: no experiments given.")
     if experiment_name is not None and len(data) != 1:
         raise CliConfigError(
-            f"--experiment-name renames one experiment, but {src_name or 'the input'} holds "
-            f"{len(data)}: {', '.join(map(str, data))}."
+            f"--experiment-name renames one experiment, but {src_name or 'the input'} holds {len(data)}: {', '.join(map(str, data))}."
         )
     return data, src_name
 
@@ -372,8 +379,7 @@ def _build_one(name: str, spec: Any, *, src_name: Optional[str], **options: Any)
         errors = [str(e)]
     except Exception as e:  # noqa: BLE001 - one line naming the failing check, no traceback
         frame = traceback.extract_tb(e.__traceback__)[-1]
-        errors = [f"could not be checked: {type(e).__name__}: {e} (in {frame.name}() at "
-                  f"{os.path.basename(frame.filename)}:{frame.lineno})"]
+        errors = [f"could not be checked: {type(e).__name__}: {e} (in {frame.name}() at {os.path.basename(frame.filename)}:{frame.lineno})"]
     lines = list(dict.fromkeys(preflight.one_line(m) for m in errors))
     raise CliConfigError("\n".join(f"{prefix}: {m}" for m in lines)) from None
 
@@ -407,21 +413,36 @@ def _build_checked(
             algo_cls, config, algo_name = _default_config(spec["run"])
         except _Invalid as e:
             errors += e.errors
-    run = _run_settings(name, spec, stop=stop, num_samples=num_samples, storage_path=storage_path,
-                        checkpoint_freq=checkpoint_freq, checkpoint_at_end=checkpoint_at_end,
-                        mlflow_uri=mlflow_uri, errors=errors)
+    run = _run_settings(
+        name,
+        spec,
+        stop=stop,
+        num_samples=num_samples,
+        storage_path=storage_path,
+        checkpoint_freq=checkpoint_freq,
+        checkpoint_at_end=checkpoint_at_end,
+        mlflow_uri=mlflow_uri,
+        errors=errors,
+    )
     if algo_cls is None:
         raise _Invalid(errors)
     ckpt_block = spec.get("checkpoint_config")
     score_attribute = ckpt_block.get("checkpoint_score_attribute") if isinstance(ckpt_block, dict) else None
     metric_names = [k for k in run.stop if isinstance(k, str) and k not in LEGACY_STOP_KEYS]
-    user_config, found, env = _checked_user_config(spec, config, algo_cls, algo_name, config_overrides, env_override,
-                                                   metric_names, errors)
+    user_config, found, env = _checked_user_config(spec, config, algo_cls, algo_name, config_overrides, env_override, metric_names, errors)
     notes = preflight.absolute_paths(user_config)
     config = _config_of(algo_cls, user_config, env, errors)
     variant_errors, variant_notes = preflight.check_variants(
-        algo_cls, user_config, env, found, apply_config=apply_config, validate=validate, cluster=cluster,
-        stop={k: run.stop[k] for k in metric_names}, score_attribute=score_attribute, dry_run=dry_run,
+        algo_cls,
+        user_config,
+        env,
+        found,
+        apply_config=apply_config,
+        validate=validate,
+        cluster=cluster,
+        stop={k: run.stop[k] for k in metric_names},
+        score_attribute=score_attribute,
+        dry_run=dry_run,
     )
     errors += variant_errors
     if run.scheduler and isinstance(run.scheduler.get("metric"), str):
@@ -431,10 +452,19 @@ def _build_checked(
         errors += [msg] if msg else []
     _stop_if(errors)
     return Experiment(
-        name=name, algo_cls=algo_cls, config=config, stop=run.stop, num_samples=run.num_samples,
-        storage_path=run.storage, checkpoint_config=run.checkpoint_config,
+        name=name,
+        algo_cls=algo_cls,
+        config=config,
+        stop=run.stop,
+        num_samples=run.num_samples,
+        storage_path=run.storage,
+        checkpoint_config=run.checkpoint_config,
         callbacks=[make_mlflow_callback(run.mlflow)] if run.mlflow else [],
-        search_space=found, env=env, mlflow=run.mlflow, source=src_name, notes=notes + variant_notes,
+        search_space=found,
+        env=env,
+        mlflow=run.mlflow,
+        source=src_name,
+        notes=notes + variant_notes,
         scheduler=run.scheduler,
         warnings=preflight.learner_change_warnings(config, spec.get("config"), config_overrides, found),
     )
@@ -468,12 +498,18 @@ def heldout_grace_problem(scheduler: Mapping[str, Any], config: Any, found: Mapp
     if worst and worst <= grace:
         return None
     given = "" if scheduler.get("grace_period") else f" (ASHA's default {ASHA_DEFAULT_GRACE_PERIOD})"
-    when = ("is measured only before training (heldout_interval 0)" if worst == 0 else
-            f"is measured before training and every {worst} iterations")
-    return (f"scheduler.grace_period: ASHA compares trials on {metric} from iteration {grace}{given}, "
-            f"but it {when}: the first comparison would rank every trial by the model they all started "
-            f"from; set config.heldout_interval <= scheduler.grace_period (heldout_interval: {grace}"
-            + (f", or grace_period: {worst}" if worst else "") + ").")
+    when = (
+        "is measured only before training (heldout_interval 0)"
+        if worst == 0
+        else f"is measured before training and every {worst} iterations"
+    )
+    return (
+        f"scheduler.grace_period: ASHA compares trials on {metric} from iteration {grace}{given}, "
+        f"but it {when}: the first comparison would rank every trial by the model they all started "
+        f"from; set config.heldout_interval <= scheduler.grace_period (heldout_interval: {grace}"
+        + (f", or grace_period: {worst}" if worst else "")
+        + ")."
+    )
 
 
 @dataclass
@@ -488,9 +524,18 @@ class _RunSettings:
     scheduler: Any
 
 
-def _run_settings(name: str, spec: Mapping[str, Any], *, stop: Optional[Mapping[str, Any]],
-                  num_samples: Optional[int], storage_path: Optional[str], checkpoint_freq: Optional[int],
-                  checkpoint_at_end: Optional[bool], mlflow_uri: Optional[str], errors: List[str]) -> _RunSettings:
+def _run_settings(
+    name: str,
+    spec: Mapping[str, Any],
+    *,
+    stop: Optional[Mapping[str, Any]],
+    num_samples: Optional[int],
+    storage_path: Optional[str],
+    checkpoint_freq: Optional[int],
+    checkpoint_at_end: Optional[bool],
+    mlflow_uri: Optional[str],
+    errors: List[str],
+) -> _RunSettings:
     """The run settings of ``spec`` with the command line's overrides: stop (the file's,
     updated by ``stop``), samples, storage, checkpoints, MLflow and the scheduler; their
     problems are added to ``errors`` (a bad value gets a neutral one here)."""
@@ -517,9 +562,16 @@ def _run_settings(name: str, spec: Mapping[str, Any], *, stop: Optional[Mapping[
     return _RunSettings(stop_dict, n, storage, checkpoint_config, mlflow_settings, scheduler)
 
 
-def _checked_user_config(spec: Mapping[str, Any], config: Any, algo_cls: type, algo_name: str,
-                         config_overrides: Optional[Mapping[str, Any]], env_override: Optional[str],
-                         metric_names: List[str], errors: List[str]) -> Tuple[Dict[str, Any], Dict[str, Any], Any]:
+def _checked_user_config(
+    spec: Mapping[str, Any],
+    config: Any,
+    algo_cls: type,
+    algo_name: str,
+    config_overrides: Optional[Mapping[str, Any]],
+    env_override: Optional[str],
+    metric_names: List[str],
+    errors: List[str],
+) -> Tuple[Dict[str, Any], Dict[str, Any], Any]:
     """``(user config, search space, env)`` with every bad key reported in ``errors`` and
     left out, so that the rest of the config is still checked; each key is applied to
     ``config`` (the algorithm's default config) as it is checked. ``env`` is None where it
@@ -567,10 +619,7 @@ def _experiment_key_errors(spec: Mapping[str, Any]) -> List[str]:
         if key in _RENAMED_EXPERIMENT_KEYS:
             errors.append(f"`{key}` {_RENAMED_EXPERIMENT_KEYS[key]}.")
         else:
-            errors.append(
-                f"unknown key `{key}`.{suggest(str(key), EXPERIMENT_KEYS)} "
-                f"Known keys: {', '.join(EXPERIMENT_KEYS)}."
-            )
+            errors.append(f"unknown key `{key}`.{suggest(str(key), EXPERIMENT_KEYS)} Known keys: {', '.join(EXPERIMENT_KEYS)}.")
     if "run" not in spec:
         errors.append("missing `run` (an algorithm name such as ExGRPO or PPO, or 'pkg.mod:Class').")
     return errors
@@ -584,11 +633,9 @@ def _default_config(run: Any) -> Tuple[type, Any, str]:
         algo_cls = resolve_algorithm(run)
     config = algo_cls.get_default_config()
     if not isinstance(config, AlgorithmConfig):
-        raise _Invalid([f"{algo_cls.__name__}.get_default_config() must return an AlgorithmConfig, "
-                        f"got {type(config).__name__}."])
+        raise _Invalid([f"{algo_cls.__name__}.get_default_config() must return an AlgorithmConfig, got {type(config).__name__}."])
     if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
-        raise _Invalid([f"{algo_cls.__name__}'s default config is on RLlib's old API stack; this command "
-                        "runs the new API stack only."])
+        raise _Invalid([f"{algo_cls.__name__}'s default config is on RLlib's old API stack; this command runs the new API stack only."])
     return algo_cls, config, str(run) if isinstance(run, str) else algo_cls.__name__
 
 
@@ -599,11 +646,15 @@ def _user_config(spec: Mapping[str, Any], overrides: Optional[Mapping[str, Any]]
         user_config = _as_json_like_dict(spec.get("config"), "config")
         user_config = deep_merge(user_config, overrides) if overrides else copy.deepcopy(user_config)
         user_config, found = convert_search_spaces(user_config)
-    _stop_if([
-        f"{p}: search spaces cannot sit inside `rl_module_spec` (Tune does not look into an "
-        "RLModuleSpec); put them under the top-level `model_config`, which the module spec's "
-        "model_config is merged over." for p in sorted(found) if p.startswith("config/rl_module_spec/")
-    ])
+    _stop_if(
+        [
+            f"{p}: search spaces cannot sit inside `rl_module_spec` (Tune does not look into an "
+            "RLModuleSpec); put them under the top-level `model_config`, which the module spec's "
+            "model_config is merged over."
+            for p in sorted(found)
+            if p.startswith("config/rl_module_spec/")
+        ]
+    )
     return user_config, found
 
 
@@ -613,8 +664,7 @@ def _experiment_env(spec, user_config, env_override, found, errors: List[str]) -
     if spec.get("env") is not None:
         if env is not None and env != spec["env"]:
             errors.append(
-                f"`env` ({spec['env']!r}) and `config.env` ({env!r}) disagree; give one "
-                "(on the command line, override with --env)."
+                f"`env` ({spec['env']!r}) and `config.env` ({env!r}) disagree; give one (on the command line, override with --env)."
             )
         env = spec["env"]
     if env_override is not None:
@@ -647,5 +697,3 @@ def _checkpoint_settings(spec, checkpoint_freq, checkpoint_at_end, errors: List[
 
 
 # ------------------------------------------------------------------------ running
-
-

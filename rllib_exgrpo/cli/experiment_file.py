@@ -3,6 +3,7 @@
 Strict: duplicate keys are errors, and ``1e-3`` is a float as in YAML 1.2 (not the string
 PyYAML makes of it). The file schema is in ``cli/experiment.py``.
 """
+
 from __future__ import annotations
 
 
@@ -100,9 +101,7 @@ def _make_domain(kind: str, args: Any, where: str) -> Any:
     if not isinstance(args, list) or len(args) not in arities or not all(is_number(a) for a in args):
         shape = " or ".join(str(n) for n in arities)
         raise CliConfigError(f"{where}: `{kind}` needs a list of {shape} numbers, got {args!r}.")
-    if kind in ("randint", "qrandint", "lograndint", "qlograndint") and not all(
-        isinstance(a, int) for a in args[:2]
-    ):
+    if kind in ("randint", "qrandint", "lograndint", "qlograndint") and not all(isinstance(a, int) for a in args[:2]):
         raise CliConfigError(f"{where}: `{kind}` bounds must be integers, got {args!r}.")
     if kind not in ("randn", "qrandn"):
         lo, hi = args[0], args[1]
@@ -142,12 +141,7 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> Dict[str
     value (and any search-space dict, on either side) replaces."""
     out = copy.deepcopy(dict(base))
     for k, v in override.items():
-        if (
-            isinstance(v, dict)
-            and isinstance(out.get(k), dict)
-            and not _is_search_space(v)
-            and not _is_search_space(out[k])
-        ):
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and not _is_search_space(v) and not _is_search_space(out[k]):
             out[k] = deep_merge(out[k], v)
         else:
             out[k] = copy.deepcopy(v)

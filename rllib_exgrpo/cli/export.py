@@ -7,6 +7,7 @@ around it.
 Exit codes: 0 written, 2 bad command line, a path that is no checkpoint, or an OUT that
 may not be written (one line, nothing written), 130 interrupted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,10 @@ def add_export_parser(subparsers: Any) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint, Tune trial or module folder")
     p.add_argument("out", metavar="OUT", help="model folder to write")
     p.add_argument("--force", action="store_true", help="replace an existing, non-empty OUT")
-    p.add_argument("--best", action="store_true",
-                   help="CHECKPOINT is a run or trial folder: export its checkpoint of highest heldout/accuracy")
-    p.add_argument("--dtype", choices=MODEL_DTYPES, default=None,
-                   help="cast the weights (default: the dtype they were saved in)")
+    p.add_argument(
+        "--best", action="store_true", help="CHECKPOINT is a run or trial folder: export its checkpoint of highest heldout/accuracy"
+    )
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default=None, help="cast the weights (default: the dtype they were saved in)")
     p.set_defaults(func=run_export)
 
 
@@ -74,7 +75,9 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"{PROG} export: error: {e}", file=sys.stderr)
         return 2
     ckpt = result.checkpoint
-    print(f"{PROG} export: {ckpt.algorithm or 'RLlib'} checkpoint {ckpt.path or ckpt.module_path} "
-          f"(base model {ckpt.model_name_or_path}{', ZeRO-3 shards consolidated' if result.zero3 else ''})")
+    print(
+        f"{PROG} export: {ckpt.algorithm or 'RLlib'} checkpoint {ckpt.path or ckpt.module_path} "
+        f"(base model {ckpt.model_name_or_path}{', ZeRO-3 shards consolidated' if result.zero3 else ''})"
+    )
     print(f"{PROG} export: {result.dtype} model written to {result.out}: {', '.join(result.files)}")
     return 0

@@ -121,51 +121,90 @@ _TRAIN_DEFAULTS = {
 def _add_train_options(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS
     g = p.add_argument_group("experiment overrides (apply to every experiment in the file)")
-    g.add_argument("--stop", type=_json_object, default=S, metavar="JSON",
-                   help='stopping criteria merged over the file\'s `stop`, e.g. \'{"training_iteration": 2}\'')
-    g.add_argument("--config", type=_json_object, default=S, metavar="JSON",
-                   help="AlgorithmConfig settings deep-merged over the file's `config` (checked the same way)")
+    g.add_argument(
+        "--stop",
+        type=_json_object,
+        default=S,
+        metavar="JSON",
+        help="stopping criteria merged over the file's `stop`, e.g. '{\"training_iteration\": 2}'",
+    )
+    g.add_argument(
+        "--config",
+        type=_json_object,
+        default=S,
+        metavar="JSON",
+        help="AlgorithmConfig settings deep-merged over the file's `config` (checked the same way)",
+    )
     g.add_argument("--env", default=S, metavar="ENV", help="environment overriding the file's `env`")
-    g.add_argument("--storage-path", "--local-dir", dest="storage_path", default=S, metavar="DIR",
-                   help="results root (Tune storage_path); default: the file's, else ./results")
-    g.add_argument("--num-samples", type=positive_int, default=S, metavar="N",
-                   help="Tune samples per experiment (repeats of the grid)")
-    g.add_argument("--experiment-name", default=S, metavar="NAME",
-                   help="rename the experiment (Tune folder, MLflow experiment); the file must hold exactly one")
-    g.add_argument("--checkpoint-freq", type=int, default=S, metavar="N",
-                   help="checkpoint every N training iterations (0: never)")
-    g.add_argument("--checkpoint-at-end", action="store_true", default=S,
-                   help="write a checkpoint when a trial ends")
-    g.add_argument("--mlflow-uri", default=S, metavar="URI",
-                   help="log to MLflow at this tracking URI (also for experiments without an `mlflow:` block)")
+    g.add_argument(
+        "--storage-path",
+        "--local-dir",
+        dest="storage_path",
+        default=S,
+        metavar="DIR",
+        help="results root (Tune storage_path); default: the file's, else ./results",
+    )
+    g.add_argument("--num-samples", type=positive_int, default=S, metavar="N", help="Tune samples per experiment (repeats of the grid)")
+    g.add_argument(
+        "--experiment-name",
+        default=S,
+        metavar="NAME",
+        help="rename the experiment (Tune folder, MLflow experiment); the file must hold exactly one",
+    )
+    g.add_argument("--checkpoint-freq", type=int, default=S, metavar="N", help="checkpoint every N training iterations (0: never)")
+    g.add_argument("--checkpoint-at-end", action="store_true", default=S, help="write a checkpoint when a trial ends")
+    g.add_argument(
+        "--mlflow-uri",
+        default=S,
+        metavar="URI",
+        help="log to MLflow at this tracking URI (also for experiments without an `mlflow:` block)",
+    )
     r = p.add_argument_group("running")
-    r.add_argument("-v", "--verbose", action="count", default=S,
-                   help="more output: -v Tune verbosity 2 and RLlib log_level INFO; -vv verbosity 3 and DEBUG")
-    r.add_argument("--dry-run", action="store_true", default=S,
-                   help="parse and validate the file, print the experiments (how many of a search's trials run at "
-                   "once, each GPU memory plan), start nothing; --ray-num-cpus / --ray-num-gpus describe the "
-                   "local Ray instance to plan for")
-    r.add_argument("--rehearse", action="store_true", default=S,
-                   help="run the file as written on this (CPU) machine, swapping only what it cannot hold "
-                   "(the model for a random one of its architecture family at tiny width, GPUs for CPU "
-                   "shares, token limits and batch scaled down, data files it lacks, a stand-in reward), "
-                   "one line per swap; results go to <name>-rehearsal (docs/rehearsal.md)")
-    r.add_argument("--resume", action="store_true", default=S,
-                   help="continue each experiment of the file from its trials' latest checkpoints, "
-                   "up to this command's stop (the file's `stop`, --stop over it): a run killed mid-way "
-                   "(even with SIGKILL) goes on, and so does a finished trial below that stop (run it "
-                   "again with --resume and a higher training_iteration), in its own folder, its "
-                   "iterations numbered on; one that meets the stop, was ended early by a scheduler, or "
-                   "has no checkpoint stays finished (one line per trial says which); an experiment "
-                   "with nothing saved yet starts fresh")
-    r.add_argument("--no-validate", action="store_true", default=S,
-                   help="skip AlgorithmConfig.validate() of the search-space variants before starting")
-    r.add_argument("--ray-address", default=S, metavar="ADDR",
-                   help="join this Ray cluster (default: RAY_ADDRESS, else a private local instance)")
+    r.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=S,
+        help="more output: -v Tune verbosity 2 and RLlib log_level INFO; -vv verbosity 3 and DEBUG",
+    )
+    r.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=S,
+        help="parse and validate the file, print the experiments (how many of a search's trials run at "
+        "once, each GPU memory plan), start nothing; --ray-num-cpus / --ray-num-gpus describe the "
+        "local Ray instance to plan for",
+    )
+    r.add_argument(
+        "--rehearse",
+        action="store_true",
+        default=S,
+        help="run the file as written on this (CPU) machine, swapping only what it cannot hold "
+        "(the model for a random one of its architecture family at tiny width, GPUs for CPU "
+        "shares, token limits and batch scaled down, data files it lacks, a stand-in reward), "
+        "one line per swap; results go to <name>-rehearsal (docs/rehearsal.md)",
+    )
+    r.add_argument(
+        "--resume",
+        action="store_true",
+        default=S,
+        help="continue each experiment of the file from its trials' latest checkpoints, "
+        "up to this command's stop (the file's `stop`, --stop over it): a run killed mid-way "
+        "(even with SIGKILL) goes on, and so does a finished trial below that stop (run it "
+        "again with --resume and a higher training_iteration), in its own folder, its "
+        "iterations numbered on; one that meets the stop, was ended early by a scheduler, or "
+        "has no checkpoint stays finished (one line per trial says which); an experiment "
+        "with nothing saved yet starts fresh",
+    )
+    r.add_argument(
+        "--no-validate", action="store_true", default=S, help="skip AlgorithmConfig.validate() of the search-space variants before starting"
+    )
+    r.add_argument(
+        "--ray-address", default=S, metavar="ADDR", help="join this Ray cluster (default: RAY_ADDRESS, else a private local instance)"
+    )
     r.add_argument("--ray-num-cpus", type=int, default=S, metavar="N", help="CPUs of a local Ray instance")
     r.add_argument("--ray-num-gpus", type=int, default=S, metavar="N", help="GPUs of a local Ray instance")
-    r.add_argument("--ray-ui", action="store_true", default=S,
-                   help="start the Ray dashboard with a local Ray instance")
+    r.add_argument("--ray-ui", action="store_true", default=S, help="start the Ray dashboard with a local Ray instance")
 
 
 def add_train_parser(subparsers: Any) -> None:
@@ -178,8 +217,14 @@ def add_train_parser(subparsers: Any) -> None:
         epilog=_TRAIN_EPILOG,
         formatter_class=_Formatter,
     )
-    train.add_argument("-f", "--config-file", dest="config_file", default=argparse.SUPPRESS,
-                       metavar="FILE", help="experiment YAML file (old RLlib spelling of `train file FILE`)")
+    train.add_argument(
+        "-f",
+        "--config-file",
+        dest="config_file",
+        default=argparse.SUPPRESS,
+        metavar="FILE",
+        help="experiment YAML file (old RLlib spelling of `train file FILE`)",
+    )
     _add_train_options(train)
     train_sub = train.add_subparsers(dest="train_command", metavar="{file}")
     file_p = train_sub.add_parser(
@@ -221,8 +266,9 @@ def run_train(args: argparse.Namespace) -> int:
         for warning in exp.warnings:
             print(f"{PROG} train: experiment {exp.name!r}: {warning}", file=sys.stderr, flush=True)
     try:
-        results = run_experiments(experiments, verbose=min(1 + args.verbose, 3), ray_address=args.ray_address,
-                                  ray_init_kwargs=ray_init_kwargs, resume=args.resume)
+        results = run_experiments(
+            experiments, verbose=min(1 + args.verbose, 3), ray_address=args.ray_address, ray_init_kwargs=ray_init_kwargs, resume=args.resume
+        )
     except ResourceError as e:
         return _train_error(e)
     return _report_trials(results)
@@ -256,11 +302,21 @@ def _build_train_experiments(args: argparse.Namespace):
         if args.rehearse:
             source, overrides = _rehearsal_source(args.config_file, overrides, stop_given=args.stop is not None)
         return build_experiments(
-            source, source_name=args.config_file, stop=args.stop, config_overrides=overrides or None,
-            storage_path=args.storage_path, num_samples=args.num_samples, experiment_name=args.experiment_name,
-            env=args.env, mlflow_uri=args.mlflow_uri, checkpoint_freq=args.checkpoint_freq,
-            checkpoint_at_end=args.checkpoint_at_end, validate=not args.no_validate,
-            ray_address=args.ray_address, ray_num_gpus=args.ray_num_gpus, dry_run=bool(args.dry_run),
+            source,
+            source_name=args.config_file,
+            stop=args.stop,
+            config_overrides=overrides or None,
+            storage_path=args.storage_path,
+            num_samples=args.num_samples,
+            experiment_name=args.experiment_name,
+            env=args.env,
+            mlflow_uri=args.mlflow_uri,
+            checkpoint_freq=args.checkpoint_freq,
+            checkpoint_at_end=args.checkpoint_at_end,
+            validate=not args.no_validate,
+            ray_address=args.ray_address,
+            ray_num_gpus=args.ray_num_gpus,
+            dry_run=bool(args.dry_run),
         )
     except CliConfigError as e:
         return _train_error(e)
@@ -297,8 +353,10 @@ def _ray_init_kwargs(args: argparse.Namespace) -> Optional[dict]:
     """``ray.init`` arguments of a local instance, or None (after a one-line error) when
     they are given for a cluster that is joined."""
     if (args.ray_address or os.environ.get("RAY_ADDRESS")) and (args.ray_num_cpus is not None or args.ray_num_gpus is not None):
-        _train_error("--ray-num-cpus / --ray-num-gpus size a local Ray instance; a cluster joined with "
-                     "--ray-address / RAY_ADDRESS has its own resources (leave them out)")
+        _train_error(
+            "--ray-num-cpus / --ray-num-gpus size a local Ray instance; a cluster joined with "
+            "--ray-address / RAY_ADDRESS has its own resources (leave them out)"
+        )
         return None
     kwargs = {}
     if args.ray_num_cpus is not None:
@@ -324,7 +382,8 @@ def _report_trials(results: list) -> int:
             reason = _last_error_line(err_file)
             print(
                 f"{PROG} train: experiment {exp.name!r}: trial {trial_path} errored"
-                + (f": {reason}" if reason else "") + f"; error file: {err_file or '(none written)'}",
+                + (f": {reason}" if reason else "")
+                + f"; error file: {err_file or '(none written)'}",
                 file=sys.stderr,
             )
     return 1 if failed else 0
@@ -359,6 +418,7 @@ SUBCOMMANDS: List[Callable[[Any], None]] = [add_train_parser]
 from rllib_exgrpo.cli.evaluate import add_evaluate_parser  # noqa: E402
 from rllib_exgrpo.cli.export import add_export_parser  # noqa: E402
 from rllib_exgrpo.cli.compare import add_compare_parser  # noqa: E402
+
 SUBCOMMANDS.append(add_evaluate_parser)
 SUBCOMMANDS.append(add_export_parser)
 SUBCOMMANDS.append(add_compare_parser)

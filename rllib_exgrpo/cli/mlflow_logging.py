@@ -2,6 +2,7 @@
 store by default, and a Tune callback that logs each trial's params and metrics (held-out
 metrics only on the iterations that measure them).
 """
+
 from __future__ import annotations
 
 
@@ -183,4 +184,4 @@ def prepare_mlflow(settings: Dict[str, Any]) -> None:
         # mlflow 3 refuses file stores unless opted in.
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(uri[len("sqlite:///") :]).expanduser().parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ heldout/accuracy)`` pairs, one per evaluation (a row between evaluations repeats
 one and adds no point). Written after the trial ends, also for a resumed trial, whose rows
 hold the iterations before the kill too.
 """
+
 from __future__ import annotations
 
 import math

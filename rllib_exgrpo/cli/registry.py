@@ -54,6 +54,7 @@ class CliConfigError(ValueError):
 
 class _Import:
     """A registered algorithm not imported yet: calling it imports ``target`` ("pkg.mod:Class")."""
+
     def __init__(self, target: str) -> None:
         self.target = target
 
@@ -113,10 +114,7 @@ def _check_algorithm_class(obj: Any, name: str, origin: str) -> type:
     from ray.rllib.algorithms.algorithm import Algorithm
 
     if not (isinstance(obj, type) and issubclass(obj, Algorithm)):
-        raise CliConfigError(
-            f"run: {name!r} ({origin}) is {obj!r}, which is not a subclass of "
-            "ray.rllib.algorithms.algorithm.Algorithm."
-        )
+        raise CliConfigError(f"run: {name!r} ({origin}) is {obj!r}, which is not a subclass of ray.rllib.algorithms.algorithm.Algorithm.")
     return obj
 
 
@@ -157,8 +155,7 @@ def resolve_algorithm(name: Any) -> type:
             obj = import_object(name)
         except (ImportError, AttributeError) as e:
             raise CliConfigError(
-                f"run: {name!r} is no known algorithm name and could not be imported as a "
-                f"class path: {type(e).__name__}: {e}"
+                f"run: {name!r} is no known algorithm name and could not be imported as a class path: {type(e).__name__}: {e}"
             ) from e
         return _check_algorithm_class(obj, name, "class path")
 

@@ -33,6 +33,7 @@ what a CPU cannot hold, one printed line per swap (``rehearsal: <key>: <was> -> 
 Nothing is special-cased per recipe: the same rules apply to any experiment file.
 ``docs/rehearsal.md`` has the table of what is kept and what is swapped.
 """
+
 from __future__ import annotations
 
 import copy
@@ -69,6 +70,7 @@ REHEARSAL_DATASET = "arithmetic"
 @dataclass(frozen=True)
 class Swap:
     """One thing a rehearsal changed, and why."""
+
     key: str
     was: Any
     now: Any
@@ -118,8 +120,14 @@ def _rehearse_run_settings(spec: Dict[str, Any], stop_given: bool, found: List[S
     ckpt = spec.get("checkpoint_config")
     ckpt = dict(ckpt) if isinstance(ckpt, dict) else {}
     if not ckpt.get("checkpoint_at_end"):
-        found.append(Swap("checkpoint_config.checkpoint_at_end", ckpt.get("checkpoint_at_end"), True,
-                          "a rehearsal checkpoints at its end, so that --resume can continue it"))
+        found.append(
+            Swap(
+                "checkpoint_config.checkpoint_at_end",
+                ckpt.get("checkpoint_at_end"),
+                True,
+                "a rehearsal checkpoints at its end, so that --resume can continue it",
+            )
+        )
         ckpt["checkpoint_at_end"] = True
         spec["checkpoint_config"] = ckpt
     if not stop_given:
@@ -137,13 +145,13 @@ def _rehearse_search(spec: Dict[str, Any], found: List[Swap]) -> None:
     """A search rehearses as one trial: each grid or choice at its first value, other search
     spaces sampled once (``num_samples: 1``). The rehearsal checks the recipe's path on this
     machine; the search itself is Tune's (one trial of a GPU search is minutes on a CPU)."""
+
     def first(settings: Dict[str, Any], where: str) -> None:
         for key, value in list(settings.items()):
             if _is_space(value) and next(iter(value)) in ("grid_search", "choice"):
                 options = next(iter(value.values()))
                 if isinstance(options, list) and options:
-                    _set(settings, where, key, options[0], "a search rehearses as one trial: its first value",
-                         found)
+                    _set(settings, where, key, options[0], "a search rehearses as one trial: its first value", found)
             elif isinstance(value, dict) and not _is_space(value):
                 first(value, f"{where}{key}.")
 
@@ -217,30 +225,31 @@ def _swap_model(settings, where, key, model, found) -> None:
             shape = None
     if shape is not None:
         spec = rehearsal_spec(family, shape.vocab_size, shape.tie_word_embeddings)
-        vocab = (f"its vocabulary of {shape.vocab_size:,} and {'tied' if shape.tie_word_embeddings else 'untied'} "
-                 f"embeddings kept")
+        vocab = f"its vocabulary of {shape.vocab_size:,} and {'tied' if shape.tie_word_embeddings else 'untied'} embeddings kept"
     elif tiny:
-
         tied = bool(tiny_recipe()["model"]["tie_word_embeddings"])
         spec = rehearsal_spec(family, None, tied)
         vocab = f"its own tokenizer's vocabulary and {'tied' if tied else 'untied'} embeddings"
     else:
         spec, vocab = rehearsal_spec(family), "its vocabulary unknown here: the tiny tokenizer's"
-    _set(settings, where, key, spec, f"a random {family} at tiny width (family from {source}), {vocab}; "
-         "no download", found)
+    _set(settings, where, key, spec, f"a random {family} at tiny width (family from {source}), {vocab}; no download", found)
 
 
 def _cap_tokens(settings, where, found) -> None:
     budget = settings.get("learner_micro_batch_tokens")
     widths = [settings.get(k) for k in ("max_prompt_tokens", "max_response_tokens")]
-    if isinstance(budget, int) and not isinstance(budget, bool) and all(
-            isinstance(w, int) and not isinstance(w, bool) for w in widths):
+    if isinstance(budget, int) and not isinstance(budget, bool) and all(isinstance(w, int) and not isinstance(w, bool) for w in widths):
         # The same rows per pass at full width: the budget scales with the token limits.
-        full, capped = sum(widths), sum(min(w, TOKEN_CAPS[k]) for w, k in zip(widths, ("max_prompt_tokens",
-                                                                                      "max_response_tokens")))
+        full, capped = sum(widths), sum(min(w, TOKEN_CAPS[k]) for w, k in zip(widths, ("max_prompt_tokens", "max_response_tokens")))
         if capped < full:
-            _set(settings, where, "learner_micro_batch_tokens", max(1, round(budget * capped / full)),
-                 "scaled with the token limits: the same rows per pass at full width", found)
+            _set(
+                settings,
+                where,
+                "learner_micro_batch_tokens",
+                max(1, round(budget * capped / full)),
+                "scaled with the token limits: the same rows per pass at full width",
+                found,
+            )
     for key, cap in TOKEN_CAPS.items():
         value = settings.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
@@ -258,25 +267,41 @@ def _swap_backend(settings, where, vllm: bool, found) -> None:
         return
     learners = settings.get("num_learners")
     if vllm and settings.get("colocate") and isinstance(learners, int) and learners > MAX_CPU_ENGINES:
-        _set(settings, where, "generation_backend", "hf", f"colocate with {learners} learners would start "
-             f"{learners} vLLM engines of the CPU build on this machine (at most {MAX_CPU_ENGINES}): the HF backend "
-             "samples in each learner instead; the weight push, ZeRO-3 gathers and turn order run as with vLLM",
-             found)
+        _set(
+            settings,
+            where,
+            "generation_backend",
+            "hf",
+            f"colocate with {learners} learners would start "
+            f"{learners} vLLM engines of the CPU build on this machine (at most {MAX_CPU_ENGINES}): the HF backend "
+            "samples in each learner instead; the weight push, ZeRO-3 gathers and turn order run as with vLLM",
+            found,
+        )
         settings.pop("vllm_kwargs", None)
         return
     if not vllm:
-        _set(settings, where, "generation_backend", "hf", "vLLM is not installed here: the HF backend samples "
-             "instead (install vLLM's CPU build to rehearse the engine)", found)
+        _set(
+            settings,
+            where,
+            "generation_backend",
+            "hf",
+            "vLLM is not installed here: the HF backend samples instead (install vLLM's CPU build to rehearse the engine)",
+            found,
+        )
         settings.pop("vllm_kwargs", None)
         return
     kwargs = settings.get("vllm_kwargs") if isinstance(settings.get("vllm_kwargs"), dict) else {}
     now = {k: v for k, v in kwargs.items() if k not in ("gpu_memory_utilization", "max_model_len")}
     now.update(VLLM_CPU_KWARGS)
-    why = ("vLLM's CPU build: a KV cache of fixed bytes, not a share of GPU memory; max_model_len follows the "
-           "scaled token limits; no graph compilation")
+    why = (
+        "vLLM's CPU build: a KV cache of fixed bytes, not a share of GPU memory; max_model_len follows the "
+        "scaled token limits; no graph compilation"
+    )
     if settings.get("colocate"):
-        why += ("; colocate: the CPU build has no sleep mode, so each learner's engine skips its sleep and wake "
-                "calls (the turn's other calls, the weight push included, run as on a GPU)")
+        why += (
+            "; colocate: the CPU build has no sleep mode, so each learner's engine skips its sleep and wake "
+            "calls (the turn's other calls, the weight push included, run as on a GPU)"
+        )
     _set(settings, where, "vllm_kwargs", now, why, found)
 
 
@@ -323,8 +348,14 @@ def _scale_batch(config, defaults, found) -> None:
         factor = ROWS_PER_ITERATION / rows
         _set(config, "", "train_batch_size_per_learner", ROWS_PER_ITERATION, "learner rows scaled down for a CPU", found)
     if isinstance(minibatch, int) and not _is_space(config.get("minibatch_size")):
-        _set(config, "", "minibatch_size", max(1, round(minibatch * factor)),
-             "scaled with the batch: the same optimiser steps per iteration", found)
+        _set(
+            config,
+            "",
+            "minibatch_size",
+            max(1, round(minibatch * factor)),
+            "scaled with the batch: the same optimiser steps per iteration",
+            found,
+        )
 
 
 def _is_missing_file(value: Any) -> bool:
@@ -363,13 +394,25 @@ def _rehearse_reward(env_config: Dict[str, Any], found: List[Swap]) -> None:
     if "rehearsal" in kept:
         return
     if env_config.get("reward_fn") is not None:
-        found.append(Swap("env_config.reward_fn", env_config.pop("reward_fn"), None,
-                          "moved into reward_fns, at weight 0"))
-    _set(env_config, "env_config.", "reward_fns", kept + ["rehearsal"], "a random model never answers correctly: "
-         "the built-in reward 'rehearsal' draws rewards per question and completion, so that groups vary, "
-         "buckets fill, the delayed start fires and replay runs", found)
-    _set(env_config, "env_config.", "reward_weights", [0.0] * len(kept) + [1.0],
-         "the recipe's rewards still run on every completion (weight 0); the score is the stand-in", found)
+        found.append(Swap("env_config.reward_fn", env_config.pop("reward_fn"), None, "moved into reward_fns, at weight 0"))
+    _set(
+        env_config,
+        "env_config.",
+        "reward_fns",
+        kept + ["rehearsal"],
+        "a random model never answers correctly: "
+        "the built-in reward 'rehearsal' draws rewards per question and completion, so that groups vary, "
+        "buckets fill, the delayed start fires and replay runs",
+        found,
+    )
+    _set(
+        env_config,
+        "env_config.",
+        "reward_weights",
+        [0.0] * len(kept) + [1.0],
+        "the recipe's rewards still run on every completion (weight 0); the score is the stand-in",
+        found,
+    )
 
 
 def _rehearse_heldout(config, defaults, found) -> None:

@@ -11,6 +11,7 @@
 
 The metric and mode also pick the best trial that ``rllib train`` prints at the end.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional

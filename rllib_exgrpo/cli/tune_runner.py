@@ -1,6 +1,7 @@
 """Running built experiments with Ray Tune: start or join Ray, fit resources to the
 cluster, one ``tune.Tuner`` per experiment, and a one-line report per failed trial.
 """
+
 from __future__ import annotations
 
 
@@ -18,9 +19,11 @@ from rllib_exgrpo.cli.scheduler import make_scheduler
 from rllib_exgrpo.rllib import rllib_contract
 from rllib_exgrpo.rllib.resources import ResourceError, plan_trials
 
+
 @dataclass
 class ExperimentResult:
     """What :func:`run_experiments` returns per experiment."""
+
     experiment: Experiment
     result_grid: Any  # ray.tune.ResultGrid
     errors: List[Tuple[str, Optional[str]]] = field(default_factory=list)  # (trial path, error file)
@@ -42,8 +45,13 @@ def _trial_errors(result_grid: Any) -> List[Tuple[str, Optional[str]]]:
 
 
 RESOURCE_FIELDS = (
-    "num_env_runners", "num_cpus_per_env_runner", "num_gpus_per_env_runner", "num_learners",
-    "num_cpus_per_learner", "num_gpus_per_learner", "num_cpus_for_main_process",
+    "num_env_runners",
+    "num_cpus_per_env_runner",
+    "num_gpus_per_env_runner",
+    "num_learners",
+    "num_cpus_per_learner",
+    "num_gpus_per_learner",
+    "num_cpus_for_main_process",
 )
 
 
@@ -62,8 +70,7 @@ def fit_experiment_resources(exp: "Experiment", cluster: Any = None) -> List[str
     searched = [k for k in RESOURCE_FIELDS if isinstance(getattr(config, k, None), (dict, Domain))]
     if searched:
         exp.max_concurrent_trials = None
-        line = (f"{trials} trials; resources searched ({', '.join(searched)}): Tune starts each trial as the "
-                "cluster's free resources allow")
+        line = f"{trials} trials; resources searched ({', '.join(searched)}): Tune starts each trial as the cluster's free resources allow"
         print(f"rllib train: experiment {exp.name!r}: {line}", file=sys.stderr, flush=True)
         return [line]
     try:
@@ -140,8 +147,7 @@ def _new_tuner(exp: Experiment, verbose: int) -> Any:
     return tune.Tuner(
         exp.algo_cls,
         param_space=exp.param_space,
-        tune_config=tune.TuneConfig(num_samples=exp.num_samples, max_concurrent_trials=exp.max_concurrent_trials,
-                                    **_scheduling(exp)),
+        tune_config=tune.TuneConfig(num_samples=exp.num_samples, max_concurrent_trials=exp.max_concurrent_trials, **_scheduling(exp)),
         run_config=tune.RunConfig(
             name=exp.name,
             storage_path=exp.storage_path,
@@ -171,13 +177,11 @@ def _restored_tuner(exp: Experiment) -> Any:
 
     path = os.path.join(exp.storage_path, exp.name)
     if not tune.Tuner.can_restore(path):
-        print(f"rllib train: --resume: nothing saved in {path} yet; experiment {exp.name!r} starts fresh",
-              file=sys.stderr)
+        print(f"rllib train: --resume: nothing saved in {path} yet; experiment {exp.name!r} starts fresh", file=sys.stderr)
         return None
     print(f"rllib train: --resume: experiment {exp.name!r} continues from {path}", file=sys.stderr)
     _extend_finished_trials(exp, path)
-    return tune.Tuner.restore(path, trainable=exp.algo_cls, param_space=exp.param_space,
-                              resume_unfinished=True, resume_errored=True)
+    return tune.Tuner.restore(path, trainable=exp.algo_cls, param_space=exp.param_space, resume_unfinished=True, resume_errored=True)
 
 
 # Why the trial records in Tune's experiment state are edited before the restore:
@@ -221,7 +225,6 @@ def _extend_finished_trials(exp: Experiment, path: str) -> List[str]:
       from scratch would silently throw away its results); the line says how to rerun it.
     """
     import json
-
 
     fs, fs_path = rllib_contract.fs_and_path(path)
     found = _read_experiment_state(fs, fs_path)
@@ -281,8 +284,7 @@ def _trial_resume_plan(record: Dict[str, Any], meta: Any, new_stop: Dict[str, An
         if status != "ERROR" and not last and ckpt is None:
             return True, f"had not started; starts {to}"
         what = "errored" if status == "ERROR" else "was interrupted"
-        start = (f"from {_checkpoint_text(ckpt, last)}" if ckpt is not None
-                 else "from scratch (no checkpoint was saved)")
+        start = f"from {_checkpoint_text(ckpt, last)}" if ckpt is not None else "from scratch (no checkpoint was saved)"
         return True, f"{what} at {at}; continues {start} {to}"
     old_stop = dict(record.get("stopping_criterion") or {})
     if not new_stop:
@@ -290,12 +292,16 @@ def _trial_resume_plan(record: Dict[str, Any], meta: Any, new_stop: Dict[str, An
     if _stop_met(new_stop, last):
         return False, f"finished at {at} and meets the stop ({_stop_text(new_stop)}); stays finished"
     if not _stop_met(old_stop, last):
-        return False, (f"ended at {at} before its stop ({_stop_text(old_stop) or 'none'}) was reached "
-                       "(a scheduler's early stop, or the algorithm said done); stays finished")
+        return False, (
+            f"ended at {at} before its stop ({_stop_text(old_stop) or 'none'}) was reached "
+            "(a scheduler's early stop, or the algorithm said done); stays finished"
+        )
     if ckpt is None:
-        return False, (f"finished at {at} with no checkpoint to continue from (checkpoint_config."
-                       "checkpoint_at_end was off); stays finished; to train it further run the "
-                       "experiment again without --resume (or under another --experiment-name)")
+        return False, (
+            f"finished at {at} with no checkpoint to continue from (checkpoint_config."
+            "checkpoint_at_end was off); stays finished; to train it further run the "
+            "experiment again without --resume (or under another --experiment-name)"
+        )
     record["status"] = "PENDING"
     return True, f"finished at {at}; continuing to {_stop_text(new_stop)} from {_checkpoint_text(ckpt, last)}"
 
@@ -354,8 +360,10 @@ def _scheduling(exp: Experiment) -> Dict[str, Any]:
     if scheduler is not None:
         out["scheduler"] = scheduler
         knobs = ", ".join(f"{k} {settings[k]}" for k in ("max_t", "grace_period", "reduction_factor") if settings.get(k))
-        print(f"rllib train: experiment {exp.name!r}: ASHA on {settings['metric']} ({settings['mode']})"
-              + (f", {knobs}" if knobs else ""), file=sys.stderr)
+        print(
+            f"rllib train: experiment {exp.name!r}: ASHA on {settings['metric']} ({settings['mode']})" + (f", {knobs}" if knobs else ""),
+            file=sys.stderr,
+        )
     if settings.get("metric"):
         out.update(metric=settings["metric"], mode=settings["mode"])
     return out
@@ -377,5 +385,8 @@ def _print_best_trial(exp: Experiment, grid: Any) -> None:
         for part in path.split("/")[1:]:
             node = node.get(part) if isinstance(node, dict) else None
         chosen[path.split("/", 1)[1]] = node
-    print(f"rllib train: experiment {exp.name!r}: best trial {best.path} ({settings['metric']} "
-          f"{settings['mode']} {'?' if value is None else format(value, '.4g')}): {chosen}", file=sys.stderr)
+    print(
+        f"rllib train: experiment {exp.name!r}: best trial {best.path} ({settings['metric']} "
+        f"{settings['mode']} {'?' if value is None else format(value, '.4g')}): {chosen}",
+        file=sys.stderr,
+    )

@@ -18,6 +18,7 @@ same boolean causal-and-padding mask transformers' ``"sdpa"`` would use, in a ca
 many key/value heads as query heads (:func:`masked_sdpa`): a masked call with grouped-query
 heads would leave CUDA only SDPA's math kernel, and its ``[B, H, L, L]`` float scores.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,8 +31,7 @@ SDPA_VARLEN = "sdpa_varlen"
 #: dense mask. ``flex_attention`` is one on CUDA only (its CPU backward does not exist).
 PACKED_KERNELS = ("flash_attention_2", "flash_attention_3", SDPA_VARLEN)
 #: What the ``attn_implementation`` field accepts ("auto" resolves to one of the others).
-ATTN_IMPLEMENTATIONS = ("auto", SDPA_VARLEN, "flash_attention_2", "flash_attention_3", "flex_attention",
-                        "sdpa", "eager")
+ATTN_IMPLEMENTATIONS = ("auto", SDPA_VARLEN, "flash_attention_2", "flash_attention_3", "flex_attention", "sdpa", "eager")
 
 
 def resolve_attn_implementation(name: str, device_type: str) -> str:
@@ -85,10 +85,19 @@ def _padding_mask_4d(mask_2d: torch.Tensor, q_len: int) -> torch.Tensor:
     return mask.unsqueeze(1)
 
 
-def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                        scaling: Optional[float] = None, sliding_window: Optional[int] = None,
-                        position_ids: Optional[torch.Tensor] = None,
-                        cu_seq_lens_q: Optional[torch.Tensor] = None, **kwargs):
+def sdpa_varlen_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    cu_seq_lens_q: Optional[torch.Tensor] = None,
+    **kwargs,
+):
     """A transformers attention function: ``query [B, Hq, q, D]``, ``key``/``value
     [B, Hkv, kv, D]`` -> ``([B, q, Hq, D], None)``.
 
@@ -98,8 +107,9 @@ def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: floa
       padding mask (:func:`masked_sdpa`: key/value heads matched to the query's), or
       ``is_causal`` and grouped-query heads without one."""
     if sliding_window is not None:
-        raise NotImplementedError(f"{SDPA_VARLEN} has no sliding-window attention; set attn_implementation "
-                                  "to flash_attention_2 or sdpa for this model")
+        raise NotImplementedError(
+            f"{SDPA_VARLEN} has no sliding-window attention; set attn_implementation to flash_attention_2 or sdpa for this model"
+        )
     gqa = query.shape[1] != key.shape[1]
     dropout_p = dropout if module.training else 0.0
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -113,23 +123,31 @@ def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: floa
         edges = [int(b) for b in bounds.tolist()]
         outs = [
             torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout_p, is_causal=True,
-                scale=scaling, enable_gqa=gqa)
-            for s, e in zip(edges[:-1], edges[1:]) if e > s
+                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout_p, is_causal=True, scale=scaling, enable_gqa=gqa
+            )
+            for s, e in zip(edges[:-1], edges[1:])
+            if e > s
         ]
         out = torch.cat(outs, dim=2)
     elif attention_mask is None:
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, dropout_p=dropout_p, is_causal=q_len == kv_len and q_len > 1, scale=scaling,
-            enable_gqa=gqa)
+            query, key, value, dropout_p=dropout_p, is_causal=q_len == kv_len and q_len > 1, scale=scaling, enable_gqa=gqa
+        )
     else:
         mask = attention_mask if attention_mask.dim() == 4 else _padding_mask_4d(attention_mask, q_len)
         out = masked_sdpa(query, key, value, mask, dropout_p=dropout_p, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def masked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, *,
-                dropout_p: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
+def masked_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
     """SDPA with a mask, in a call a fused CUDA kernel accepts: ``query [B, Hq, q, D]``,
     ``key``/``value [B, Hkv, kv, D]``, ``mask [B, 1 or Hq, q, kv]`` -> ``[B, Hq, q, D]``.
 
@@ -157,14 +175,12 @@ def masked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
     if groups > 1 and query.shape[2] == 1 and mask.shape[1] == 1:
         b, _, _, d = query.shape
         packed = query.reshape(b, hkv, groups, d)
-        out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask,
-                                                               dropout_p=dropout_p, scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale)
         return out.reshape(b, hq, 1, d)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
-                                                            scale=scale)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 def register_kernels() -> None:

@@ -23,6 +23,7 @@ hooks see an ordinary call.
 Shape letters: ``M`` scored positions (flattened), ``H`` hidden size, ``V`` vocabulary,
 ``C`` positions of one chunk.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
@@ -105,10 +106,10 @@ def logprobs_entropy_from_logits(
     return logp, (entropy if with_entropy else None)
 
 
-def _chunk(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, temperature: float,
-           with_entropy: bool) -> Tuple[Tensor, Tensor]:
-    logp, entropy = logprobs_entropy_from_logits(head(hidden), targets, temperature=temperature,
-                                                  with_entropy=with_entropy)
+def _chunk(
+    head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool
+) -> Tuple[Tensor, Tensor]:
+    logp, entropy = logprobs_entropy_from_logits(head(hidden), targets, temperature=temperature, with_entropy=with_entropy)
     return logp, (entropy if entropy is not None else torch.zeros_like(logp))
 
 
@@ -138,8 +139,7 @@ def logprobs_entropy_from_hidden(
     on it, ``columns.MIN_LOGIT_CHUNKS``).
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden must be [M, H] and targets [M]; got {tuple(hidden.shape)} and "
-                         f"{tuple(targets.shape)}")
+        raise ValueError(f"hidden must be [M, H] and targets [M]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
     step = DEFAULT_CHUNK_TOKENS if chunk_tokens is None else int(chunk_tokens)
     if step < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens!r}")
@@ -149,7 +149,7 @@ def logprobs_entropy_from_hidden(
     starts = list(range(0, hidden.shape[0], step))
     starts += [hidden.shape[0]] * max(0, int(min_chunks) - len(starts))  # empty chunks
     for start in starts:
-        h, t = hidden[start:start + step], targets[start:start + step]
+        h, t = hidden[start : start + step], targets[start : start + step]
         if grad:
             logp, entropy = checkpoint(_chunk, head, h, t, temperature, with_entropy, use_reentrant=False)
         else:

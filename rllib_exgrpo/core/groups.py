@@ -3,6 +3,7 @@
 Plain dataclasses and numpy, no RLlib or torch state, so that each stage can be tested on
 hand-made inputs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from rllib_exgrpo.core.tokens import prompt_completion_batch
 @dataclass
 class Trajectory:
     """One completion of one question with what training needs of it."""
+
     question_id: str
     prompt_ids: np.ndarray  # int [P]
     completion_ids: np.ndarray  # int [R]
@@ -48,8 +50,7 @@ def trajectories_from_episodes(episodes) -> List[Trajectory]:
         info = e.get_infos(-1)
         seeded = bool(info.get("seeded", False))
         # No log-probs recorded: the learners score the completion (scoring_on: learners).
-        logp = (np.asarray(e.get_extra_model_outputs(C.ACTION_LOGP, 0), dtype=np.float32)
-                if C.ACTION_LOGP in e.extra_model_outputs else None)
+        logp = np.asarray(e.get_extra_model_outputs(C.ACTION_LOGP, 0), dtype=np.float32) if C.ACTION_LOGP in e.extra_model_outputs else None
         out.append(
             Trajectory(
                 question_id=info[C.QUESTION_ID],
@@ -68,6 +69,7 @@ def trajectories_from_episodes(episodes) -> List[Trajectory]:
 @dataclass
 class ScoredGroups:
     """Trajectories in group order with their advantages and per-group statistics."""
+
     trajectories: List[Trajectory]
     group_index: np.ndarray  # int64 [N], group of each trajectory
     question_ids: List[str]  # [num_groups]
@@ -77,9 +79,7 @@ class ScoredGroups:
     zero_variance: np.ndarray  # bool [num_groups]
 
 
-def score_groups(
-    trajectories: Sequence[Trajectory], *, estimator: str = "mean_centered", eps: float = 1e-6
-) -> ScoredGroups:
+def score_groups(trajectories: Sequence[Trajectory], *, estimator: str = "mean_centered", eps: float = 1e-6) -> ScoredGroups:
     """Group trajectories by question and compute group-relative advantages.
 
     Every trajectory of a question (fresh and replayed alike) is in one group, so a
@@ -98,9 +98,7 @@ def score_groups(
     sizes = np.zeros(num_groups, dtype=np.int64)
     np.add.at(correct, group_index, (rewards.numpy() >= 1.0).astype(np.int64))
     np.add.at(sizes, group_index, 1)
-    zero_var = (
-        zero_variance_group_mask(rewards, gidx).numpy() if len(ordered) else np.zeros(0, dtype=bool)
-    )
+    zero_var = zero_variance_group_mask(rewards, gidx).numpy() if len(ordered) else np.zeros(0, dtype=bool)
     return ScoredGroups(
         trajectories=ordered,
         group_index=group_index,
@@ -114,9 +112,7 @@ def score_groups(
 
 def learner_batch(trajectories: Sequence[Trajectory], advantages: np.ndarray, pad_id: int) -> Dict[str, np.ndarray]:
     """Pad trajectories into the learner's column layout (see ``columns.py``)."""
-    ids, mask, resp_mask = prompt_completion_batch(
-        [t.prompt_ids for t in trajectories], [t.completion_ids for t in trajectories], pad_id
-    )
+    ids, mask, resp_mask = prompt_completion_batch([t.prompt_ids for t in trajectories], [t.completion_ids for t in trajectories], pad_id)
     width = resp_mask.shape[1]
     old_logp = np.zeros((len(trajectories), width), dtype=np.float32)
     for i, t in enumerate(trajectories):

@@ -125,10 +125,7 @@ def _broadcast_adv(advantages: Tensor, like: Tensor) -> Tensor:
     if advantages.dim() == like.dim() - 1:
         return advantages.unsqueeze(-1)
     if advantages.shape != like.shape:
-        raise ValueError(
-            f"advantages must be [N] or [N, T] matching {tuple(like.shape)}, "
-            f"got {tuple(advantages.shape)}"
-        )
+        raise ValueError(f"advantages must be [N] or [N, T] matching {tuple(like.shape)}, got {tuple(advantages.shape)}")
     return advantages
 
 
@@ -242,10 +239,7 @@ def group_advantages(
     """
     fn = ADVANTAGE_ESTIMATORS.get(mode)
     if rewards.shape != group_index.shape or rewards.dim() != 1:
-        raise ValueError(
-            f"rewards and group_index must both be [N]; got {tuple(rewards.shape)} and "
-            f"{tuple(group_index.shape)}"
-        )
+        raise ValueError(f"rewards and group_index must both be [N]; got {tuple(rewards.shape)} and {tuple(group_index.shape)}")
     return fn(rewards, group_index, eps=eps)
 
 
@@ -407,7 +401,12 @@ def clipped_surrogate(
 
 
 def _clip_or_cap(
-    ratio: Tensor, adv: Tensor, logp: Tensor, eps_low: float, eps_high: float, clip: bool,
+    ratio: Tensor,
+    adv: Tensor,
+    logp: Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip: bool,
     ratio_cap: Optional[float],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """The per-token loss of :func:`clipped_surrogate` from ``ratio, adv, logp [N, T]``:
@@ -503,7 +502,10 @@ def agg_totals(mask: Tensor) -> AggTotals:
 
 @register_loss_agg_mode("token-mean")
 def _agg_token_mean(
-    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
+    per_token_loss: Tensor,
+    mask: Tensor,
+    max_len: Optional[int] = None,
+    micro_batch_rows: Optional[int] = None,
     totals: Optional[AggTotals] = None,
 ) -> Tensor:
     """``sum_{i,t} m l / sum_{i,t} m`` (DAPO / verl ``token-mean``)."""
@@ -516,7 +518,10 @@ def _agg_token_mean(
 
 @register_loss_agg_mode("seq-mean-token-mean")
 def _agg_seq_mean_token_mean(
-    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
+    per_token_loss: Tensor,
+    mask: Tensor,
+    max_len: Optional[int] = None,
+    micro_batch_rows: Optional[int] = None,
     totals: Optional[AggTotals] = None,
 ) -> Tensor:
     """``mean_{i: n_i>0} (sum_t m l / n_i)``; rows with no valid token are excluded."""
@@ -541,7 +546,10 @@ def _rows(lm: Tensor, totals: Optional[AggTotals]) -> float:
 
 @register_loss_agg_mode("seq-mean-token-sum-norm")
 def _agg_seq_mean_token_sum_norm(
-    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
+    per_token_loss: Tensor,
+    mask: Tensor,
+    max_len: Optional[int] = None,
+    micro_batch_rows: Optional[int] = None,
     totals: Optional[AggTotals] = None,
 ) -> Tensor:
     """Dr.GRPO: ``sum_{i,t} m l / (N * L)``, ``L = max_len or T``, N = all rows."""
@@ -554,7 +562,10 @@ def _agg_seq_mean_token_sum_norm(
 
 @register_loss_agg_mode("seq-mean-token-sum-norm-official")
 def _agg_seq_mean_token_sum_norm_official(
-    per_token_loss: Tensor, mask: Tensor, max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
+    per_token_loss: Tensor,
+    mask: Tensor,
+    max_len: Optional[int] = None,
+    micro_batch_rows: Optional[int] = None,
     totals: Optional[AggTotals] = None,
 ) -> Tensor:
     """Official ExGRPO: ``sum_{i,t} m l / ((N / M) * L)``, ``M = micro_batch_rows`` (64).
@@ -702,9 +713,7 @@ def streamed_entropy(logits: Tensor) -> Tensor:
     return _StreamedEntropy.apply(logits)
 
 
-def token_logprobs_from_logits(
-    logits: Tensor, token_ids: Tensor, temperature: float = 1.0
-) -> Tensor:
+def token_logprobs_from_logits(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
     """Log-probability of the given tokens: ``log softmax(logits / tau)[token_ids]``.
 
     Shapes: ``logits [N, T, V]`` (any leading dims), ``token_ids [N, T]`` long (must be
@@ -771,12 +780,26 @@ def _masked_stat(x: Tensor, m: Tensor, how: str) -> Tensor:
 
 
 def mixed_policy_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, off_policy: Tensor, *,
-    eps_low: float = 0.2, eps_high: float = 0.2, clip_fresh: bool = True, beta: float = 0.1,
-    agg_mode: str = "token-mean", max_len: Optional[int] = None, micro_batch_rows: Optional[int] = None,
-    entropy: Optional[Tensor] = None, entropy_coeff: float = 0.0,
-    ref_logp: Optional[Tensor] = None, kl_coeff: float = 0.0,
-    ratio_mode: str = "token", ratio_cap: Optional[float] = None, totals: Optional[AggTotals] = None,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    off_policy: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    clip_fresh: bool = True,
+    beta: float = 0.1,
+    agg_mode: str = "token-mean",
+    max_len: Optional[int] = None,
+    micro_batch_rows: Optional[int] = None,
+    entropy: Optional[Tensor] = None,
+    entropy_coeff: float = 0.0,
+    ref_logp: Optional[Tensor] = None,
+    kl_coeff: float = 0.0,
+    ratio_mode: str = "token",
+    ratio_cap: Optional[float] = None,
+    totals: Optional[AggTotals] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """ExGRPO mixed-policy objective over one (mini/micro-)batch.
 
@@ -813,8 +836,17 @@ def mixed_policy_loss(
         raise ValueError(f"off_policy must be [N]={logp.shape[0]}, got {tuple(off_policy.shape)}")
     m = _float_mask(mask, logp)
     per_token, fresh_stats, rep_stats = _mixed_per_token_loss(
-        logp, old_logp, advantages, m, off_policy, eps_low=eps_low, eps_high=eps_high,
-        clip_fresh=clip_fresh, beta=beta, ratio_mode=ratio_mode, ratio_cap=ratio_cap,
+        logp,
+        old_logp,
+        advantages,
+        m,
+        off_policy,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_fresh=clip_fresh,
+        beta=beta,
+        ratio_mode=ratio_mode,
+        ratio_cap=ratio_cap,
     )
     pg_loss = agg_loss(per_token, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows, totals=totals)
     loss = pg_loss
@@ -823,17 +855,24 @@ def mixed_policy_loss(
         loss = _with_entropy_bonus(loss, entropy, entropy_coeff, m, totals, metrics)
     if ref_logp is not None and kl_coeff != 0.0:
         kl = k3_kl(logp, ref_logp)
-        loss = loss + kl_coeff * agg_loss(
-            kl, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows, totals=totals
-        )
+        loss = loss + kl_coeff * agg_loss(kl, m, agg_mode, max_len=max_len, micro_batch_rows=micro_batch_rows, totals=totals)
         metrics["kl"] = masked_mean(kl.detach(), m)
     metrics.update(_mixed_metrics(fresh_stats, rep_stats, m, off_policy, advantages, logp))
     return loss, metrics
 
 
 def _mixed_per_token_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, m: Tensor, off_policy: Tensor, *,
-    eps_low: float, eps_high: float, clip_fresh: bool, beta: float, ratio_mode: str,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    m: Tensor,
+    off_policy: Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    clip_fresh: bool,
+    beta: float,
+    ratio_mode: str,
     ratio_cap: Optional[float],
 ) -> Tuple[Tensor, Dict[str, Tensor], Optional[Dict[str, Tensor]]]:
     """Per-token loss of :func:`mixed_policy_loss` before aggregation:
@@ -851,8 +890,14 @@ def _mixed_per_token_loss(
     drops the update.
     """
     fresh_loss, fresh_stats = clipped_surrogate(
-        logp, old_logp, advantages, m,
-        eps_low=eps_low, eps_high=eps_high, clip=clip_fresh, ratio_mode=ratio_mode,
+        logp,
+        old_logp,
+        advantages,
+        m,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip=clip_fresh,
+        ratio_mode=ratio_mode,
         ratio_cap=ratio_cap,
     )
     if not bool(off_policy.any()):
@@ -863,7 +908,11 @@ def _mixed_per_token_loss(
 
 
 def _with_entropy_bonus(
-    loss: Tensor, entropy: Tensor, entropy_coeff: float, m: Tensor, totals: Optional[AggTotals],
+    loss: Tensor,
+    entropy: Tensor,
+    entropy_coeff: float,
+    m: Tensor,
+    totals: Optional[AggTotals],
     metrics: Dict[str, Tensor],
 ) -> Tensor:
     """``loss - entropy_coeff * token_mean(entropy)`` (a token mean whatever ``agg_mode``,
@@ -884,21 +933,34 @@ def _with_entropy_bonus(
 #: What :func:`mixed_policy_loss` reports per update (its ``metrics``; keys starting with
 #: ``_`` are internal): logged by the learner under ``learners/<module>/``.
 LOSS_METRICS = (
-    "policy_loss", "entropy", "kl", "zero_advantage_fraction", "clip_fraction", "trust_region_violation_fraction",
-    "ratio_mean", "ratio_max", "ratio_min", "replay_ratio_mean", "replay_shaping_mean", "fresh_token_fraction",
+    "policy_loss",
+    "entropy",
+    "kl",
+    "zero_advantage_fraction",
+    "clip_fraction",
+    "trust_region_violation_fraction",
+    "ratio_mean",
+    "ratio_max",
+    "ratio_min",
+    "replay_ratio_mean",
+    "replay_shaping_mean",
+    "fresh_token_fraction",
     "replayed_token_fraction",
 )
 
 STAT_TOKEN_SHARE = {
-    **dict.fromkeys(("clip_fraction", "trust_region_violation_fraction", "ratio_mean", "ratio_max", "ratio_min"),
-                    "fresh_token_fraction"),
+    **dict.fromkeys(("clip_fraction", "trust_region_violation_fraction", "ratio_mean", "ratio_max", "ratio_min"), "fresh_token_fraction"),
     **dict.fromkeys(("replay_ratio_mean", "replay_shaping_mean"), "replayed_token_fraction"),
 }
 
 
 def _mixed_metrics(
-    fresh_stats: Dict[str, Tensor], rep_stats: Optional[Dict[str, Tensor]], m: Tensor, off_policy: Tensor,
-    advantages: Tensor, logp: Tensor,
+    fresh_stats: Dict[str, Tensor],
+    rep_stats: Optional[Dict[str, Tensor]],
+    m: Tensor,
+    off_policy: Tensor,
+    advantages: Tensor,
+    logp: Tensor,
 ) -> Dict[str, Tensor]:
     """The ratio, clip and token-share metrics of :func:`mixed_policy_loss` (0-d, detached).
 
@@ -927,9 +989,7 @@ def _token_share_metrics(fresh_stats, rep_stats, m: Tensor, fresh_tok: Tensor, r
     """The ratio, clip and token-share statistics of :func:`mixed_policy_loss`."""
     metrics: Dict[str, Tensor] = {}
     metrics["clip_fraction"] = masked_mean(fresh_stats["clipped"], fresh_tok)
-    metrics["trust_region_violation_fraction"] = masked_mean(
-        fresh_stats["outside_trust_region"], fresh_tok
-    )
+    metrics["trust_region_violation_fraction"] = masked_mean(fresh_stats["outside_trust_region"], fresh_tok)
     metrics["ratio_mean"] = _masked_stat(fresh_stats["ratio"], fresh_tok, "mean")
     metrics["ratio_max"] = _masked_stat(fresh_stats["ratio"], fresh_tok, "max")
     metrics["ratio_min"] = _masked_stat(fresh_stats["ratio"], fresh_tok, "min")

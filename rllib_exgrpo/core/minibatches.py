@@ -24,6 +24,7 @@ and every row is in exactly one minibatch per epoch.
 :func:`take_rows` cuts a minibatch out of the padded learner batch and drops the columns
 that are padding for every row of it (less compute for short minibatches).
 """
+
 from __future__ import annotations
 
 import math
@@ -71,8 +72,7 @@ def num_minibatches(num_rows: int, minibatch_size: int, num_learners: int = 1) -
     return max(1, min(steps, num_rows // learners))
 
 
-def optimizer_steps_per_iteration(num_rows: int, minibatch_size: int, num_learners: int = 1,
-                                  num_epochs: int = 1) -> int:
+def optimizer_steps_per_iteration(num_rows: int, minibatch_size: int, num_learners: int = 1, num_epochs: int = 1) -> int:
     """Optimiser steps :func:`plan_minibatches` makes of ``num_rows`` rows: ``num_epochs x
     round(rows / (minibatch_size x learners))``; 0 when there are fewer rows than learners.
     ``minibatch_size`` counts rows per learner, so the same recipe on more learners makes
@@ -226,8 +226,9 @@ def _first_fit_decreasing(lengths: np.ndarray, max_tokens: int, max_rows: Option
     return [np.asarray(sorted(p), dtype=np.int64) for p in passes]
 
 
-def padded_positions(prompt_tokens: Sequence[int], completion_tokens: Sequence[int],
-                     passes: Sequence[np.ndarray], packed: bool = False) -> int:
+def padded_positions(
+    prompt_tokens: Sequence[int], completion_tokens: Sequence[int], passes: Sequence[np.ndarray], packed: bool = False
+) -> int:
     """Token positions the passes compute: ``sum over passes of rows x (max prompt + max
     completion)`` (the real tokens are ``sum(prompt) + sum(completion)``); packed passes
     compute exactly the real tokens."""

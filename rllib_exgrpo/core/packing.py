@@ -15,6 +15,7 @@ Only the positions that predict a completion token go through the LM head, a chu
 at a time (``chunked_logprobs.py``), and the per-token results are scattered back into
 the ``[N, R]`` layout the loss reads (zeros where the response mask is 0).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
@@ -58,8 +59,13 @@ def is_packed(batch: Dict[str, Any]) -> bool:
 
 
 def score_packed(
-    model, batch: Dict[str, Any], *, temperature: float = 1.0, with_entropy: bool = True,
-    chunk_tokens: Optional[int] = None, min_chunks: int = 0,
+    model,
+    batch: Dict[str, Any],
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    chunk_tokens: Optional[int] = None,
+    min_chunks: int = 0,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(logp [N, R], entropy [N, R] or None)`` of a packed pass (``pack_rows``' columns
     plus ``response_mask [N, R]``); the same values as the padded scoring of the rows.
@@ -85,13 +91,12 @@ def score_packed(
         scored = model(**inputs, logits_to_keep=index, use_cache=False).logits[0]  # [K, V]
         head_fn = torch.nn.Identity()
     token_logp, token_entropy = logprobs_entropy_from_hidden(
-        scored, head_fn, targets, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
-        min_chunks=min_chunks)
+        scored, head_fn, targets, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens, min_chunks=min_chunks
+    )
     shape = batch[C.RESPONSE_MASK].shape
     where = (batch[C.PACKED_TARGET_ROW], batch[C.PACKED_TARGET_COL])
     logp = torch.zeros(shape, dtype=token_logp.dtype, device=token_logp.device).index_put(where, token_logp)
     entropy = None
     if with_entropy:
-        entropy = torch.zeros(shape, dtype=token_entropy.dtype, device=token_entropy.device).index_put(
-            where, token_entropy)
+        entropy = torch.zeros(shape, dtype=token_entropy.dtype, device=token_entropy.device).index_put(where, token_entropy)
     return logp, entropy

@@ -3,6 +3,7 @@
 The sampler is part of the algorithm's checkpoint, so a resumed run continues the same
 pass over the data instead of starting a new epoch.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, List, Sequence
@@ -52,14 +53,12 @@ class QuestionSampler:
         return out
 
     def get_state(self) -> dict:
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
-                "num_questions": len(self.question_ids)}
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position, "num_questions": len(self.question_ids)}
 
     def set_state(self, state: dict) -> None:
         if state["num_questions"] != len(self.question_ids):
             raise ValueError(
-                f"checkpoint was taken on a data set of {state['num_questions']} questions, "
-                f"this run has {len(self.question_ids)}"
+                f"checkpoint was taken on a data set of {state['num_questions']} questions, this run has {len(self.question_ids)}"
             )
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)

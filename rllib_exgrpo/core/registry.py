@@ -15,6 +15,7 @@ registered before the config is built and trained passes both. Registration happ
 process: the module that registers must also be imported by the processes that compute
 the loss (the learners), see ``docs/ALGORITHMS.md``.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Generic, Iterator, Optional, Tuple, TypeVar
@@ -49,10 +50,7 @@ class Registry(Generic[F]):
 
         def decorator(fn: F) -> F:
             if name in self._items:
-                raise RegistryError(
-                    f"{self.kind} {name!r} is already registered (to "
-                    f"{_qualname(self._items[name])}); pick another name"
-                )
+                raise RegistryError(f"{self.kind} {name!r} is already registered (to {_qualname(self._items[name])}); pick another name")
             if not callable(fn):
                 raise RegistryError(f"{self.kind} {name!r} must be a function, got {fn!r}")
             self._items[name] = fn

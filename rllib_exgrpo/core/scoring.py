@@ -10,6 +10,7 @@ log-softmax, picked log-prob, entropy) runs in chunks of positions
 A model that does not expose its decoder and head in the standard way is scored through
 its full forward, its logits then reduced chunk by chunk.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -41,8 +42,14 @@ def completion_logprobs_and_entropy(
     head, ``chunk_tokens`` of them at a time (None: the module default).
     """
     logp, entropy, _ = score_completions(
-        model, input_ids, attention_mask, response_len, temperature=temperature, with_entropy=with_entropy,
-        chunk_tokens=chunk_tokens, min_chunks=min_chunks,
+        model,
+        input_ids,
+        attention_mask,
+        response_len,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_tokens=chunk_tokens,
+        min_chunks=min_chunks,
     )
     return logp, entropy
 
@@ -72,25 +79,24 @@ def score_completions(
     state of every position, ``[N, P + R, H]`` (what the LM head reads; a value head can
     read it too)."""
     n, r = input_ids.shape[0], int(response_len)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
-                  position_ids=position_ids_from_mask(attention_mask))
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask))
     targets = input_ids[:, -r:].reshape(-1)
     parts = split_causal_lm(model)
     if parts is not None:
         decoder, head = parts
         hidden = decoder(**inputs, use_cache=False).last_hidden_state
         # Position t predicts token t + 1: the R positions before the last one.
-        scored = hidden[:, -(r + 1):-1, :].reshape(n * r, hidden.shape[-1])
+        scored = hidden[:, -(r + 1) : -1, :].reshape(n * r, hidden.shape[-1])
         logp, entropy = logprobs_entropy_from_hidden(
-            scored, head, targets, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens,
-            min_chunks=min_chunks)
+            scored, head, targets, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens, min_chunks=min_chunks
+        )
     else:
         out = model(**inputs, logits_to_keep=r + 1, use_cache=False, output_hidden_states=with_hidden)
         logits = out.logits[:, :-1, :].reshape(n * r, -1)
         # The logits exist whole here; their float32 reductions still go chunk by chunk.
         logp, entropy = logprobs_entropy_from_hidden(
-            logits, torch.nn.Identity(), targets, temperature=temperature, with_entropy=with_entropy,
-            chunk_tokens=chunk_tokens)
+            logits, torch.nn.Identity(), targets, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens
+        )
         hidden = out.hidden_states[-1] if with_hidden else None
     logp = logp.view(n, r)
     entropy = entropy.view(n, r) if entropy is not None else None
@@ -98,18 +104,30 @@ def score_completions(
 
 
 def score_learner_batch(
-    model, batch: dict, *, temperature: float = 1.0, with_entropy: bool = True, chunk_tokens: Optional[int] = None,
+    model,
+    batch: dict,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    chunk_tokens: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``(logp [N, R], entropy [N, R] or None)`` of a learner pass, padded (``columns.py``)
     or packed without padding (``packing.py``, when the pass carries packed columns); at
     least ``batch[MIN_LOGIT_CHUNKS]`` LM-head calls where the learner set it."""
     min_chunks = int(batch.get(MIN_LOGIT_CHUNKS, 0) or 0)
     if is_packed(batch):
-        return score_packed(model, batch, temperature=temperature, with_entropy=with_entropy,
-                            chunk_tokens=chunk_tokens, min_chunks=min_chunks)
+        return score_packed(
+            model, batch, temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens, min_chunks=min_chunks
+        )
     return completion_logprobs_and_entropy(
-        model, batch["input_ids"], batch["attention_mask"], batch["response_mask"].shape[1],
-        temperature=temperature, with_entropy=with_entropy, chunk_tokens=chunk_tokens, min_chunks=min_chunks,
+        model,
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["response_mask"].shape[1],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_tokens=chunk_tokens,
+        min_chunks=min_chunks,
     )
 
 

@@ -11,6 +11,7 @@ Positions ignore the left padding (:func:`position_ids_from_mask`). Generation, 
 learner's scoring pass, RLlib's PPO glue and evaluation all build batches here; the warm
 start's supervised sequences use :func:`right_pad` (whole sequences, no split column).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -26,8 +27,8 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         if len(r):
-            ids[i, width - len(r):] = torch.as_tensor(np.array(r, dtype=np.int64))
-            mask[i, width - len(r):] = 1
+            ids[i, width - len(r) :] = torch.as_tensor(np.array(r, dtype=np.int64))
+            mask[i, width - len(r) :] = 1
     return ids, mask
 
 

@@ -4,6 +4,7 @@ Exports resolve lazily (PEP 562) so that ``import rllib_exgrpo.envs.rewards`` --
 reward worker processes for the built-in reward functions -- does not pay for gymnasium,
 pyarrow or transformers.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,8 +23,7 @@ _EXPORTS = {
     "render_prompt": "rllib_exgrpo.envs.prompting",
     "DEFAULT_INSTRUCTION": "rllib_exgrpo.envs.prompting",
 }
-_MODULES = ("arithmetic", "datasets", "prompting", "problem", "reasoning_env", "reward_examples", "rewards",
-            "verifier_pool")
+_MODULES = ("arithmetic", "datasets", "prompting", "problem", "reasoning_env", "reward_examples", "rewards", "verifier_pool")
 
 __all__ = sorted(_EXPORTS) + ["arithmetic"]
 

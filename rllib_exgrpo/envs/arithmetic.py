@@ -19,6 +19,7 @@ generator rejects problems of the other split.
 Every problem carries a short worked solution ending in ``\\boxed{answer}``; it is used for
 the supervised warm start of the embedded tiny model and never shown to the policy.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -105,10 +106,7 @@ def _level_5(rng):
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     c = rng.randint(1, a + b)
-    question = (
-        f"{name} has {a} {item}. {name} gets {b} more and then gives away {c}. "
-        f"How many {item} does {name} have now?"
-    )
+    question = f"{name} has {a} {item}. {name} gets {b} more and then gives away {c}. How many {item} does {name} have now?"
     solution, answer = _worked([a, b, c], ["+", "-"])
     return question, solution, str(answer)
 
@@ -118,7 +116,12 @@ def _level_6(rng):
 
 
 _GENERATORS: dict[int, Callable[[random.Random], tuple[str, str, str]]] = {
-    1: _level_1, 2: _level_2, 3: _level_3, 4: _level_4, 5: _level_5, 6: _level_6,
+    1: _level_1,
+    2: _level_2,
+    3: _level_3,
+    4: _level_4,
+    5: _level_5,
+    6: _level_6,
 }
 
 
@@ -220,9 +223,7 @@ def parse_spec(spec: str) -> dict:
         elif key == "order":
             out["order"] = value
         else:
-            raise ValueError(
-                f"unknown arithmetic option {key!r} in {spec!r}; known: levels, n, n_test, seed, order"
-            )
+            raise ValueError(f"unknown arithmetic option {key!r} in {spec!r}; known: levels, n, n_test, seed, order")
     return out
 
 

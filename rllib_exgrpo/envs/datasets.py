@@ -32,6 +32,7 @@ Bad rows (bad JSON, missing or empty question/answer, wrong type): with ``strict
 :class:`ProblemList` whose ``skipped`` attribute counts the skipped rows and whose
 ``errors`` holds their :class:`DataFormatError` s, so no skip goes unnoticed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +60,7 @@ MAX_ROW_WARNINGS = 100
 _QUESTION_KEYS = ("problem", "question")
 _ANSWER_KEYS = ("answer", "ground_truth")
 _ID_KEYS = ("id", "idx", "unique_id")
-_CONSUMED = {"problem", "question", "answer", "ground_truth", "prompt", "reward_model", "solution",
-             "data_source", "id", "idx", "unique_id"}
+_CONSUMED = {"problem", "question", "answer", "ground_truth", "prompt", "reward_model", "solution", "data_source", "id", "idx", "unique_id"}
 
 
 class DataFormatError(ValueError):
@@ -253,8 +253,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any, Optional[str]]]:
 _READERS = {".jsonl": _iter_jsonl, ".json": _iter_json, ".parquet": _iter_parquet}
 
 
-def _load_file(path: Path, *, field_map: dict, strict: bool, data_source: Optional[str],
-               limit: Optional[int]) -> ProblemList:
+def _load_file(path: Path, *, field_map: dict, strict: bool, data_source: Optional[str], limit: Optional[int]) -> ProblemList:
     if not path.exists():
         raise FileNotFoundError(f"data file not found: {path}")
     if path.is_dir():
@@ -285,7 +284,10 @@ def _load_file(path: Path, *, field_map: dict, strict: bool, data_source: Option
     if errors:
         more = len(errors) - MAX_ROW_WARNINGS
         logger.warning(
-            "%s: skipped %d malformed row(s), kept %d%s", path, len(errors), len(problems),
+            "%s: skipped %d malformed row(s), kept %d%s",
+            path,
+            len(errors),
+            len(problems),
             f" ({more} not logged individually)" if more > 0 else "",
         )
         if not problems:
@@ -427,8 +429,7 @@ def load_problems(
     elif not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"source must be a path, 'arithmetic[:opts]' or 'operators[:opts]', got {type(source).__name__}")
     else:
-        loaded = _load_file(Path(source).expanduser(), field_map=field_map, strict=strict,
-                            data_source=data_source, limit=wanted)
+        loaded = _load_file(Path(source).expanduser(), field_map=field_map, strict=strict, data_source=data_source, limit=wanted)
     if not skip:
         return loaded
     if len(loaded) <= skip:

@@ -81,6 +81,7 @@ Problems: ``id`` ``operators-{split}-{index}``, ``difficulty`` = chain length,
 ``"#@"``) and ``meanings`` (the true ones, e.g. ``"+x"``) for per-family analysis;
 :func:`parse_question` recovers family, operands and symbols from the question text.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -105,8 +106,17 @@ MAX_FAMILIES = 100
 #: Share of the question space held out for each of the validation and test splits.
 HELD_OUT_FRACTION = 0.1
 
-DEFAULTS = {"seed": 0, "families": 24, "lengths": (1, 2, 3), "n": 3000, "n_validation": 300,
-            "n_test": 500, "shuffled": False, "meanings": "true", "balanced": False}
+DEFAULTS = {
+    "seed": 0,
+    "families": 24,
+    "lengths": (1, 2, 3),
+    "n": 3000,
+    "n_validation": 300,
+    "n_test": 500,
+    "shuffled": False,
+    "meanings": "true",
+    "balanced": False,
+}
 #: Spec option holding each split's size.
 SIZE_OPTION = {"train": "n", "validation": "n_validation", "test": "n_test"}
 
@@ -204,8 +214,7 @@ def _balanced_tables(seed: int, families: int) -> Table:
     return tuple({s: tuple(columns[(s, k)][f] for k in range(MAX_LENGTH)) for s in SYMBOLS} for f in range(families))
 
 
-def question_meanings(question: Question, *, seed: int = 0, shuffled: bool = False,
-                      tables: Optional[Table] = None) -> tuple[str, ...]:
+def question_meanings(question: Question, *, seed: int = 0, shuffled: bool = False, tables: Optional[Table] = None) -> tuple[str, ...]:
     """The true meaning of each step of ``question``.
 
     From the family table (``tables``, else :func:`family_tables` of ``seed``), or with
@@ -247,7 +256,7 @@ def evaluate(question: Question, meanings: Sequence[str]) -> int:
 def worked_solution(question: Question, meanings: Sequence[str]) -> str:
     """The worked solution of ``question`` under ``meanings`` (true or guessed)::
 
-        3 # 5 = 3 + 5 = 8, 8 @ 2 = 8 x 2 = 16. \\boxed{16}
+    3 # 5 = 3 + 5 = 8, 8 @ 2 = 8 x 2 = 16. \\boxed{16}
     """
     _check_meanings(question, meanings)
     steps, running = [], question.operands[0]
@@ -325,8 +334,9 @@ def guessing_rate(question: Union[Problem, Question, str], answer: int) -> float
 
 
 def _draw(rng: random.Random, families: int, length: int) -> Question:
-    return Question(rng.randrange(families), tuple(rng.choice(OPERANDS) for _ in range(length + 1)),
-                    tuple(rng.choice(SYMBOLS) for _ in range(length)))
+    return Question(
+        rng.randrange(families), tuple(rng.choice(OPERANDS) for _ in range(length + 1)), tuple(rng.choice(SYMBOLS) for _ in range(length))
+    )
 
 
 def _one_op_pool(seed: int, families: int, split: str) -> list[Question]:
@@ -402,13 +412,13 @@ def generate(
         else:
             question = _draw_unseen(rng, seen, split, families, length, lengths, n, len(problems))
         seen.add(question.text)
-        problems.append(_problem(question, f"{DATA_SOURCE}-{split}-{len(problems)}", seed=seed,
-                                 shuffled=shuffled, tables=tables, meanings=meanings))
+        problems.append(
+            _problem(question, f"{DATA_SOURCE}-{split}-{len(problems)}", seed=seed, shuffled=shuffled, tables=tables, meanings=meanings)
+        )
     return problems
 
 
-def _pop_one_op(pool: list[Question], live: list[int], split: str, families: int, n: int,
-                made: int) -> Optional[Question]:
+def _pop_one_op(pool: list[Question], live: list[int], split: str, families: int, n: int, made: int) -> Optional[Question]:
     """The next unused one-operation question, or None when all are used: length 1 then
     leaves ``live`` (an error when no length is left; ``made`` of ``n`` problems so far)."""
     if pool:
@@ -417,13 +427,15 @@ def _pop_one_op(pool: list[Question], live: list[int], split: str, families: int
     if not live:
         raise ValueError(
             f"lengths=1 with families={families} has only {made} {split} questions, "
-            f"{n} asked for; add families or lengths, or ask for fewer")
+            f"{n} asked for; add families or lengths, or ask for fewer"
+        )
     logger.info("operators %s: all %d one-operation questions used; longer chains fill the rest", split, made)
     return None
 
 
-def _draw_unseen(rng: random.Random, seen: set[str], split: str, families: int, length: int,
-                 lengths: Sequence[int], n: int, made: int) -> Question:
+def _draw_unseen(
+    rng: random.Random, seen: set[str], split: str, families: int, length: int, lengths: Sequence[int], n: int, made: int
+) -> Question:
     """A new question of ``length`` operations that belongs to ``split`` (at most
     :data:`_MAX_DRAWS` draws; ``made`` of ``n`` problems so far)."""
     for _ in range(_MAX_DRAWS):
@@ -432,7 +444,8 @@ def _draw_unseen(rng: random.Random, seen: set[str], split: str, families: int, 
             return question
     raise ValueError(
         f"families={families} with lengths={list(lengths)} cannot provide {n} distinct {split} "
-        f"questions (stuck at {made}); add families or ask for fewer")
+        f"questions (stuck at {made}); add families or ask for fewer"
+    )
 
 
 def _problem(question: Question, problem_id: str, *, seed: int, shuffled: bool, tables, meanings: str) -> Problem:
@@ -531,8 +544,7 @@ def generate_from_spec(spec: str, split: str = "train", limit: Optional[int] = N
     n = opts[SIZE_OPTION[split]]
     if limit is not None:
         n = min(n, limit)
-    return generate(n, split=split, **{k: opts[k] for k in ("seed", "families", "lengths", "shuffled", "meanings",
-                                                            "balanced")})
+    return generate(n, split=split, **{k: opts[k] for k in ("seed", "families", "lengths", "shuffled", "meanings", "balanced")})
 
 
 def family_blind_accuracy(spec: str, split: str = "test") -> dict[int, float]:
@@ -544,8 +556,7 @@ def family_blind_accuracy(spec: str, split: str = "test") -> dict[int, float]:
 
     opts = parse_spec(spec)
     tables = family_tables(opts["seed"], opts["families"], opts["balanced"])
-    blind = {(s, k): Counter(t[s][k] for t in tables).most_common(1)[0][0]
-             for s in SYMBOLS for k in range(MAX_LENGTH)}
+    blind = {(s, k): Counter(t[s][k] for t in tables).most_common(1)[0][0] for s in SYMBOLS for k in range(MAX_LENGTH)}
     hits: dict[int, list[int]] = {}
     for p in generate_from_spec(spec, split=split):
         q = parse_question(p.question)

@@ -1,4 +1,5 @@
 """The one record every data source is turned into."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

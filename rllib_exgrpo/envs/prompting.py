@@ -4,6 +4,7 @@ One function renders every prompt in the project (training env, evaluation, the 
 model's supervised warm start), so that what a model was warm-started on is exactly what
 it later sees.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional

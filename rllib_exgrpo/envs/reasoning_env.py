@@ -17,6 +17,7 @@ rejects ``What is 2+3?``. A plain ``Text`` (not a subclass) survives RLlib's spa
 serialisation. ``step`` accepts any ``str``: a model may emit characters outside the
 charset and nothing here depends on it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,7 +73,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
 #: Keys that are no longer read, with what to write instead.
 REMOVED_KEYS: dict[str, str] = {
     "rehearsal_reward": "remove it; for the rehearsal's stand-in reward write reward_fns: [math, rehearsal] "
-                        "with reward_weights: [0, 1] (math-verify still runs, the score is the stand-in)",
+    "with reward_weights: [0, 1] (math-verify still runs, the score is the stand-in)",
 }
 
 
@@ -110,8 +111,12 @@ def validate_config(config: Optional[dict]) -> dict:
     for key in ("max_prompt_chars", "max_completion_chars"):
         _check(_is_int(cfg[key]) and cfg[key] > 0, key, "a positive int", cfg[key])
     p = cfg["problems"]
-    _check(p is None or (isinstance(p, (list, tuple)) and all(isinstance(x, Problem) for x in p)),
-           "problems", "a list of rllib_exgrpo.envs.problem.Problem or None", type(p).__name__ if p is not None else p)
+    _check(
+        p is None or (isinstance(p, (list, tuple)) and all(isinstance(x, Problem) for x in p)),
+        "problems",
+        "a list of rllib_exgrpo.envs.problem.Problem or None",
+        type(p).__name__ if p is not None else p,
+    )
     _validate_rewards(cfg)
     return cfg
 
@@ -122,16 +127,27 @@ def _validate_rewards(cfg: dict) -> None:
     one, many, weights = cfg["reward_fn"], cfg["reward_fns"], cfg["reward_weights"]
     want = f"a registered name ({', '.join(REWARD.names())}) or 'package.module:function'"
     _check(one is None or isinstance(one, str), "reward_fn", f"{want} or None", one)
-    _check(many is None or (isinstance(many, (list, tuple)) and len(many) > 0 and all(isinstance(x, str) for x in many)),
-           "reward_fns", f"a non-empty list of {want}s, or None", many)
+    _check(
+        many is None or (isinstance(many, (list, tuple)) and len(many) > 0 and all(isinstance(x, str) for x in many)),
+        "reward_fns",
+        f"a non-empty list of {want}s, or None",
+        many,
+    )
     if one is not None and many is not None:
-        raise ValueError("ReasoningEnv config 'reward_fn' cannot be set together with reward_fns "
-                         f"(reward_fn={one!r}, reward_fns={list(many)!r}): set one of them")
+        raise ValueError(
+            "ReasoningEnv config 'reward_fn' cannot be set together with reward_fns "
+            f"(reward_fn={one!r}, reward_fns={list(many)!r}): set one of them"
+        )
     if weights is not None:
         _check(many is not None, "reward_weights", "given only with reward_fns (one weight per function)", weights)
-        _check(isinstance(weights, (list, tuple)) and len(weights) == len(many)
-               and all(isinstance(w, (int, float)) and not isinstance(w, bool) and np.isfinite(w) for w in weights),
-               "reward_weights", f"a list of {len(many)} finite numbers (one per reward_fns entry)", weights)
+        _check(
+            isinstance(weights, (list, tuple))
+            and len(weights) == len(many)
+            and all(isinstance(w, (int, float)) and not isinstance(w, bool) and np.isfinite(w) for w in weights),
+            "reward_weights",
+            f"a list of {len(many)} finite numbers (one per reward_fns entry)",
+            weights,
+        )
     specs = [("reward_fn", one)] if one is not None else [("reward_fns", x) for x in (many or ())]
     for key, spec in specs:
         if spec == "math":
@@ -207,11 +223,12 @@ class ReasoningEnv(gym.Env):
         """The configured problems (given, or loaded from ``dataset``; sets :attr:`skipped_rows`);
         ids must be unique."""
         if cfg["problems"] is not None:
-            problems = list(cfg["problems"])[cfg["skip"]:][: cfg["limit"]]
+            problems = list(cfg["problems"])[cfg["skip"] :][: cfg["limit"]]
             self.skipped_rows = 0
         else:
-            problems = load_problems(cfg["dataset"], split=cfg["split"], field_map=cfg["field_map"],
-                                     strict=cfg["strict"], limit=cfg["limit"], skip=cfg["skip"])
+            problems = load_problems(
+                cfg["dataset"], split=cfg["split"], field_map=cfg["field_map"], strict=cfg["strict"], limit=cfg["limit"], skip=cfg["skip"]
+            )
             self.skipped_rows = getattr(problems, "skipped", 0)
         ids = [p.id for p in problems]
         if len(set(ids)) != len(ids):
@@ -233,11 +250,9 @@ class ReasoningEnv(gym.Env):
             kept.append(p)
         self.dropped_long_prompts = len(self._too_long)
         if self._too_long:
-            logger.warning("dropped %d problem(s) whose prompt exceeds max_prompt_chars=%d",
-                           len(self._too_long), self.max_prompt_chars)
+            logger.warning("dropped %d problem(s) whose prompt exceeds max_prompt_chars=%d", len(self._too_long), self.max_prompt_chars)
         if not kept:
-            raise ValueError(f"no problems to serve from {dataset!r} "
-                             f"({len(problems)} loaded, {len(self._too_long)} over max_prompt_chars)")
+            raise ValueError(f"no problems to serve from {dataset!r} ({len(problems)} loaded, {len(self._too_long)} over max_prompt_chars)")
         self.problems: list[Problem] = kept
         self._by_id: dict[str, Problem] = {p.id: p for p in kept}
 
@@ -262,8 +277,13 @@ class ReasoningEnv(gym.Env):
 
     # ------------------------------------------------------------------ helpers
     def _render(self, problem: Problem) -> str:
-        return render_prompt(problem.question, tokenizer=self.tokenizer, system_prompt=self.config["system_prompt"],
-                             instruction=self.config["instruction"], think_format=self.think_format)
+        return render_prompt(
+            problem.question,
+            tokenizer=self.tokenizer,
+            system_prompt=self.config["system_prompt"],
+            instruction=self.config["instruction"],
+            think_format=self.think_format,
+        )
 
     def get_problem(self, question_id: str) -> Problem:
         """The problem with this id (KeyError with a reason otherwise)."""
@@ -271,8 +291,9 @@ class ReasoningEnv(gym.Env):
             return self._by_id[question_id]
         except KeyError:
             if question_id in self._too_long:
-                raise KeyError(f"question {question_id!r} was dropped: its prompt exceeds "
-                               f"max_prompt_chars={self.max_prompt_chars}") from None
+                raise KeyError(
+                    f"question {question_id!r} was dropped: its prompt exceeds max_prompt_chars={self.max_prompt_chars}"
+                ) from None
             sample = ", ".join(repr(p.id) for p in self.problems[:3])
             raise KeyError(f"unknown question id {question_id!r} ({len(self.problems)} problems, e.g. {sample})") from None
 
@@ -287,7 +308,7 @@ class ReasoningEnv(gym.Env):
         if len(completion) <= self.max_completion_chars:
             return completion, False
         # Keep the tail: that is where the final answer is.
-        return completion[-self.max_completion_chars:], True
+        return completion[-self.max_completion_chars :], True
 
     def score(self, question_ids: Sequence[str], completions: Sequence[str]) -> list[RewardResult]:
         """Verify ``completions[i]`` against question ``question_ids[i]``, in parallel."""
@@ -301,9 +322,15 @@ class ReasoningEnv(gym.Env):
         truths = [p.ground_truth for p in problems]
         if self._plain_math:
             return score_batch(completions, truths, timeout_s=self.reward_timeout_s, think_format=self.think_format)
-        results = score_with_fns(completions, truths, fns=self.reward_fns, weights=self.reward_weights,
-                                 rows=[self.row_kwargs(p) for p in problems], timeout_s=self.reward_timeout_s,
-                                 think_format=self.think_format)
+        results = score_with_fns(
+            completions,
+            truths,
+            fns=self.reward_fns,
+            weights=self.reward_weights,
+            rows=[self.row_kwargs(p) for p in problems],
+            timeout_s=self.reward_timeout_s,
+            think_format=self.think_format,
+        )
         for r in results:
             for label, value in (r.components or {}).items():
                 self._component_sums[label] += value
@@ -318,8 +345,13 @@ class ReasoningEnv(gym.Env):
         kw = self._row_kwargs.get(problem.id)
         if kw is None:
             kw = {k: v for k, v in problem.extra.items() if isinstance(k, str) and k.isidentifier()}
-            kw.update(question=problem.question, question_id=problem.id, data_source=problem.data_source,
-                      solution=problem.solution, difficulty=problem.difficulty)
+            kw.update(
+                question=problem.question,
+                question_id=problem.id,
+                data_source=problem.data_source,
+                solution=problem.solution,
+                difficulty=problem.difficulty,
+            )
             kw.pop("completion", None)
             kw.pop("ground_truth", None)
             self._row_kwargs[problem.id] = kw
@@ -367,18 +399,24 @@ class ReasoningEnv(gym.Env):
     def step(self, action: str):
         """Score the completion; the episode always ends here."""
         if self._current is None:
-            raise RuntimeError("ReasoningEnv.step() called before reset() (or after the episode ended): "
-                               "call reset() to get a question first")
+            raise RuntimeError(
+                "ReasoningEnv.step() called before reset() (or after the episode ended): call reset() to get a question first"
+            )
         problem, self._current = self._current, None
         completion, truncated_text = self._clip(action)
         if self._plain_math:
-            result = math_reward(completion, problem.ground_truth, timeout_s=self.reward_timeout_s,
-                                 think_format=self.think_format)
+            result = math_reward(completion, problem.ground_truth, timeout_s=self.reward_timeout_s, think_format=self.think_format)
         else:
             result = self._reward([problem], [completion])[0]
         info = self._info(problem)
-        info.update(parsed=result.parsed, timed_out=result.timed_out, format_ok=result.format_ok,
-                    error=result.error, correct=result.correct, completion_truncated=truncated_text)
+        info.update(
+            parsed=result.parsed,
+            timed_out=result.timed_out,
+            format_ok=result.format_ok,
+            error=result.error,
+            correct=result.correct,
+            completion_truncated=truncated_text,
+        )
         if result.components is not None:
             info.update({f"reward_{label}": value for label, value in result.components.items()})
         # The terminal observation is the prompt again: valid in the space, never read.

@@ -9,6 +9,7 @@ weighted sum of the rewards is >= 1.0.
 
 Keep this module light: every reward worker imports it.
 """
+
 from __future__ import annotations
 
 import re

@@ -20,6 +20,7 @@ gymnasium (``benchmarks/_trl_grpo_runner.py``). The pool's public names (:func:`
 :func:`shutdown_workers`, :func:`reward_stats`, :func:`reset_reward_stats`,
 :func:`default_num_workers`, :data:`WORKERS_ENV`...) are importable from here too.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -169,8 +170,7 @@ def _answer_part(completion: str, think_format: bool) -> Optional[str]:
 
 _CHOICE_IN_BOX = re.compile(r"^\(?([A-Ja-j])\)?(?:[.:)\s]|$)")
 _CHOICE_TEXT = re.compile(r"\\text(?:bf)?\{([^{}]*)\}")
-_CHOICE_STATED = re.compile(
-    r"answer\s*(?:is|:|=)?\s*(?:option|choice)?\s*[:\-]?\s*[*_]*\s*\(?([A-J])\)?(?![A-Za-z0-9])", re.IGNORECASE)
+_CHOICE_STATED = re.compile(r"answer\s*(?:is|:|=)?\s*(?:option|choice)?\s*[:\-]?\s*[*_]*\s*\(?([A-J])\)?(?![A-Za-z0-9])", re.IGNORECASE)
 _CHOICE_PAREN = re.compile(r"\(([A-J])\)")
 _CHOICE_ALONE = re.compile(r"^\s*\(?([A-J])\)?[.)]?\s*$")
 
@@ -260,6 +260,7 @@ def rehearsal_score(question_id: str, completion: str) -> float:
     the official delayed start, a solve rate of 0.35, by several standard deviations),
     varied within and across groups.
     """
+
     def unit(text: str) -> float:
         digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
         return int.from_bytes(digest, "big") / 2.0**64
@@ -405,8 +406,13 @@ def _verify_planned(plan: _MathPlan, timeout_s: float, num_workers: Optional[int
         n_timeouts += timed_out * len(idxs)
         for i in idxs:
             parsed = plan.parsed_of[i]
-            plan.results[i] = RewardResult(score=1.0 if ok else 0.0, parsed=parsed if parsed is not None else parsed_repr,
-                                           timed_out=timed_out, format_ok=True, error=error)
+            plan.results[i] = RewardResult(
+                score=1.0 if ok else 0.0,
+                parsed=parsed if parsed is not None else parsed_repr,
+                timed_out=timed_out,
+                format_ok=True,
+                error=error,
+            )
     if n_err:
         first = next(v[2] for v in verdicts if v[2])
         logger.warning("%d of %d verifications failed with an error (first: %s)", n_err, len(plan.results), first)
@@ -467,8 +473,7 @@ def math_reward(
     score 0, ``format_ok=False``), verified by math-verify against
     ``parse("$" + ground_truth + "$")``.
     """
-    return score_batch([completion], [ground_truth], timeout_s=timeout_s, think_format=think_format,
-                       num_workers=1, fast_path=fast_path)[0]
+    return score_batch([completion], [ground_truth], timeout_s=timeout_s, think_format=think_format, num_workers=1, fast_path=fast_path)[0]
 
 
 @dataclass
@@ -494,8 +499,7 @@ def _checked_weights(completions, ground_truths, fns: list, weights, rows, timeo
     if not fns:
         raise ValueError("fns must name at least one reward function")
     if len(ground_truths) != n or (rows is not None and len(rows) != n):
-        raise ValueError(f"{n} completions but {len(ground_truths)} ground truths"
-                         + (f" and {len(rows)} rows" if rows is not None else ""))
+        raise ValueError(f"{n} completions but {len(ground_truths)} ground truths" + (f" and {len(rows)} rows" if rows is not None else ""))
     weights = [1.0] * len(fns) if weights is None else [float(w) for w in weights]
     if len(weights) != len(fns):
         raise ValueError(f"{len(fns)} reward functions but {len(weights)} weights")
@@ -535,8 +539,7 @@ def _fn_tasks(fns: list, completions, ground_truths, rows, think_format: bool) -
     return tasks, where
 
 
-def _fn_terms(tasks: list, where: list, fns: list, terms: _Terms, timeout_s: float,
-              num_workers: Optional[int]) -> None:
+def _fn_terms(tasks: list, where: list, fns: list, terms: _Terms, timeout_s: float, num_workers: Optional[int]) -> None:
     """Run the reward-function calls in the workers into ``terms``; log and count the
     calls that failed or overran."""
     labels = reward_labels(fns)
@@ -558,8 +561,7 @@ def _fn_terms(tasks: list, where: list, fns: list, terms: _Terms, timeout_s: flo
         logger.warning("%d of %d reward-function calls failed (first: %s)", n_err, len(tasks), first)
     if n_timeouts:
         logger.warning("%d of %d reward-function calls overran reward_timeout_s=%s", n_timeouts, len(tasks), timeout_s)
-    verifier_pool.count(fn_calls=len(tasks), fn_errors=n_err, fn_timeouts=n_timeouts, errors=n_err,
-                        timeouts=n_timeouts)
+    verifier_pool.count(fn_calls=len(tasks), fn_errors=n_err, fn_timeouts=n_timeouts, errors=n_err, timeouts=n_timeouts)
 
 
 def _answer_seen(completion: str, fns: list, think_format: bool) -> tuple[Optional[str], bool]:
@@ -612,8 +614,9 @@ def score_with_fns(
     terms = _Terms.empty(len(completions), len(fns))
     math_results: Optional[list[RewardResult]] = None
     for k in (k for k, spec in enumerate(fns) if spec == "math"):
-        math_results = _math_term(k, terms, completions, ground_truths, timeout_s=timeout_s,
-                                  think_format=think_format, num_workers=num_workers)
+        math_results = _math_term(
+            k, terms, completions, ground_truths, timeout_s=timeout_s, think_format=think_format, num_workers=num_workers
+        )
     tasks, where = _fn_tasks(fns, completions, ground_truths, rows, think_format)
     if tasks:
         _fn_terms(tasks, where, fns, terms, timeout_s, num_workers)
@@ -626,9 +629,14 @@ def score_with_fns(
             parsed, format_ok = math_results[i].parsed, math_results[i].format_ok
         else:
             parsed, format_ok = _answer_seen(completion, fns, think_format)
-        results.append(RewardResult(
-            score=float(sum(w * x for w, x in zip(weights, terms.scores[i]))),
-            parsed=parsed, timed_out=terms.timed[i], format_ok=format_ok, error=terms.errors[i],
-            components=dict(zip(labels, terms.scores[i])),
-        ))
+        results.append(
+            RewardResult(
+                score=float(sum(w * x for w, x in zip(weights, terms.scores[i]))),
+                parsed=parsed,
+                timed_out=terms.timed[i],
+                format_ok=format_ok,
+                error=terms.errors[i],
+                components=dict(zip(labels, terms.scores[i])),
+            )
+        )
     return results

@@ -43,6 +43,7 @@ This file must stay importable as a bare script with the standard library only: 
 worker loads it by path (a worker needs neither the package nor the caller's folder on its
 path; math-verify is imported in the worker, by :func:`make_verifier`).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -122,8 +123,7 @@ def _accepted_keywords(fn) -> Optional[frozenset]:
         return None
     accepted = frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
     if "completion" not in accepted:
-        raise ValueError("the function takes no 'completion' keyword argument (signature "
-                         f"{one_line(inspect.signature(fn))})")
+        raise ValueError(f"the function takes no 'completion' keyword argument (signature {one_line(inspect.signature(fn))})")
     return accepted
 
 
@@ -381,8 +381,7 @@ class _Spawner:
         from_child_r, from_child_w = os.pipe()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, os.path.abspath(__file__),
-                 str(to_child_r), str(from_child_w), str(os.getpid())],
+                [sys.executable, "-c", _BOOT, os.path.abspath(__file__), str(to_child_r), str(from_child_w), str(os.getpid())],
                 pass_fds=(to_child_r, from_child_w),
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
@@ -522,8 +521,7 @@ class _Pool:
                         msg = w.outbox.recv()
                     except (EOFError, OSError):
                         raise RuntimeError(
-                            f"a math-verify worker exited while starting (exit code {w.proc.poll()}); "
-                            "its stderr above says why"
+                            f"a math-verify worker exited while starting (exit code {w.proc.poll()}); its stderr above says why"
                         ) from None
                     if msg[0] != "ready":  # pragma: no cover - protocol bug
                         raise RuntimeError(f"unexpected first message from worker: {msg!r}")
@@ -719,8 +717,6 @@ def warm_up(num_workers: Optional[int] = None) -> None:
     n = num_workers or pool.size
     pool.grow_to(n)
     pool.warm(n)
-
-
 
 
 def run_tasks(tasks: Sequence[tuple], timeout_s: float, num_workers: Optional[int] = None) -> list[tuple]:

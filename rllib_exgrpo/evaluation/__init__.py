@@ -5,6 +5,7 @@ report, ``checkpoints.py`` reads this project's RLlib checkpoints, ``data.py`` l
 benchmark sources, ``paths.py`` checks model and checkpoint paths as users type them, and
 ``export.py`` writes a checkpoint's policy as a Hugging Face model folder (``rllib export``).
 """
+
 from rllib_exgrpo.evaluation.checkpoints import (
     CheckpointInfo,
     find_checkpoint,
@@ -29,9 +30,27 @@ from rllib_exgrpo.evaluation.metrics import (
 from rllib_exgrpo.evaluation.paths import PolicyPathError, checkpoint_source, policy_source
 
 __all__ = [
-    "CheckpointInfo", "EvalDataError", "EvalReport", "ExportError", "ExportResult", "PolicyPathError",
-    "QuestionResult", "aggregate", "avg_at_k", "checkpoint_source", "default_k", "evaluate",
-    "export_checkpoint", "find_checkpoint", "is_checkpoint", "load_eval_problems",
-    "load_policy_from_checkpoint", "maj_at_k", "pass_at_k", "policy_source", "read_checkpoint",
-    "resolve_k", "restore_module",
+    "CheckpointInfo",
+    "EvalDataError",
+    "EvalReport",
+    "ExportError",
+    "ExportResult",
+    "PolicyPathError",
+    "QuestionResult",
+    "aggregate",
+    "avg_at_k",
+    "checkpoint_source",
+    "default_k",
+    "evaluate",
+    "export_checkpoint",
+    "find_checkpoint",
+    "is_checkpoint",
+    "load_eval_problems",
+    "load_policy_from_checkpoint",
+    "maj_at_k",
+    "pass_at_k",
+    "policy_source",
+    "read_checkpoint",
+    "resolve_k",
+    "restore_module",
 ]

@@ -9,6 +9,7 @@ constructor args as saved) and restores its weights, without Ray and without bui
 Algorithm (``Algorithm.from_checkpoint`` would start env runners and a learner group).
 RLlib imports are local to the functions: importing this module stays cheap.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,6 +36,7 @@ class CheckpointInfo:
         model_config: The module's ``model_config`` (``model``, ``dtype``, ...).
         algorithm: Name of the algorithm class (``"ExGRPO"``, ``"GRPO"``) when known.
     """
+
     path: Optional[str]
     module_path: str
     config: dict
@@ -177,8 +179,7 @@ def read_checkpoint(path: Union[str, os.PathLike]) -> CheckpointInfo:
     )
 
 
-def load_policy_from_checkpoint(path: Union[str, os.PathLike], *, device: Optional[str] = None,
-                                info: Optional[CheckpointInfo] = None):
+def load_policy_from_checkpoint(path: Union[str, os.PathLike], *, device: Optional[str] = None, info: Optional[CheckpointInfo] = None):
     """``(model, tokenizer)`` of the policy saved in an RLlib checkpoint of this project.
 
     ``RLModule.from_checkpoint`` rebuilds the learner's module from the module folder (the
@@ -251,8 +252,7 @@ def restore_module(info: CheckpointInfo):
 BEST_METRIC = "heldout/accuracy"
 
 
-def best_checkpoint(path: Union[str, os.PathLike], metric: str = BEST_METRIC,
-                    mode: str = "max") -> Tuple[Path, float]:
+def best_checkpoint(path: Union[str, os.PathLike], metric: str = BEST_METRIC, mode: str = "max") -> Tuple[Path, float]:
     """``(checkpoint folder, its metric)``: the best checkpoint kept in a run (experiment)
     folder, or in one of its trial folders, by ``metric`` as recorded when the checkpoint was
     saved (Tune's checkpoint records in the experiment state, read with
@@ -263,8 +263,7 @@ def best_checkpoint(path: Union[str, os.PathLike], metric: str = BEST_METRIC,
     p = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
     run = p if any(p.glob("experiment_state-*.json")) else p.parent
     if not any(run.glob("experiment_state-*.json")):
-        raise FileNotFoundError(f"{p}: no Tune run here (a run folder with experiment_state-*.json, or one "
-                                "of its trial folders)")
+        raise FileNotFoundError(f"{p}: no Tune run here (a run folder with experiment_state-*.json, or one of its trial folders)")
     analysis = ExperimentAnalysis(str(run))
     found = []
     for trial in analysis.trials:
@@ -275,8 +274,9 @@ def best_checkpoint(path: Union[str, os.PathLike], metric: str = BEST_METRIC,
             if value is not None and value == value:  # not NaN
                 found.append((float(value), Path(saved.checkpoint.path)))
     if not found:
-        raise FileNotFoundError(f"{p}: no kept checkpoint recorded {metric!r} (set heldout_dataset, and "
-                                "checkpoints at iterations with a held-out evaluation)")
+        raise FileNotFoundError(
+            f"{p}: no kept checkpoint recorded {metric!r} (set heldout_dataset, and checkpoints at iterations with a held-out evaluation)"
+        )
     value, folder = (max if mode == "max" else min)(found, key=lambda x: x[0])
     return folder, value
 

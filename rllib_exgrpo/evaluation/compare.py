@@ -12,6 +12,7 @@ resamples questions with replacement within each benchmark (``B`` draws, seeded)
 macro average resamples every benchmark at once. Pure functions of the per-question scores:
 ``tests/test_compare.py`` checks them on hand-made reports.
 """
+
 from __future__ import annotations
 
 import csv
@@ -63,8 +64,12 @@ def _bootstrap_means(values: np.ndarray, draws: int, rng: np.random.Generator) -
 
 def _cell(values: np.ndarray, boot: np.ndarray) -> Cell:
     tail = (1.0 - LEVEL) / 2
-    return Cell(mean=100 * float(values.mean()), low=100 * float(np.quantile(boot, tail)),
-                high=100 * float(np.quantile(boot, 1 - tail)), n=int(len(values)))
+    return Cell(
+        mean=100 * float(values.mean()),
+        low=100 * float(np.quantile(boot, tail)),
+        high=100 * float(np.quantile(boot, 1 - tail)),
+        n=int(len(values)),
+    )
 
 
 def _common_ids(scores: Sequence[Dict[str, Dict[str, float]]], source: str) -> List[str]:
@@ -74,8 +79,9 @@ def _common_ids(scores: Sequence[Dict[str, Dict[str, float]]], source: str) -> L
     return sorted(ids)
 
 
-def compare_scores(scores: Sequence[Dict[str, Dict[str, float]]], *, draws: int = DEFAULT_BOOTSTRAP,
-                   seed: int = 0) -> Tuple[List[str], List[Dict[str, Cell]], List[Dict[str, Cell]]]:
+def compare_scores(
+    scores: Sequence[Dict[str, Dict[str, float]]], *, draws: int = DEFAULT_BOOTSTRAP, seed: int = 0
+) -> Tuple[List[str], List[Dict[str, Cell]], List[Dict[str, Cell]]]:
     """``(benchmarks, cells per method, paired differences per method against the first)``.
 
     Only questions every method answered count (the same questions for all); a benchmark no
@@ -122,28 +128,36 @@ class Comparison:
         cols = self.columns
         n = {c: self.cells[0][c].n for c in cols}
         head = "| method | " + " | ".join(f"{c} (n={n[c]})" for c in cols) + " |"
-        lines = ["avg@k in percent, 95% bootstrap interval over questions:", "", head,
-                 "|" + "---|" * (len(cols) + 1)]
-        lines += ["| " + label + " | " + " | ".join(row[c].text() for c in cols) + " |"
-                  for label, row in zip(self.labels, self.cells)]
+        lines = ["avg@k in percent, 95% bootstrap interval over questions:", "", head, "|" + "---|" * (len(cols) + 1)]
+        lines += ["| " + label + " | " + " | ".join(row[c].text() for c in cols) + " |" for label, row in zip(self.labels, self.cells)]
         if len(self.labels) > 1:
-            lines += ["", f"paired difference against {self.labels[0]} (points, 95% interval):", "", head,
-                      "|" + "---|" * (len(cols) + 1)]
-            lines += ["| " + label + " | " + " | ".join(row[c].text(signed=True) for c in cols) + " |"
-                      for label, row in zip(self.labels[1:], self.diffs[1:])]
+            lines += ["", f"paired difference against {self.labels[0]} (points, 95% interval):", "", head, "|" + "---|" * (len(cols) + 1)]
+            lines += [
+                "| " + label + " | " + " | ".join(row[c].text(signed=True) for c in cols) + " |"
+                for label, row in zip(self.labels[1:], self.diffs[1:])
+            ]
         return "\n".join(lines) + "\n"
 
     def csv(self) -> str:
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        w.writerow(["method", "benchmark", "questions", "score", "low", "high", "diff_vs_first", "diff_low",
-                    "diff_high"])
+        w.writerow(["method", "benchmark", "questions", "score", "low", "high", "diff_vs_first", "diff_low", "diff_high"])
         for label, row, diff in zip(self.labels, self.cells, self.diffs):
             for c in self.columns:
                 d = diff.get(c)
-                w.writerow([label, c, row[c].n, f"{row[c].mean:.3f}", f"{row[c].low:.3f}", f"{row[c].high:.3f}",
-                            "" if d is None else f"{d.mean:.3f}", "" if d is None else f"{d.low:.3f}",
-                            "" if d is None else f"{d.high:.3f}"])
+                w.writerow(
+                    [
+                        label,
+                        c,
+                        row[c].n,
+                        f"{row[c].mean:.3f}",
+                        f"{row[c].low:.3f}",
+                        f"{row[c].high:.3f}",
+                        "" if d is None else f"{d.mean:.3f}",
+                        "" if d is None else f"{d.low:.3f}",
+                        "" if d is None else f"{d.high:.3f}",
+                    ]
+                )
         return buf.getvalue()
 
     def figure(self, path: Union[str, os.PathLike]) -> str:
@@ -170,8 +184,7 @@ class Comparison:
         return str(path)
 
 
-def compare_reports(reports: Sequence[Mapping], labels: Sequence[str], *, draws: int = DEFAULT_BOOTSTRAP,
-                    seed: int = 0) -> Comparison:
+def compare_reports(reports: Sequence[Mapping], labels: Sequence[str], *, draws: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> Comparison:
     """The comparison of report dicts (the first is the reference of the differences)."""
     if len(reports) != len(labels) or not reports:
         raise ValueError("one label per report, at least one report")

@@ -9,6 +9,7 @@ each data source's row count, ``EvalSource.merged`` how many rows were repeats.
 ``limit`` keeps the first N distinct questions of each data source (a file holding several
 benchmarks keeps N of each).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,7 @@ class EvalDataError(ValueError):
 @dataclass
 class EvalSource:
     """One ``sources`` entry, loaded."""
+
     spec: str
     problems: list  # envs.Problem, distinct questions
     #: data source -> rows in the file (repeats included), in first-seen order.
@@ -54,8 +56,9 @@ class EvalSource:
         return out
 
 
-def load_eval_problems(sources: Sequence[Union[str, os.PathLike]], *, limit: Optional[int] = None,
-                       split: str = "test", keep_system: bool = False) -> List[EvalSource]:
+def load_eval_problems(
+    sources: Sequence[Union[str, os.PathLike]], *, limit: Optional[int] = None, split: str = "test", keep_system: bool = False
+) -> List[EvalSource]:
     """Load every source strictly (a malformed row is an error, not a skip).
 
     Sources are files (``.jsonl`` / ``.json`` / ``.parquet``) or ``"arithmetic[:opts]"`` /
@@ -74,7 +77,10 @@ def load_eval_problems(sources: Sequence[Union[str, os.PathLike]], *, limit: Opt
         is_builtin = builtin_source(spec) is not None and not os.path.exists(spec)  # arithmetic, operators
         try:
             problems = load_problems(
-                spec, split=split, strict=True, limit=limit if is_builtin else None,
+                spec,
+                split=split,
+                strict=True,
+                limit=limit if is_builtin else None,
                 data_source=spec if is_builtin and spec != "arithmetic" else None,
             )
             systems = {} if is_builtin or not keep_system else _system_messages(Path(spec), problems)
@@ -91,9 +97,13 @@ def load_eval_problems(sources: Sequence[Union[str, os.PathLike]], *, limit: Opt
         distinct: Dict[str, int] = OrderedDict()
         for p in kept:
             distinct[p.data_source] = distinct.get(p.data_source, 0) + 1
-        source = EvalSource(spec=spec, problems=_first_per_source(kept, limit), rows=dict(rows),
-                            systems={p.id: systems[p.id] for p in kept if p.id in systems},
-                            distinct_by_source=dict(distinct))
+        source = EvalSource(
+            spec=spec,
+            problems=_first_per_source(kept, limit),
+            rows=dict(rows),
+            systems={p.id: systems[p.id] for p in kept if p.id in systems},
+            distinct_by_source=dict(distinct),
+        )
         out.append(source)
     return out
 
@@ -133,8 +143,7 @@ def _system_messages(path: Path, problems: list) -> Dict[str, str]:
     for p in problems:
         messages = prompts.get(p.extra.get("line"))
         if isinstance(messages, (list, tuple)):
-            system = next((m.get("content") for m in messages
-                           if isinstance(m, dict) and m.get("role") == "system"), None)
+            system = next((m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "system"), None)
             if isinstance(system, str) and system.strip():
                 out[p.id] = system
     return out

@@ -25,6 +25,7 @@ The completion budget of each question is ``min(max_new_tokens, context - prompt
 tokens)``, ``context`` being the model's ``max_position_embeddings``
 (:func:`completion_budgets`); both backends generate at most that.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -106,6 +107,7 @@ def choose_backend(asked: str, *, device: Optional[str] = None, gpus: Optional[i
 @dataclass(frozen=True)
 class EngineLayout:
     """How many vLLM engines, with how many GPUs each (0: the CPU build)."""
+
     engines: int
     gpus_per_engine: int
     gpus_seen: int
@@ -117,12 +119,14 @@ class EngineLayout:
             return "1 vLLM engine on CPU"
         where = f" of the Ray cluster at {self.ray_address}" if self.ray_address else ""
         idle = self.gpus_seen - self.engines * self.gpus_per_engine
-        return (f"{self.engines} vLLM engine(s) x {self.gpus_per_engine} GPU(s) (tensor parallel) on "
-                f"{self.gpus_seen} GPU(s){where}" + (f"; {idle} GPU(s) left idle" if idle else ""))
+        return f"{self.engines} vLLM engine(s) x {self.gpus_per_engine} GPU(s) (tensor parallel) on {self.gpus_seen} GPU(s){where}" + (
+            f"; {idle} GPU(s) left idle" if idle else ""
+        )
 
 
-def plan_engines(gpus: int, tensor_parallel_size: int = 1, num_engines: Optional[int] = None,
-                 address: Optional[str] = None) -> EngineLayout:
+def plan_engines(
+    gpus: int, tensor_parallel_size: int = 1, num_engines: Optional[int] = None, address: Optional[str] = None
+) -> EngineLayout:
     """Engines for ``gpus`` GPUs: ``gpus // tensor_parallel_size`` of them (or
     ``num_engines``, at most that many); without GPUs one CPU engine."""
     tp = int(tensor_parallel_size)
@@ -138,8 +142,7 @@ def plan_engines(gpus: int, tensor_parallel_size: int = 1, num_engines: Optional
         raise BackendError(f"--tensor-parallel-size {tp} needs {tp} GPUs per engine; {gpus} visible")
     most = gpus // tp
     if num_engines is not None and num_engines > most:
-        raise BackendError(f"--num-engines {num_engines} x --tensor-parallel-size {tp} needs "
-                           f"{num_engines * tp} GPUs; {gpus} visible")
+        raise BackendError(f"--num-engines {num_engines} x --tensor-parallel-size {tp} needs {num_engines * tp} GPUs; {gpus} visible")
     return EngineLayout(engines=num_engines or most, gpus_per_engine=tp, gpus_seen=gpus, ray_address=address)
 
 
@@ -156,8 +159,7 @@ def split_requests(costs: Sequence[float], parts: int) -> List[List[int]]:
     return [[i for i in range(len(costs)) if owner[i] == e] for e in range(parts)]
 
 
-def completion_budgets(prompt_lengths: Sequence[int], max_new_tokens: int,
-                       context: Optional[int]) -> Tuple[List[int], int]:
+def completion_budgets(prompt_lengths: Sequence[int], max_new_tokens: int, context: Optional[int]) -> Tuple[List[int], int]:
     """(budget per prompt, how many were capped): ``min(max_new_tokens, context - prompt
     length)``, at least 0 (0: the prompt leaves no room for an answer)."""
     budgets, capped = [], 0
@@ -177,14 +179,16 @@ def completion_budgets(prompt_lengths: Sequence[int], max_new_tokens: int,
 
 class HFGenerator:
     """The HF backend with a budget per prompt (prompts grouped by budget)."""
+
     name = "hf"
 
     def __init__(self, policy, tokenizer, batch_size: int):
 
         self.backend = HFGenerationBackend(policy, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size)
 
-    def generate(self, prompts: Sequence[Sequence[int]], counts: Sequence[int], budgets: Sequence[int],
-                 params: SamplingParams) -> List[List[Completion]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], counts: Sequence[int], budgets: Sequence[int], params: SamplingParams
+    ) -> List[List[Completion]]:
         results: List[List[Completion]] = [[] for _ in prompts]
         by_budget: Dict[int, List[int]] = {}
         for i, (n, b) in enumerate(zip(counts, budgets)):
@@ -216,6 +220,7 @@ def _with_budget(params: SamplingParams, budget: int) -> SamplingParams:
 class VLLMEngine:
     """One ``vllm.LLM`` (in this process or inside a Ray actor): token ids in, token ids
     and finish reasons out (plain lists: they cross process boundaries)."""
+
     def __init__(self, engine_kwargs: Dict[str, Any]):
 
         vllm = import_vllm()  # a vLLM outside the supported range fails here, in one line
@@ -226,15 +231,20 @@ class VLLMEngine:
     def ready(self) -> int:
         return self.max_model_len
 
-    def generate(self, requests: List[Tuple[List[int], int, int]], temperature: float, top_p: float,
-                 stop_token_ids: Sequence[int]) -> List[List[Tuple[List[int], str]]]:
+    def generate(
+        self, requests: List[Tuple[List[int], int, int]], temperature: float, top_p: float, stop_token_ids: Sequence[int]
+    ) -> List[List[Tuple[List[int], str]]]:
         """``requests``: (prompt ids, samples, max tokens); per request its samples as
         (token ids, vLLM's finish reason)."""
         from vllm import SamplingParams as VSamplingParams
 
-
-        params = SamplingParams(max_new_tokens=1, temperature=temperature, top_p=top_p,
-                                stop_token_ids=tuple(int(t) for t in stop_token_ids), return_logprobs=False)
+        params = SamplingParams(
+            max_new_tokens=1,
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=tuple(int(t) for t in stop_token_ids),
+            return_logprobs=False,
+        )
         prompts = [{"prompt_token_ids": [int(t) for t in ids]} for ids, _, _ in requests]
         sampling = [VSamplingParams(**vllm_sampling_kwargs(params, int(n), int(m), False)) for _, n, m in requests]
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False) if requests else []
@@ -249,14 +259,25 @@ class VLLMEngine:
 
 class VLLMGenerator:
     """vLLM engines laid out by :func:`plan_engines`; questions split across them."""
+
     name = "vllm"
 
-    def __init__(self, model_path: str, layout: EngineLayout, *, dtype: str, seed: int, max_model_len: int,
-                 max_num_seqs: Optional[int] = None, extra_kwargs: Optional[Dict[str, Any]] = None,
-                 say=lambda m: None):
+    def __init__(
+        self,
+        model_path: str,
+        layout: EngineLayout,
+        *,
+        dtype: str,
+        seed: int,
+        max_model_len: int,
+        max_num_seqs: Optional[int] = None,
+        extra_kwargs: Optional[Dict[str, Any]] = None,
+        say=lambda m: None,
+    ):
         self.layout = layout
-        self.kwargs = engine_kwargs(model_path, layout, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                                    max_num_seqs=max_num_seqs, extra=extra_kwargs)
+        self.kwargs = engine_kwargs(
+            model_path, layout, dtype=dtype, seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs, extra=extra_kwargs
+        )
         self.local: Optional[VLLMEngine] = None
         self.actors: list = []
         self._ray_started = False
@@ -279,14 +300,14 @@ class VLLMGenerator:
                 self._ray_started = True
         remote = ray.remote(VLLMEngine)
         self.actors = [
-            remote.options(num_gpus=self.layout.gpus_per_engine, num_cpus=1).remote(
-                {**self.kwargs, "seed": int(self.kwargs["seed"]) + e})
+            remote.options(num_gpus=self.layout.gpus_per_engine, num_cpus=1).remote({**self.kwargs, "seed": int(self.kwargs["seed"]) + e})
             for e in range(self.layout.engines)
         ]
         self.max_model_len = min(ray.get([a.ready.remote() for a in self.actors]))
 
-    def generate(self, prompts: Sequence[Sequence[int]], counts: Sequence[int], budgets: Sequence[int],
-                 params: SamplingParams) -> List[List[Completion]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], counts: Sequence[int], budgets: Sequence[int], params: SamplingParams
+    ) -> List[List[Completion]]:
         live = [i for i, (n, b) in enumerate(zip(counts, budgets)) if n > 0 and b > 0]
         requests = [([int(t) for t in prompts[i]], int(counts[i]), int(budgets[i])) for i in live]
         args = (float(params.temperature), float(params.top_p), [int(t) for t in params.stop_token_ids])
@@ -296,8 +317,7 @@ class VLLMGenerator:
             import ray
 
             shares = split_requests([n * (len(p) + m) for p, n, m in requests], len(self.actors))
-            futures = [a.generate.remote([requests[j] for j in share], *args)
-                       for a, share in zip(self.actors, shares) if share]
+            futures = [a.generate.remote([requests[j] for j in share], *args) for a, share in zip(self.actors, shares) if share]
             answers = [None] * len(requests)
             for share, got in zip([s for s in shares if s], ray.get(futures)):
                 for j, samples in zip(share, got):
@@ -331,8 +351,16 @@ def _completion(i: int, ids: List[int], reason: str, stops: set) -> Completion:
     return Completion(prompt_index=i, token_ids=arr, logp=None, finish_reason="stop" if stopped else "length")
 
 
-def engine_kwargs(model_path: str, layout: EngineLayout, *, dtype: str, seed: int, max_model_len: int,
-                  max_num_seqs: Optional[int] = None, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def engine_kwargs(
+    model_path: str,
+    layout: EngineLayout,
+    *,
+    dtype: str,
+    seed: int,
+    max_model_len: int,
+    max_num_seqs: Optional[int] = None,
+    extra: Optional[Dict[str, Any]] = None,
+) -> Dict[str, Any]:
     """Keyword arguments of each ``vllm.LLM`` (``extra`` overrides them)."""
     kwargs: Dict[str, Any] = dict(
         model=model_path,

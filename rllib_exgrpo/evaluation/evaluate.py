@@ -28,6 +28,7 @@ when it binds); a prompt that leaves no room gets no completion and counts as wr
 Repeated rows of a question are one question (:mod:`rllib_exgrpo.evaluation.data`).
 Metrics and the report: ``metrics.py``; checkpoints: ``checkpoints.py``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,7 +70,12 @@ from rllib_exgrpo.envs.prompting import render_prompt
 from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
 from rllib_exgrpo.envs.rewards import RewardResult
 from rllib_exgrpo.evaluation.engines import (
-    HFGenerator, VLLMGenerator, cluster_gpu_count, local_gpu_count, plan_engines, ray_address as pick_address,
+    HFGenerator,
+    VLLMGenerator,
+    cluster_gpu_count,
+    local_gpu_count,
+    plan_engines,
+    ray_address as pick_address,
 )
 from rllib_exgrpo.evaluation.export import export_checkpoint
 from rllib_exgrpo.evaluation.protocol import get_protocol, group_averages, official_answer_text, rows_and_distinct
@@ -99,15 +105,29 @@ def evaluate(
     model: Union[str, os.PathLike, Tuple[Any, Any]],
     sources: Sequence[Union[str, os.PathLike]],
     *,
-    k: Union[None, int, Mapping[str, int]] = None, temperature: Optional[float] = None,
-    top_p: Optional[float] = None, max_new_tokens: Optional[int] = None, limit: Optional[int] = None,
-    batch_size: int = DEFAULT_BATCH_SIZE, seed: int = 0, instruction: Optional[str] = _UNSET,
-    system_prompt: Optional[str] = _UNSET, think_format: bool = _UNSET,
-    pass_ks: Sequence[Union[int, str]] = DEFAULT_PASS_KS, split: str = "test",
-    max_prompt_tokens: Optional[int] = None, reward_timeout_s: float = 5.0, keep_completions: bool = False,
-    device: Optional[str] = None, progress: Union[bool, Callable[[str], None]] = False,
-    backend: str = "auto", tensor_parallel_size: int = 1, num_engines: Optional[int] = None,
-    ray_address: Optional[str] = None, dtype: Optional[str] = None, vllm_kwargs: Optional[dict] = None,
+    k: Union[None, int, Mapping[str, int]] = None,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
+    max_new_tokens: Optional[int] = None,
+    limit: Optional[int] = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    seed: int = 0,
+    instruction: Optional[str] = _UNSET,
+    system_prompt: Optional[str] = _UNSET,
+    think_format: bool = _UNSET,
+    pass_ks: Sequence[Union[int, str]] = DEFAULT_PASS_KS,
+    split: str = "test",
+    max_prompt_tokens: Optional[int] = None,
+    reward_timeout_s: float = 5.0,
+    keep_completions: bool = False,
+    device: Optional[str] = None,
+    progress: Union[bool, Callable[[str], None]] = False,
+    backend: str = "auto",
+    tensor_parallel_size: int = 1,
+    num_engines: Optional[int] = None,
+    ray_address: Optional[str] = None,
+    dtype: Optional[str] = None,
+    vllm_kwargs: Optional[dict] = None,
     protocol: Optional[str] = None,
 ) -> EvalReport:
     """Evaluate a policy on benchmark sources; see the module docstring for the metrics.
@@ -159,34 +179,53 @@ def evaluate(
     target = _Target.load(model, backend, device, dtype, ray_address, say)  # 2. the policy
     run = None
     try:
-        env_config = (_protocol_env() if proto else
-                      _prompt_settings(target.ckpt, instruction, system_prompt, think_format))
+        env_config = _protocol_env() if proto else _prompt_settings(target.ckpt, instruction, system_prompt, think_format)
         budget = _max_new_tokens(max_new_tokens, target.ckpt, proto)
-        run = _SourceRun(target, env_config, proto, budget, temperature, top_p, batch_size, seed,
-                         reward_timeout_s, max_prompt_tokens, keep_completions, say)
+        run = _SourceRun(
+            target,
+            env_config,
+            proto,
+            budget,
+            temperature,
+            top_p,
+            batch_size,
+            seed,
+            reward_timeout_s,
+            max_prompt_tokens,
+            keep_completions,
+            say,
+        )
         prepared = [run.prepare(src, k) for src in loaded]  # 3. prompts and budgets
         run.say_budget(progress)
-        run.start(prepared, tensor_parallel_size=tensor_parallel_size, num_engines=num_engines,
-                  vllm_kwargs=vllm_kwargs)
+        run.start(prepared, tensor_parallel_size=tensor_parallel_size, num_engines=num_engines, vllm_kwargs=vllm_kwargs)
         questions, seconds = _run_sources(run, prepared)  # 4. generate + verify, source by source
     finally:
         if run is not None:
             run.close()
         target.close()
     per_source, overall = _aggregate_sources(questions, seconds, pass_ks)  # 5. aggregate
-    settings = _settings_record(run, target, loaded, k=k, k_used=run.k_used, pass_ks=pass_ks, limit=limit,
-                                split=split)
+    settings = _settings_record(run, target, loaded, k=k, k_used=run.k_used, pass_ks=pass_ks, limit=limit, split=split)
     groups = _protocol_groups(per_source, loaded) if proto is not None else None
-    return EvalReport(model=target.label, settings=settings, sources=per_source, overall=overall,
-                      wall_time_s=round(time.perf_counter() - t_start, 3), questions=questions, groups=groups)
+    return EvalReport(
+        model=target.label,
+        settings=settings,
+        sources=per_source,
+        overall=overall,
+        wall_time_s=round(time.perf_counter() - t_start, 3),
+        questions=questions,
+        groups=groups,
+    )
 
 
 def _sampling(proto, temperature, top_p, instruction, system_prompt, think_format) -> Tuple[float, float]:
     """``(temperature, top_p)``: given, else the protocol's, else the papers' defaults. A
     protocol sets the prompt: passing prompt settings with one raises."""
     if proto is not None:
-        given = [n for n, v in (("instruction", instruction), ("system_prompt", system_prompt),
-                                ("think_format", think_format)) if v is not _UNSET]
+        given = [
+            n
+            for n, v in (("instruction", instruction), ("system_prompt", system_prompt), ("think_format", think_format))
+            if v is not _UNSET
+        ]
         if given:
             raise ValueError(f"protocol {proto.name!r} sets the prompt; do not pass {', '.join(given)}")
     temperature = float((proto.temperature if proto else DEFAULT_TEMPERATURE) if temperature is None else temperature)
@@ -198,10 +237,12 @@ def _say_merged_rows(loaded, say) -> None:
     """One line per file whose repeated rows of a question were counted once."""
     for src in loaded:
         if src.merged:
-            say(f"{src.spec}: {sum(src.rows.values())} rows, {sum(src.distinct_by_source.values())} distinct "
+            say(
+                f"{src.spec}: {sum(src.rows.values())} rows, {sum(src.distinct_by_source.values())} distinct "
                 f"questions (repeated rows counted once: "
                 + ", ".join(f"{n} {src.rows[n]} -> {d}" for n, d in src.distinct_by_source.items() if src.rows[n] != d)
-                + ")")
+                + ")"
+            )
 
 
 def _protocol_groups(per_source: dict, loaded) -> dict:
@@ -295,8 +336,9 @@ def _aggregate_sources(questions: List[QuestionResult], source_seconds: Dict[str
     by_source: "OrderedDict[str, List[QuestionResult]]" = OrderedDict()
     for q in questions:
         by_source.setdefault(q.data_source, []).append(q)
-    per_source = {name: {**aggregate(qs, pass_ks), "wall_time_s": round(source_seconds.get(name, 0.0), 3)}
-                  for name, qs in by_source.items()}
+    per_source = {
+        name: {**aggregate(qs, pass_ks), "wall_time_s": round(source_seconds.get(name, 0.0), 3)} for name, qs in by_source.items()
+    }
     overall = aggregate(questions, pass_ks)
     overall["macro_avg_at_k"] = float(sum(m["avg_at_k"] for m in per_source.values()) / len(per_source))
     overall["n_sources"] = len(per_source)
@@ -309,20 +351,35 @@ def _settings_record(run: "_SourceRun", target: "_Target", loaded, *, k, k_used,
     ckpt = target.ckpt
     return {
         "protocol": run.proto.name if run.proto else None,
-        "temperature": run.temperature, "top_p": run.top_p, "max_new_tokens": run.max_new_tokens,
+        "temperature": run.temperature,
+        "top_p": run.top_p,
+        "max_new_tokens": run.max_new_tokens,
         "context": run.context,
-        "seed": run.seed, "k": k if not isinstance(k, Mapping) else dict(k), "k_used": k_used,
-        "pass_ks": list(pass_ks), "limit": limit, "split": split, "data": [src.spec for src in loaded],
+        "seed": run.seed,
+        "k": k if not isinstance(k, Mapping) else dict(k),
+        "k_used": k_used,
+        "pass_ks": list(pass_ks),
+        "limit": limit,
+        "split": split,
+        "data": [src.spec for src in loaded],
         "instruction": env_config.get("instruction", DEFAULT_INSTRUCTION),
         "system_prompt": run.proto.system_prompt if run.proto else env_config.get("system_prompt"),
         "think_format": "official" if run.proto else bool(env_config.get("think_format", False)),
-        "max_prompt_tokens": run.max_prompt_tokens, "batch_size": run.batch_size,
-        "backend": target.backend, "device": target.device, "dtype": target.dtype,
+        "max_prompt_tokens": run.max_prompt_tokens,
+        "batch_size": run.batch_size,
+        "backend": target.backend,
+        "device": target.device,
+        "dtype": target.dtype,
         "engines": run.engines_description,
-        "budget_capped": run.capped, "no_room": run.no_room,
+        "budget_capped": run.capped,
+        "no_room": run.no_room,
         "over_max_positions": run.capped,
-        "checkpoint": None if ckpt is None else {
-            "path": ckpt.path, "module_path": ckpt.module_path, "algorithm": ckpt.algorithm,
+        "checkpoint": None
+        if ckpt is None
+        else {
+            "path": ckpt.path,
+            "module_path": ckpt.module_path,
+            "algorithm": ckpt.algorithm,
             "model_name_or_path": ckpt.model_name_or_path,
         },
     }
@@ -335,6 +392,7 @@ def _settings_record(run: "_SourceRun", target: "_Target", loaded, *, k, k_used,
 class _Target:
     """What is evaluated, loaded for its backend: the torch policy (HF) or an HF model
     folder for the vLLM engines; the tokenizer, the context, the stop tokens."""
+
     label: str
     backend: str
     tokenizer: Any
@@ -364,10 +422,17 @@ class _Target:
             policy, tokenizer, label, ckpt = _load_policy(model, say, dtype)
             placed = _place(policy, device)
             config = getattr(policy, "config", None)
-            return cls(label=label, backend="hf", tokenizer=tokenizer, ckpt=ckpt, policy=policy, device=placed,
-                       dtype=str(next(policy.parameters()).dtype).replace("torch.", ""),
-                       context=getattr(config, "max_position_embeddings", None),
-                       stop_ids=stop_token_ids(policy, tokenizer))
+            return cls(
+                label=label,
+                backend="hf",
+                tokenizer=tokenizer,
+                ckpt=ckpt,
+                policy=policy,
+                device=placed,
+                dtype=str(next(policy.parameters()).dtype).replace("torch.", ""),
+                context=getattr(config, "max_position_embeddings", None),
+                stop_ids=stop_token_ids(policy, tokenizer),
+            )
         return cls._load_for_vllm(model, dtype, address, gpus, say)
 
     @classmethod
@@ -377,12 +442,13 @@ class _Target:
         source = policy_source(label)
         ckpt, tmp = None, None
         if os.path.isdir(source) and is_checkpoint(source):
-
             ckpt = read_checkpoint(source)
             tmp = tempfile.TemporaryDirectory(prefix="rllib-evaluate-")
             folder = os.path.join(tmp.name, "model")
-            say(f"writing {ckpt.algorithm or 'RLlib'} checkpoint {ckpt.path or ckpt.module_path} as a model "
-                f"folder for vLLM (model {ckpt.model_name_or_path})")
+            say(
+                f"writing {ckpt.algorithm or 'RLlib'} checkpoint {ckpt.path or ckpt.module_path} as a model "
+                f"folder for vLLM (model {ckpt.model_name_or_path})"
+            )
             export_checkpoint(source, folder)
         else:
             say(f"loading model {source}")
@@ -401,10 +467,20 @@ class _Target:
         if dtype is None:
             own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
             dtype = str(own).replace("torch.", "") if own is not None else "auto"
-        return cls(label=label, backend="vllm", tokenizer=tokenizer, ckpt=ckpt, folder=folder,
-                   device="cuda" if gpus else "cpu", dtype=dtype,
-                   context=getattr(config, "max_position_embeddings", None), stop_ids=stops,
-                   ray_address=address, gpus=gpus, _tmp=tmp)
+        return cls(
+            label=label,
+            backend="vllm",
+            tokenizer=tokenizer,
+            ckpt=ckpt,
+            folder=folder,
+            device="cuda" if gpus else "cpu",
+            dtype=dtype,
+            context=getattr(config, "max_position_embeddings", None),
+            stop_ids=stops,
+            ray_address=address,
+            gpus=gpus,
+            _tmp=tmp,
+        )
 
     def close(self) -> None:
         if self._tmp is not None:
@@ -425,13 +501,11 @@ def _load_policy(model, say, dtype: Optional[str] = None) -> Tuple[Any, Any, str
         source = policy_source(label)
         if os.path.isdir(source) and is_checkpoint(source):
             ckpt = read_checkpoint(source)
-            say(f"loading {ckpt.algorithm or 'RLlib'} checkpoint {ckpt.path or ckpt.module_path} "
-                f"(model {ckpt.model_name_or_path})")
+            say(f"loading {ckpt.algorithm or 'RLlib'} checkpoint {ckpt.path or ckpt.module_path} (model {ckpt.model_name_or_path})")
             policy, tokenizer = load_policy_from_checkpoint(source, info=ckpt)
         else:
             policy, tokenizer = _load_hf_model(source, say, dtype)
     if dtype is not None:
-
         policy.to(resolve_dtype(dtype))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -455,6 +529,7 @@ def _load_hf_model(source: str, say, dtype: Optional[str] = None) -> Tuple[Any, 
 @dataclass
 class _Prepared:
     """One source, ready to generate: its env, prompts (texts and ids), k and budgets."""
+
     spec: str
     env: Any
     problems: list
@@ -466,17 +541,35 @@ class _Prepared:
 
 class _SourceRun:
     """Generates and verifies the questions of one source after another with one policy."""
-    def __init__(self, target: _Target, env_config, proto, max_new_tokens, temperature, top_p, batch_size, seed,
-                 reward_timeout_s, max_prompt_tokens, keep_completions, say):
 
-        self.target, self.tokenizer, self.env_config, self.proto, self.say = (
-            target, target.tokenizer, env_config, proto, say)
+    def __init__(
+        self,
+        target: _Target,
+        env_config,
+        proto,
+        max_new_tokens,
+        temperature,
+        top_p,
+        batch_size,
+        seed,
+        reward_timeout_s,
+        max_prompt_tokens,
+        keep_completions,
+        say,
+    ):
+
+        self.target, self.tokenizer, self.env_config, self.proto, self.say = (target, target.tokenizer, env_config, proto, say)
         self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
         self.reward_timeout_s, self.max_prompt_tokens, self.keep = reward_timeout_s, max_prompt_tokens, keep_completions
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.greedy = temperature == 0
-        self.params = SamplingParams(max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
-                                     stop_token_ids=tuple(target.stop_ids), return_logprobs=False)
+        self.params = SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            stop_token_ids=tuple(target.stop_ids),
+            return_logprobs=False,
+        )
         self.context = target.context
         self.capped = 0
         self.no_room = 0
@@ -488,8 +581,16 @@ class _SourceRun:
     # ---- before generating ----------------------------------------------------------
     def prepare(self, src, k) -> _Prepared:
 
-        env = ReasoningEnv({**self.env_config, "problems": src.problems, "tokenizer": self.tokenizer,
-                            "seed": self.seed, "reward_timeout_s": self.reward_timeout_s, "max_prompt_chars": 10**9})
+        env = ReasoningEnv(
+            {
+                **self.env_config,
+                "problems": src.problems,
+                "tokenizer": self.tokenizer,
+                "seed": self.seed,
+                "reward_timeout_s": self.reward_timeout_s,
+                "max_prompt_chars": 10**9,
+            }
+        )
         problems = list(env.problems)
         texts = [self._prompt_text(env, src, p) for p in problems]
         ids = [encode_prompt(self.tokenizer, t, self.max_prompt_tokens) for t in texts]
@@ -504,8 +605,13 @@ class _SourceRun:
         if self.proto is None:
             return env.prompt_for(p.id)
 
-        return render_prompt(p.question, tokenizer=self.tokenizer, instruction=None, think_format=False,
-                             system_prompt=src.systems.get(p.id, self.proto.system_prompt))
+        return render_prompt(
+            p.question,
+            tokenizer=self.tokenizer,
+            instruction=None,
+            think_format=False,
+            system_prompt=src.systems.get(p.id, self.proto.system_prompt),
+        )
 
     def _k_for(self, data_source: str, k) -> int:
         wanted = resolve_k(data_source, k)
@@ -519,8 +625,10 @@ class _SourceRun:
         """The one line on the context cap, when it binds."""
         if not self.capped:
             return
-        msg = (f"completion budget {self.max_new_tokens} tokens capped to max_position_embeddings "
-               f"({self.context}) - prompt length for {self.capped} of {self.questions} question(s)")
+        msg = (
+            f"completion budget {self.max_new_tokens} tokens capped to max_position_embeddings "
+            f"({self.context}) - prompt length for {self.capped} of {self.questions} question(s)"
+        )
         if self.no_room:
             msg += f"; {self.no_room} prompt(s) fill the context and are scored wrong without a completion"
         if progress:
@@ -528,8 +636,14 @@ class _SourceRun:
         else:
             logger.warning(msg)
 
-    def start(self, prepared: List[_Prepared], *, tensor_parallel_size: int = 1, num_engines: Optional[int] = None,
-              vllm_kwargs: Optional[dict] = None) -> None:
+    def start(
+        self,
+        prepared: List[_Prepared],
+        *,
+        tensor_parallel_size: int = 1,
+        num_engines: Optional[int] = None,
+        vllm_kwargs: Optional[dict] = None,
+    ) -> None:
         """Build the generator: the HF backend, or the vLLM engines."""
         t = self.target
         if t.backend == "hf":
@@ -541,9 +655,15 @@ class _SourceRun:
         max_len = min(longest, t.context) if t.context else longest
         total = sum(k for p in prepared for k, b in zip(p.ks, p.budgets) if b > 0)
         self.generator = VLLMGenerator(
-            t.folder, layout, dtype=t.dtype, seed=self.seed, max_model_len=max(max_len, 1),
+            t.folder,
+            layout,
+            dtype=t.dtype,
+            seed=self.seed,
+            max_model_len=max(max_len, 1),
             max_num_seqs=None if layout.gpus_per_engine else max(1, min(256, total)),
-            extra_kwargs=vllm_kwargs, say=self.say)
+            extra_kwargs=vllm_kwargs,
+            say=self.say,
+        )
         self.engines_description = layout.describe
 
     # ---- generating -----------------------------------------------------------------
@@ -558,8 +678,7 @@ class _SourceRun:
         order = list(range(n))
         try:
             for chunk, sizes in _chunks(order, [prep.ks[i] for i in order], size):
-                groups = self.generator.generate([prep.ids[i] for i in chunk], sizes,
-                                                 [prep.budgets[i] for i in chunk], self.params)
+                groups = self.generator.generate([prep.ids[i] for i in chunk], sizes, [prep.budgets[i] for i in chunk], self.params)
                 results = self._score(prep, chunk, groups)
                 out += [self._question_result(prep, i, group, res) for i, group, res in zip(chunk, groups, results)]
                 done += len(chunk)
@@ -589,10 +708,18 @@ class _SourceRun:
         p = prep.problems[i]
         k = prep.ks[i]
         if not items and prep.budgets[i] == 0:  # no room for an answer: k wrong, empty samples
-            return QuestionResult(id=p.id, data_source=p.data_source, source=prep.spec, correct=[False] * k,
-                                  answers=[None] * k, response_tokens=[0] * k, truncated=[True] * k,
-                                  prompt_tokens=len(prep.ids[i]), difficulty=p.difficulty,
-                                  completions=[""] * k if self.keep else None)
+            return QuestionResult(
+                id=p.id,
+                data_source=p.data_source,
+                source=prep.spec,
+                correct=[False] * k,
+                answers=[None] * k,
+                response_tokens=[0] * k,
+                truncated=[True] * k,
+                prompt_tokens=len(prep.ids[i]),
+                difficulty=p.difficulty,
+                completions=[""] * k if self.keep else None,
+            )
         return QuestionResult(
             id=p.id,
             data_source=p.data_source,

@@ -15,6 +15,7 @@ half-written folder. An existing, non-empty ``OUT`` is an error unless ``force=T
 which replaces it (its old files are removed); a folder that holds the checkpoint, the
 working directory or one of its parents, and the home folder are never replaced.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,6 +38,7 @@ class ExportError(ValueError):
 @dataclass
 class ExportResult:
     """What :func:`export_checkpoint` wrote."""
+
     out: Path
     checkpoint: CheckpointInfo
     files: List[str]
@@ -44,8 +46,9 @@ class ExportResult:
     zero3: bool
 
 
-def export_checkpoint(checkpoint: Union[str, os.PathLike], out: Union[str, os.PathLike], *,
-                      force: bool = False, dtype: Optional[str] = None) -> ExportResult:
+def export_checkpoint(
+    checkpoint: Union[str, os.PathLike], out: Union[str, os.PathLike], *, force: bool = False, dtype: Optional[str] = None
+) -> ExportResult:
     """Write the policy of ``checkpoint`` as a Hugging Face model folder ``out``.
 
     Args:
@@ -75,9 +78,13 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], out: Union[str, os.Pa
     with atomic_folder(target) as tmp, no_progress_bars():  # the command prints one line
         model.save_pretrained(str(tmp))
         _load_base_tokenizer(info.model_name_or_path).save_pretrained(str(tmp))
-    return ExportResult(out=target, checkpoint=info, files=sorted(p.name for p in target.iterdir()),
-                        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
-                        zero3=zero3_shard_folder(info.module_path) is not None)
+    return ExportResult(
+        out=target,
+        checkpoint=info,
+        files=sorted(p.name for p in target.iterdir()),
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        zero3=zero3_shard_folder(info.module_path) is not None,
+    )
 
 
 def _torch_dtype(name: Optional[str]):
@@ -105,8 +112,7 @@ def _check_out(target: Path, typed: Union[str, os.PathLike], info: CheckpointInf
     if protected == checkpoint.resolve() or protected in checkpoint.resolve().parents:
         raise ExportError(f"{shown} holds the checkpoint; export to another folder")
     if protected == cwd or protected in cwd.parents or protected == Path.home().resolve():
-        raise ExportError(f"{shown} is the working directory, one of its parents or the home folder; "
-                          "export to a folder of its own")
+        raise ExportError(f"{shown} is the working directory, one of its parents or the home folder; export to a folder of its own")
 
 
 def _policy_model(module, torch_dtype):
@@ -128,6 +134,5 @@ def _policy_model(module, torch_dtype):
 def _load_base_tokenizer(model_name_or_path: str):
     """The base model's tokenizer as it is on disk (no pad token added)."""
     from transformers import AutoTokenizer
-
 
     return AutoTokenizer.from_pretrained(resolve_model_path(model_name_or_path))

@@ -14,6 +14,7 @@ A source's figure is the mean over its questions. The overall row is the mean ov
 questions; ``macro_avg_at_k`` is the unweighted mean of the sources' avg@k (the papers'
 "avg" column over benchmarks).
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -88,8 +89,7 @@ def _vote_key(answer: Optional[str]) -> Optional[str]:
     return key or None
 
 
-def maj_at_k(answers: Sequence[Optional[str]], correct_flags: Sequence[Union[bool, float]],
-             k: Optional[int] = None) -> float:
+def maj_at_k(answers: Sequence[Optional[str]], correct_flags: Sequence[Union[bool, float]], k: Optional[int] = None) -> float:
     """1.0 when the majority answer of the first ``k`` samples is correct, else 0.0.
 
     ``answers[i]`` is the parsed answer of sample ``i`` (None: no answer; it does not
@@ -164,6 +164,7 @@ def pass_ks_for(pass_ks: Sequence[Union[int, str]], k: int) -> List[int]:
 @dataclass
 class QuestionResult:
     """Every sample of one question."""
+
     id: str
     data_source: str
     source: str  # the spec / file it came from
@@ -259,6 +260,7 @@ class EvalReport:
         questions: Every question's samples.
         groups: With a protocol, its averages over groups of benchmarks.
     """
+
     model: str
     settings: dict
     sources: Dict[str, dict]
@@ -303,21 +305,25 @@ class EvalReport:
         Accuracies in percent; ``pass@k`` is at each source's own k."""
         pass_cols = [j for j in self.settings.get("pass_ks", DEFAULT_PASS_KS)]
         pass_cols = list(dict.fromkeys(pass_cols))
-        header = ["source", "k", "questions", "samples", "avg@k"] + [f"pass@{j}" for j in pass_cols] + \
-                 ["maj@k", "resp.tok", "trunc%", "time s"]
+        header = (
+            ["source", "k", "questions", "samples", "avg@k"] + [f"pass@{j}" for j in pass_cols] + ["maj@k", "resp.tok", "trunc%", "time s"]
+        )
 
         def pct(x: Optional[float]) -> str:
             return "-" if x is None else f"{100.0 * x:.1f}"
 
         def row(name: str, m: dict, seconds: Optional[float]) -> List[str]:
             k = m.get("k")
-            cells = [name, "mixed" if k is None else str(k), str(m["n_questions"]), str(m["samples"]),
-                     pct(m["avg_at_k"])]
+            cells = [name, "mixed" if k is None else str(k), str(m["n_questions"]), str(m["samples"]), pct(m["avg_at_k"])]
             for j in pass_cols:
                 jj = k if j == "k" else j
                 cells.append(pct(m["pass_at_k"].get(str(jj))) if jj is not None else "-")
-            cells += [pct(m["maj_at_k"]), f"{m['mean_response_tokens']:.1f}",
-                      f"{100.0 * m['truncated_fraction']:.1f}", "-" if seconds is None else f"{seconds:.1f}"]
+            cells += [
+                pct(m["maj_at_k"]),
+                f"{m['mean_response_tokens']:.1f}",
+                f"{100.0 * m['truncated_fraction']:.1f}",
+                "-" if seconds is None else f"{seconds:.1f}",
+            ]
             return cells
 
         rows = [row(name, m, m.get("wall_time_s")) for name, m in self.sources.items()]
@@ -337,16 +343,17 @@ class EvalReport:
             f"model: {self.model}",
             f"temperature {s.get('temperature')}  top_p {s.get('top_p')}  max_new_tokens {s.get('max_new_tokens')}"
             f"  seed {s.get('seed')}  (accuracies in %)",
-            rule, fmt(header), rule,
+            rule,
+            fmt(header),
+            rule,
         ]
         lines += [fmt(r) for r in rows[: len(self.sources)]]
         lines.append(rule)
-        lines += [fmt(r) for r in rows[len(self.sources):]]
+        lines += [fmt(r) for r in rows[len(self.sources) :]]
         unscored = self.overall.get("unscored", 0)
         if unscored:
             lines.append(f"note: {unscored} sample(s) could not be verified (verifier error) and count as wrong")
         if self.groups is not None:
-
             lines.append(rule)
             lines.append(f"protocol {s.get('protocol')}: per data source its distinct questions, k and avg@k (%)")
             lines += protocol_lines(self.sources, self.groups)

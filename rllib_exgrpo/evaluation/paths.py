@@ -10,6 +10,7 @@ model name, a hub name, or a folder on disk, and checks that a folder is one of 
 things a policy can be loaded from: an RLlib checkpoint of this project or a Hugging Face
 model folder. Anything else is a :class:`PolicyPathError` whose message is one line.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,11 +27,15 @@ _EMBEDDED = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 #: What a folder given as a policy must be (the end of the one-line errors).
-EXPECTED = ("an RLlib checkpoint of this project (rllib_checkpoint.json and learner_group/, a Tune "
-            "trial folder with checkpoint_* subfolders, or a module folder) or a Hugging Face model "
-            "folder (config.json)")
-EXPECTED_CHECKPOINT = ("an RLlib checkpoint of this project (rllib_checkpoint.json and learner_group/, "
-                       "a Tune trial folder with checkpoint_* subfolders, or a module folder)")
+EXPECTED = (
+    "an RLlib checkpoint of this project (rllib_checkpoint.json and learner_group/, a Tune "
+    "trial folder with checkpoint_* subfolders, or a module folder) or a Hugging Face model "
+    "folder (config.json)"
+)
+EXPECTED_CHECKPOINT = (
+    "an RLlib checkpoint of this project (rllib_checkpoint.json and learner_group/, "
+    "a Tune trial folder with checkpoint_* subfolders, or a module folder)"
+)
 
 
 class PolicyPathError(ValueError):

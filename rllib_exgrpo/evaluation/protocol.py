@@ -28,6 +28,7 @@ drops it, ``--remove_system True``, for models whose chat template brings its ow
 training prompts had it), and completions are verified by this project's math-verify
 reward (the script's final label is OAT's boxed grader, ``oat_math_grader.boxed_reward_fn``).
 """
+
 from __future__ import annotations
 
 import re
@@ -41,9 +42,9 @@ EXGRPO_SYSTEM_PROMPT = (
     "Your task is to follow a systematic, thorough reasoning process before providing the final solution. "
     "This involves analyzing, summarizing, exploring, reassessing, and refining your thought process through "
     "multiple iterations. Structure your response into two sections: Thought and Solution. In the Thought "
-    "section, present your reasoning using the format: \"<think>\n {thoughts} </think>\n\". Each thought "
+    'section, present your reasoning using the format: "<think>\n {thoughts} </think>\n". Each thought '
     "should include detailed analysis, brainstorming, verification, and refinement of ideas. After "
-    "\"</think>\n,\" in the Solution section, provide the final, logical, and accurate answer, clearly "
+    '"</think>\n," in the Solution section, provide the final, logical, and accurate answer, clearly '
     "derived from the exploration in the Thought section. If applicable, include the answer in \\boxed{} for "
     "closed-form results like multiple choices or mathematical solutions."
 )
@@ -155,8 +156,10 @@ def protocol_lines(per_source: Dict[str, dict], groups: Dict[str, dict]) -> List
         k = m.get("k")
         rows, distinct = m.get("rows", m["n_questions"]), m.get("distinct_questions", m["n_questions"])
         note = f"  ({rows} rows: {distinct} distinct, repeats counted once)" if rows != distinct else ""
-        lines.append(f"{name.ljust(width)}  {(found[0] if found else '-'):<13}  {m['n_questions']:>9}  "
-                     f"{('mixed' if k is None else k):>3}  {100.0 * m['avg_at_k']:>6.1f}{note}")
+        lines.append(
+            f"{name.ljust(width)}  {(found[0] if found else '-'):<13}  {m['n_questions']:>9}  "
+            f"{('mixed' if k is None else k):>3}  {100.0 * m['avg_at_k']:>6.1f}{note}"
+        )
     for group, title in (("in_distribution", "in-distribution avg"), ("out_of_distribution", "out-of-distribution avg")):
         g = groups[group]
         if g["avg"] is None:

@@ -261,9 +261,7 @@ def bucket_index(num_correct: int, group_size: int, G: int) -> int:
     """Bucket (1..G-1) of a partly solved group: ``floor(k / group_size * G + 0.5)``
     clipped to ``1..G-1``. Requires ``0 < num_correct < group_size``."""
     if not 0 < num_correct < group_size:
-        raise ValueError(
-            f"bucket_index needs 0 < num_correct < group_size, got {num_correct}/{group_size}"
-        )
+        raise ValueError(f"bucket_index needs 0 < num_correct < group_size, got {num_correct}/{group_size}")
     if group_size == G:
         return int(num_correct)
     # Exact rational arithmetic: floor((2*k*G + group_size) / (2*group_size)).
@@ -301,9 +299,7 @@ def bucket_weighting_fn(mode: str):
     return BUCKET_WEIGHTING.get(mode)
 
 
-def bucket_weights(
-    G: int, mode: str = "gaussian", mu: float = 0.5, sigma: float = 0.125
-) -> Optional[np.ndarray]:
+def bucket_weights(G: int, mode: str = "gaussian", mu: float = 0.5, sigma: float = 0.125) -> Optional[np.ndarray]:
     """Unnormalised log-weights ``[G+1]`` of buckets 0..G (0 and G are ``-inf``), or None
     for a mode that draws uniformly over questions (``"uniform"``)."""
     inner = bucket_weighting_fn(mode)(int(G), float(mu), float(sigma))
@@ -366,9 +362,7 @@ class ExperienceBuffer:
         self.sigma = float(sigma)
         self.logp_dtype = logp_dtype
         self.seed = seed
-        self.max_trajectories_per_question = (
-            None if max_trajectories_per_question is None else int(max_trajectories_per_question)
-        )
+        self.max_trajectories_per_question = None if max_trajectories_per_question is None else int(max_trajectories_per_question)
         #: None: draws are uniform over questions (see BUCKET_WEIGHTING).
         self._logw = bucket_weights(self.group_size, bucket_weighting, self.mu, self.sigma)
         self._rng = np.random.default_rng(seed)
@@ -472,9 +466,7 @@ class ExperienceBuffer:
             "bytes_per_token": (self._traj_nbytes / n_tok) if n_tok else float("nan"),
             "capacity": self.capacity,
             "capacity_used": self._num_trajectories / self.capacity,
-            "mean_trajectories_per_question": (
-                self._num_trajectories / len(self._questions) if self._questions else 0.0
-            ),
+            "mean_trajectories_per_question": (self._num_trajectories / len(self._questions) if self._questions else 0.0),
             **self._counters,
         }
 
@@ -498,9 +490,7 @@ class ExperienceBuffer:
         num_correct = int(num_correct)
         group_size = int(group_size)
         if group_size < 1 or not 0 <= num_correct <= group_size:
-            raise ValueError(
-                f"need 0 <= num_correct <= group_size >= 1, got {num_correct}/{group_size}"
-            )
+            raise ValueError(f"need 0 <= num_correct <= group_size >= 1, got {num_correct}/{group_size}")
         if question_id in self._retired:
             return "retired"
         entry = self._questions.get(question_id)
@@ -554,9 +544,7 @@ class ExperienceBuffer:
         ids = np.asarray(ids).reshape(-1)
         logp = np.asarray(logp).reshape(-1)
         if ids.shape != logp.shape:
-            raise ValueError(
-                f"completion_ids and logp lengths differ: {ids.shape[0]} vs {logp.shape[0]}"
-            )
+            raise ValueError(f"completion_ids and logp lengths differ: {ids.shape[0]} vs {logp.shape[0]}")
         ids32 = np.array(ids, dtype=np.int32)
         stored_logp = encode_logp(logp, self.logp_dtype)
         return StoredTrajectory(_readonly(ids32), _readonly(stored_logp), int(step_added))
@@ -566,10 +554,7 @@ class ExperienceBuffer:
         # lengths first is cheaper overall than a per-question hash table (memory).
         ids = traj.completion_ids
         n_ids = ids.shape[0]
-        if any(
-            t.completion_ids.shape[0] == n_ids and np.array_equal(t.completion_ids, ids)
-            for t in entry.trajs
-        ):
+        if any(t.completion_ids.shape[0] == n_ids and np.array_equal(t.completion_ids, ids) for t in entry.trajs):
             self._counters["num_duplicates_dropped"] += 1
             return
         cap = self.max_trajectories_per_question

@@ -17,6 +17,7 @@
 No RLlib here: the algorithm passes in the scorer (an env runner's batched forward pass)
 and the scored groups, so this class is testable on hand-made data.
 """
+
 from __future__ import annotations
 
 import math
@@ -78,8 +79,7 @@ class ExperienceManager:
         self._last_replayed = {q: t for q, t in self._last_replayed.items() if iteration - t <= cooldown}
         return set(self._last_replayed)
 
-    def plan(self, questions_per_step: int, fresh_sampler, num_questions: int,
-             iteration: int = 0) -> Tuple[List[str], List[str]]:
+    def plan(self, questions_per_step: int, fresh_sampler, num_questions: int, iteration: int = 0) -> Tuple[List[str], List[str]]:
         """Question ids of one step: (fresh, replayed)."""
         n_replay = self.num_replayed(questions_per_step)
         if self.config.replay_cooldown_steps and n_replay:
@@ -176,9 +176,7 @@ class ExperienceManager:
             collect = collect or (cfg.experience_replay and cfg.pool_switch_step)
         # Before the pool fills, solved (G/G) questions are still retired (official: from
         # the first step): update_group on an all-correct group retires without storing.
-        retire_only = (
-            not collect and cfg.experience_replay and cfg.retire_solved and cfg.retire_before_start
-        )
+        retire_only = not collect and cfg.experience_replay and cfg.retire_solved and cfg.retire_before_start
         outcomes: Dict[str, int] = {}
         if collect or retire_only:
             by_group: Dict[int, List[Trajectory]] = {}

@@ -4,6 +4,7 @@ Token ids in, token ids and behaviour log-probs out: that is all vLLM and HF hav
 common, and all the algorithm needs. Prompts are rendered and tokenised by the env runner,
 so a backend never sees text.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,9 +43,7 @@ class Completion:
 
 
 class GenerationBackend(Protocol):
-    def generate(
-        self, prompts: Sequence[Sequence[int]], num_samples: Sequence[int], params: SamplingParams
-    ) -> List[List[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], num_samples: Sequence[int], params: SamplingParams) -> List[List[Completion]]:
         """Sample ``num_samples[i]`` completions of ``prompts[i]`` (token ids).
 
         Returns one list of completions per prompt, in prompt order.

@@ -11,6 +11,7 @@ to do. Behaviour log-probs come from one scoring forward pass over prompt + comp
 with the same function the learner uses, so that at the first epoch the importance ratio
 is exactly 1 (verl recomputes ``old_log_prob`` for the same reason).
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,12 +31,18 @@ logger = logging.getLogger(__name__)
 
 class HFGenerationBackend:
     """Sample with ``model.generate`` in chunks of at most ``batch_size`` sequences."""
+
     #: Largest raw-logits tensor (bytes) kept to take log-probs from generation itself;
     #: beyond it (a big vocabulary x long completions) the completions are re-scored.
     MAX_GENERATION_LOGITS_BYTES = 1 << 30
 
     def __init__(
-        self, model, *, pad_token_id: int, batch_size: int = 256, logprobs_from_generation: bool = False,
+        self,
+        model,
+        *,
+        pad_token_id: int,
+        batch_size: int = 256,
+        logprobs_from_generation: bool = False,
         decoder: str = "pruned",
     ):
         if decoder not in HF_DECODERS:
@@ -53,9 +60,7 @@ class HFGenerationBackend:
         self.logprobs_from_generation = logprobs_from_generation
 
     @torch.no_grad()
-    def generate(
-        self, prompts: Sequence[Sequence[int]], num_samples: Sequence[int], params: SamplingParams
-    ) -> List[List[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], num_samples: Sequence[int], params: SamplingParams) -> List[List[Completion]]:
         flat = [(i, prompts[i]) for i, n in enumerate(num_samples) for _ in range(n)]
         # Sorting by prompt length keeps padding (wasted compute) small within a chunk.
         order = sorted(range(len(flat)), key=lambda j: len(flat[j][1]))
@@ -110,8 +115,10 @@ class HFGenerationBackend:
         self.model.generation_config = self.generation_config(params)
         try:
             return self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask,
-                generation_config=self.model.generation_config, **extra,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=self.model.generation_config,
+                **extra,
             )
         finally:
             self.model.generation_config = own
@@ -139,15 +146,15 @@ class HFGenerationBackend:
                 if self.logprobs_from_generation:
                     logps = gen_logps
                 else:
-                    logps, _ = self.score(
-                        prompt_rows, token_rows, temperature=params.temperature or 1.0, with_entropy=False
-                    )
+                    logps, _ = self.score(prompt_rows, token_rows, temperature=params.temperature or 1.0, with_entropy=False)
             return [
                 Completion(prompt_index=i, token_ids=t, logp=lp, finish_reason=r)
                 for (i, _), t, lp, r in zip(items, token_rows, logps, reasons)
             ]
-        from_generation = params.return_logprobs and self.logprobs_from_generation and (
-            len(items) * params.max_new_tokens * self.model.config.vocab_size * 4 <= self.MAX_GENERATION_LOGITS_BYTES
+        from_generation = (
+            params.return_logprobs
+            and self.logprobs_from_generation
+            and (len(items) * params.max_new_tokens * self.model.config.vocab_size * 4 <= self.MAX_GENERATION_LOGITS_BYTES)
         )
         extra = dict(output_logits=True, return_dict_in_generate=True) if from_generation else {}
         out = self.generate_raw(input_ids.to(device), attention_mask.to(device), params, **extra)
@@ -164,12 +171,9 @@ class HFGenerationBackend:
         if from_generation:
             logps = _sampled_logprobs(out.logits, sequences[:, input_ids.shape[1] :], token_rows, params.temperature or 1.0)
         elif params.return_logprobs:
-            logps, _ = self.score(
-                prompt_rows, token_rows, temperature=params.temperature or 1.0, with_entropy=False
-            )
+            logps, _ = self.score(prompt_rows, token_rows, temperature=params.temperature or 1.0, with_entropy=False)
         return [
-            Completion(prompt_index=i, token_ids=t, logp=lp, finish_reason=r)
-            for (i, _), t, lp, r in zip(items, token_rows, logps, reasons)
+            Completion(prompt_index=i, token_ids=t, logp=lp, finish_reason=r) for (i, _), t, lp, r in zip(items, token_rows, logps, reasons)
         ]
 
     @torch.no_grad()
@@ -188,8 +192,12 @@ class HFGenerationBackend:
             p, c = [prompts[i] for i in rows], [completions[i] for i in rows]
             ids, mask, resp_mask = prompt_completion_batch(p, c, self.pad_token_id)
             logp, ent = completion_logprobs_and_entropy(
-                self.model, ids.to(device), mask.to(device), resp_mask.shape[1],
-                temperature=temperature, with_entropy=with_entropy,
+                self.model,
+                ids.to(device),
+                mask.to(device),
+                resp_mask.shape[1],
+                temperature=temperature,
+                with_entropy=with_entropy,
             )
             logp = logp.float().cpu().numpy()
             ent = ent.float().cpu().numpy() if ent is not None else None
@@ -272,8 +280,9 @@ def pruned_decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
             cache.batch_select_indices(keep)
         mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=mask.dtype, device=device)], 1)
         position = position + 1
-        out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask, position_ids=position.unsqueeze(-1),
-                    use_cache=True, **{cache_kw: cache})
+        out = model(
+            input_ids=nxt.unsqueeze(-1), attention_mask=mask, position_ids=position.unsqueeze(-1), use_cache=True, **{cache_kw: cache}
+        )
     tokens, logps, lengths, stopped = tokens.cpu().numpy(), logps.cpu().numpy(), lengths.cpu().numpy(), stopped.cpu().numpy()
     token_rows = [tokens[i, : lengths[i]].astype(np.int32) for i in range(n)]
     logp_rows = [logps[i, : lengths[i]].copy() for i in range(n)]
@@ -307,11 +316,9 @@ def _token_picker(params: SamplingParams):
 def _prefill(model, input_ids: torch.Tensor, mask: torch.Tensor):
     """The prompt pass (logits of the last position only) and its KV cache, refused when
     the cache's layers hold more than keys and values (rows could not be dropped from it)."""
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                use_cache=True, logits_to_keep=1)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=True, logits_to_keep=1)
     cache = getattr(out, "cache", None) or out.past_key_values
-    unsupported = [type(layer).__name__ for layer in getattr(cache, "layers", ())
-                   if type(layer).__name__ not in PRUNABLE_CACHE_LAYERS]
+    unsupported = [type(layer).__name__ for layer in getattr(cache, "layers", ()) if type(layer).__name__ not in PRUNABLE_CACHE_LAYERS]
     if unsupported:
         raise NotImplementedError(f"pruned_decode: cache layers {sorted(set(unsupported))} carry more than keys/values")
     return out, cache

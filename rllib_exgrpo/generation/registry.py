@@ -15,6 +15,7 @@ use::
 The factories import their backend when called, so naming a backend that needs vLLM does
 not import vLLM anywhere else.
 """
+
 from __future__ import annotations
 
 from rllib_exgrpo.core.registry import Registry

@@ -5,6 +5,7 @@ embedded model's warm-start evaluation all call :func:`sample_and_score`, so the
 the prompt truncation rule, the stop-token rule (:func:`stop_token_ids`), the decoding of
 completions and the verifier.
 """
+
 from __future__ import annotations
 
 import time

@@ -172,6 +172,7 @@ at T = 1 and 0.7 (with top_p = 0.8 they are off by ~0.2, the log of the nucleus 
 the rescoring). The GPU wheel (``pip install -e .[vllm]``) runs the same code but has not
 been exercised on a GPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -380,8 +381,7 @@ def check_vllm_api() -> None:
     problems = vllm_api_problems()
     if problems:
         raise RuntimeError(
-            f"vLLM {vllm.__version__} lacks calls this backend makes (supported: "
-            f"vllm{SUPPORTED_VLLM}): " + "; ".join(problems)
+            f"vLLM {vllm.__version__} lacks calls this backend makes (supported: vllm{SUPPORTED_VLLM}): " + "; ".join(problems)
         )
     _api_checked = True
 
@@ -498,9 +498,7 @@ def vllm_logprobs_match_learner(logprobs_mode: str, params: SamplingParams) -> b
     return False
 
 
-def hf_weight_names(
-    state_dict: Dict[str, Any], model_names: Iterable[str]
-) -> List[Tuple[str, str]]:
+def hf_weight_names(state_dict: Dict[str, Any], model_names: Iterable[str]) -> List[Tuple[str, str]]:
     """``(state-dict key, HF name)`` pairs of the entries that are the HF model's.
 
     ``state_dict`` is an RLModule state (``model.<hf name>``, plus e.g. a value head) or a
@@ -512,8 +510,8 @@ def hf_weight_names(
     names = set(model_names)
     pairs = []
     for key in state_dict:
-        if key.startswith(MODULE_PREFIX) and key[len(MODULE_PREFIX):] in names:
-            pairs.append((key, key[len(MODULE_PREFIX):]))
+        if key.startswith(MODULE_PREFIX) and key[len(MODULE_PREFIX) :] in names:
+            pairs.append((key, key[len(MODULE_PREFIX) :]))
         elif key in names:
             pairs.append((key, key))
     return pairs
@@ -581,9 +579,9 @@ _NOT_LOADED = "%s: Failed to load weights"
 class _RotaryNotLoaded(logging.Filter):
     """Drops :data:`_NOT_LOADED` for rotary-embedding layers only (any other layer that gets
     no weight is still reported)."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == _NOT_LOADED and record.args
-                    and str(record.args[0]).endswith("RotaryEmbedding"))
+        return not (record.msg == _NOT_LOADED and record.args and str(record.args[0]).endswith("RotaryEmbedding"))
 
 
 @contextlib.contextmanager
@@ -635,6 +633,7 @@ class WeightSyncWorkerExtension:
       in its host memory, and then loads them all in one reload, each bucket decoded as the
       reload reaches it and dropped after.
     """
+
     def rllib_exgrpo_load_weights(self, weights) -> int:
         if isinstance(weights, (bytes, bytearray, memoryview)):
             weights = pairs_from_bytes(weights)
@@ -683,7 +682,8 @@ def _completion(i: int, sample, stops: set, engine_logps: bool, *, copy: bool) -
     engine_lp = None
     if engine_logps:
         engine_lp = np.asarray(
-            [_sampled_logprob(entry, int(t)) for entry, t in zip(sample.logprobs, ids)], dtype=np.float32,
+            [_sampled_logprob(entry, int(t)) for entry, t in zip(sample.logprobs, ids)],
+            dtype=np.float32,
         )
     return Completion(
         prompt_index=i,
@@ -700,6 +700,7 @@ class VLLMGenerationBackend:
     ``config`` is an ``ExGRPOConfig`` or the env runner's ``RunnerSettings`` (which carries
     the runner's settings of any RLlib config): it is read as ``config.<field>``.
     """
+
     def __init__(self, config, module, tokenizer, *, seed_offset: Optional[int] = None):
         self.config = config
         self.module = module
@@ -732,14 +733,16 @@ class VLLMGenerationBackend:
         if self.module is not None:
             model_config = getattr(self.module.model, "config", None)
         else:
-
             model_config = model_config_of(cfg.model_name_or_path)
         model_max = getattr(model_config, "max_position_embeddings", None)
         if model_max and max_len > int(model_max):
             logger.warning(
                 "vLLM: max_prompt_tokens + max_response_tokens = %d exceeds the model's "
                 "max_position_embeddings (%d); using max_model_len=%d (override with "
-                "vllm_kwargs={'max_model_len': ...})", max_len, model_max, model_max,
+                "vllm_kwargs={'max_model_len': ...})",
+                max_len,
+                model_max,
+                model_max,
             )
             max_len = int(model_max)
         kwargs: Dict[str, Any] = dict(
@@ -807,9 +810,7 @@ class VLLMGenerationBackend:
         return {key: lora.resolve(value).detach() for key, value in inference().items()}
 
     # ---- GenerationBackend -----------------------------------------------------------
-    def generate(
-        self, prompts: Sequence[Sequence[int]], num_samples: Sequence[int], params: SamplingParams
-    ) -> List[List[Completion]]:
+    def generate(self, prompts: Sequence[Sequence[int]], num_samples: Sequence[int], params: SamplingParams) -> List[List[Completion]]:
         """One vLLM request per prompt (``n`` samples each); per output the token ids cut at
         the first stop token, the finish reason and the behaviour log-probs (the engine's,
         or the torch module's score of the completion)."""
@@ -856,7 +857,9 @@ class VLLMGenerationBackend:
             logger.info(
                 "vLLM log-probs (logprobs_mode=%s) are not the learner's at temperature=%s, "
                 "top_p=%s: scoring completions with the torch module instead",
-                self.logprobs_mode, params.temperature, params.top_p,
+                self.logprobs_mode,
+                params.temperature,
+                params.top_p,
             )
             self._warned_rescoring = True
         return engine_logps, use_vllm_logps
@@ -881,7 +884,9 @@ class VLLMGenerationBackend:
             if max_tokens < params.max_new_tokens and not self._warned_clamp:
                 logger.warning(
                     "vLLM: max_new_tokens=%d clamped to %d by max_model_len=%d",
-                    params.max_new_tokens, max_tokens, self.max_model_len,
+                    params.max_new_tokens,
+                    max_tokens,
+                    self.max_model_len,
                 )
                 self._warned_clamp = True
             requests.append({"prompt_token_ids": prompt})
@@ -893,11 +898,8 @@ class VLLMGenerationBackend:
     def scorer(self):
         """The HF scoring path over the runner's torch module (same weights as vLLM)."""
         if self.module is None:
-            raise RuntimeError(
-                "this vLLM env runner holds no torch module (scoring_on: learners): the learners score"
-            )
+            raise RuntimeError("this vLLM env runner holds no torch module (scoring_on: learners): the learners score")
         if self._scorer is None:
-
             pad = self.tokenizer.pad_token_id
             if pad is None:
                 pad = self.tokenizer.eos_token_id
@@ -929,10 +931,7 @@ class VLLMGenerationBackend:
             self._ensure_llm()  # no module: the engine is built with the first weights
         pairs = hf_weight_names(state_dict, self._hf_names())
         if not pairs:
-            raise ValueError(
-                "load_weights: no entry of the state dict is a parameter of the model "
-                f"(keys like {list(state_dict)[:3]})"
-            )
+            raise ValueError(f"load_weights: no entry of the state dict is a parameter of the model (keys like {list(state_dict)[:3]})")
 
         named = {name: as_tensor(state_dict[key]) for key, name in pairs}
         self.push_weight_buckets(layer_buckets(named))
@@ -1025,7 +1024,6 @@ class VLLMGenerationBackend:
         if self.module is not None and getattr(self.module, "lora_model", None) is None:
             return list(self.module.model.state_dict().keys())
         if self._model_names is None:  # no module, or a LoRA learner's (peft's names): the plain ones
-
             self._model_names = parameter_names(self.config.model_name_or_path)
         return self._model_names
 
@@ -1041,6 +1039,7 @@ class VLLMGenerationBackend:
 
 class _Counter:
     """An iterable that counts the items it hands out."""
+
     def __init__(self, items):
         self.items, self.count = items, 0
 

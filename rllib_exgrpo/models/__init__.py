@@ -10,6 +10,7 @@
 :func:`resolve_model_path` turns such a name into a local folder; anything else (a hub name
 or a path) is passed through unchanged.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -41,9 +42,19 @@ __all__ = [
     "tiny_recipe",
 ]
 
-_TINY_KEYS = {"seed": int, "target_pass1": float, "max_steps": int, "levels": None, "threads": int,
-              "icl": float, "task": str, "known": int, "tags": str,
-              "boxed": float, "continue": int}
+_TINY_KEYS = {
+    "seed": int,
+    "target_pass1": float,
+    "max_steps": int,
+    "levels": None,
+    "threads": int,
+    "icl": float,
+    "task": str,
+    "known": int,
+    "tags": str,
+    "boxed": float,
+    "continue": int,
+}
 #: ``tags=`` values: how the operators task's family tags are tokenized.
 _TAG_MODES = {"digits": False, "token": True}
 
@@ -68,9 +79,7 @@ def parse_tiny_spec(spec: str) -> dict[str, Any]:
         key, sep, value = part.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or key not in _TINY_KEYS:
-            raise ValueError(
-                f"bad tiny model option {part!r} in {spec!r}; expected key=value with key in {sorted(_TINY_KEYS)}"
-            )
+            raise ValueError(f"bad tiny model option {part!r} in {spec!r}; expected key=value with key in {sorted(_TINY_KEYS)}")
         if key == "threads":  # torch threads of the build (part of the recipe)
             out.setdefault("overrides", {}).setdefault("train", {})["num_threads"] = int(value)
         elif key == "icl":

@@ -4,6 +4,7 @@ The root is ``cache_dir`` / ``$RLLIB_EXGRPO_CACHE`` / ``~/.cache/rllib_exgrpo``.
 a temporary folder that is renamed into place atomically, under a file lock (``filelock``),
 so concurrent callers (several Ray actors) wait for one build instead of racing.
 """
+
 from __future__ import annotations
 
 import os

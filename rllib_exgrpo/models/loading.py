@@ -1,4 +1,5 @@
 """Loading a policy network: any Hugging Face causal LM, or the embedded ones by name."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,16 +30,13 @@ def load_causal_lm(model_config: Dict[str, Any]):
     """
     from transformers import AutoModelForCausalLM
 
-
-
     path = resolve_model_path(model_config["model"])
     kwargs = {"dtype": resolve_dtype(model_config.get("dtype", "float32"))}
     # "auto" is resolved here, in the process that runs the model: a learner on a GPU and
     # an env runner on a CPU may get different kernels.
     register_kernels()
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    kwargs["attn_implementation"] = resolve_attn_implementation(
-        model_config.get("attn_implementation") or "auto", device_type)
+    kwargs["attn_implementation"] = resolve_attn_implementation(model_config.get("attn_implementation") or "auto", device_type)
     with no_progress_bars():  # a bar per load would be a log line per actor
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if model_config.get("gradient_checkpointing"):
@@ -54,7 +52,6 @@ def load_tokenizer(model: str):
     """The tokenizer that belongs to the policy ``model`` (resolved like the module)."""
     from transformers import AutoTokenizer
 
-
     tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -64,7 +61,6 @@ def load_tokenizer(model: str):
 def model_config_of(model: str):
     """The HF config of the policy ``model`` (no weights loaded)."""
     from transformers import AutoConfig
-
 
     return AutoConfig.from_pretrained(resolve_model_path(model))
 
@@ -76,7 +72,6 @@ def generation_config_holder(model: str):
     import types
 
     from transformers import GenerationConfig
-
 
     path = resolve_model_path(model)
     try:

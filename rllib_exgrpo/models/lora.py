@@ -12,6 +12,7 @@ The samplers (env runners, vLLM) run the plain model. What they get is the merge
 new tensor (peft's ``get_delta_weight``): the learner's ``W`` is never merged and unmerged in
 place, so it does not drift by rounding over many syncs.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Union

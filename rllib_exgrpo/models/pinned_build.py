@@ -29,6 +29,7 @@ A CPU without AVX2 (or an ARM one) cannot run those kernels: the build still wor
 bits differ, and the report says so (``cpu_capability`` in ``warm_start.json``) with a
 warning.
 """
+
 from __future__ import annotations
 
 import json
@@ -85,7 +86,4 @@ def build_in_pinned_process(folder: Path, recipe: dict, progress: bool) -> None:
         cmd.append("--progress")
     proc = subprocess.run(cmd, input=json.dumps(recipe), text=True, env=pinned_environment())
     if proc.returncode != 0:
-        raise RuntimeError(
-            f"the tiny model build failed in its child process (exit code {proc.returncode}; "
-            "its error is printed above)"
-        )
+        raise RuntimeError(f"the tiny model build failed in its child process (exit code {proc.returncode}; its error is printed above)")

@@ -41,6 +41,7 @@ The options beyond seed, target, levels and length:
 
 An option left at its default adds nothing to the recipe, so every existing key stays.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -147,7 +148,6 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
-
 def tiny_recipe(
     *,
     seed: int = 0,
@@ -169,31 +169,44 @@ def tiny_recipe(
     ``max_steps``; ``levels`` are the arithmetic levels trained and evaluated on. The other
     options are described in this module's docstring.
     """
-    _check_options(target_pass1=target_pass1, max_steps=max_steps, icl_fraction=icl_fraction, task=task,
-                   boxed_fraction=boxed_fraction, continue_steps=continue_steps,
-                   known_families=known_families, tag_tokens=tag_tokens)
+    _check_options(
+        target_pass1=target_pass1,
+        max_steps=max_steps,
+        icl_fraction=icl_fraction,
+        task=task,
+        boxed_fraction=boxed_fraction,
+        continue_steps=continue_steps,
+        known_families=known_families,
+        tag_tokens=tag_tokens,
+    )
     if task == "operators" and tuple(levels) == (1, 2, 3, 4):
         levels = (1, 2, 3)  # the arithmetic default: chain lengths 1-3 instead
     levels = tuple(int(lv) for lv in levels)
     recipe = _base_recipe(seed, target_pass1, levels, max_steps, overrides)
     if icl_fraction > 0:
-        recipe["icl"] = {"fraction": float(icl_fraction), "num_examples": ICL_NUM_EXAMPLES,
-                         "template": ICL_TEMPLATE}
+        recipe["icl"] = {"fraction": float(icl_fraction), "num_examples": ICL_NUM_EXAMPLES, "template": ICL_TEMPLATE}
     if task == "operators":
         _add_operators_task(recipe, known_families, tag_tokens, overrides)
     if boxed_fraction < 1.0:  # absent unless used, so every other model's key is unchanged
         recipe["answer_format"] = {**ANSWER_FORMAT, "boxed_fraction": float(boxed_fraction)}
     if continue_steps:  # absent unless used
-        base = tiny_recipe(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
-                           overrides=overrides, task=task, known_families=known_families,
-                           tag_tokens=tag_tokens, boxed_fraction=boxed_fraction)
+        base = tiny_recipe(
+            seed=seed,
+            target_pass1=target_pass1,
+            levels=levels,
+            max_steps=max_steps,
+            overrides=overrides,
+            task=task,
+            known_families=known_families,
+            tag_tokens=tag_tokens,
+            boxed_fraction=boxed_fraction,
+        )
         recipe["continue"] = {"from": f"tiny-{recipe_key(base)}", "steps": int(continue_steps)}
     recipe["data_fingerprint"] = _data_fingerprint(recipe)
     return recipe
 
 
-def _check_options(*, target_pass1, max_steps, icl_fraction, task, boxed_fraction, continue_steps,
-                   known_families, tag_tokens) -> None:
+def _check_options(*, target_pass1, max_steps, icl_fraction, task, boxed_fraction, continue_steps, known_families, tag_tokens) -> None:
     """Raise ``ValueError`` naming the first option of :func:`tiny_recipe` out of range."""
     if not 0.0 < target_pass1 <= 1.0:
         raise ValueError(f"target_pass1 must be in (0, 1], got {target_pass1}")
@@ -250,16 +263,13 @@ def _add_operators_task(recipe: dict, known_families: int, tag_tokens: bool, ove
     if tag_tokens:  # the same: absent unless used
         recipe["task"]["tag_tokens"] = True
     for section, values in OPERATORS_TASK_DEFAULTS.items():
-        recipe[section].update({k: v for k, v in values.items()
-                                if k not in (overrides or {}).get(section, {})})
+        recipe[section].update({k: v for k, v in values.items() if k not in (overrides or {}).get(section, {})})
 
 
 def _data_fingerprint(recipe: dict) -> str:
     """Fingerprint of the data the build would see: a change in the generator rebuilds."""
     sample = task_problems(recipe, "train", 16) + task_problems(recipe, "test", 4)
-    return hashlib.sha256(
-        "\n".join(f"{p.question}|{p.solution}|{p.ground_truth}" for p in sample).encode()
-    ).hexdigest()[:16]
+    return hashlib.sha256("\n".join(f"{p.question}|{p.solution}|{p.ground_truth}" for p in sample).encode()).hexdigest()[:16]
 
 
 def task_problems(recipe: dict, split: str, n: int) -> list:
@@ -268,7 +278,6 @@ def task_problems(recipe: dict, split: str, n: int) -> list:
     seed = recipe["seed"] if split == "train" else recipe["eval"]["eval_seed"]
     task = recipe.get("task")
     if task is None:
-
         return arithmetic.generate(n, split=split, seed=seed, levels=tuple(recipe["levels"]))
 
     families = task["families"] + (task.get("known_families", 0) if split == "train" else 0)

@@ -18,6 +18,7 @@ its trained byte-level BPE keeps its ids, and the vocabulary is filled up to the
 size with tokens ``<r{id}>`` that no merge produces (encoding never yields them; a random
 model samples them, and they decode to their text).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,13 @@ VERSION = 2
 #: size in {32, 64, ...}; 2 key/value heads for 4 query heads keep grouped-query attention,
 #: which every shipped recipe's model uses.
 TINY_WIDTH: Dict[str, Any] = dict(
-    hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-    intermediate_size=256, max_position_embeddings=2048,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,
+    max_position_embeddings=2048,
 )
 
 #: Architecture family of model names that are known without reading their config:
@@ -80,15 +86,14 @@ def architecture_family(model: str) -> tuple[str, str]:
 
 def rehearsal_spec(family: str, vocab_size: Optional[int] = None, tied: Optional[bool] = None) -> str:
     """``"rehearsal:<family>"`` plus the vocabulary and tying to keep, where known."""
-    options = ([f"vocab={int(vocab_size)}"] if vocab_size else []) + \
-        (["tied" if tied else "untied"] if tied is not None else [])
+    options = ([f"vocab={int(vocab_size)}"] if vocab_size else []) + (["tied" if tied else "untied"] if tied is not None else [])
     return PREFIX + family + (":" + ",".join(options) if options else "")
 
 
 def parse_rehearsal_spec(spec: str) -> Tuple[str, Optional[int], Optional[bool]]:
     """``(family, vocab_size or None, tied or None)`` of a rehearsal spec (None: the tiny
     tokenizer's vocabulary, untied)."""
-    family, _, options = spec[len(PREFIX):].strip().partition(":")
+    family, _, options = spec[len(PREFIX) :].strip().partition(":")
     vocab, tied = None, None
     for option in filter(None, (o.strip() for o in options.split(","))):
         if option in ("tied", "untied"):
@@ -96,8 +101,7 @@ def parse_rehearsal_spec(spec: str) -> Tuple[str, Optional[int], Optional[bool]]
         elif option.startswith("vocab=") and option[6:].isdigit() and int(option[6:]) > 0:
             vocab = int(option[6:])
         else:
-            raise ValueError(f"bad rehearsal model spec {spec!r}: unknown option {option!r} (expected vocab=<n>, "
-                             "tied or untied)")
+            raise ValueError(f"bad rehearsal model spec {spec!r}: unknown option {option!r} (expected vocab=<n>, tied or untied)")
     if not family:
         raise ValueError(f"bad rehearsal model spec {spec!r}: expected 'rehearsal:<model_type>', e.g. rehearsal:qwen2")
     return family, vocab, tied
@@ -141,7 +145,6 @@ def _build_into(folder: Path, model_type: str, vocab_size: Optional[int] = None,
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-
     recipe = tiny_recipe()
     texts = corpus_texts(arithmetic.generate(2000, split="train", seed=0), recipe["instruction"])
     tokenizer = train_tokenizer(texts, **recipe["tokenizer"])
@@ -150,16 +153,23 @@ def _build_into(folder: Path, model_type: str, vocab_size: Optional[int] = None,
     tokenizer.save_pretrained(str(folder))
     try:
         config = AutoConfig.for_model(
-            model_type, vocab_size=max(vocab_size or 0, len(tokenizer)), bos_token_id=None,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied,
-            use_cache=True, **TINY_WIDTH,
+            model_type,
+            vocab_size=max(vocab_size or 0, len(tokenizer)),
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=tied,
+            use_cache=True,
+            **TINY_WIDTH,
         )
     except ValueError as e:
         raise ValueError(f"rehearsal model: transformers knows no architecture {model_type!r} ({e})") from None
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
     )
     model.save_pretrained(str(folder), safe_serialization=True)
     # The folder's config decides how AutoTokenizer rebuilds the tokenizer: check the ids.
@@ -171,7 +181,8 @@ def _build_into(folder: Path, model_type: str, vocab_size: Optional[int] = None,
         "vocab_size": config.vocab_size,
         "tie_word_embeddings": tied,
         "tokenizer": f"the tiny model's BPE ({len(tokenizer)} ids, filled with <r{{id}}> tokens no merge makes)"
-        if vocab_size else f"the tiny model's BPE ({len(tokenizer)} ids)",
+        if vocab_size
+        else f"the tiny model's BPE ({len(tokenizer)} ids)",
         "weights": "random (torch.manual_seed(0)), never trained",
     }
     with open(folder / MARKER, "w", encoding="utf-8") as fh:

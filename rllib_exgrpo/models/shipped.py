@@ -26,6 +26,7 @@ Building instead of taking the shipped folder:
   command is a module of its own: it imports ``tiny``, which imports this module, and this
   module must not import it back.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -82,8 +83,7 @@ SHIPPED: dict[str, dict[str, str]] = {
 
 #: Files whose bits a rebuild reproduces (``warm_start.json`` holds wall times and
 #: ``config.json`` the transformers version; ``rebuild`` compares their content instead).
-REPRODUCIBLE_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                      "chat_template.jinja", "generation_config.json")
+REPRODUCIBLE_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 class ShippedModelMismatch(RuntimeError):
@@ -121,8 +121,9 @@ def verify(folder: Path, name: str) -> None:
     found = file_digests(folder)
     problems = [f"{f} missing" for f in sorted(set(record) - set(found))]
     problems += [f"{f} not in the record" for f in sorted(set(found) - set(record))]
-    problems += [f"{f} sha256 {found[f][:12]}... != recorded {record[f][:12]}..."
-                 for f in sorted(set(found) & set(record)) if found[f] != record[f]]
+    problems += [
+        f"{f} sha256 {found[f][:12]}... != recorded {record[f][:12]}..." for f in sorted(set(found) & set(record)) if found[f] != record[f]
+    ]
     if problems:
         raise ShippedModelMismatch(f"shipped model {name} in {folder}: " + "; ".join(problems))
 

@@ -1,6 +1,7 @@
 """``python -m rllib_exgrpo.models.shipped_cli check | rebuild | record FOLDER``: the shipped
 tiny model's command line (see ``shipped``). A module of its own because it imports ``tiny``,
 which imports ``shipped``."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,13 @@ from pathlib import Path
 from typing import Optional
 
 from rllib_exgrpo.models.shipped import (
-    REBUILD_ENV_VAR, REPRODUCIBLE_FILES, SHIPPED, file_digests, sha256_of, shipped_folder, verify,
+    REBUILD_ENV_VAR,
+    REPRODUCIBLE_FILES,
+    SHIPPED,
+    file_digests,
+    sha256_of,
+    shipped_folder,
+    verify,
 )
 from rllib_exgrpo.models.recipe import recipe_key, tiny_recipe
 
@@ -30,8 +37,10 @@ def _check(args) -> int:
         return 1
     verify(folder, name)
     size = sum(p.stat().st_size for p in folder.iterdir())
-    print(f"{name}: {len(SHIPPED[name])} files, {size / 1e6:.2f} MB, sha256 as recorded "
-          f"(model.safetensors {SHIPPED[name]['model.safetensors']})")
+    print(
+        f"{name}: {len(SHIPPED[name])} files, {size / 1e6:.2f} MB, sha256 as recorded "
+        f"(model.safetensors {SHIPPED[name]['model.safetensors']})"
+    )
     return 0
 
 
@@ -68,8 +77,10 @@ def _rebuild(args) -> int:
         c.pop("transformers_version", None)
     print(f"  config.json (transformers_version aside): {'same' if config[0] == config[1] else 'DIFFERENT'}")
     mine, theirs = read_warm_start(str(built)), read_warm_start(str(shipped))
-    print(f"  steps {mine['steps']} (shipped {theirs['steps']}), held-out pass@1 "
-          f"{mine['final_pass1']} (shipped {theirs['final_pass1']}), cpu kernels {mine['cpu_capability']}")
+    print(
+        f"  steps {mine['steps']} (shipped {theirs['steps']}), held-out pass@1 "
+        f"{mine['final_pass1']} (shipped {theirs['final_pass1']}), cpu kernels {mine['cpu_capability']}"
+    )
     print("the rebuilt weights equal the shipped ones" if same else "the rebuilt weights DIFFER from the shipped ones")
     return 0 if same else 1
 
@@ -81,8 +92,9 @@ def _record(args) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rllib_exgrpo.models.shipped_cli",
-                                     description="The tiny model shipped with the package.")
+    parser = argparse.ArgumentParser(
+        prog="python -m rllib_exgrpo.models.shipped_cli", description="The tiny model shipped with the package."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="verify the shipped files against their recorded sha256").set_defaults(func=_check)
     p = sub.add_parser("rebuild", help="build the default recipe from scratch (minutes) and compare it with the shipped files")

@@ -13,6 +13,7 @@ the package's ``__init__``.
 :func:`export_smollm2` converts it once into an ordinary HF folder (safetensors + tokenizer)
 in the project cache, so every other part of the project can treat it as a plain path.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -76,17 +77,14 @@ def locate_smollm2() -> tuple[str, str]:
             return d, ggufs[0]
     where = f" (looked in {dirs})" if dirs else ""
     raise SmolLM2NotAvailable(
-        f"SmolLM2 is not available: the '{DISTRIBUTION}' wheel with {GGUF_FILE} is not installed{where}. "
-        f"Install it with: {INSTALL_HINT}"
+        f"SmolLM2 is not available: the '{DISTRIBUTION}' wheel with {GGUF_FILE} is not installed{where}. Install it with: {INSTALL_HINT}"
     )
 
 
 def _require_gguf() -> None:
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
-        raise SmolLM2NotAvailable(
-            f"loading SmolLM2 from GGUF needs {', '.join(missing)}. Install with: {INSTALL_HINT}"
-        )
+        raise SmolLM2NotAvailable(f"loading SmolLM2 from GGUF needs {', '.join(missing)}. Install with: {INSTALL_HINT}")
 
 
 def load_smollm2(dtype: Any = None, *, with_timing: bool = False):
@@ -114,9 +112,7 @@ def load_smollm2(dtype: Any = None, *, with_timing: bool = False):
         kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
     except ImportError:  # pragma: no cover - older transformers always de-quantise
         pass
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=gguf_file, dtype=dtype, local_files_only=True, **kwargs
-    )
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype, local_files_only=True, **kwargs)
     _as_plain_model(model)
     model.eval()
     if tokenizer.pad_token_id is None:

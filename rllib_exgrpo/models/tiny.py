@@ -31,6 +31,7 @@ in a subfolder keyed by a hash of the whole recipe, built once under a file lock
 (``shipped``): a cache without it gets a verified copy in a second instead of a build
 (``RLLIB_EXGRPO_REBUILD_MODEL=1`` builds instead).
 """
+
 from __future__ import annotations
 
 import json
@@ -78,9 +79,17 @@ def build_tiny_model(
     build.
     """
     # what a continued build's base shares with it (everything but icl and continue)
-    base_args = dict(seed=seed, target_pass1=target_pass1, levels=levels, max_steps=max_steps,
-                     overrides=overrides, task=task, known_families=known_families,
-                     tag_tokens=tag_tokens, boxed_fraction=boxed_fraction)
+    base_args = dict(
+        seed=seed,
+        target_pass1=target_pass1,
+        levels=levels,
+        max_steps=max_steps,
+        overrides=overrides,
+        task=task,
+        known_families=known_families,
+        tag_tokens=tag_tokens,
+        boxed_fraction=boxed_fraction,
+    )
     recipe = tiny_recipe(**base_args, icl_fraction=icl_fraction, continue_steps=continue_steps)
     name = f"tiny-{recipe_key(recipe)}"
     if continue_steps:  # the base first, in the same cache root (the build reads it there)
@@ -88,8 +97,11 @@ def build_tiny_model(
     took_shipped: list[bool] = []
     folder = build_cached(cache_root(cache_dir), name, _builder(name, recipe, progress, took_shipped))
     if took_shipped:
-        print(f"rllib-exgrpo: tiny model {name}: copied the build shipped with the package "
-              f"(sha256 verified) to {folder} ({_REBUILD_HINT})", file=sys.stderr, flush=True)
+        print(
+            f"rllib-exgrpo: tiny model {name}: copied the build shipped with the package (sha256 verified) to {folder} ({_REBUILD_HINT})",
+            file=sys.stderr,
+            flush=True,
+        )
     return str(folder)
 
 
@@ -107,8 +119,7 @@ def _builder(name: str, recipe: dict, progress: bool, took_shipped: list):
                 took_shipped.append(True)
                 return
             except shipped.ShippedModelMismatch as exc:
-                warnings.warn(f"{exc}: building the model from its recipe instead (minutes)",
-                              RuntimeWarning, stacklevel=4)
+                warnings.warn(f"{exc}: building the model from its recipe instead (minutes)", RuntimeWarning, stacklevel=4)
                 for leftover in tmp.iterdir():
                     leftover.unlink()
         build_in_pinned_process(tmp, recipe, progress)

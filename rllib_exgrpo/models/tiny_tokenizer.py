@@ -10,6 +10,7 @@ ids on reload; :func:`check_tokenizer_stable` reloads a saved folder through
 are unchanged. Special tokens ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>``
 (eos) and a small ChatML chat template.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,6 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -94,14 +94,10 @@ def base_vocab() -> dict[str, int]:
 def corpus_texts(problems: Sequence[Any], instruction: str) -> list[str]:
     """The warm-start corpus: each rendered prompt followed by its solution and eos."""
     renderer = wrap_tokenizer(base_vocab(), [])  # chat template only; ids unused
-    return [
-        render_prompt(p.question, tokenizer=renderer, instruction=instruction) + p.solution + IM_END
-        for p in problems
-    ]
+    return [render_prompt(p.question, tokenizer=renderer, instruction=instruction) + p.solution + IM_END for p in problems]
 
 
-def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 512, min_frequency: int = 2,
-                    whole_words: Sequence[str] = ()):
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 512, min_frequency: int = 2, whole_words: Sequence[str] = ()):
     """Train the byte-level BPE on ``texts`` and wrap it as a ``Qwen2Tokenizer``.
 
     Special tokens are cut out of the texts before training (they are atomic). The vocab is
@@ -180,8 +176,5 @@ def check_tokenizer_stable(saved_tok, folder: str, sample_texts: Sequence[str]):
         if len(problems) > 8:
             break
     if problems:
-        raise RuntimeError(
-            f"the tiny tokenizer saved in {folder} changes when reloaded with AutoTokenizer: "
-            + "; ".join(problems)
-        )
+        raise RuntimeError(f"the tiny tokenizer saved in {folder} changes when reloaded with AutoTokenizer: " + "; ".join(problems))
     return reloaded

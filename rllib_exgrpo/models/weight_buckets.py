@@ -21,6 +21,7 @@ tensors under the plain model's names (a LoRA layer's base weight merged, adapte
 left out). The tensors ``read`` returns are only valid while the bucket is gathered: copy
 them inside it (or have the engine clone them as they go in: ``push_weight_buckets(copy=True)``).
 """
+
 from __future__ import annotations
 
 import re

@@ -14,6 +14,7 @@
 
 Nothing here imports RLlib, transformers or DeepSpeed at module level.
 """
+
 from rllib_exgrpo.planning.memory import (
     MemoryPlan,
     learner_activation_bytes,

@@ -17,6 +17,7 @@ an A100 or H100 80 GB (``torch.cuda.get_device_properties(0).total_memory``, the
 * a card name (:func:`card_by_name`: "H100", "A10", "L4", "RTX 4090", ... case and spaces as
   a user types them) -> that card.
 """
+
 from __future__ import annotations
 
 import re
@@ -54,11 +55,28 @@ class Card:
 #: L4 report 22.5 GiB, the RTX 4090 / 3090 a little more: the smallest counts); an A100 or H100
 #: 80 GB 79.2 GiB; an H200 (141 GB) 139.8 GiB.
 CARDS: Tuple[Card, ...] = (
-    Card("24 GB (A10, L4, RTX 4090 / 3090)", 24, 22.5,
-         ("A10", "A10G", "L4", "RTX 4090", "RTX 3090", "RTX 3090 TI", "24GB", "24 GB")),
-    Card("A100 / H100 80 GB", 80, 79.2,
-         ("A100", "A100-80GB", "A100 80GB", "A100-SXM4-80GB", "A100 80GB PCIE", "H100", "H100-80GB", "H100 80GB",
-          "H100 80GB HBM3", "H100 SXM", "H100 PCIE", "H800", "80GB", "80 GB")),
+    Card("24 GB (A10, L4, RTX 4090 / 3090)", 24, 22.5, ("A10", "A10G", "L4", "RTX 4090", "RTX 3090", "RTX 3090 TI", "24GB", "24 GB")),
+    Card(
+        "A100 / H100 80 GB",
+        80,
+        79.2,
+        (
+            "A100",
+            "A100-80GB",
+            "A100 80GB",
+            "A100-SXM4-80GB",
+            "A100 80GB PCIE",
+            "H100",
+            "H100-80GB",
+            "H100 80GB",
+            "H100 80GB HBM3",
+            "H100 SXM",
+            "H100 PCIE",
+            "H800",
+            "80GB",
+            "80 GB",
+        ),
+    ),
     Card("H200 141 GB", 141, 139.8, ("H200", "H200-141GB", "H200 141GB", "141GB", "141 GB")),
 )
 

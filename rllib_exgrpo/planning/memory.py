@@ -24,6 +24,7 @@ layer and keeps for the backward; a packed pass under a variable-length kernel
 autograd's saved tensors (``torch.autograd.graph.saved_tensors_hooks``) and the peaks off
 the allocator's own records (``torch.profiler`` memory events); see the doc.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,8 @@ from rllib_exgrpo.planning.cards import card_by_name, describe, usable_bytes
 GIB = float(1 << 30)
 
 #: DeepSpeed's defaults this project does not change (``deepspeed.runtime.zero.config``).
-DS_DEFAULT_BUCKET = 500_000_000      # reduce_bucket_size / allgather_bucket_size, elements
-DS_SUB_GROUP_SIZE = 1_000_000_000    # ZeRO-3 sub_group_size, elements
+DS_DEFAULT_BUCKET = 500_000_000  # reduce_bucket_size / allgather_bucket_size, elements
+DS_SUB_GROUP_SIZE = 1_000_000_000  # ZeRO-3 sub_group_size, elements
 #: vLLM's own default when ``vllm_kwargs`` has no ``gpu_memory_utilization``.
 VLLM_DEFAULT_UTILIZATION = 0.9
 #: Per GPU process, not counted by torch's allocator: CUDA context, cuBLAS / NCCL workspaces.
@@ -57,6 +58,7 @@ def usable_memory(total: int) -> int:
     (:func:`rllib_exgrpo.planning.cards.usable_bytes`: 79.2 GiB of an A100 / H100 80 GB, 22.5
     GiB of a 24 GB card, 139.8 GiB of an H200; 97% of a size the table does not know)."""
     return usable_bytes(total)
+
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -73,9 +75,17 @@ def _default_chunk() -> int:
 # ------------------------------------------------------------------ model states
 
 
-def model_state_bytes(shape: ModelShape, *, backend: str, zero_stage: int = 2, num_learners: int = 1,
-                      model_dtype: str = "bfloat16", ddp_bucket_view: bool = False,
-                      reduce_bucket_elements: Optional[int] = None, lora_parameters: int = 0) -> Dict[str, int]:
+def model_state_bytes(
+    shape: ModelShape,
+    *,
+    backend: str,
+    zero_stage: int = 2,
+    num_learners: int = 1,
+    model_dtype: str = "bfloat16",
+    ddp_bucket_view: bool = False,
+    reduce_bucket_elements: Optional[int] = None,
+    lora_parameters: int = 0,
+) -> Dict[str, int]:
     """Model states of one learner GPU, in bytes.
 
     ``backend="ddp"`` (this project's DDP learner): fp32 weights (a ``bfloat16`` /
@@ -100,8 +110,7 @@ def model_state_bytes(shape: ModelShape, *, backend: str, zero_stage: int = 2, n
     with fp32 master copies, partitioned as the stage says; the base sliced under ZeRO-3).
     """
     if lora_parameters:
-        return _lora_state_bytes(shape, int(lora_parameters), num_learners, model_dtype, ddp_bucket_view, backend,
-                                 zero_stage)
+        return _lora_state_bytes(shape, int(lora_parameters), num_learners, model_dtype, ddp_bucket_view, backend, zero_stage)
     p = int(shape.num_parameters)
     n = max(1, int(num_learners or 1))
     out = dict(weights=0, gradients=0, optimizer=0, buckets=0, gathered=0, autocast_copies=0, step_extra=0)
@@ -111,16 +120,14 @@ def model_state_bytes(shape: ModelShape, *, backend: str, zero_stage: int = 2, n
         out["optimizer"] = 8 * p
         out["buckets"] = 4 * p if (n >= 2 and not ddp_bucket_view) else 0
         if dtype_bytes(model_dtype) == 2:
-            out["autocast_copies"] = 2 * (shape.num_hidden_layers * shape.layer_linear_parameters
-                                          + shape.embedding_parameters)
+            out["autocast_copies"] = 2 * (shape.num_hidden_layers * shape.layer_linear_parameters + shape.embedding_parameters)
         out["step_extra"] = 4 * p  # foreach AdamW: one fp32 temporary of every moment
         comparable_fp32_grads = 0
     elif backend == "deepspeed":
         stage = int(zero_stage)
         if stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage!r}")
-        bucket = int(reduce_bucket_elements if reduce_bucket_elements is not None
-                     else min(DS_DEFAULT_BUCKET, max(p, 1_000_000)))
+        bucket = int(reduce_bucket_elements if reduce_bucket_elements is not None else min(DS_DEFAULT_BUCKET, max(p, 1_000_000)))
         local = p / n
         out["weights"] = int(2 * local) if stage == 3 else 2 * p
         out["gradients"] = 2 * p if stage == 1 else int(2 * local)
@@ -136,30 +143,40 @@ def model_state_bytes(shape: ModelShape, *, backend: str, zero_stage: int = 2, n
     resident = ("weights", "gradients", "optimizer", "buckets", "gathered", "autocast_copies")
     out["total"] = sum(out[k] for k in resident)
     out["step_total"] = out["total"] - out["autocast_copies"] + out["step_extra"]
-    out["deepspeed_comparable"] = (out["weights"] + out["gradients"] + out["optimizer"] + comparable_fp32_grads
-                                   + out["gathered"])
+    out["deepspeed_comparable"] = out["weights"] + out["gradients"] + out["optimizer"] + comparable_fp32_grads + out["gathered"]
     return {k: int(v) for k, v in out.items()}
 
 
-def _lora_state_bytes(shape: ModelShape, adapters: int, num_learners: int, model_dtype: str,
-                      ddp_bucket_view: bool, backend: str, zero_stage: int = 2) -> Dict[str, int]:
+def _lora_state_bytes(
+    shape: ModelShape, adapters: int, num_learners: int, model_dtype: str, ddp_bucket_view: bool, backend: str, zero_stage: int = 2
+) -> Dict[str, int]:
     """:func:`model_state_bytes` of a LoRA learner (see there)."""
     n = max(1, int(num_learners or 1))
     base = dtype_bytes(model_dtype) * int(shape.num_parameters)
     if backend == "deepspeed":  # colocated only (config validation)
         sliced = n if zero_stage == 3 else 1
-        out = dict(weights=(base + 2 * adapters) // sliced, gradients=2 * adapters // (n if zero_stage >= 2 else 1),
-                   optimizer=12 * adapters // n, buckets=0,
-                   gathered=2 * shape.vocab_size * shape.hidden_size if zero_stage == 3 else 0,
-                   autocast_copies=0, step_extra=4 * adapters // n)
+        out = dict(
+            weights=(base + 2 * adapters) // sliced,
+            gradients=2 * adapters // (n if zero_stage >= 2 else 1),
+            optimizer=12 * adapters // n,
+            buckets=0,
+            gathered=2 * shape.vocab_size * shape.hidden_size if zero_stage == 3 else 0,
+            autocast_copies=0,
+            step_extra=4 * adapters // n,
+        )
         out["total"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "gathered"))
         out["step_total"] = out["total"] + out["step_extra"]
         out["deepspeed_comparable"] = out["total"]
         return {k: int(v) for k, v in out.items()}
-    out = dict(weights=base + 4 * adapters,
-               gradients=4 * adapters, optimizer=8 * adapters,
-               buckets=4 * adapters if (n >= 2 and not ddp_bucket_view) else 0,
-               gathered=0, autocast_copies=0, step_extra=4 * adapters)
+    out = dict(
+        weights=base + 4 * adapters,
+        gradients=4 * adapters,
+        optimizer=8 * adapters,
+        buckets=4 * adapters if (n >= 2 and not ddp_bucket_view) else 0,
+        gathered=0,
+        autocast_copies=0,
+        step_extra=4 * adapters,
+    )
     out["total"] = sum(out[k] for k in ("weights", "gradients", "optimizer", "buckets"))
     out["step_total"] = out["total"] + out["step_extra"]
     out["deepspeed_comparable"] = out["weights"] + out["gradients"] + out["optimizer"]
@@ -202,8 +219,15 @@ def deepspeed_estimate_bytes(shape: ModelShape, *, zero_stage: int, num_learners
     if int(zero_stage) == 2:
         _, gpu = estimate(shape.num_parameters, num_gpus_per_node=int(num_learners), num_nodes=1, cpu_offload=False)
     else:
-        _, gpu, _ = estimate(shape.num_parameters, shape.largest_module_parameters, num_gpus_per_node=int(num_learners),
-                             num_nodes=1, cpu_offload=False, cpu_offload_params=False, zero_init=True)
+        _, gpu, _ = estimate(
+            shape.num_parameters,
+            shape.largest_module_parameters,
+            num_gpus_per_node=int(num_learners),
+            num_nodes=1,
+            cpu_offload=False,
+            cpu_offload_params=False,
+            zero_init=True,
+        )
     return int(gpu)
 
 
@@ -222,8 +246,7 @@ def _mode(dtype_bytes: int, autocast: bool) -> str:
 MASK_ALIGN = 8
 
 
-def masked_attention_bytes(shape: ModelShape, rows: int, q_len: int, kv_len: int, *,
-                           dtype_bytes: int = 2) -> Dict[str, int]:
+def masked_attention_bytes(shape: ModelShape, rows: int, q_len: int, kv_len: int, *, dtype_bytes: int = 2) -> Dict[str, int]:
     """What one decoder layer's masked attention call makes, in bytes (``core/attention.py``:
     ``sdpa_varlen`` on padded rows, :func:`~rllib_exgrpo.core.attention.masked_sdpa`;
     transformers' ``sdpa`` makes the same tensors, its boolean mask once per forward):
@@ -249,8 +272,7 @@ def masked_attention_bytes(shape: ModelShape, rows: int, q_len: int, kv_len: int
     padded = rows * q_len * (-(-kv_len // MASK_ALIGN) * MASK_ALIGN)
     grouped = shape.num_attention_heads != shape.num_key_value_heads
     repeated = 2 * rows * kv_len * shape.attention_width * b if grouped and q_len > 1 else 0
-    out = dict(boolean_mask=entries, building=2 * entries + q_len * kv_len, float_mask=padded * b,
-               repeated_kv=repeated)
+    out = dict(boolean_mask=entries, building=2 * entries + q_len * kv_len, float_mask=padded * b, repeated_kv=repeated)
     out["in_flight"] = out["boolean_mask"] + out["float_mask"] + out["repeated_kv"]
     return {k: int(v) for k, v in out.items()}
 
@@ -272,8 +294,7 @@ def layer_saved_bytes(shape: ModelShape, rows: int, tokens: int, mode: str, *, d
         fp32                    24h + 16ad + 16i + 4a + 8,   mask 4 S^2 per row
         autocast (DDP, bf16)    26h +  8ad +  8i + 4a + 8,   mask 2 S^2 per row
     """
-    h, ad, kd, i, a = (shape.hidden_size, shape.attention_width, shape.kv_width, shape.intermediate_size,
-                       shape.num_attention_heads)
+    h, ad, kd, i, a = (shape.hidden_size, shape.attention_width, shape.kv_width, shape.intermediate_size, shape.num_attention_heads)
     t = rows * tokens
     coef = {"half": (16, 4, 8, 2), "fp32": (24, 8, 16, 4), "autocast": (26, 4, 8, 2)}[mode]
     b = coef[3]
@@ -297,10 +318,18 @@ def logit_chunk_bytes(vocab: int, chunk: int, *, half: bool) -> int:
     return (2 + 4 + 4) * c * v if half else 3 * 4 * c * v
 
 
-def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, gradient_checkpointing: bool,
-                                 dtype_bytes: int = 2, response_tokens: Optional[int] = None,
-                                 autocast: bool = False, dense_mask: bool = True,
-                                 chunk_tokens: Optional[int] = None) -> Dict[str, int]:
+def learner_activation_breakdown(
+    shape: ModelShape,
+    rows: int,
+    tokens: int,
+    *,
+    gradient_checkpointing: bool,
+    dtype_bytes: int = 2,
+    response_tokens: Optional[int] = None,
+    autocast: bool = False,
+    dense_mask: bool = True,
+    chunk_tokens: Optional[int] = None,
+) -> Dict[str, int]:
     """The parts of :func:`learner_activation_bytes` (bytes): ``layers`` (saved by the
     decoder layers, or their inputs with checkpointing), ``outside`` (embedding ids, rotary
     tables, final norm, the scored positions' hidden states), ``logits`` (0: no logits
@@ -318,7 +347,8 @@ def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, g
     mode = _mode(dtype_bytes, autocast)
     t = rows * tokens
     layers, outside, per_layer = _saved_activation_bytes(
-        shape, rows, tokens, r, mode, gradient_checkpointing=gradient_checkpointing, dense_mask=dense_mask)
+        shape, rows, tokens, r, mode, gradient_checkpointing=gradient_checkpointing, dense_mask=dense_mask
+    )
     layer_bwd = _layer_backward_bytes(shape, t, mode, per_layer if gradient_checkpointing else 0)
     scored = rows * r  # positions whose logits are computed, a chunk at a time
     c = min(int(chunk_tokens), max(1, scored))
@@ -339,13 +369,23 @@ def learner_activation_breakdown(shape: ModelShape, rows: int, tokens: int, *, g
         "embedding_backward": embedding_bwd + 8 * t,
     }
     peak = max(peaks.values())
-    return dict(layers=int(layers), outside=int(outside), logits=int(logits), logit_chunks=int(logits_bwd),
-                chunk_tokens=int(c), layer_backward=int(layer_bwd), embedding_backward=int(embedding_bwd),
-                forward_end=int(saved), peak=int(peak), peak_phase=max(peaks, key=peaks.get))
+    return dict(
+        layers=int(layers),
+        outside=int(outside),
+        logits=int(logits),
+        logit_chunks=int(logits_bwd),
+        chunk_tokens=int(c),
+        layer_backward=int(layer_bwd),
+        embedding_backward=int(embedding_bwd),
+        forward_end=int(saved),
+        peak=int(peak),
+        peak_phase=max(peaks, key=peaks.get),
+    )
 
 
-def _saved_activation_bytes(shape: ModelShape, rows: int, tokens: int, r: int, mode: str, *,
-                            gradient_checkpointing: bool, dense_mask: bool) -> Tuple[int, int, int]:
+def _saved_activation_bytes(
+    shape: ModelShape, rows: int, tokens: int, r: int, mode: str, *, gradient_checkpointing: bool, dense_mask: bool
+) -> Tuple[int, int, int]:
     """``(layers, outside, per_layer)``: what the forward pass of ``rows x tokens`` (``r``
     scored positions per row) keeps for the backward, in the decoder layers and outside
     them, and what one layer saves (:func:`layer_saved_bytes`)."""
@@ -401,10 +441,18 @@ def _logit_chunk_phase_bytes(shape: ModelShape, scored: int, c: int, mode: str) 
     return max(chunk_peak + running, logit_grad + head_grad + running) + scored * h * compute
 
 
-def learner_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, gradient_checkpointing: bool,
-                             dtype_bytes: int = 2, response_tokens: Optional[int] = None,
-                             autocast: bool = False, dense_mask: bool = True,
-                             chunk_tokens: Optional[int] = None) -> int:
+def learner_activation_bytes(
+    shape: ModelShape,
+    rows: int,
+    tokens: int,
+    *,
+    gradient_checkpointing: bool,
+    dtype_bytes: int = 2,
+    response_tokens: Optional[int] = None,
+    autocast: bool = False,
+    dense_mask: bool = True,
+    chunk_tokens: Optional[int] = None,
+) -> int:
     """Peak activation + logits / log-prob buffers of one forward + backward pass of
     ``rows x tokens`` in this project's learner (``completion_logprobs_and_entropy`` with
     the entropy, then ``mixed_policy_loss``), beyond the model states.
@@ -416,15 +464,30 @@ def learner_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, gradi
     ``model_dtype: bfloat16``; autocast's bf16 weight copies are a model state, see
     :func:`model_state_bytes`).
     """
-    return learner_activation_breakdown(shape, rows, tokens, gradient_checkpointing=gradient_checkpointing,
-                                        dtype_bytes=dtype_bytes, response_tokens=response_tokens,
-                                        autocast=autocast, dense_mask=dense_mask,
-                                        chunk_tokens=chunk_tokens)["peak"]
+    return learner_activation_breakdown(
+        shape,
+        rows,
+        tokens,
+        gradient_checkpointing=gradient_checkpointing,
+        dtype_bytes=dtype_bytes,
+        response_tokens=response_tokens,
+        autocast=autocast,
+        dense_mask=dense_mask,
+        chunk_tokens=chunk_tokens,
+    )["peak"]
 
 
-def scoring_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, response_tokens: Optional[int] = None,
-                             dtype_bytes: int = 2, with_entropy: bool = True, dense_mask: bool = True,
-                             chunk_tokens: Optional[int] = None) -> int:
+def scoring_activation_bytes(
+    shape: ModelShape,
+    rows: int,
+    tokens: int,
+    *,
+    response_tokens: Optional[int] = None,
+    dtype_bytes: int = 2,
+    with_entropy: bool = True,
+    dense_mask: bool = True,
+    chunk_tokens: Optional[int] = None,
+) -> int:
     """Peak of one scoring pass without gradients (``torch.no_grad``) over ``rows x
     tokens``: an env runner's behaviour log-probs / lowest-entropy scoring of one
     ``generation_batch_size`` chunk, or the learner's frozen KL reference.
@@ -439,15 +502,20 @@ def scoring_activation_bytes(shape: ModelShape, rows: int, tokens: int, *, respo
     rows, tokens = int(rows), int(tokens)
     r = int(tokens if response_tokens is None else min(int(response_tokens), tokens))
     b = 2 if int(dtype_bytes) < 4 else 4
-    h, ad, kd, i, v, d = (shape.hidden_size, shape.attention_width, shape.kv_width, shape.intermediate_size,
-                          shape.vocab_size, shape.head_dim)
+    h, ad, kd, i, v, d = (
+        shape.hidden_size,
+        shape.attention_width,
+        shape.kv_width,
+        shape.intermediate_size,
+        shape.vocab_size,
+        shape.head_dim,
+    )
     t = rows * tokens
     masked = masked_attention_bytes(shape, rows, tokens, tokens, dtype_bytes=b) if dense_mask else None
     masks = masked["boolean_mask"] if masked else 0
     base = 8 * t + 2 * t * d * b + masks + t * h * b
     # q, k, v, the output; a padded pass's masked call: k and v repeated, SDPA's float mask
-    attention = base + 2 * t * h * b + t * b * (2 * ad + 2 * kd) + (
-        masked["repeated_kv"] + masked["float_mask"] if masked else 0)
+    attention = base + 2 * t * h * b + t * b * (2 * ad + 2 * kd) + (masked["repeated_kv"] + masked["float_mask"] if masked else 0)
     mlp = base + 3 * t * h * b + 3 * t * i * b
     norm = base + 2 * t * h * b + (2 * 4 * t * h if b == 2 else 0)
     chunk = min(_default_chunk() if chunk_tokens is None else int(chunk_tokens), max(1, rows * r))
@@ -479,14 +547,22 @@ _LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 def _lora_target_sizes(shape: ModelShape, target_modules: Any = "all-linear") -> List[int]:
     """Elements of each LoRA-targeted weight of one decoder layer."""
     h, ad, kd, i = shape.hidden_size, shape.attention_width, shape.kv_width, shape.intermediate_size
-    sizes = {"q_proj": h * ad, "k_proj": h * kd, "v_proj": h * kd, "o_proj": ad * h,
-             "gate_proj": h * i, "up_proj": h * i, "down_proj": i * h}
+    sizes = {
+        "q_proj": h * ad,
+        "k_proj": h * kd,
+        "v_proj": h * kd,
+        "o_proj": ad * h,
+        "gate_proj": h * i,
+        "up_proj": h * i,
+        "down_proj": i * h,
+    }
     names = _LORA_TARGETS if target_modules in (None, "all-linear") else [str(n) for n in target_modules]
     return [sizes[n] for n in names if n in sizes]
 
 
-def lora_merge_bytes(shape: ModelShape, *, target_modules: Any = "all-linear", base_bytes: int = 2,
-                     adapter_bytes: int = 4) -> Dict[str, int]:
+def lora_merge_bytes(
+    shape: ModelShape, *, target_modules: Any = "all-linear", base_bytes: int = 2, adapter_bytes: int = 4
+) -> Dict[str, int]:
     """What computing LoRA's merged weights ``W + (alpha / r) B A`` for a push holds
     (``models/lora.py``, ``MergedWeight``: the base weight cloned, peft's
     ``get_delta_weight``: ``B @ A``, then that times the scaling, both in the adapters'
@@ -503,8 +579,9 @@ def lora_merge_bytes(shape: ModelShape, *, target_modules: Any = "all-linear", b
     """
     sizes = _lora_target_sizes(shape, target_modules) or [0]
     largest = max(sizes)
-    return dict(temporaries=int(2 * adapter_bytes * largest), merged_layer=int(base_bytes * sum(sizes)),
-                one_weight=int(base_bytes * largest))
+    return dict(
+        temporaries=int(2 * adapter_bytes * largest), merged_layer=int(base_bytes * sum(sizes)), one_weight=int(base_bytes * largest)
+    )
 
 
 def weight_sync_bytes(shape: ModelShape, *, bucket_mb: float = DEFAULT_SYNC_BUCKET_MB, dtype_bytes: int = 2) -> int:
@@ -519,7 +596,7 @@ def weight_sync_bytes(shape: ModelShape, *, bucket_mb: float = DEFAULT_SYNC_BUCK
     holds a bucket's parameters gathered while it is sent, the same size."""
     b = int(dtype_bytes)
     model = int(shape.num_parameters) * b
-    bucket = max(1, int(float(bucket_mb) * 2 ** 20))
+    bucket = max(1, int(float(bucket_mb) * 2**20))
     return int(min(model, max(min(bucket, model), int(shape.largest_module_parameters) * b)))
 
 
@@ -557,28 +634,38 @@ def _learner_sync_items(plan: ActorPlan, config: Any, shape: ModelShape, b: int,
     bucket = weight_sync_bytes(shape, bucket_mb=bucket_mb, dtype_bytes=b)
     parts = []
     if backend == "nccl":
-        plan.items.insert(len(plan.items) - 1, Item(
-            "weight-sync NCCL buffers", NCCL_BUFFER_BYTES,
-            f"learner 0's NCCL buffers in the weight-sync group: {NCCL_CHANNELS} channels x {NCCL_RING_PEERS} ring "
-            f"peers x {NCCL_BYTES_PER_CONNECTION >> 20} MiB (assumed, NCCL's defaults)"))
+        plan.items.insert(
+            len(plan.items) - 1,
+            Item(
+                "weight-sync NCCL buffers",
+                NCCL_BUFFER_BYTES,
+                f"learner 0's NCCL buffers in the weight-sync group: {NCCL_CHANNELS} channels x {NCCL_RING_PEERS} ring "
+                f"peers x {NCCL_BYTES_PER_CONNECTION >> 20} MiB (assumed, NCCL's defaults)",
+            ),
+        )
         parts.append(("bucket buffer", bucket))
     if _zero3(config):
         parts.append(("gathered bucket (ZeRO-3)", bucket))
     if config.lora_rank:
-        merge = lora_merge_bytes(shape, target_modules=config.lora_target_modules, base_bytes=b,
-                                 adapter_bytes=_lora_adapter_bytes(config))
+        merge = lora_merge_bytes(shape, target_modules=config.lora_target_modules, base_bytes=b, adapter_bytes=_lora_adapter_bytes(config))
         parts.append(("LoRA merge of the largest weight", merge["one_weight"] + merge["temporaries"]))
     if not parts:
         return
     during = sum(n for _, n in parts)
     what = ", ".join(f"{w} {_gib(n)}" for w, n in parts)
     if during > after:
-        plan.items.insert(len(plan.items) - 1, Item(
-            "weight sync buffers", during - after,
-            f"after the update, beyond its freed activations: {what} (buckets of {bucket_mb:g} MiB)"))
+        plan.items.insert(
+            len(plan.items) - 1,
+            Item(
+                "weight sync buffers",
+                during - after,
+                f"after the update, beyond its freed activations: {what} (buckets of {bucket_mb:g} MiB)",
+            ),
+        )
     else:
-        plan.notes.append(f"weight sync ({backend}, buckets of {bucket_mb:g} MiB): {what}, after the update, "
-                          f"below the activations it frees")
+        plan.notes.append(
+            f"weight sync ({backend}, buckets of {bucket_mb:g} MiB): {what}, after the update, below the activations it frees"
+        )
 
 
 def _runner_sync_items(plan: ActorPlan, config: Any, shape: ModelShape, b: int) -> None:
@@ -589,13 +676,24 @@ def _runner_sync_items(plan: ActorPlan, config: Any, shape: ModelShape, b: int) 
     bucket_mb = _sync_bucket_mb(config)
     it = plan.items.insert
     at = len(plan.items) - 1
-    it(at, Item("weight-sync NCCL buffers", NCCL_BUFFER_BYTES,
-                f"{NCCL_CHANNELS} channels x {NCCL_RING_PEERS} ring peers x {NCCL_BYTES_PER_CONNECTION >> 20} MiB "
-                f"(assumed, NCCL's defaults)"))
+    it(
+        at,
+        Item(
+            "weight-sync NCCL buffers",
+            NCCL_BUFFER_BYTES,
+            f"{NCCL_CHANNELS} channels x {NCCL_RING_PEERS} ring peers x {NCCL_BYTES_PER_CONNECTION >> 20} MiB (assumed, NCCL's defaults)",
+        ),
+    )
     largest = shape.largest_module_parameters * b
-    alone = (f"; the largest tensor, {_gib(largest)}, alone in one" if largest > bucket_mb * 2 ** 20 else "")
-    it(at, Item("weight sync receive buffer", weight_sync_bytes(shape, bucket_mb=bucket_mb, dtype_bytes=b),
-                f"the largest bucket of a sync, received on the GPU (buckets of {bucket_mb:g} MiB{alone})"))
+    alone = f"; the largest tensor, {_gib(largest)}, alone in one" if largest > bucket_mb * 2**20 else ""
+    it(
+        at,
+        Item(
+            "weight sync receive buffer",
+            weight_sync_bytes(shape, bucket_mb=bucket_mb, dtype_bytes=b),
+            f"the largest bucket of a sync, received on the GPU (buckets of {bucket_mb:g} MiB{alone})",
+        ),
+    )
 
 
 # ------------------------------------------------------------------ the plan
@@ -604,6 +702,7 @@ def _runner_sync_items(plan: ActorPlan, config: Any, shape: ModelShape, b: int) 
 @dataclass
 class Item:
     """One line of an actor's plan."""
+
     what: str
     bytes: int
     source: str = ""
@@ -611,11 +710,11 @@ class Item:
 
 @dataclass
 class ActorPlan:
-    kind: str                      # "learner" | "env runner"
+    kind: str  # "learner" | "env runner"
     count: int
     gpus_per_actor: float
     items: List[Item] = field(default_factory=list)
-    budget: Optional[int] = None   # bytes this actor may use on its GPU
+    budget: Optional[int] = None  # bytes this actor may use on its GPU
     notes: List[str] = field(default_factory=list)
     #: The config key to change when it does not fit, and the line that says so.
     key: Optional[str] = None
@@ -637,6 +736,7 @@ class ActorPlan:
 @dataclass
 class MemoryPlan:
     """The plan of one config: a shape, the GPU memory, one :class:`ActorPlan` per kind."""
+
     model: str
     shape: Optional[ModelShape]
     gpu_memory: Optional[int]
@@ -660,8 +760,9 @@ class MemoryPlan:
         out = []
         for a in self.actors:
             if a.fits is False:
-                out.append(f"config.{a.key}: the {a.kind} needs {_gib(a.total)} per GPU, "
-                           f"the GPU has {_gib(a.budget)} ({_biggest(a)}); {a.advice}")
+                out.append(
+                    f"config.{a.key}: the {a.kind} needs {_gib(a.total)} per GPU, the GPU has {_gib(a.budget)} ({_biggest(a)}); {a.advice}"
+                )
         return out
 
     def render(self, indent: str = "  ") -> str:
@@ -674,10 +775,11 @@ class MemoryPlan:
         if self.gpu_memory is None:
             lines.append(f"{indent}GPU memory: unknown ({self.gpu_memory_source})")
         else:
-
-            lines.append(f"{indent}GPU memory: {_gib(self.gpu_memory)} ({self.gpu_memory_source}); the plan uses "
-                         f"{_gib(usable_memory(self.gpu_memory))} ({describe(self.gpu_memory)}: what CUDA gives "
-                         f"torch on it)")
+            lines.append(
+                f"{indent}GPU memory: {_gib(self.gpu_memory)} ({self.gpu_memory_source}); the plan uses "
+                f"{_gib(usable_memory(self.gpu_memory))} ({describe(self.gpu_memory)}: what CUDA gives "
+                f"torch on it)"
+            )
         if self.optimizer_steps:
             lines.append(f"{indent}{self.optimizer_steps}")
         if self.time is not None:
@@ -756,8 +858,13 @@ def _nvml_memory(count: int) -> Optional[Tuple[int, str]]:
 def _nvidia_smi_memory(count: int) -> Optional[Tuple[int, str]]:
     import subprocess
 
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=20, check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=True,
+    ).stdout
     rows = [ln.split(", ") for ln in out.strip().splitlines()]
     rows = [r for r in rows if len(r) == 3 and int(r[0]) in _visible(count)]
     if not rows:
@@ -778,7 +885,6 @@ def gpu_memory_for(config: Any) -> Tuple[Optional[int], str]:
     given = config.gpu_memory_gb
     if given is not None:
         if isinstance(given, str) and not given.replace(".", "", 1).isdigit():
-
             card = card_by_name(given)
             if card is None:
                 raise ValueError(f"gpu_memory_gb: {given!r} is neither a size in GiB nor a card of the card table")
@@ -819,8 +925,7 @@ def learner_count(config: Any) -> int:
     return max(1, int(_get(config, "num_learners", 0)))
 
 
-def optimizer_steps(config: Any, num_learners: Optional[int] = None,
-                    minibatch_size: Optional[int] = None) -> Tuple[int, int]:
+def optimizer_steps(config: Any, num_learners: Optional[int] = None, minibatch_size: Optional[int] = None) -> Tuple[int, int]:
     """``(rows per iteration, optimiser steps per iteration)`` of an ExGRPO/GRPO config
     (``questions_per_step x group_size`` rows; the arguments override the config's fields)."""
     rows = int(config.questions_per_step) * int(config.group_size)
@@ -833,9 +938,11 @@ def optimizer_steps_line(config: Any) -> str:
     """The plan's line: how many optimiser steps an iteration makes, and why."""
     rows, steps = optimizer_steps(config)
     minibatch = int(config.minibatch_size or rows)
-    return (f"optimiser steps per iteration: {steps} = num_epochs {int(_get(config, 'num_epochs', 1))} x "
-            f"round({rows} completions / (minibatch_size {minibatch} x {learner_count(config)} learner(s))); "
-            f"minibatch_size counts completions per learner")
+    return (
+        f"optimiser steps per iteration: {steps} = num_epochs {int(_get(config, 'num_epochs', 1))} x "
+        f"round({rows} completions / (minibatch_size {minibatch} x {learner_count(config)} learner(s))); "
+        f"minibatch_size counts completions per learner"
+    )
 
 
 def _learner_rows(config: Any, tokens: int) -> int:
@@ -857,6 +964,7 @@ class LearnerPass:
     with ``learner_sequence_packing`` under a variable-length kernel): one sequence of the
     budget's tokens (or one row longer than it), every position possibly scored, no
     ``[S, S]`` mask. Padded: ``rows`` rows of the longest row's width, a mask per row."""
+
     rows: int
     tokens: int
     response: int
@@ -894,11 +1002,20 @@ def learner_pass(config: Any, prompt: int, response: int, *, budget: Optional[in
     return LearnerPass(rows, tokens, response, False, kernel, tokens)
 
 
-def _pass_activations(shape: ModelShape, lp: LearnerPass, *, ckpt: bool, mode_bytes: int, autocast: bool,
-                      chunk: Optional[int], rows: Optional[int] = None) -> Dict[str, int]:
-    return learner_activation_breakdown(shape, rows or lp.rows, lp.tokens, gradient_checkpointing=ckpt,
-                                        dtype_bytes=mode_bytes, response_tokens=lp.response, autocast=autocast,
-                                        dense_mask=not lp.packed, chunk_tokens=chunk)
+def _pass_activations(
+    shape: ModelShape, lp: LearnerPass, *, ckpt: bool, mode_bytes: int, autocast: bool, chunk: Optional[int], rows: Optional[int] = None
+) -> Dict[str, int]:
+    return learner_activation_breakdown(
+        shape,
+        rows or lp.rows,
+        lp.tokens,
+        gradient_checkpointing=ckpt,
+        dtype_bytes=mode_bytes,
+        response_tokens=lp.response,
+        autocast=autocast,
+        dense_mask=not lp.packed,
+        chunk_tokens=chunk,
+    )
 
 
 def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int) -> ActorPlan:
@@ -912,14 +1029,20 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     ckpt = bool(config.gradient_checkpointing)
     ddp_kwargs = dict(_get(config, "torch_ddp_kwargs", {}) or {})
     adapters = shape.lora_parameters(config.lora_rank, config.lora_target_modules) if config.lora_rank else 0
-    states = model_state_bytes(shape, backend=backend, zero_stage=stage, num_learners=max(1, n_learners),
-                               model_dtype=model_dtype,
-                               ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)),
-                               lora_parameters=adapters)
+    states = model_state_bytes(
+        shape,
+        backend=backend,
+        zero_stage=stage,
+        num_learners=max(1, n_learners),
+        model_dtype=model_dtype,
+        ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)),
+        lora_parameters=adapters,
+    )
     plan = ActorPlan("learner", max(1, n_learners), per)
     if adapters:
-        mode_bytes, autocast = _lora_state_items(plan, shape, states, model_dtype, config.lora_rank, adapters,
-                                                 stage if backend == "deepspeed" else 0, max(1, n_learners))
+        mode_bytes, autocast = _lora_state_items(
+            plan, shape, states, model_dtype, config.lora_rank, adapters, stage if backend == "deepspeed" else 0, max(1, n_learners)
+        )
     elif backend == "ddp":
         mode_bytes, autocast = _ddp_state_items(plan, shape, states, model_dtype)
     else:
@@ -930,9 +1053,14 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     how = "checkpointed layer inputs" if ckpt else "saved per layer"
     it = plan.items.append
     it(Item("activations", act["layers"] + act["outside"], f"{lp.describe()}, {how}"))
-    it(Item("backward working set", act["peak"] - act["layers"] - act["outside"],
+    it(
+        Item(
+            "backward working set",
+            act["peak"] - act["layers"] - act["outside"],
             f"at the {act['peak_phase'].replace('_', ' ')} peak; log-prob chunks of {act['chunk_tokens']} positions x "
-            f"vocab {shape.vocab_size}, recomputed in backward: {_gib(act['logit_chunks'])}"))
+            f"vocab {shape.vocab_size}, recomputed in backward: {_gib(act['logit_chunks'])}",
+        )
+    )
     if config.scoring_on == "learners":
         _learner_scoring_items(plan, config, shape, prompt + response, response, mode_bytes, chunk, act)
     if float(config.kl_coeff or 0.0) > 0:
@@ -943,14 +1071,15 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     if step_extra > 0:
         it(Item("optimizer step extra", step_extra, "fp32 temporaries of the step beyond the pass's activations"))
     it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
-    _learner_sync_items(plan, config, shape, dtype_bytes(model_dtype),
-                        max(act["peak"], states["step_extra"] - states["autocast_copies"]))
+    _learner_sync_items(plan, config, shape, dtype_bytes(model_dtype), max(act["peak"], states["step_extra"] - states["autocast_copies"]))
     if not lp.packed:
         m = masked_attention_bytes(shape, lp.rows, lp.tokens, lp.tokens, dtype_bytes=2 if autocast else mode_bytes)
-        plan.notes.append(f"padded passes: masked attention with key/value heads matched to the query's (CUDA's "
-                          f"memory-efficient kernel, not the math kernel): per layer k and v repeated to "
-                          f"{shape.num_attention_heads} heads {_gib(m['repeated_kv'])}, SDPA's additive mask "
-                          f"{_gib(m['float_mask'])}, boolean mask {_gib(m['boolean_mask'])}; in the activations above")
+        plan.notes.append(
+            f"padded passes: masked attention with key/value heads matched to the query's (CUDA's "
+            f"memory-efficient kernel, not the math kernel): per layer k and v repeated to "
+            f"{shape.num_attention_heads} heads {_gib(m['repeated_kv'])}, SDPA's additive mask "
+            f"{_gib(m['float_mask'])}, boolean mask {_gib(m['boolean_mask'])}; in the activations above"
+        )
     if gpu is not None and per > 0:
         plan.budget = int(min(1.0, per) * usable_memory(gpu))
         if plan.fits is False:
@@ -963,38 +1092,47 @@ def _ddp_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int],
     autocast)``: bf16/fp16 models compute under autocast over fp32 master weights."""
     it = plan.items.append
     p = shape.num_parameters
-    dt = "fp32 master weights (autocast computes in " + model_dtype + ")" if dtype_bytes(model_dtype) == 2 \
-        else "fp32 weights"
+    dt = "fp32 master weights (autocast computes in " + model_dtype + ")" if dtype_bytes(model_dtype) == 2 else "fp32 weights"
     it(Item("weights", states["weights"], f"{p / 1e9:.2f} B x 4 B, {dt}; DDP: a full copy per learner"))
     it(Item("gradients", states["gradients"], "fp32, full"))
     it(Item("optimizer state", states["optimizer"], "AdamW moments, 2 x fp32, full"))
     if states["buckets"]:
-        it(Item("DDP gradient buckets", states["buckets"], "fp32 copy of the gradients (gradient_as_bucket_view "
-                                                           "off)"))
+        it(Item("DDP gradient buckets", states["buckets"], "fp32 copy of the gradients (gradient_as_bucket_view off)"))
     if states["autocast_copies"]:
-        it(Item("autocast weight copies", states["autocast_copies"],
-                "bf16 copies of the linear layers' weights, held through a pass"))
+        it(Item("autocast weight copies", states["autocast_copies"], "bf16 copies of the linear layers' weights, held through a pass"))
     return (2, True) if dtype_bytes(model_dtype) == 2 else (4, False)
 
 
-def _lora_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int], model_dtype: str, rank: int,
-                      adapters: int, zero_stage: int = 0, nl: int = 1) -> Tuple[int, bool]:
+def _lora_state_items(
+    plan: ActorPlan, shape: ModelShape, states: Dict[str, int], model_dtype: str, rank: int, adapters: int, zero_stage: int = 0, nl: int = 1
+) -> Tuple[int, bool]:
     """A LoRA learner's model states into ``plan``; returns the pass's ``(dtype bytes,
     autocast)``: the frozen base computes in its own dtype, the fp32 adapters under autocast."""
     it = plan.items.append
     p = shape.num_parameters
     if zero_stage:  # DeepSpeed (colocated LoRA)
         sliced = f" / {nl} learners (ZeRO-3)" if zero_stage == 3 else ""
-        it(Item("weights", states["weights"], f"{p / 1e9:.2f} B frozen base x {dtype_bytes(model_dtype)} B "
-                                              f"({model_dtype}) + {adapters / 1e6:.1f} M bf16 LoRA adapters (rank {rank})"
-                                              + sliced))
+        it(
+            Item(
+                "weights",
+                states["weights"],
+                f"{p / 1e9:.2f} B frozen base x {dtype_bytes(model_dtype)} B "
+                f"({model_dtype}) + {adapters / 1e6:.1f} M bf16 LoRA adapters (rank {rank})" + sliced,
+            )
+        )
         it(Item("gradients", states["gradients"], "bf16, adapters only" + (f" / {nl} learners" if zero_stage >= 2 else "")))
         it(Item("optimizer state", states["optimizer"], f"fp32 master + AdamW moments of the adapters / {nl} learners"))
         if states["gathered"]:
             it(Item("ZeRO-3 gathered module", states["gathered"], "the largest frozen module's weight, gathered for a pass"))
         return 2, False
-    it(Item("weights", states["weights"], f"{p / 1e9:.2f} B frozen base x {dtype_bytes(model_dtype)} B ({model_dtype}) "
-                                          f"+ {adapters / 1e6:.1f} M fp32 LoRA adapters (rank {rank})"))
+    it(
+        Item(
+            "weights",
+            states["weights"],
+            f"{p / 1e9:.2f} B frozen base x {dtype_bytes(model_dtype)} B ({model_dtype}) "
+            f"+ {adapters / 1e6:.1f} M fp32 LoRA adapters (rank {rank})",
+        )
+    )
     it(Item("gradients", states["gradients"], "fp32, adapters only"))
     it(Item("optimizer state", states["optimizer"], "AdamW moments, 2 x fp32, adapters only"))
     if states["buckets"]:
@@ -1002,8 +1140,7 @@ def _lora_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int]
     return (2, True) if dtype_bytes(model_dtype) == 2 else (4, False)
 
 
-def _deepspeed_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int], stage: int,
-                           nl: int) -> Tuple[int, bool]:
+def _deepspeed_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int], stage: int, nl: int) -> Tuple[int, bool]:
     """The DeepSpeed learner's (ZeRO ``stage``, ``nl`` learners) model states into
     ``plan``, with a cross-check against DeepSpeed's own estimator where it is installed;
     returns the pass's ``(dtype bytes, autocast)``: bf16, no autocast."""
@@ -1015,56 +1152,77 @@ def _deepspeed_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str,
     it(Item("optimizer state", states["optimizer"], f"fp32 master + AdamW moments, 12 B {shard} (ZeRO-{stage})"))
     it(Item("reduce bucket", states["buckets"], "bf16 reduce_bucket_size = min(5e8, parameters)"))
     if states["gathered"]:
-        it(Item("ZeRO-3 gathered module", states["gathered"],
-                "largest module's bf16 weight + gradient (DeepSpeed's ZeRO-3 estimator term)"))
+        it(
+            Item(
+                "ZeRO-3 gathered module", states["gathered"], "largest module's bf16 weight + gradient (DeepSpeed's ZeRO-3 estimator term)"
+            )
+        )
     ds = deepspeed_estimate_bytes(shape, zero_stage=stage, num_learners=nl)
     if ds is not None:
         ours = states["deepspeed_comparable"]
         fn = "estimate_zero2_model_states_mem_needs" if stage == 2 else "estimate_zero3_model_states_mem_needs"
         what = "gathered module, " if stage == 3 else ""
-        plan.notes.append(f"cross-check: DeepSpeed's {fn} (no offload) gives {_gib(ds)} for weights, gradients, "
-                          f"{what}optimizer state and the step's fp32 gradients; this plan {_gib(ours)} "
-                          f"({(ours - ds) / ds:+.0%})")
+        plan.notes.append(
+            f"cross-check: DeepSpeed's {fn} (no offload) gives {_gib(ds)} for weights, gradients, "
+            f"{what}optimizer state and the step's fp32 gradients; this plan {_gib(ours)} "
+            f"({(ours - ds) / ds:+.0%})"
+        )
     return 2, False
 
 
-def _learner_scoring_items(plan: ActorPlan, config: Any, shape: ModelShape, tokens: int, response: int,
-                           mode_bytes: int, chunk: int, act: Dict[str, int]) -> None:
+def _learner_scoring_items(
+    plan: ActorPlan, config: Any, shape: ModelShape, tokens: int, response: int, mode_bytes: int, chunk: int, act: Dict[str, int]
+) -> None:
     """``scoring_on: learners``: the no-grad scoring passes before the update, padded passes
     of length-sorted rows under the same budget (rows come back in place); nothing of the
     update is held yet, so only what exceeds the update's peak is an item."""
     rows = _learner_rows(config, tokens)
-    scoring = scoring_activation_bytes(shape, rows, tokens, response_tokens=response, dtype_bytes=mode_bytes,
-                                       chunk_tokens=chunk)
+    scoring = scoring_activation_bytes(shape, rows, tokens, response_tokens=response, dtype_bytes=mode_bytes, chunk_tokens=chunk)
     if scoring > act["peak"]:
-        plan.items.append(Item("scoring pass", scoring - act["peak"],
-                               "scoring_on: learners: no-grad pass beyond the update's"))
+        plan.items.append(Item("scoring pass", scoring - act["peak"], "scoring_on: learners: no-grad pass beyond the update's"))
     else:
-        plan.notes.append(f"scoring_on: learners: the no-grad scoring passes ({_gib(scoring)} each, {rows} rows x "
-                          f"{tokens} tokens) run before the update and peak below its activations")
+        plan.notes.append(
+            f"scoring_on: learners: the no-grad scoring passes ({_gib(scoring)} each, {rows} rows x "
+            f"{tokens} tokens) run before the update and peak below its activations"
+        )
 
 
-def _kl_reference_items(plan: ActorPlan, shape: ModelShape, lp: LearnerPass, act: Dict[str, int], mode_bytes: int,
-                        chunk: int, backend: str, lora: bool = False) -> None:
+def _kl_reference_items(
+    plan: ActorPlan, shape: ModelShape, lp: LearnerPass, act: Dict[str, int], mode_bytes: int, chunk: int, backend: str, lora: bool = False
+) -> None:
     """``kl_coeff > 0``: the frozen reference policy (none with LoRA: the base with the
     adapters disabled is the reference), and its no-grad pass on top of the saved
     activations where that exceeds the update's peak."""
     if lora:
-        plan.notes.append("kl_coeff > 0 with LoRA: the reference is the frozen base with the adapters disabled "
-                          "(no second copy)")
+        plan.notes.append("kl_coeff > 0 with LoRA: the reference is the frozen base with the adapters disabled (no second copy)")
     else:
         ref_bytes = shape.num_parameters * (4 if backend == "ddp" else 2)
         plan.items.append(Item("KL reference model", ref_bytes, "frozen copy of the policy (kl_coeff > 0)"))
-    ref_pass = scoring_activation_bytes(shape, lp.rows, lp.tokens, response_tokens=lp.response,
-                                        dtype_bytes=mode_bytes, with_entropy=False, dense_mask=not lp.packed,
-                                        chunk_tokens=chunk)
+    ref_pass = scoring_activation_bytes(
+        shape,
+        lp.rows,
+        lp.tokens,
+        response_tokens=lp.response,
+        dtype_bytes=mode_bytes,
+        with_entropy=False,
+        dense_mask=not lp.packed,
+        chunk_tokens=chunk,
+    )
     extra = max(0, act["forward_end"] + ref_pass - act["peak"])
     if extra:
         plan.items.append(Item("KL reference pass", extra, "no-grad scoring of the pass on top of the saved activations"))
 
 
-def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dict[str, int], act: Dict[str, int],
-                    lp: LearnerPass, mode_bytes: int, autocast: bool) -> None:
+def _learner_advice(
+    plan: ActorPlan,
+    config: Any,
+    shape: ModelShape,
+    states: Dict[str, int],
+    act: Dict[str, int],
+    lp: LearnerPass,
+    mode_bytes: int,
+    autocast: bool,
+) -> None:
     """The one key to change, and to what: the model states' layout first, then the pass
     size, then one row."""
     ckpt = bool(config.gradient_checkpointing)
@@ -1072,18 +1230,17 @@ def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dic
     fixed = plan.total - act["peak"] - max(0, states["step_extra"] - states["autocast_copies"] - act["peak"])
     room = plan.budget - fixed
 
-    def act_of(c: bool, rows: Optional[int] = None, pass_: Optional[LearnerPass] = None, half: int = mode_bytes,
-               ac: bool = autocast) -> int:
-        return _pass_activations(shape, pass_ or lp, ckpt=c, mode_bytes=half, autocast=ac, chunk=chunk,
-                                 rows=rows)["peak"]
+    def act_of(
+        c: bool, rows: Optional[int] = None, pass_: Optional[LearnerPass] = None, half: int = mode_bytes, ac: bool = autocast
+    ) -> int:
+        return _pass_activations(shape, pass_ or lp, ckpt=c, mode_bytes=half, autocast=ac, chunk=chunk, rows=rows)["peak"]
 
     if room <= 0 or states["total"] > plan.budget // 2:
         if _model_state_advice(plan, config, shape, states, lambda: act_of(ckpt, half=2, ac=False)):
             return
     if not ckpt and act_of(True) <= room:
         plan.key = "gradient_checkpointing"
-        plan.advice = (f"activations of {lp.describe()} take {_gib(act['peak'])}; with "
-                       f"gradient_checkpointing: true {_gib(act_of(True))}")
+        plan.advice = f"activations of {lp.describe()} take {_gib(act['peak'])}; with gradient_checkpointing: true {_gib(act_of(True))}"
         return
     more = "" if ckpt else " (gradient_checkpointing: true allows more)"
     if _pass_size_advice(plan, config, lp, act, room, lambda **kw: act_of(ckpt, **kw), more):
@@ -1095,12 +1252,13 @@ def _learner_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dic
         plan.advice = "even one row does not fit without it: gradient_checkpointing: true and fewer rows per pass"
         return
     plan.key = "max_response_tokens"
-    plan.advice = (f"one row of {row} tokens needs {_gib(act_of(ckpt, pass_=one_row))} of activations, "
-                   f"{_gib(max(room, 0))} are left: shorter completions, or more learners to shard the model states")
+    plan.advice = (
+        f"one row of {row} tokens needs {_gib(act_of(ckpt, pass_=one_row))} of activations, "
+        f"{_gib(max(room, 0))} are left: shorter completions, or more learners to shard the model states"
+    )
 
 
-def _model_state_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dict[str, int],
-                        bf16_pass_peak: Callable[[], int]) -> bool:
+def _model_state_advice(plan: ActorPlan, config: Any, shape: ModelShape, states: Dict[str, int], bf16_pass_peak: Callable[[], int]) -> bool:
     """When the model states crowd the GPU: DDP -> DeepSpeed (naming the first ZeRO stage
     whose states plus a bf16 pass fit, ``bf16_pass_peak()`` its activations), ZeRO-1/2 ->
     ZeRO-3. Returns whether ``plan`` got its advice."""
@@ -1115,20 +1273,25 @@ def _model_state_advice(plan: ActorPlan, config: Any, shape: ModelShape, states:
     if backend == "ddp":
         ok = [s for s in (2, 3) if stage_fits(s)]
         plan.key = "learner_backend"
-        plan.advice = (f"the DDP learner keeps {_gib(states['total'])} of fp32 weights, gradients and AdamW "
-                       "state on every learner; learner_backend: deepspeed shards it (" +
-                       (f"deepspeed_zero_stage: {ok[0]} fits" if ok else "and fewer rows per pass") + ")")
+        plan.advice = (
+            f"the DDP learner keeps {_gib(states['total'])} of fp32 weights, gradients and AdamW "
+            "state on every learner; learner_backend: deepspeed shards it ("
+            + (f"deepspeed_zero_stage: {ok[0]} fits" if ok else "and fewer rows per pass")
+            + ")"
+        )
         return True
     if stage < 3:
         plan.key = "deepspeed_zero_stage"
-        plan.advice = (f"ZeRO-{stage} keeps {_gib(states['total'])} of model states per learner; "
-                       f"deepspeed_zero_stage: 3 shards the weights too")
+        plan.advice = (
+            f"ZeRO-{stage} keeps {_gib(states['total'])} of model states per learner; deepspeed_zero_stage: 3 shards the weights too"
+        )
         return True
     return False
 
 
-def _pass_size_advice(plan: ActorPlan, config: Any, lp: LearnerPass, act: Dict[str, int], room: int,
-                      peak_of: Callable[..., int], more: str) -> bool:
+def _pass_size_advice(
+    plan: ActorPlan, config: Any, lp: LearnerPass, act: Dict[str, int], room: int, peak_of: Callable[..., int], more: str
+) -> bool:
     """A smaller pass that fits ``room``: a smaller token budget for packed passes, fewer
     rows (as rows, or as a token budget where one is set) for padded ones; ``peak_of(rows=,
     pass_=)`` gives a pass's activation peak. Returns whether ``plan`` got its advice."""
@@ -1138,26 +1301,31 @@ def _pass_size_advice(plan: ActorPlan, config: Any, lp: LearnerPass, act: Dict[s
         fit = [b for b in budgets if peak_of(pass_=LearnerPass(1, b, b, True, lp.kernel, row)) <= room]
         if fit:
             plan.key = "learner_micro_batch_tokens"
-            plan.advice = (f"a packed pass of {lp.tokens} tokens needs {_gib(act['peak'])} of activations, "
-                           f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0]} fits{more}")
+            plan.advice = (
+                f"a packed pass of {lp.tokens} tokens needs {_gib(act['peak'])} of activations, "
+                f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0]} fits{more}"
+            )
         return bool(fit)
     fit = [r for r in range(lp.rows - 1, 0, -1) if peak_of(rows=r) <= room]
     if not fit:
         return False
     if config.learner_micro_batch_tokens:
         plan.key = "learner_micro_batch_tokens"
-        plan.advice = (f"passes of {lp.rows * lp.tokens} tokens need {_gib(act['peak'])} of activations, "
-                       f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0] * lp.tokens} "
-                       f"fits{more}")
+        plan.advice = (
+            f"passes of {lp.rows * lp.tokens} tokens need {_gib(act['peak'])} of activations, "
+            f"{_gib(max(room, 0))} are left: learner_micro_batch_tokens: {fit[0] * lp.tokens} "
+            f"fits{more}"
+        )
     else:
         plan.key = "learner_micro_batch_rows"
-        plan.advice = (f"passes of {lp.describe()} need {_gib(act['peak'])} of activations, "
-                       f"{_gib(max(room, 0))} are left: learner_micro_batch_rows: {fit[0]} fits{more}")
+        plan.advice = (
+            f"passes of {lp.describe()} need {_gib(act['peak'])} of activations, "
+            f"{_gib(max(room, 0))} are left: learner_micro_batch_rows: {fit[0]} fits{more}"
+        )
     return True
 
 
-def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int,
-                 max_len: int) -> ActorPlan:
+def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int, max_len: int) -> ActorPlan:
     """What one GPU env runner holds: the vLLM engine or the HF generation KV cache, its
     torch module and scoring pass, and (when it does not fit ``gpu``) the key to change."""
     n = int(_get(config, "num_env_runners", 0))
@@ -1177,14 +1345,15 @@ def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int
     engine_only = backend == "vllm" and config.scoring_on == "learners"
     score = 0
     if engine_only:
-        plan.notes.append(f"scoring_on: learners: no torch copy of the model here (vLLM's weights are the only "
-                          f"copy; {_gib(p * b)} not held), the learners score the completions")
+        plan.notes.append(
+            f"scoring_on: learners: no torch copy of the model here (vLLM's weights are the only "
+            f"copy; {_gib(p * b)} not held), the learners score the completions"
+        )
     else:
         it(Item("policy module (HF copy)", p * b, f"{p / 1e9:.2f} B x {b} B {model_dtype}: the runner's torch module"))
     if backend != "vllm":
         gen_kv = chunk * tokens * kv_token
-        it(Item("HF generation KV cache", gen_kv, f"generation_batch_size {chunk} x {tokens} tokens x "
-                                                  f"{kv_token / 1024:.0f} KiB"))
+        it(Item("HF generation KV cache", gen_kv, f"generation_batch_size {chunk} x {tokens} tokens x {kv_token / 1024:.0f} KiB"))
     if not engine_only and config.scoring_on != "learners":
         score = scoring_activation_bytes(shape, chunk, tokens, response_tokens=response, dtype_bytes=b)
         what = "behaviour log-probs and lowest-entropy scoring" if backend == "vllm" else "scoring"
@@ -1198,8 +1367,9 @@ def _runner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int
     return plan
 
 
-def _vllm_engine_items(plan: ActorPlan, config: Any, shape: ModelShape, gpu: Optional[int], b: int, chunk: int,
-                       max_len: int) -> Optional[int]:
+def _vllm_engine_items(
+    plan: ActorPlan, config: Any, shape: ModelShape, gpu: Optional[int], b: int, chunk: int, max_len: int
+) -> Optional[int]:
     """The vLLM engine's share of the GPU (``gpu_memory_utilization``; its weights alone
     when ``gpu`` is unknown) and its KV cache into ``plan``; fails the plan when the cache
     cannot hold one sequence of ``max_len``. Returns the share in bytes (None: ``gpu``
@@ -1211,46 +1381,60 @@ def _vllm_engine_items(plan: ActorPlan, config: Any, shape: ModelShape, gpu: Opt
     util = float(vk.get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
     weights = p * b
     if gpu is None:
-        it(Item("vLLM engine weights", weights, f"{p / 1e9:.2f} B x {b} B; plus its KV cache: "
-                                                f"gpu_memory_utilization {util:g} x the GPU"))
+        it(Item("vLLM engine weights", weights, f"{p / 1e9:.2f} B x {b} B; plus its KV cache: gpu_memory_utilization {util:g} x the GPU"))
         plan.notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token")
         return None
     vllm_share = int(util * usable_memory(gpu))  # vLLM's fraction of the total CUDA reports
     kv = vllm_share - weights
-    it(Item("vLLM engine", vllm_share, f"gpu_memory_utilization {util:g} x the GPU's usable memory: weights {_gib(weights)} + "
-                                       f"KV cache and vLLM's activations {_gib(kv)}"))
+    it(
+        Item(
+            "vLLM engine",
+            vllm_share,
+            f"gpu_memory_utilization {util:g} x the GPU's usable memory: weights {_gib(weights)} + "
+            f"KV cache and vLLM's activations {_gib(kv)}",
+        )
+    )
     seqs = int(vk.get("max_num_seqs", chunk))
     tokens_kv = max(0, kv) // kv_token
-    plan.notes.append(f"KV cache: {kv_token / 1024:.0f} KiB per token (2 x {shape.num_hidden_layers} layers "
-                      f"x {shape.num_key_value_heads} kv heads x {shape.head_dim} x {b} B): at most "
-                      f"{tokens_kv:,} tokens, {tokens_kv // max(1, max_len)} sequences of max_model_len "
-                      f"{max_len} (max_num_seqs {seqs}); less vLLM's own activation reserve")
+    plan.notes.append(
+        f"KV cache: {kv_token / 1024:.0f} KiB per token (2 x {shape.num_hidden_layers} layers "
+        f"x {shape.num_key_value_heads} kv heads x {shape.head_dim} x {b} B): at most "
+        f"{tokens_kv:,} tokens, {tokens_kv // max(1, max_len)} sequences of max_model_len "
+        f"{max_len} (max_num_seqs {seqs}); less vLLM's own activation reserve"
+    )
     if tokens_kv < max_len:
         plan.failed = True
         plan.key = "vllm_kwargs.gpu_memory_utilization"
-        plan.advice = (f"vLLM's share {_gib(vllm_share)} leaves {_gib(max(kv, 0))} after the weights, less "
-                       f"than one sequence of max_model_len {max_len} ({_gib(max_len * kv_token)}): raise it")
+        plan.advice = (
+            f"vLLM's share {_gib(vllm_share)} leaves {_gib(max(kv, 0))} after the weights, less "
+            f"than one sequence of max_model_len {max_len} ({_gib(max_len * kv_token)}): raise it"
+        )
     return vllm_share
 
 
-def _runner_advice(plan: ActorPlan, shape: ModelShape, gpu: int, chunk: int, tokens: int, response: int, b: int,
-                   score: int, vllm_share: Optional[int]) -> None:
+def _runner_advice(
+    plan: ActorPlan, shape: ModelShape, gpu: int, chunk: int, tokens: int, response: int, b: int, score: int, vllm_share: Optional[int]
+) -> None:
     """The env runner's key to change: vLLM's share when the scoring pass is small beside
     it, else ``generation_batch_size`` (the largest that fits)."""
     others = plan.total - (vllm_share or 0)
     if vllm_share is not None and score < plan.budget // 4:
         most = (plan.budget - others) / usable_memory(gpu)
         plan.key = "vllm_kwargs.gpu_memory_utilization"
-        plan.advice = (f"vLLM takes {_gib(vllm_share)} and the runner's own module and scoring "
-                       f"{_gib(others)}: at most {math.floor(most * 100) / 100:.2f} leaves them room")
+        plan.advice = (
+            f"vLLM takes {_gib(vllm_share)} and the runner's own module and scoring "
+            f"{_gib(others)}: at most {math.floor(most * 100) / 100:.2f} leaves them room"
+        )
         return
-    fit = [c for c in range(chunk - 1, 0, -1)
-           if plan.total - score + scoring_activation_bytes(shape, c, tokens, response_tokens=response,
-                                                            dtype_bytes=b) <= plan.budget]
+    fit = [
+        c
+        for c in range(chunk - 1, 0, -1)
+        if plan.total - score + scoring_activation_bytes(shape, c, tokens, response_tokens=response, dtype_bytes=b) <= plan.budget
+    ]
     plan.key = "generation_batch_size"
-    plan.advice = (f"its scoring pass of {chunk} rows x {tokens} tokens takes {_gib(score)}"
-                   + (f": generation_batch_size: {fit[0]} fits" if fit else
-                      (": lower vllm_kwargs.gpu_memory_utilization too" if vllm_share else "")))
+    plan.advice = f"its scoring pass of {chunk} rows x {tokens} tokens takes {_gib(score)}" + (
+        f": generation_batch_size: {fit[0]} fits" if fit else (": lower vllm_kwargs.gpu_memory_utilization too" if vllm_share else "")
+    )
 
 
 def uses_gpus(config: Any) -> bool:
@@ -1263,8 +1447,9 @@ def uses_gpus(config: Any) -> bool:
     return pos("num_gpus_per_learner") or pos("num_gpus_per_env_runner")
 
 
-def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_source: str = "",
-                shape: Optional[ModelShape] = None) -> MemoryPlan:
+def plan_memory(
+    config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_source: str = "", shape: Optional[ModelShape] = None
+) -> MemoryPlan:
     """The memory plan of an ``ExGRPOConfig`` (or any object with its fields): per actor
     kind that gets a GPU, what it holds, against ``gpu_memory`` (bytes; default
     :func:`gpu_memory_for`)."""
@@ -1274,13 +1459,16 @@ def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_sou
     shape = shape or model_shape(name)
     plan = MemoryPlan(name, shape, gpu_memory, gpu_memory_source, optimizer_steps=optimizer_steps_line(config))
     if shape is None:
-        plan.notes.append("not a local folder, not in the local Hugging Face cache, not a built embedded model, "
-                          "not in the table of published shapes")
+        plan.notes.append(
+            "not a local folder, not in the local Hugging Face cache, not a built embedded model, not in the table of published shapes"
+        )
         return plan
     prompt, response, max_len, why = sequence_lengths(config, shape)
     if why:
-        plan.notes.append(f"completion tokens per row: {response} ({why}); max_response_tokens "
-                          f"{int(config.max_response_tokens)} still sets the loss normalisation")
+        plan.notes.append(
+            f"completion tokens per row: {response} ({why}); max_response_tokens "
+            f"{int(config.max_response_tokens)} still sets the loss normalisation"
+        )
     plan.time = time_estimate(config, shape, gpu_memory, prompt, response)
     if float(_get(config, "num_gpus_per_learner", 0)) > 0:
         plan.actors.append(_learner_plan(config, shape, gpu_memory, prompt, response))
@@ -1292,26 +1480,34 @@ def plan_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory_sou
     return plan
 
 
-def time_estimate(config: Any, shape: ModelShape, gpu_memory: Optional[int], prompt: int,
-                  response: int) -> Optional[TimeEstimate]:
+def time_estimate(config: Any, shape: ModelShape, gpu_memory: Optional[int], prompt: int, response: int) -> Optional[TimeEstimate]:
     """Seconds per iteration on the plan's card (``planning/timing.py``), for a config whose
     learners have GPUs; None off the card table or without a GPU learner."""
     card = card_for_estimate(gpu_memory)
     if card is None or float(_get(config, "num_gpus_per_learner", 0)) <= 0:
         return None
     learners = learner_count(config)
-    colocate = bool(_get(config, "colocate", False))
+    colocate = bool(config.colocate)
     runners = learners if colocate else max(1, int(_get(config, "num_env_runners", 0)))
-    lora = bool(_get(config, "lora_rank", 0))
+    lora = bool(config.lora_rank)
     optimizer_state = 0.0 if lora else 12.0 * shape.num_parameters  # fp32 master weights + AdamW moments
     if config.learner_backend == "deepspeed":
         optimizer_state /= learners  # ZeRO shards them
     rows, _ = optimizer_steps(config)
     return estimate_iteration(
-        parameters=shape.num_parameters, completions=rows, prompt_cap=prompt, completion_cap=response,
-        generating_gpus=runners, learner_gpus=learners, card=card, lora=lora,
-        gradient_checkpointing=bool(config.gradient_checkpointing), colocate=colocate,
-        optimizer_state_bytes=optimizer_state, value_trunk=bool(_get(config, "ppo_value_trunk", False)))
+        parameters=shape.num_parameters,
+        completions=rows,
+        prompt_cap=prompt,
+        completion_cap=response,
+        generating_gpus=runners,
+        learner_gpus=learners,
+        card=card,
+        lora=lora,
+        gradient_checkpointing=bool(config.gradient_checkpointing),
+        colocate=colocate,
+        optimizer_state_bytes=optimizer_state,
+        value_trunk=bool(_get(config, "ppo_value_trunk", False)),
+    )
 
 
 #: What a vLLM engine asleep at level 2 still holds, as a share of its ``gpu_memory_utilization``
@@ -1327,16 +1523,22 @@ def _add_sleeping_engine(plan: ActorPlan, config: Any, gpu: Optional[int]) -> No
     to it keeps a residue (:data:`SLEEPING_ENGINE_SHARE`)."""
     plan.kind = "learner, training turn (colocate)"
     if config.generation_backend != "vllm":
-        plan.notes.append("the HF backend generates from the learner's own model"
-                          + (" (ZeRO-3: from a plain copy kept on the host while the learner trains)"
-                             if _zero3(config) else ""))
+        plan.notes.append(
+            "the HF backend generates from the learner's own model"
+            + (" (ZeRO-3: from a plain copy kept on the host while the learner trains)" if _zero3(config) else "")
+        )
         return
     util = float(dict(config.vllm_kwargs or {}).get("gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION))
     share = int(util * usable_memory(gpu)) if gpu is not None else 0
-    plan.items.insert(len(plan.items) - 1 if plan.items else 0, Item(
-        "vLLM engine asleep (level 2)", max(SLEEPING_ENGINE_MIN_BYTES, int(SLEEPING_ENGINE_SHARE * share)),
-        f"no weights, no KV cache; its CUDA graphs and buffers: assumed {SLEEPING_ENGINE_SHARE:.0%} of its "
-        f"share, at least {_gib(SLEEPING_ENGINE_MIN_BYTES)}"))
+    plan.items.insert(
+        len(plan.items) - 1 if plan.items else 0,
+        Item(
+            "vLLM engine asleep (level 2)",
+            max(SLEEPING_ENGINE_MIN_BYTES, int(SLEEPING_ENGINE_SHARE * share)),
+            f"no weights, no KV cache; its CUDA graphs and buffers: assumed {SLEEPING_ENGINE_SHARE:.0%} of its "
+            f"share, at least {_gib(SLEEPING_ENGINE_MIN_BYTES)}",
+        ),
+    )
 
 
 def _zero3(config: Any) -> bool:
@@ -1348,8 +1550,7 @@ def _layer_bytes(shape: ModelShape, b: int) -> int:
     return shape.layer_parameters * b
 
 
-def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int,
-                         max_len: int) -> ActorPlan:
+def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: int, response: int, max_len: int) -> ActorPlan:
     """``colocate``: the learner's GPU during a generation turn (rllib/colocation.py). The
     learner's weights stay; its gradients are dropped; with vLLM its optimizer state is on the
     host and the engine is awake (its share, weights and KV cache), with HF the optimizer state
@@ -1359,10 +1560,15 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
     per = float(_get(config, "num_gpus_per_learner", 0))
     adapters = shape.lora_parameters(config.lora_rank, config.lora_target_modules) if config.lora_rank else 0
     ddp_kwargs = dict(_get(config, "torch_ddp_kwargs", {}) or {})
-    states = model_state_bytes(shape, backend=config.learner_backend, zero_stage=int(config.deepspeed_zero_stage),
-                               num_learners=max(1, n_learners), model_dtype=config.model_dtype,
-                               ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)),
-                               lora_parameters=adapters)
+    states = model_state_bytes(
+        shape,
+        backend=config.learner_backend,
+        zero_stage=int(config.deepspeed_zero_stage),
+        num_learners=max(1, n_learners),
+        model_dtype=config.model_dtype,
+        ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)),
+        lora_parameters=adapters,
+    )
     plan = ActorPlan("learner, generation turn (colocate)", max(1, n_learners), per)
     it = plan.items.append
     b = dtype_bytes(config.model_dtype)
@@ -1374,40 +1580,78 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
     vllm_share = None
     zero3 = _zero3(config)
     if config.generation_backend == "vllm" or zero3:
-        plan.notes.append(f"optimizer state ({_gib(states['optimizer'])}) and gradients offloaded / dropped "
-                          "while the sampler is awake")
+        plan.notes.append(f"optimizer state ({_gib(states['optimizer'])}) and gradients offloaded / dropped while the sampler is awake")
     if zero3:
-        it(Item("one decoder layer gathered for the push", _layer_bytes(shape, b),
-                "the weights reach the sampler a decoder layer at a time, each gathered (ZeRO-3)"))
+        it(
+            Item(
+                "one decoder layer gathered for the push",
+                _layer_bytes(shape, b),
+                "the weights reach the sampler a decoder layer at a time, each gathered (ZeRO-3)",
+            )
+        )
     if config.lora_rank and (config.generation_backend == "vllm" or zero3):
         ab = _lora_adapter_bytes(config)
         merge = lora_merge_bytes(shape, target_modules=config.lora_target_modules, base_bytes=b, adapter_bytes=ab)
-        it(Item("one decoder layer merged for the push", merge["merged_layer"],
-                f"the layer's merged weights W + (alpha / r) B A in {config.model_dtype}, held until it is pushed"))
-        it(Item("LoRA merge temporaries", merge["temporaries"],
+        it(
+            Item(
+                "one decoder layer merged for the push",
+                merge["merged_layer"],
+                f"the layer's merged weights W + (alpha / r) B A in {config.model_dtype}, held until it is pushed",
+            )
+        )
+        it(
+            Item(
+                "LoRA merge temporaries",
+                merge["temporaries"],
                 f"B @ A and its scaled copy, {'fp32' if ab == 4 else 'bf16'}, of the largest targeted weight "
                 f"({max(_lora_target_sizes(shape, config.lora_target_modules) or [0]) / 1e6:.1f} M elements), "
-                f"one weight at a time"))
+                f"one weight at a time",
+            )
+        )
     if config.generation_backend == "vllm":
         vllm_share = _vllm_engine_items(plan, config, shape, gpu, b, chunk, max_len)
     elif zero3:
-        it(Item("HF generation copy (ZeRO-3)", shape.num_parameters * b,
-                "a plain copy of the weights, refilled each turn (on the host while the learner trains)"))
+        it(
+            Item(
+                "HF generation copy (ZeRO-3)",
+                shape.num_parameters * b,
+                "a plain copy of the weights, refilled each turn (on the host while the learner trains)",
+            )
+        )
         kv_token = shape.kv_cache_bytes_per_token(b)
-        it(Item("HF generation KV cache", chunk * (prompt + response) * kv_token,
-                f"generation_batch_size {chunk} x {prompt + response} tokens x {kv_token / 1024:.0f} KiB"))
+        it(
+            Item(
+                "HF generation KV cache",
+                chunk * (prompt + response) * kv_token,
+                f"generation_batch_size {chunk} x {prompt + response} tokens x {kv_token / 1024:.0f} KiB",
+            )
+        )
     else:
         it(Item("optimizer state", states["optimizer"], "stays: the HF backend generates from the learner's model"))
         if states.get("autocast_copies"):
-            it(Item("autocast weight copies", states["autocast_copies"],
-                    "bf16 copies of the linear layers' weights, cached by autocast through the turn"))
+            it(
+                Item(
+                    "autocast weight copies",
+                    states["autocast_copies"],
+                    "bf16 copies of the linear layers' weights, cached by autocast through the turn",
+                )
+            )
         kv_token = shape.kv_cache_bytes_per_token(b)
-        it(Item("HF generation KV cache", chunk * tokens * kv_token,
-                f"generation_batch_size {chunk} x {tokens} tokens x {kv_token / 1024:.0f} KiB"))
+        it(
+            Item(
+                "HF generation KV cache",
+                chunk * tokens * kv_token,
+                f"generation_batch_size {chunk} x {tokens} tokens x {kv_token / 1024:.0f} KiB",
+            )
+        )
     if config.scoring_on != "learners" and config.behaviour_logprobs == "recompute":
-        it(Item("scoring pass", scoring_activation_bytes(shape, chunk, tokens, response_tokens=response,
-                                                         dtype_bytes=b),
-                f"behaviour log-probs: generation_batch_size {chunk} rows x {tokens} tokens, no grad"))
+        it(
+            Item(
+                "scoring pass",
+                scoring_activation_bytes(shape, chunk, tokens, response_tokens=response, dtype_bytes=b),
+                f"behaviour log-probs: generation_batch_size {chunk} rows x {tokens} tokens, no grad",
+            )
+        )
     it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
     if gpu is not None and per > 0:
         plan.budget = int(min(1.0, per) * usable_memory(gpu))
@@ -1415,8 +1659,10 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
             others = plan.total - (vllm_share or 0)
             if vllm_share is not None:
                 plan.key = "vllm_kwargs.gpu_memory_utilization"
-                plan.advice = (f"the learner keeps {_gib(others)} through the turn: at most "
-                               f"{max(0.0, math.floor((plan.budget - others) / usable_memory(gpu) * 100) / 100):.2f} leaves it room")
+                plan.advice = (
+                    f"the learner keeps {_gib(others)} through the turn: at most "
+                    f"{max(0.0, math.floor((plan.budget - others) / usable_memory(gpu) * 100) / 100):.2f} leaves it room"
+                )
             else:
                 plan.key = "generation_batch_size"
                 plan.advice = "the HF KV cache and scoring pass of a generation chunk do not fit beside the learner"
@@ -1431,8 +1677,26 @@ def plan_problems(config: Any) -> List[str]:
 
 
 __all__ = [
-    "ActorPlan", "GIB", "Item", "MemoryPlan", "NCCL_BUFFER_BYTES", "deepspeed_estimate_bytes", "detect_gpu_memory",
-    "dtype_bytes", "gpu_memory_for", "layer_saved_bytes", "learner_activation_breakdown", "learner_activation_bytes",
-    "lora_merge_bytes", "masked_attention_bytes", "model_state_bytes", "plan_memory", "plan_problems",
-    "scoring_activation_bytes", "sequence_lengths", "usable_memory", "uses_gpus", "weight_sync_bytes",
+    "ActorPlan",
+    "GIB",
+    "Item",
+    "MemoryPlan",
+    "NCCL_BUFFER_BYTES",
+    "deepspeed_estimate_bytes",
+    "detect_gpu_memory",
+    "dtype_bytes",
+    "gpu_memory_for",
+    "layer_saved_bytes",
+    "learner_activation_breakdown",
+    "learner_activation_bytes",
+    "lora_merge_bytes",
+    "masked_attention_bytes",
+    "model_state_bytes",
+    "plan_memory",
+    "plan_problems",
+    "scoring_activation_bytes",
+    "sequence_lengths",
+    "usable_memory",
+    "uses_gpus",
+    "weight_sync_bytes",
 ]

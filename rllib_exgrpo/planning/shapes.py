@@ -25,6 +25,7 @@ L layers, V vocabulary). Qwen/Qwen2.5-Math-7B: 7,615,616,512; Qwen/Qwen2.5-Math-
 1,543,714,304 (tests/test_memory_plan.py checks both against a model built from the
 shape).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,6 +48,7 @@ QKV_BIAS_BY_DEFAULT = ("qwen2",)
 @dataclass(frozen=True)
 class ModelShape:
     """What memory depends on: the sizes of a Qwen2 / Llama-family causal LM."""
+
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -98,8 +100,7 @@ class ModelShape:
     def num_parameters(self) -> int:
         """Exact for the Qwen2 / Llama family (see the module doc)."""
         head = 0 if self.tie_word_embeddings else self.embedding_parameters
-        return (self.num_hidden_layers * self.layer_parameters + self.embedding_parameters
-                + self.hidden_size + head)
+        return self.num_hidden_layers * self.layer_parameters + self.embedding_parameters + self.hidden_size + head
 
     def lora_parameters(self, rank: int, target_modules: Any = "all-linear") -> int:
         """The adapter parameters of LoRA at ``rank`` on the decoder layers' linear layers:
@@ -107,8 +108,15 @@ class ModelShape:
         linear layer but the output head) or a list of module names (q_proj, k_proj, v_proj,
         o_proj, gate_proj, up_proj, down_proj); names outside that list count nothing."""
         h, ad, kd, i = self.hidden_size, self.attention_width, self.kv_width, self.intermediate_size
-        sizes = {"q_proj": h + ad, "k_proj": h + kd, "v_proj": h + kd, "o_proj": ad + h,
-                 "gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
+        sizes = {
+            "q_proj": h + ad,
+            "k_proj": h + kd,
+            "v_proj": h + kd,
+            "o_proj": ad + h,
+            "gate_proj": h + i,
+            "up_proj": h + i,
+            "down_proj": i + h,
+        }
         names = list(sizes) if target_modules == "all-linear" else [str(n) for n in target_modules]
         per_layer = sum(sizes.get(n, 0) for n in names)
         return int(rank) * per_layer * self.num_hidden_layers
@@ -129,10 +137,12 @@ class ModelShape:
 
     def describe(self) -> str:
         tied = "tied" if self.tie_word_embeddings else "untied"
-        return (f"{self.model_type}: {self.num_parameters / 1e9:.2f} B parameters, hidden {self.hidden_size}, "
-                f"{self.num_hidden_layers} layers, {self.num_attention_heads} heads / {self.num_key_value_heads} kv "
-                f"x {self.head_dim}, intermediate {self.intermediate_size}, vocab {self.vocab_size} ({tied}), "
-                f"max_position_embeddings {self.max_position_embeddings}")
+        return (
+            f"{self.model_type}: {self.num_parameters / 1e9:.2f} B parameters, hidden {self.hidden_size}, "
+            f"{self.num_hidden_layers} layers, {self.num_attention_heads} heads / {self.num_key_value_heads} kv "
+            f"x {self.head_dim}, intermediate {self.intermediate_size}, vocab {self.vocab_size} ({tied}), "
+            f"max_position_embeddings {self.max_position_embeddings}"
+        )
 
     @classmethod
     def from_hf_config(cls, cfg_or_dict: Any, source: str = "") -> "ModelShape":
@@ -142,6 +152,7 @@ class ModelShape:
             get = cfg_or_dict.get
             text = cfg_or_dict.get("text_config")
         else:
+
             def get(key, default=None):
                 return getattr(cfg_or_dict, key, default)
 
@@ -175,32 +186,58 @@ def _published(source: str, **kw: Any) -> ModelShape:
     return ModelShape(**kw, source=source)
 
 
-_QWEN25_MATH_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       head_dim=128, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
-                       max_position_embeddings=4096, model_type="qwen2")
+_QWEN25_MATH_7B = dict(
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=18944,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+    model_type="qwen2",
+)
 
 #: The published ``config.json`` values of the shipped recipes' models (used when the
 #: model is neither a local folder nor in the local Hugging Face cache).
 PUBLISHED_SHAPES: Dict[str, ModelShape] = {
     "Qwen/Qwen2.5-Math-7B": _published(
-        "published config.json of Qwen/Qwen2.5-Math-7B (table in rllib_exgrpo/planning/shapes.py)",
-        **_QWEN25_MATH_7B),
+        "published config.json of Qwen/Qwen2.5-Math-7B (table in rllib_exgrpo/planning/shapes.py)", **_QWEN25_MATH_7B
+    ),
     "Qwen/Qwen2.5-Math-1.5B": _published(
         "published config.json of Qwen/Qwen2.5-Math-1.5B (table in rllib_exgrpo/planning/shapes.py)",
-        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
-        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
-        model_type="qwen2"),
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        model_type="qwen2",
+    ),
     # Qwen2.5-Math-7B with its context extended to 16k (LUFFY / ExGRPO README: rope theta
     # raised and the window extended to 16k): the same layers, a longer context.
     "Elliott/Qwen2.5-Math-7B-16k-think": _published(
         "published shape of Elliott/Qwen2.5-Math-7B-16k-think: Qwen2.5-Math-7B's with a 16k context "
         "(table in rllib_exgrpo/planning/shapes.py)",
-        **dict(_QWEN25_MATH_7B, max_position_embeddings=16384)),
+        **dict(_QWEN25_MATH_7B, max_position_embeddings=16384),
+    ),
     "HuggingFaceTB/SmolLM2-135M-Instruct": _published(
         "published config.json of HuggingFaceTB/SmolLM2-135M-Instruct (table in rllib_exgrpo/planning/shapes.py)",
-        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
-        model_type="llama"),
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        model_type="llama",
+    ),
 }
 
 _SMOLLM2_NAMES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
@@ -236,18 +273,15 @@ def embedded_model_folder(name: str, cache_dir: Optional[str] = None) -> Optiona
         return None
     root = cache_root(cache_dir)
     if name == "tiny" or name.startswith("tiny:"):
-
         try:
             folder = root / f"tiny-{recipe_key(tiny_recipe(**parse_tiny_spec(name)))}"
         except (TypeError, ValueError):
             return None
         return folder if (folder / WARM_START_FILE).is_file() else None
     if name.lower() in _SMOLLM2_NAMES:
-
         built = sorted(p.parent for p in root.glob(f"smollm2-135m-instruct-*/{EXPORT_MARKER}"))
         return built[0] if built else None
     if name.startswith("rehearsal:"):
-
         try:
             folder = root / cache_name(name)
         except ValueError:

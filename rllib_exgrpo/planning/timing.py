@@ -28,6 +28,7 @@ GPU recipe gets one from the same inputs:
 Stages run one after another (the recipes alternate strictly). Each card's bf16 dense peak
 and HBM bandwidth are their data-sheet values.
 """
+
 from __future__ import annotations
 
 import math
@@ -108,9 +109,21 @@ def run_hours(seconds_per_iteration: float, iterations: int) -> str:
     return f"{hours:.0f} h" if hours >= 10 else f"{hours:.1f} h"
 
 
-def estimate_iteration(*, parameters: int, completions: int, prompt_cap: int, completion_cap: int,
-                       generating_gpus: int, learner_gpus: int, card: str, lora: bool, gradient_checkpointing: bool,
-                       colocate: bool, optimizer_state_bytes: float = 0.0, value_trunk: bool = False) -> TimeEstimate:
+def estimate_iteration(
+    *,
+    parameters: int,
+    completions: int,
+    prompt_cap: int,
+    completion_cap: int,
+    generating_gpus: int,
+    learner_gpus: int,
+    card: str,
+    lora: bool,
+    gradient_checkpointing: bool,
+    colocate: bool,
+    optimizer_state_bytes: float = 0.0,
+    value_trunk: bool = False,
+) -> TimeEstimate:
     """The stages of one iteration (see the module doc). ``completions`` per iteration;
     ``value_trunk``: a second network of the policy's size (RLlib's PPO without shared layers)."""
     peak, bandwidth = CARD_SPEEDS[card]

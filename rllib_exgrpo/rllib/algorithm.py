@@ -7,6 +7,7 @@ One ``training_step``::
 
 each stage timed in ``timers/``. With experience replay off this is on-policy GRPO.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,13 +42,21 @@ from rllib_exgrpo.core.groups import (
     trajectories_from_episodes,
 )
 from rllib_exgrpo.exgrpo.experience import (
-    OBSERVE_METRICS, POOL_METRICS, REPLAY_CHOICE_METRICS, ExperienceManager,
+    OBSERVE_METRICS,
+    POOL_METRICS,
+    REPLAY_CHOICE_METRICS,
+    ExperienceManager,
 )
 from rllib_exgrpo.core.minibatches import plan_minibatches, take_rows
 from rllib_exgrpo.core.question_sampler import QuestionSampler
 from rllib_exgrpo.rllib.resources import apply_threads_for, fit_resources
 from rllib_exgrpo.xrpo.steps import (
-    PLANNER_METRICS, SEEDING_METRICS, SHARPENING_METRICS, AdaptiveRollouts, InContextSeeder, sharpen_advantages,
+    PLANNER_METRICS,
+    SEEDING_METRICS,
+    SHARPENING_METRICS,
+    AdaptiveRollouts,
+    InContextSeeder,
+    sharpen_advantages,
 )
 from rllib_exgrpo.envs.reasoning_env import ReasoningEnv
 from rllib_exgrpo.rllib.config_attributes import ExGRPOConfigFields
@@ -84,13 +93,30 @@ ADVANTAGE_TIMER = "advantages"
 HELDOUT_TIMER = "heldout_eval"
 STATE_KEY = "exgrpo"
 #: The stages each step times (``timers/<stage>`` and ``step_time_s/<stage>``, :meth:`ExGRPO._stage`).
-STAGES = (PLAN_TIMER, REPLAY_CHOICE_TIMER, SAMPLE_TIMER, LEARNER_SCORING_TIMER, ADVANTAGE_TIMER, LEARNER_UPDATE_TIMER,
-          BUFFER_TIMER, SYNCH_WORKER_WEIGHTS_TIMER, HELDOUT_TIMER)
+STAGES = (
+    PLAN_TIMER,
+    REPLAY_CHOICE_TIMER,
+    SAMPLE_TIMER,
+    LEARNER_SCORING_TIMER,
+    ADVANTAGE_TIMER,
+    LEARNER_UPDATE_TIMER,
+    BUFFER_TIMER,
+    SYNCH_WORKER_WEIGHTS_TIMER,
+    HELDOUT_TIMER,
+)
 #: What the algorithm itself logs at the top level of a result.
 TOP_LEVEL_METRICS = (
-    "reward_mean", "solve_rate", "zero_variance_group_fraction", "all_correct_group_fraction",  # _log_group_metrics
-    "num_completions", "unscored_completions", "optimizer_steps", "minibatch_rows_min", "minibatch_rows_max",
-    "async_batch_staleness", "learner_scored_completions",
+    "reward_mean",
+    "solve_rate",
+    "zero_variance_group_fraction",
+    "all_correct_group_fraction",  # _log_group_metrics
+    "num_completions",
+    "unscored_completions",
+    "optimizer_steps",
+    "minibatch_rows_min",
+    "minibatch_rows_max",
+    "async_batch_staleness",
+    "learner_scored_completions",
 ) + ROLLOUT_METRICS
 #: What it logs under ``weight_sync/`` (``weight_sync: collective``, :meth:`ExGRPO._sync_runner_weights`).
 WEIGHT_SYNC_METRICS = ("seconds", "bytes_per_runner", "group_generation")
@@ -105,8 +131,10 @@ def logged_metric_names() -> Tuple[str, ...]:
         "": TOP_LEVEL_METRICS,
         ENV_RUNNER_RESULTS: ENV_RUNNER_METRICS + COLOCATION_METRICS,
         f"{LEARNER_RESULTS}/{DEFAULT_MODULE_ID}": LEARNER_METRICS,
-        EXPERIENCE: POOL_METRICS + OBSERVE_METRICS + REPLAY_CHOICE_METRICS + (
-            "replayed_questions", "replayed_fraction", SCORING_RUNNERS_KEY[1]),
+        EXPERIENCE: POOL_METRICS
+        + OBSERVE_METRICS
+        + REPLAY_CHOICE_METRICS
+        + ("replayed_questions", "replayed_fraction", SCORING_RUNNERS_KEY[1]),
         XRPO: PLANNER_METRICS + SEEDING_METRICS + SHARPENING_METRICS,
         HELDOUT: HELDOUT_METRICS,
         "weight_sync": WEIGHT_SYNC_METRICS,
@@ -137,6 +165,7 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
         )
         algo = config.build_algo()
     """
+
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or ExGRPO)
         for name, value in RLLIB_FIELD_DEFAULTS.items():
@@ -170,8 +199,14 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
         mixed = self.model_dtype != "float32" and self.learner_backend == "ddp"
         lora = {}
         if self.lora_rank:  # models/lora.py; absent for full fine-tuning
-            lora = {"lora": {"rank": self.lora_rank, "alpha": self.lora_alpha, "dropout": self.lora_dropout,
-                             "target_modules": self.lora_target_modules}}
+            lora = {
+                "lora": {
+                    "rank": self.lora_rank,
+                    "alpha": self.lora_alpha,
+                    "dropout": self.lora_dropout,
+                    "target_modules": self.lora_target_modules,
+                }
+            }
         return {
             "model": self.model_name_or_path,
             "dtype": self.model_dtype,
@@ -190,7 +225,6 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
         (``rllib/deepspeed_learner.py``; its config is checked here, in the driver,
         before RLlib starts a learner)."""
         if self.learner_backend == "deepspeed":
-
             check_deepspeed_config(self)
             return DeepSpeedExGRPOLearner
         return ExGRPOTorchLearner
@@ -209,6 +243,7 @@ class ExGRPOConfig(AlgorithmConfig, ExGRPOConfigFields):
 
 class GRPOConfig(ExGRPOConfig):
     """On-policy GRPO: ExGRPO with experience replay switched off."""
+
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or GRPO)
         self.experience_replay = False
@@ -217,13 +252,13 @@ class GRPOConfig(ExGRPOConfig):
         # A copied ExGRPO recipe with its run line changed to GRPO keeps experience_replay: true,
         # which would train ExGRPO under GRPO's name.
         if self.experience_replay:
-            rc.config_value_error(self, "experience_replay: true is ExGRPO: use run: ExGRPO, or drop "
-                                        "experience_replay for on-policy GRPO")
+            rc.config_value_error(self, "experience_replay: true is ExGRPO: use run: ExGRPO, or drop experience_replay for on-policy GRPO")
         super().validate()
 
 
 class ExGRPO(Algorithm):
     """Experience-driven GRPO on RLlib's env-runner / learner stack."""
+
     @classmethod
     @override(Algorithm)
     def get_default_config(cls) -> ExGRPOConfig:
@@ -235,9 +270,7 @@ class ExGRPO(Algorithm):
         """RLlib's placement-group request, after fitting the config to the cluster
         (``resources.fit_resources``: ``"auto"`` main-process CPUs resolved, a CPU
         shortfall shared out instead of a trial that stays PENDING forever)."""
-        cfg = cls.get_default_config().update_from_dict(
-            config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        )
+        cfg = cls.get_default_config().update_from_dict(config.to_dict() if hasattr(config, "to_dict") else dict(config))
         for note in fit_resources(cfg):
             logger.warning("%s", note)
         return super().default_resource_request(cfg)
@@ -279,9 +312,7 @@ class ExGRPO(Algorithm):
                 local.mark_weights_stale()
         # weight_sync: a collective broadcast to the remote runners, or RLlib's object store.
         path, line = chosen_path(cfg)
-        self._weight_broadcaster = (
-            WeightBroadcaster(cfg.weight_sync_bucket_mb) if path == "collective" else None
-        )
+        self._weight_broadcaster = WeightBroadcaster(cfg.weight_sync_bucket_mb) if path == "collective" else None
         print(line, flush=True)
         # Remote runners build their module lazily; give them the learner's weights now.
         self._sync_runner_weights()
@@ -290,9 +321,7 @@ class ExGRPO(Algorithm):
         """The learner's weights as a weight sync ships them (inference-only)."""
         from ray.rllib.core import COMPONENT_LEARNER, COMPONENT_RL_MODULE
 
-        state = self.learner_group.get_state(
-            components=f"{COMPONENT_LEARNER}/{COMPONENT_RL_MODULE}", inference_only=True
-        )
+        state = self.learner_group.get_state(components=f"{COMPONENT_LEARNER}/{COMPONENT_RL_MODULE}", inference_only=True)
         return state[COMPONENT_LEARNER]
 
     def _tokenizer_pad_id(self) -> int:
@@ -386,9 +415,7 @@ class ExGRPO(Algorithm):
                 eps=cfg.advantage_eps,
             )
             if cfg.novelty_sharpening:
-                xrpo_metrics.update(
-                    sharpen_advantages(groups, lambda_nov=cfg.novelty_lambda, kappa=cfg.novelty_kappa)
-                )
+                xrpo_metrics.update(sharpen_advantages(groups, lambda_nov=cfg.novelty_lambda, kappa=cfg.novelty_kappa))
             batch = learner_batch(groups.trajectories, groups.advantages, self._pad_id)
             self._log_group_metrics(groups)
         for key, value in xrpo_metrics.items():
@@ -420,11 +447,7 @@ class ExGRPO(Algorithm):
             # Seeded by (seed, iteration): the same order again after a restore.
             rng=np.random.default_rng([(cfg.seed or 0) % 2**32, self.iteration, 11]),
         )
-        timesteps = {
-            NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
-                (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0
-            )
-        }
+        timesteps = {NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek((ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME), default=0)}
         sizes = []
         for epoch in plan:
             for shards in epoch:
@@ -532,14 +555,18 @@ class ExGRPO(Algorithm):
         self.metrics.log_value("learner_scored_completions", len(todo), window=1)
 
     # ---- sampling across runners -----------------------------------------------------
-    def _sample(self, question_ids: Sequence[str], num_samples: Sequence[int],
-                prompt_prefixes: Optional[Sequence[Optional[str]]] = None, **sample_kwargs):
+    def _sample(
+        self,
+        question_ids: Sequence[str],
+        num_samples: Sequence[int],
+        prompt_prefixes: Optional[Sequence[Optional[str]]] = None,
+        **sample_kwargs,
+    ):
         """``RolloutCoordinator.sample``: a question's group stays on one runner; dead
         runners are restored and their questions sampled again. With ``colocate`` the
         learners sample (``colocation.sample_on_learners``)."""
         if self.config.colocate:
-            return sample_on_learners(self.learner_group, question_ids, num_samples, prompt_prefixes,
-                                      **sample_kwargs)
+            return sample_on_learners(self.learner_group, question_ids, num_samples, prompt_prefixes, **sample_kwargs)
         return self.coordinator.sample(question_ids, num_samples, prompt_prefixes, **sample_kwargs)
 
     def _restart_failed_runners(self) -> None:
@@ -577,8 +604,10 @@ class ExGRPO(Algorithm):
         broadcaster = self._weight_broadcaster
         if broadcaster is None:
             self.env_runner_group.sync_weights(
-                from_worker_or_learner_group=self.learner_group, inference_only=True,
-                to_worker_indices=to_worker_indices, timeout_seconds=timeout_seconds,
+                from_worker_or_learner_group=self.learner_group,
+                inference_only=True,
+                to_worker_indices=to_worker_indices,
+                timeout_seconds=timeout_seconds,
             )
             return
         try:
@@ -721,8 +750,7 @@ class ExGRPO(Algorithm):
         remote = {}
         if group is not None and group.num_remote_workers() > 0:
             ids = group.healthy_worker_ids()
-            states = group.foreach_env_runner(lambda r: _torch_rng_state(), local_env_runner=False,
-                                              remote_worker_ids=ids)
+            states = group.foreach_env_runner(lambda r: _torch_rng_state(), local_env_runner=False, remote_worker_ids=ids)
             remote = dict(zip(ids, states))
         return {"torch": torch.get_rng_state(), "remote_env_runners": remote, "learners": self._learner_rng_states()}
 
@@ -740,19 +768,22 @@ class ExGRPO(Algorithm):
         learners = rng.get("learners")
         if learners and self.config.colocate and not self.learner_group.is_local:
             self.learner_group.foreach_learner(
-                lambda learner, _st=learners: _set_torch_rng_state(_st[learner_rank()]) if learner_rank() in _st else None)
+                lambda learner, _st=learners: _set_torch_rng_state(_st[learner_rank()]) if learner_rank() in _st else None
+            )
         group = self.env_runner_group
         if group is None or group.num_remote_workers() == 0:
             return
         healthy = set(group.healthy_worker_ids())
         for wid, runner_state in rng.get("remote_env_runners", {}).items():
             if wid in healthy:
-                group.foreach_env_runner(lambda r, st=runner_state: _set_torch_rng_state(st),
-                                         local_env_runner=False, remote_worker_ids=[wid])
+                group.foreach_env_runner(
+                    lambda r, st=runner_state: _set_torch_rng_state(st), local_env_runner=False, remote_worker_ids=[wid]
+                )
 
 
 class GRPO(ExGRPO):
     """On-policy GRPO: the same stack with experience replay off."""
+
     @classmethod
     def get_default_config(cls) -> GRPOConfig:
         return GRPOConfig()
@@ -778,6 +809,7 @@ def _set_torch_rng_state(state) -> None:
 class _CollectedStep:
     """What a step's collection hands to its update: scored groups, the learner batch, and
     the replay choice's metrics."""
+
     groups: Any
     batch: Dict[str, np.ndarray]
     replay_metrics: Dict[str, float]

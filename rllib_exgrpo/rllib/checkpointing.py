@@ -12,6 +12,7 @@
 The DeepSpeed learner writes its ZeRO shards with these (``SHARD_FOLDER``); the layout is
 described in ``docs/deepspeed.md``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,7 +87,7 @@ def local_checkpoint_path(path: Optional[PathLike], filesystem=None) -> Optional
         return None
     text = str(path)
     if "://" in text:
-        return text[len("file://"):] if text.startswith("file://") else None
+        return text[len("file://") :] if text.startswith("file://") else None
     return text
 
 

@@ -35,6 +35,7 @@ advantages, metrics) does not change.
 engine was awake and whether the optimizer state was on the device, so a test can check
 that no phase has both.
 """
+
 from __future__ import annotations
 
 import collections
@@ -54,8 +55,7 @@ from rllib_exgrpo.rllib.rollouts import learner_error, split_evenly
 logger = logging.getLogger(__name__)
 
 #: The protocol's calls, in the order one turn makes them (vLLM; the HF backend only generates).
-PHASES = ("offload_optimizer", "wake_weights", "push_weights", "wake_kv_cache", "generate", "sleep",
-          "reload_optimizer")
+PHASES = ("offload_optimizer", "wake_weights", "push_weights", "wake_kv_cache", "generate", "sleep", "reload_optimizer")
 #: vLLM's sleep level: 2 drops the weights too (they are pushed again on wake).
 SLEEP_LEVEL = 2
 #: What a colocated turn logs on the learner's env runner (``env_runners/``).
@@ -72,6 +72,7 @@ class TurnEvent:
 class TurnRecord:
     """The protocol's calls in order, with the state after each (see the module doc); the
     last ``keep`` of them."""
+
     def __init__(self, keep: int = 10_000):
         self.events: Deque[TurnEvent] = collections.deque(maxlen=keep)
 
@@ -135,9 +136,17 @@ class ColocatedSampler:
         engines: returns the learner's DeepSpeed engines (their own state offload).
         runner: an already built runner (tests); by default one is built over ``module``.
     """
-    def __init__(self, config, module, *, index: int = 0,
-                 optimizers: Callable[[], Sequence[torch.optim.Optimizer]] = lambda: (),
-                 engines: Callable[[], Sequence] = lambda: (), runner=None):
+
+    def __init__(
+        self,
+        config,
+        module,
+        *,
+        index: int = 0,
+        optimizers: Callable[[], Sequence[torch.optim.Optimizer]] = lambda: (),
+        engines: Callable[[], Sequence] = lambda: (),
+        runner=None,
+    ):
         self.module = module
         self.index = index
         #: Lines for the user not yet handed to the driver (:meth:`pop_notes`), said once.
@@ -145,7 +154,6 @@ class ColocatedSampler:
         #: ZeRO-3: the learner's weights are partitions, gathered layer by layer for each turn.
         self.partitioned = is_partitioned(module)
         if runner is None:
-
             runner = LLMEnvRunner(config=config, worker_index=index)
             if self.partitioned and config.generation_backend != "vllm":
                 # The HF backend cannot generate from partitions: a plain copy of the model,
@@ -195,8 +203,7 @@ class ColocatedSampler:
         engine's build while the learners' process group exists (DDP or DeepSpeed
         learners), since vLLM 0.32 then builds its own groups over the learners' world
         (``torch.distributed.new_group`` on every rank: :func:`engine_build_is_collective`)."""
-        if self.partitioned or (self.uses_engine and getattr(self.backend, "llm", None) is None
-                                and engine_build_is_collective()):
+        if self.partitioned or (self.uses_engine and getattr(self.backend, "llm", None) is None and engine_build_is_collective()):
             with self.turn():
                 pass
 
@@ -268,6 +275,7 @@ class ColocatedSampler:
         after its bucket is released)."""
         buckets = plain_weight_buckets(self.module.model)
         if self.uses_engine:
+
             def stream():
                 for params, read in buckets:
                     with gathered(params):
@@ -289,11 +297,13 @@ class ColocatedSampler:
     # ---- the engine's side (vLLM) -----------------------------------------------------------
     def _sleep_mode(self) -> bool:
         llm = getattr(self.backend, "llm", None)
-        on = bool(llm is not None and getattr(getattr(llm.llm_engine, "vllm_config", None), "model_config", None)
-                  and getattr(llm.llm_engine.vllm_config.model_config, "enable_sleep_mode", False))
+        on = bool(
+            llm is not None
+            and getattr(getattr(llm.llm_engine, "vllm_config", None), "model_config", None)
+            and getattr(llm.llm_engine.vllm_config.model_config, "enable_sleep_mode", False)
+        )
         if not on and not self._said_no_sleep:
-            print("colocate: this vLLM engine has no sleep mode (vLLM's CPU build): skipping its sleep and "
-                  "wake calls", flush=True)
+            print("colocate: this vLLM engine has no sleep mode (vLLM's CPU build): skipping its sleep and wake calls", flush=True)
             self._said_no_sleep = True
         return on
 
@@ -349,8 +359,13 @@ def learner_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def sample_on_learners(learner_group, question_ids: Sequence[str], num_samples: Sequence[int],
-                       prompt_prefixes: Optional[Sequence[Optional[str]]] = None, **sample_kwargs):
+def sample_on_learners(
+    learner_group,
+    question_ids: Sequence[str],
+    num_samples: Sequence[int],
+    prompt_prefixes: Optional[Sequence[Optional[str]]] = None,
+    **sample_kwargs,
+):
     """``(episodes, runner metrics)`` as ``RolloutCoordinator.sample`` returns them, sampled
     by the learners (``colocate``): the questions cut into one contiguous share per learner
     (a question's group stays on one learner), each learner sampling its own share with its
@@ -359,9 +374,7 @@ def sample_on_learners(learner_group, question_ids: Sequence[str], num_samples: 
     parts = 1 if learner_group.is_local else max(1, len(learner_group))
     items = list(zip(question_ids, num_samples, prefixes))
     shards = [[list(x) for x in zip(*shard)] if shard else None for shard in split_evenly(items, parts)]
-    results = learner_group.foreach_learner(
-        lambda learner, _s=shards, _k=sample_kwargs: learner.colocated_sample(_s, _k)
-    )
+    results = learner_group.foreach_learner(lambda learner, _s=shards, _k=sample_kwargs: learner.colocated_sample(_s, _k))
     by_rank = {}
     for result in results:
         if not getattr(result, "ok", True):

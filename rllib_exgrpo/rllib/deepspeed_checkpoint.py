@@ -8,6 +8,7 @@ weights gathered on one learner. Nothing here builds an engine: the learner's ``
 ``_module_tensors``, ``_set_module_weights``, ``_full_module_state`` and
 ``_from_every_rank`` are used as they are. The layout is described in ``docs/deepspeed.md``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,7 @@ def _local_path(filesystem, path) -> None:
 
         if not isinstance(filesystem, pyarrow.fs.LocalFileSystem):
             raise NotImplementedError(
-                f"DeepSpeed optimizer shards need a local (or mounted) checkpoint path, got {type(filesystem).__name__} "
-                f"for {path}"
+                f"DeepSpeed optimizer shards need a local (or mounted) checkpoint path, got {type(filesystem).__name__} for {path}"
             )
 
 
@@ -98,9 +98,14 @@ class DeepSpeedCheckpointing(TorchLearner):
                     whole[key] = shippable(t.data, want)
                 else:
                     shapes[key] = (tuple(t.ds_shape), want)
-        return {zero3_weights.MANIFEST_KEY: {
-            "world_size": dist.get_world_size(), "whole": whole, "shapes": shapes, "tied": tied,
-        }}
+        return {
+            zero3_weights.MANIFEST_KEY: {
+                "world_size": dist.get_world_size(),
+                "whole": whole,
+                "shapes": shapes,
+                "tied": tied,
+            }
+        }
 
     def _ds_own_module_partitions(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """This rank's live ZeRO-3 partitions (``ds_tensor``) of each partitioned
@@ -150,10 +155,11 @@ class DeepSpeedCheckpointing(TorchLearner):
         (``get_state(components="optimizer")``): every rank's shard, gathered here through
         Ray (in memory: tests, debugging)."""
         if not self._ds_gather_optimizer:
-            return {"deepspeed_sharded": {
-                mid: {"zero_stage": zero_stage(engine), "world_size": dist.get_world_size()}
-                for mid, engine in self._engines.items()
-            }}
+            return {
+                "deepspeed_sharded": {
+                    mid: {"zero_stage": zero_stage(engine), "world_size": dist.get_world_size()} for mid, engine in self._engines.items()
+                }
+            }
         shards = {
             mid: {
                 "zero_stage": zero_stage(engine),
@@ -231,9 +237,7 @@ class DeepSpeedCheckpointing(TorchLearner):
         rank, world = dist.get_rank(), dist.get_world_size()
         written = 0
         for mid, engine in self._engines.items():
-            written += checkpointing.save_shard(
-                engine.optimizer.state_dict(), checkpointing.shard_file(folder, mid, rank, world)
-            )
+            written += checkpointing.save_shard(engine.optimizer.state_dict(), checkpointing.shard_file(folder, mid, rank, world))
         if module_folder is not None:
             for mid, parts in self._ds_own_module_partitions().items():
                 written += checkpointing.save_shard(parts, checkpointing.shard_file(module_folder, mid, rank, world))
@@ -263,14 +267,12 @@ class DeepSpeedCheckpointing(TorchLearner):
         with contextlib.ExitStack() as stack:
             tmp = stack.enter_context(checkpointing.atomic_folder(learner_folder / checkpointing.SHARD_FOLDER))
             tmp_module = (
-                str(stack.enter_context(checkpointing.atomic_folder(learner_folder / zero3_weights.MODULE_SHARD_FOLDER)))
-                if zero3 else None
+                str(stack.enter_context(checkpointing.atomic_folder(learner_folder / zero3_weights.MODULE_SHARD_FOLDER))) if zero3 else None
             )
             local_refs, remote = [], []
             if self._ds_peers:
                 here = self._ds_node_ip()
-                ips = ray.get([h._ds_node_ip.remote() for r, h in enumerate(self._ds_peers) if r != rank],
-                              timeout=GATHER_TIMEOUT_S)
+                ips = ray.get([h._ds_node_ip.remote() for r, h in enumerate(self._ds_peers) if r != rank], timeout=GATHER_TIMEOUT_S)
                 others = [(r, h) for r, h in enumerate(self._ds_peers) if r != rank]
                 for (r, h), ip in zip(others, ips):
                     if ip == here:
@@ -343,9 +345,7 @@ class DeepSpeedCheckpointing(TorchLearner):
             c == COMPONENT_OPTIMIZER or c.startswith(COMPONENT_OPTIMIZER + "/") for c in force_list(components)
         )
         try:
-            state = super().get_state(
-                components, not_components=force_list(not_components) + [COMPONENT_RL_MODULE], **kwargs
-            )
+            state = super().get_state(components, not_components=force_list(not_components) + [COMPONENT_RL_MODULE], **kwargs)
         finally:
             self._ds_gather_optimizer = False
         if want_module:

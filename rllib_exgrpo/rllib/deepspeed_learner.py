@@ -47,6 +47,7 @@ either. Pitfalls of DeepSpeed on this stack (listed in ``docs/deepspeed.md``) ar
 handled in ``_prepare_distributed`` and ``build_deepspeed_config``; ``docs/deepspeed.md``
 has the measurements.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -129,8 +130,7 @@ def deepspeed_config_errors(config) -> List[str]:
         )
     if config.grad_clip is not None and config.grad_clip_by != "global_norm":
         errors.append(
-            f"learner_backend='deepspeed' clips by global norm only: grad_clip_by must be "
-            f"'global_norm', got {config.grad_clip_by!r}"
+            f"learner_backend='deepspeed' clips by global norm only: grad_clip_by must be 'global_norm', got {config.grad_clip_by!r}"
         )
     if getattr(config, "torch_compile_learner", False):
         errors.append("learner_backend='deepspeed' does not support torch_compile_learner")
@@ -208,8 +208,10 @@ def _prepare_distributed(device: torch.device) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         dist.init_process_group(
-            "gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            rank=0, world_size=1,
+            "gloo",
+            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            rank=0,
+            world_size=1,
         )
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ["RANK"] = str(rank)
@@ -248,12 +250,14 @@ def _overflow_forced(engine):
         setattr(opt, name, value)
 
     if _zero_stage(engine) == 3:
+
         def forced(update_scale=True):
             opt.overflow = True
             return opt._loss_scale_update_and_overflow_cleanup() if update_scale else True
 
         patch("_overflow_check_and_loss_scale_update", forced)
     else:
+
         def forced(partition_gradients=True):
             opt.overflow = True
 
@@ -358,9 +362,7 @@ class _DeepSpeedStep(TorchLearner):
         RLlib's norm metric is logged as the DDP learner logs it."""
         if (config.grad_clip and config.grad_clip_by == "global_norm") or config.log_gradients:
             for value in module_gradients_dict.values():
-                self.metrics.log_value(
-                    (module_id, f"gradients_{DEFAULT_OPTIMIZER}_global_norm"), float(value.reshape(-1)[0]), window=1
-                )
+                self.metrics.log_value((module_id, f"gradients_{DEFAULT_OPTIMIZER}_global_norm"), float(value.reshape(-1)[0]), window=1)
         return dict(module_gradients_dict)
 
     @override(TorchLearner)
@@ -467,7 +469,9 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, DeepSpeedCheckpointing, _DeepSp
             return contextlib.nullcontext()
 
         fwd_out, loss_per_module = self._run_passes(
-            batch, forward=forward, backward=lambda losses: bad.append(self._ds_backward(losses)),
+            batch,
+            forward=forward,
+            backward=lambda losses: bad.append(self._ds_backward(losses)),
             pass_context=at_boundary,
         )
         self._ds_keep_step = False
@@ -491,8 +495,7 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, DeepSpeedCheckpointing, _DeepSp
         """ZeRO-3 with two or more learners: each LM-head call gathers its parameters."""
         import torch.distributed as dist
 
-        return (int(self.config.deepspeed_zero_stage) == 3 and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size() > 1)
+        return int(self.config.deepspeed_zero_stage) == 3 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def _score_forward(self, module_id, chunk):
         """Through the engine: under ZeRO-3 its hooks gather the parameters (every rank runs
@@ -540,8 +543,7 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, DeepSpeedCheckpointing, _DeepSp
         if inference_only and not rl_module.inference_only and isinstance(rl_module, InferenceOnlyAPI):
             attrs = rl_module.get_non_inference_attributes()
             tensors = {
-                k: v for k, v in tensors.items()
-                if not any(k.startswith(a) and (len(k) == len(a) or k[len(a)] == ".") for a in attrs)
+                k: v for k, v in tensors.items() if not any(k.startswith(a) and (len(k) == len(a) or k[len(a)] == ".") for a in attrs)
             }
         return tensors
 
@@ -602,7 +604,7 @@ class DeepSpeedExGRPOLearner(ExGRPOTorchLearner, DeepSpeedCheckpointing, _DeepSp
                 flat = full.reshape(-1).to(part.dtype)
                 piece = flat[rank * size : (rank + 1) * size]
                 part.data.reshape(-1)[: piece.numel()].copy_(piece)
-                part.data.reshape(-1)[piece.numel():].zero_()
+                part.data.reshape(-1)[piece.numel() :].zero_()
                 if t.data.numel() == t.ds_numel:  # available (persistent or gathered): keep it equal
                     t.data.copy_(full.reshape(t.ds_shape).to(t.dtype))
             else:

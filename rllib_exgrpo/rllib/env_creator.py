@@ -11,6 +11,7 @@ The package's env, datasets and rewards live under ``rllib_exgrpo.envs``; they w
 top-level ``envs`` package. A class path under that old name that no longer imports fails in
 one line saying what to write instead (:func:`import_object`).
 """
+
 from __future__ import annotations
 
 import importlib

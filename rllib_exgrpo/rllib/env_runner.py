@@ -34,6 +34,7 @@ Settings: the runner reads its LLM settings (model, G, token limits, sampling) t
 other ``AlgorithmConfig``, e.g. RLlib's own ``PPOConfig``, which takes them from the RL
 module's ``model_config`` dict (see :class:`RunnerSettings`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -90,15 +91,26 @@ RUNNER_SETTINGS = tuple(f.name for f in FIELDS if f.runner)
 #: What a training sample logs (``env_runners/``): :meth:`LLMEnvRunner._log_sample_metrics`
 #: and ``_log_logprob_mismatch`` (plus ``reward_<name>_mean`` per custom reward function).
 ENV_RUNNER_METRICS = (
-    EPISODE_RETURN_MEAN, NUM_EPISODES, NUM_ENV_STEPS_SAMPLED, NUM_ENV_STEPS_SAMPLED_LIFETIME, "generation_time_s",
-    "scoring_time_s", "response_length_mean", "num_response_tokens", "num_response_tokens_lifetime",
-    "truncated_fraction", "reward_timeouts", "reward_errors", "behaviour_logprob_mismatch_mean",
+    EPISODE_RETURN_MEAN,
+    NUM_EPISODES,
+    NUM_ENV_STEPS_SAMPLED,
+    NUM_ENV_STEPS_SAMPLED_LIFETIME,
+    "generation_time_s",
+    "scoring_time_s",
+    "response_length_mean",
+    "num_response_tokens",
+    "num_response_tokens_lifetime",
+    "truncated_fraction",
+    "reward_timeouts",
+    "reward_errors",
+    "behaviour_logprob_mismatch_mean",
     "behaviour_logprob_mismatch_max",
 )
 
 #: Where a setting lives in a module ``model_config`` when its name differs there: the
 #: module's own keys (``LLMTorchRLModule`` loads ``model`` in ``dtype``).
 MODEL_CONFIG_KEYS = {"model_name_or_path": "model", "model_dtype": "dtype"}
+
 
 def runner_setting_defaults() -> Dict[str, Any]:
     """The config fields' defaults of :data:`RUNNER_SETTINGS` (one source of defaults)."""
@@ -136,6 +148,7 @@ class RunnerSettings:
     Any other attribute is looked up on the config itself, so this object can stand in
     for the config wherever LLM settings are read (e.g. by a generation backend).
     """
+
     def __init__(self, config, worker_index: int = 0):
         self._config = config
         self._worker_index = worker_index or 0
@@ -172,6 +185,7 @@ class RunnerSettings:
 
 class LLMEnvRunner(EnvRunner, Checkpointable):
     """Samples groups of completions for given questions; see the module docstring."""
+
     def __init__(self, *, config, **kwargs):
         super().__init__(config=config, **kwargs)
 
@@ -214,9 +228,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         cfg = self.config
         if self.settings.from_config_fields:
             return  # ExGRPO / GRPO batch episodes themselves (rllib_exgrpo.core.groups).
-        if rc.learner_connector(cfg) is None and getattr(
-            cfg, "add_default_connectors_to_learner_pipeline", True
-        ):
+        if rc.learner_connector(cfg) is None and getattr(cfg, "add_default_connectors_to_learner_pipeline", True):
             raise ValueError(
                 "LLMEnvRunner returns variable-length token arrays (prompt ids as "
                 "observations, completion ids as actions), which RLlib's default learner "
@@ -257,9 +269,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
         if self.engine_only:
             self._make_engine_only()
             return
-        spec = self.config.get_rl_module_spec(
-            spaces={DEFAULT_MODULE_ID: (self.obs_space, self.act_space)}, inference_only=True
-        )
+        spec = self.config.get_rl_module_spec(spaces={DEFAULT_MODULE_ID: (self.obs_space, self.act_space)}, inference_only=True)
         self.module = spec.build()
         self.module.to(runner_device(self.config))
         self.module.eval()
@@ -301,9 +311,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             if self.module is not None:
                 self._stop_token_ids = stop_token_ids(self.module.model, self.tokenizer)
             else:  # engine only: the generation config as the model folder has it
-
-                self._stop_token_ids = stop_token_ids(
-                    generation_config_holder(self.settings.model_name_or_path), self.tokenizer)
+                self._stop_token_ids = stop_token_ids(generation_config_holder(self.settings.model_name_or_path), self.tokenizer)
         return self._stop_token_ids
 
     # ---- EnvRunner API -------------------------------------------------------------
@@ -379,20 +387,30 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             temperature = cfg.temperature if explore else 0.0
         # scoring_on: learners: recomputed behaviour log-probs come from the learners.
         learners_score = return_logprobs and cfg.scoring_on == "learners" and cfg.behaviour_logprobs == "recompute"
-        params = SamplingParams(max_new_tokens=max_new_tokens or cfg.max_response_tokens, temperature=temperature,
-                                top_p=cfg.top_p, stop_token_ids=self.stop_token_ids,
-                                return_logprobs=return_logprobs and not learners_score)
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens or cfg.max_response_tokens,
+            temperature=temperature,
+            top_p=cfg.top_p,
+            stop_token_ids=self.stop_token_ids,
+            return_logprobs=return_logprobs and not learners_score,
+        )
         env = self.heldout_split_env(heldout) if isinstance(heldout, str) else self.heldout_env if heldout else self.env
         prompts = [self.encode_prompt(q, env=env) for q in question_ids]
         prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
-        gen_prompts = [self.encode_prompt(q, prefix=pre, env=env) if pre else p
-                       for q, p, pre in zip(question_ids, prompts, prefixes)]
+        gen_prompts = [self.encode_prompt(q, prefix=pre, env=env) if pre else p for q, p, pre in zip(question_ids, prompts, prefixes)]
         batch = sample_and_score(self.backend, self.tokenizer, gen_prompts, num_samples, params, question_ids, env.score)
         # A seeded completion that the learners score is scored under its generation prompt.
         score_prompts = [g if learners_score and pre else None for g, pre in zip(gen_prompts, prefixes)]
         episodes = [
-            self._episode(question_ids[i.prompt_index], prompts[i.prompt_index], i.completion, i.text, i.result,
-                          seeded=bool(prefixes[i.prompt_index]), score_prompt=score_prompts[i.prompt_index])
+            self._episode(
+                question_ids[i.prompt_index],
+                prompts[i.prompt_index],
+                i.completion,
+                i.text,
+                i.result,
+                seeded=bool(prefixes[i.prompt_index]),
+                score_prompt=score_prompts[i.prompt_index],
+            )
             for i in batch.items
         ]
         if not heldout:
@@ -416,14 +434,12 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def _log_training_sample(self, episodes, batch, env) -> None:
         """The metrics of a training sample: counts, rewards, timings, log-prob mismatch and
         (``env_config.reward_fn`` / ``reward_fns``) each custom reward's mean score."""
-        self._log_sample_metrics(episodes, [i.result for i in batch.items],
-                                 generation_s=batch.generation_s, scoring_s=batch.scoring_s)
+        self._log_sample_metrics(episodes, [i.result for i in batch.items], generation_s=batch.generation_s, scoring_s=batch.scoring_s)
         self._log_logprob_mismatch([i.completion for i in batch.items])
         for key, value in getattr(env, "reward_metrics", dict)().items():
             self.metrics.log_value(key, value, window=1)
 
-    def _episode(self, question_id, prompt_ids, completion, text, result, seeded=False,
-                 score_prompt=None) -> SingleAgentEpisode:
+    def _episode(self, question_id, prompt_ids, completion, text, result, seeded=False, score_prompt=None) -> SingleAgentEpisode:
         obs = np.asarray(prompt_ids, dtype=np.int64)
         info = {
             C.QUESTION_ID: question_id,
@@ -472,20 +488,15 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
             float(np.mean([e.get_infos(-1)["finish_reason"] == "length" for e in episodes])) if n else 0.0,
             window=1,
         )
-        self.metrics.log_value(
-            "reward_timeouts", sum(r.timed_out for r in results), reduce="sum"
-        )
-        self.metrics.log_value(
-            "reward_errors", sum(r.error is not None for r in results), reduce="sum"
-        )
+        self.metrics.log_value("reward_timeouts", sum(r.timed_out for r in results), reduce="sum")
+        self.metrics.log_value("reward_errors", sum(r.error is not None for r in results), reduce="sum")
 
     def _log_logprob_mismatch(self, completions) -> None:
         """|engine - recomputed| behaviour log-probs per token, where both exist (vLLM)."""
         diffs = [
             np.abs(c.engine_logp.astype(np.float64) - c.logp.astype(np.float64))
             for c in completions
-            if c.engine_logp is not None and c.logp is not None and c.logp is not c.engine_logp
-            and len(c.logp) == len(c.engine_logp)
+            if c.engine_logp is not None and c.logp is not None and c.logp is not c.engine_logp and len(c.logp) == len(c.engine_logp)
         ]
         if diffs:
             flat = np.concatenate(diffs)
@@ -510,8 +521,7 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def get_state(self, components=None, *, not_components=None, **kwargs):
         state = {NUM_ENV_STEPS_SAMPLED_LIFETIME: self.num_env_steps_sampled_lifetime}
         if rc.check_component(self, COMPONENT_RL_MODULE, components, not_components):
-            if components is None and self.module is None and self.weights_source is not None \
-                    and not self._samples_here():
+            if components is None and self.module is None and self.weights_source is not None and not self._samples_here():
                 # The whole state of a runner without a module (an algorithm's local
                 # runner; RLlib's restore_env_runners asks for it): no weights, rather than
                 # a model built on the driver for them. The restored runners get the
@@ -631,4 +641,3 @@ class LLMEnvRunner(EnvRunner, Checkpointable):
     def stop(self):
         for env in (self.env, *self._heldout_envs.values()):
             env.close()
-

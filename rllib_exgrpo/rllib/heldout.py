@@ -7,6 +7,7 @@ call it is given (``RolloutCoordinator.sample`` in ``ExGRPO``) with the held-out
 ``heldout/accuracy``, ``heldout/after_iteration`` and ``heldout/initial_accuracy`` (the
 accuracy before the first update, kept in checkpoints). Nothing here needs an ``Algorithm``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,6 +49,7 @@ class HeldoutEvaluator:
         sample: ``sample(question_ids, num_samples, **sample_kwargs) -> (episodes, metrics)``.
         question_ids: the held-out question ids (default: read from ``config``).
     """
+
     def __init__(self, config, sample: Callable[..., Tuple[list, Any]], question_ids: Optional[List[str]] = None):
         self.config = config
         self.sample = sample
@@ -96,6 +98,9 @@ class HeldoutEvaluator:
             metrics.log_value((HELDOUT, "initial_accuracy"), self.initial_accuracy, window=1)
         # Logged, not printed: `rllib train`'s one line per iteration shows it already.
         logger.info(
-            "held-out accuracy after %d iterations: %.3f (%d questions x %d)", after_iteration,
-            result["accuracy"], result["num_questions"], result["samples_per_question"],
+            "held-out accuracy after %d iterations: %.3f (%d questions x %d)",
+            after_iteration,
+            result["accuracy"],
+            result["num_questions"],
+            result["samples_per_question"],
         )

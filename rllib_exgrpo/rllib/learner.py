@@ -45,6 +45,7 @@ pass. Data-parallel learners agree on the number of passes (a learner with fewer
 ones) because a forward is a collective under ZeRO-3 and DDP. Logged per update:
 ``learner_passes`` and ``learner_padded_over_real`` (token positions computed / real tokens).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +82,14 @@ logger = logging.getLogger(__name__)
 #: loss and clip switch (``_log_loss_metrics``), the pre-clip norm and skipped updates
 #: (``apply_gradients``) and the pass plan (``_plan_passes``).
 LEARNER_METRICS = LOSS_METRICS + (
-    "total_loss", "clip_on_fresh_tokens", "zero_advantage_updates", "grad_norm_preclip", "update_skipped",
-    "skipped_nonfinite", "learner_passes", "learner_padded_over_real",
+    "total_loss",
+    "clip_on_fresh_tokens",
+    "zero_advantage_updates",
+    "grad_norm_preclip",
+    "update_skipped",
+    "skipped_nonfinite",
+    "learner_passes",
+    "learner_padded_over_real",
 )
 
 
@@ -122,8 +129,11 @@ class ExGRPOTorchLearner(TorchLearner):
             packing = "packed passes" if self._kernel_packs_rows() else "padded passes (no variable-length kernel)"
         else:
             packing = "padded passes"
-        print(f"learner: attention {', '.join(kernels)} (attn_implementation: {self.config.attn_implementation}); "
-              f"{packing}; log-probs in chunks of {self.config.logit_chunk_tokens} positions", flush=True)
+        print(
+            f"learner: attention {', '.join(kernels)} (attn_implementation: {self.config.attn_implementation}); "
+            f"{packing}; log-probs in chunks of {self.config.logit_chunk_tokens} positions",
+            flush=True,
+        )
 
     @override(TorchLearner)
     def get_parameters(self, module):
@@ -143,7 +153,10 @@ class ExGRPOTorchLearner(TorchLearner):
         adapters_off = lora_model.disable_adapter() if lora_model is not None else contextlib.nullcontext()
         with torch.no_grad(), module.autocast(), adapters_off:
             ref_logp, _ = score_learner_batch(
-                reference, batch, temperature=config.temperature, with_entropy=False,
+                reference,
+                batch,
+                temperature=config.temperature,
+                with_entropy=False,
                 chunk_tokens=config.logit_chunk_tokens,
             )
         return ref_logp
@@ -154,9 +167,7 @@ class ExGRPOTorchLearner(TorchLearner):
         the learning rate stays RLlib's (``lr``, a number or a schedule)."""
         params = self.get_parameters(self.module[module_id])
         optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=config.weight_decay)
-        self.register_optimizer(
-            module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr
-        )
+        self.register_optimizer(module_id=module_id, optimizer=optimizer, params=params, lr_or_lr_schedule=config.lr)
 
     def _reset_update_guards(self) -> None:
         """Forget the previous step's guard flags (start and end of every ``_update``)."""
@@ -211,9 +222,7 @@ class ExGRPOTorchLearner(TorchLearner):
             # vLLM's own behaviour log-probs: truncated importance sampling of the unclipped
             # ratio (the HF backend's read-off log-probs are the learner's, within 1e-5).
             ratio_cap=(
-                config.behaviour_ratio_cap
-                if config.behaviour_logprobs == "engine" and config.generation_backend == "vllm"
-                else None
+                config.behaviour_ratio_cap if config.behaviour_logprobs == "engine" and config.generation_backend == "vllm" else None
             ),
             totals=self._loss_totals.get(module_id),
         )
@@ -243,9 +252,7 @@ class ExGRPOTorchLearner(TorchLearner):
         for key, value in values.items():
             if not key.startswith("_") and key not in absent:
                 self.metrics.log_value((module_id, key), value, window=1)
-        self.metrics.log_value(
-            (module_id, "zero_advantage_updates"), float(values["zero_advantage_fraction"] == 1.0), reduce="sum"
-        )
+        self.metrics.log_value((module_id, "zero_advantage_updates"), float(values["zero_advantage_fraction"] == 1.0), reduce="sum")
 
     # ---- generation in the learner (colocate; rllib/colocation.py) ------------------------------
     def colocated_sampler(self):
@@ -255,9 +262,10 @@ class ExGRPOTorchLearner(TorchLearner):
         if sampler is None:
             from ray.rllib.core import DEFAULT_MODULE_ID
 
-
             sampler = ColocatedSampler(
-                self.config, self.module[DEFAULT_MODULE_ID].unwrapped(), index=learner_rank(),
+                self.config,
+                self.module[DEFAULT_MODULE_ID].unwrapped(),
+                index=learner_rank(),
                 # The module's own optimizers (RLlib's default, ALL_MODULES, names none here).
                 optimizers=lambda: [opt for _, opt in self.get_optimizers_for_module(DEFAULT_MODULE_ID)],
                 engines=self.colocation_engines,
@@ -281,8 +289,7 @@ class ExGRPOTorchLearner(TorchLearner):
             sampler.take_part()  # ZeRO-3: the weight gathers need every rank
             return rank, [], None, sampler.pop_notes()
         question_ids, num_samples, prefixes = mine
-        episodes = sampler.sample(question_ids=question_ids, num_samples=num_samples,
-                                  prompt_prefixes=prefixes, **sample_kwargs)
+        episodes = sampler.sample(question_ids=question_ids, num_samples=num_samples, prompt_prefixes=prefixes, **sample_kwargs)
         return rank, episodes, sampler.get_metrics(), sampler.pop_notes()
 
     # ---- scoring where the training weights are (scoring_on: learners) ------------------------
@@ -303,10 +310,8 @@ class ExGRPOTorchLearner(TorchLearner):
         """
         from ray.rllib.core import DEFAULT_MODULE_ID
 
-
         module_id = module_id or DEFAULT_MODULE_ID
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() \
-            else (0, 1)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
         shards = shard_by_tokens(lengths, world)  # non-empty shards only: fewer rows than learners
         mine = (shards[rank] if rank < len(shards) else []) if world > 1 else list(range(len(lengths)))
@@ -327,8 +332,11 @@ class ExGRPOTorchLearner(TorchLearner):
             ps = [prompts[mine[j]] for j in rows] or [[pad_id]]  # an empty pass: one dummy row
             cs = [completions[mine[j]] for j in rows] or [[pad_id]]
             ids, mask, resp = prompt_completion_batch(ps, cs, pad_id)
-            chunk = {C.INPUT_IDS: ids.to(device), C.ATTENTION_MASK: mask.to(device),
-                     C.RESPONSE_MASK: resp.to(device=device, dtype=torch.float32)}
+            chunk = {
+                C.INPUT_IDS: ids.to(device),
+                C.ATTENTION_MASK: mask.to(device),
+                C.RESPONSE_MASK: resp.to(device=device, dtype=torch.float32),
+            }
             out = self._score_forward(module_id, self._agree_logit_chunks({module_id: chunk})[module_id])
             lp = out[C.LOGP].float().cpu().numpy()
             en = out[C.ENTROPY].float().cpu().numpy()
@@ -356,7 +364,6 @@ class ExGRPOTorchLearner(TorchLearner):
         gathered in each forward) and for DDP (buffers are broadcast in each forward), so a
         learner with fewer passes runs empty ones (:meth:`_empty_pass`, no gradient)."""
 
-
         max_rows = field_value(self.config, "learner_micro_batch_rows")
         max_tokens = field_value(self.config, "learner_micro_batch_tokens")
         packed = bool(max_tokens) and bool(self.config.learner_sequence_packing) and self._kernel_packs_rows()
@@ -366,12 +373,12 @@ class ExGRPOTorchLearner(TorchLearner):
         plans = {}
         for mid in rows:
             prompt, completion = real_lengths(batch[mid])
-            plans[mid] = plan_micro_batches(prompt, completion, max_rows=max_rows, max_tokens=max_tokens,
-                                            packed=packed)
+            plans[mid] = plan_micro_batches(prompt, completion, max_rows=max_rows, max_tokens=max_tokens, packed=packed)
             real = float(prompt.sum() + completion.sum()) or 1.0
             self.metrics.log_value((mid, "learner_passes"), float(len(plans[mid])), window=1)
-            self.metrics.log_value((mid, "learner_padded_over_real"),
-                                   padded_positions(prompt, completion, plans[mid], packed) / real, window=1)
+            self.metrics.log_value(
+                (mid, "learner_padded_over_real"), padded_positions(prompt, completion, plans[mid], packed) / real, window=1
+            )
         count = self._agreed_pass_count(max(len(p) for p in plans.values()))
         if count <= 1 and not packed:
             return None
@@ -412,7 +419,8 @@ class ExGRPOTorchLearner(TorchLearner):
                 "learner_sequence_packing: attention kernel %s has no variable-length path (a packed pass "
                 "would build a dense [T, T] mask); using sorted-and-trimmed padded passes. Set "
                 "attn_implementation to 'auto', 'sdpa_varlen' or 'flash_attention_2' to pack.",
-                sorted({k for k, _ in kernels.values()}, key=str))
+                sorted({k for k, _ in kernels.values()}, key=str),
+            )
         return self._packs_rows
 
     def _empty_pass(self, batch: Dict[str, Any], rows: Dict[str, int]) -> Dict[str, Any]:
@@ -420,8 +428,7 @@ class ExGRPOTorchLearner(TorchLearner):
         loss and gradient are exactly 0 (every loss term is a masked sum)."""
         out = {}
         for mid, n in rows.items():
-            one = {k: (v[:1].clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v)
-                   for k, v in batch[mid].items()}
+            one = {k: (v[:1].clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v) for k, v in batch[mid].items()}
             one[C.RESPONSE_MASK] = torch.zeros_like(one[C.RESPONSE_MASK])
             out[mid] = trim_padding(one)
         return out
@@ -582,9 +589,7 @@ class ExGRPOTorchLearner(TorchLearner):
             explode = nonfinite or (threshold is not None and norm > threshold)
             self._nonfinite_step = self._nonfinite_step or nonfinite
             self._skip_step = self._skip_step or explode
-        return super().postprocess_gradients_for_module(
-            module_id=module_id, config=config, module_gradients_dict=module_gradients_dict
-        )
+        return super().postprocess_gradients_for_module(module_id=module_id, config=config, module_gradients_dict=module_gradients_dict)
 
     @override(TorchLearner)
     def apply_gradients(self, gradients_dict) -> None:

@@ -6,6 +6,7 @@ sync ships it to the env runners. Generation itself is done by a generation back
 *scoring* pass every algorithm needs: per-token log-probs and entropies of completion
 tokens given prompt + completion.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,6 +67,7 @@ class ShippedBF16(torch.Tensor):
     storage) on the way in. Everything else about it is a plain bfloat16 tensor
     (``load_state_dict``, ``set_state``, checkpoints written with pickle read it back as
     one). Operations on it return plain tensors."""
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __reduce_ex__(self, protocol):
@@ -111,6 +113,7 @@ class LLMTorchRLModule(TorchRLModule):
         temperature: sampling temperature; log-probs are computed at this temperature
             so that importance ratios compare like with like.
     """
+
     @override(RLModule)
     def setup(self):
         model_config = dict(self.model_config)
@@ -131,8 +134,7 @@ class LLMTorchRLModule(TorchRLModule):
         #: layers injected in place), so the state keeps the HF model's names.
         self.__dict__["lora_model"] = None
         if lora_settings and not self.inference_only:
-            self.__dict__["lora_model"] = lora.wrap(self.model, lora_settings,
-                                                       bool(model_config.get("gradient_checkpointing")))
+            self.__dict__["lora_model"] = lora.wrap(self.model, lora_settings, bool(model_config.get("gradient_checkpointing")))
         self.temperature = float(self.model_config.get("temperature", 1.0))
         #: Positions per chunk of the vocabulary-sized scoring (core/chunked_logprobs.py).
         self.logit_chunk_tokens = self.model_config.get("logit_chunk_tokens")
@@ -154,8 +156,7 @@ class LLMTorchRLModule(TorchRLModule):
             # As RLlib's TorchRLModule.get_state: what only training needs (PPO's value head)
             # stays out of what the inference-only copies get.
             skip = tuple(self.get_non_inference_attributes())
-            state = {k: v for k, v in state.items()
-                     if not any(k == a or k.startswith(a + ".") for a in skip)}
+            state = {k: v for k, v in state.items() if not any(k == a or k.startswith(a + ".") for a in skip)}
         cast = self.compute_dtype if inference_only else None
         return {key: shippable(lora.resolve(value), cast) for key, value in state.items()}
 
@@ -174,8 +175,7 @@ class LLMTorchRLModule(TorchRLModule):
         module restored to be exported or evaluated, not one that trains on)."""
         if self.lora_model is None:
             return self.model
-        merged = {key[len("model."):]: lora.resolve(value).detach().clone()
-                  for key, value in self.inference_tensors().items()}
+        merged = {key[len("model.") :]: lora.resolve(value).detach().clone() for key, value in self.inference_tensors().items()}
         plain = self.lora_model.unload()
         plain.load_state_dict(merged)
         self.model = plain
@@ -222,6 +222,5 @@ class LLMTorchRLModule(TorchRLModule):
     @override(RLModule)
     def _forward_train(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
         with self.autocast():  # a padded or a packed pass (core/packing.py)
-            logp, entropy = score_learner_batch(self.model, batch, temperature=self.temperature,
-                                                chunk_tokens=self.logit_chunk_tokens)
+            logp, entropy = score_learner_batch(self.model, batch, temperature=self.temperature, chunk_tokens=self.logit_chunk_tokens)
         return {C.LOGP: logp, C.ENTROPY: entropy}

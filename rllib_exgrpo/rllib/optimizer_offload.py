@@ -30,6 +30,7 @@ The same calls run on every device: on a CPU the host buffers are new host tenso
 round trip is a real copy, checked bit for bit by the tests); only pinning the host
 buffers and ``synchronize`` / ``empty_cache`` need CUDA.
 """
+
 from __future__ import annotations
 
 import gc
@@ -105,14 +106,16 @@ class _DeepSpeedEngineOffload:
         if not self._host_optimizer_kept():
             inner = zopt.optimizer
             sizes["optim_states"] = _nbytes(v for _, _, v in optimizer_state_tensors([inner]))
-            hp = (getattr(zopt, "fp32_partitioned_groups_flat", None) if self.stage == 3
-                  else getattr(zopt, "single_partition_of_fp32_groups", None))
+            hp = (
+                getattr(zopt, "fp32_partitioned_groups_flat", None)
+                if self.stage == 3
+                else getattr(zopt, "single_partition_of_fp32_groups", None)
+            )
             sizes["hp_params"] = _nbytes(hp or [])
         if self.stage == 3:
             flat = getattr(zopt, "grad_partitions_flat_buffer", None)
             sizes["lp_grads"] = _nbytes([flat]) if flat is not None else 0
-            sizes["contiguous_grad_buffer"] = _nbytes(
-                b.buffer for b in getattr(zopt, "ipg_buckets", {}).values() if b.buffer is not None)
+            sizes["contiguous_grad_buffer"] = _nbytes(b.buffer for b in getattr(zopt, "ipg_buckets", {}).values() if b.buffer is not None)
         else:
             grads = getattr(zopt, "averaged_gradients", {}) or {}
             sizes["lp_grads"] = _nbytes(t for g in grads.values() if g is not None for t in g)
@@ -123,8 +126,7 @@ class _DeepSpeedEngineOffload:
         # DeepSpeed's pinned-buffer path on every device: its CPU accelerator makes pinning a
         # no-op, so a CPU runs the copies a GPU makes (into buffers it keeps for the next turn).
         pin = True
-        self._state_homes = {(id(st), k): v.device
-                             for st, k, v in optimizer_state_tensors([self.zero_optimizer.optimizer])}
+        self._state_homes = {(id(st), k): v.device for st, k, v in optimizer_state_tensors([self.zero_optimizer.optimizer])}
         if self.stage == 3:
             self.engine.offload_states(include=_offload_enum(ZERO3_ENGINE_STATES), pin_memory=pin)
             if not self._host_optimizer_kept():
@@ -179,8 +181,7 @@ class OptimizerOffload:
             optimizers' state moves instead (the torch optimizers are wrapped by them).
     """
 
-    def __init__(self, optimizers: Callable[[], Sequence[torch.optim.Optimizer]],
-                 engines: Callable[[], Sequence] = lambda: ()):
+    def __init__(self, optimizers: Callable[[], Sequence[torch.optim.Optimizer]], engines: Callable[[], Sequence] = lambda: ()):
         self._optimizers = optimizers
         self._engines = engines
         #: id(state dict), key -> the device the tensor came from.
@@ -224,9 +225,11 @@ class OptimizerOffload:
     def describe(self) -> str:
         """One line: what the last offload moved, per state kind, and what stayed."""
         kinds = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.moved.items())
-        backend = (f"DeepSpeed ZeRO-{self._last_stage()}" if self._last_stage() else "torch optimizer")
-        return (f"colocate: optimizer offload ({backend}) moved to host: {kinds or 'nothing'}; "
-                f"kept on the device: the compute-dtype weights the push reads")
+        backend = f"DeepSpeed ZeRO-{self._last_stage()}" if self._last_stage() else "torch optimizer"
+        return (
+            f"colocate: optimizer offload ({backend}) moved to host: {kinds or 'nothing'}; "
+            f"kept on the device: the compute-dtype weights the push reads"
+        )
 
     def _last_stage(self):
         stages = sorted({m.stage for m in self._engine_moves})

@@ -20,6 +20,7 @@ master weights of a half-precision model, or a LoRA learner), weights synced thr
 store (host memory), no KL reference model (PPO's KL term is against the stored behaviour
 log-probs).
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -66,12 +67,20 @@ def ppo_plan_view(config: Any) -> Optional[SimpleNamespace]:
             values[name] = value
     lora = mc.get("lora") or {}
     if int(lora.get("rank") or 0) > 0:
-        values.update(lora_rank=int(lora["rank"]), lora_alpha=float(lora.get("alpha", 32.0)),
-                      lora_target_modules=lora.get("target_modules", "all-linear"))
+        values.update(
+            lora_rank=int(lora["rank"]),
+            lora_alpha=float(lora.get("alpha", 32.0)),
+            lora_target_modules=lora.get("target_modules", "all-linear"),
+        )
     rows = int(getattr(config, "minibatch_size", None) or getattr(config, "train_batch_size_per_learner", 0) or 1)
     values.update(
-        learner_backend="ddp", colocate=False, kl_coeff=0.0, weight_sync="object_store",
-        learner_micro_batch_rows=None, learner_micro_batch_tokens=None, learner_sequence_packing=False,
+        learner_backend="ddp",
+        colocate=False,
+        kl_coeff=0.0,
+        weight_sync="object_store",
+        learner_micro_batch_rows=None,
+        learner_micro_batch_tokens=None,
+        learner_sequence_packing=False,
         # PPO's learner rows: two per completion; the module's pass holds the real ones only.
         minibatch_size=max(1, -(-rows // 2)),
         num_learners=int(getattr(config, "num_learners", 0) or 0),
@@ -83,8 +92,12 @@ def ppo_plan_view(config: Any) -> Optional[SimpleNamespace]:
         value_batch_size=int(mc.get("value_batch_size", 64) or 64),
         # The plan's steps and time count completions per iteration, questions x group_size:
         # RLlib's train_batch_size_per_learner counts completions (env steps) per learner.
-        questions_per_step=max(1, int(getattr(config, "train_batch_size_per_learner", 0) or 0)
-                               * max(1, int(getattr(config, "num_learners", 0) or 0)) // int(values["group_size"])),
+        questions_per_step=max(
+            1,
+            int(getattr(config, "train_batch_size_per_learner", 0) or 0)
+            * max(1, int(getattr(config, "num_learners", 0) or 0))
+            // int(values["group_size"]),
+        ),
         # vf_share_layers false (PPO's default): the value network is a second trunk.
         ppo_value_trunk=not bool(mc.get("vf_share_layers", False)),
     )
@@ -106,7 +119,9 @@ def plan_ppo_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory
     plan.notes.append(
         f"RLlib's PPO: one padded pass per minibatch of {view.ppo_minibatch_rows} learner rows "
         f"({view.minibatch_size} completions; PPO's phantom bootstrap rows are not run), DDP learner"
-        + (f", LoRA rank {view.lora_rank}" if view.lora_rank else "") + ", weights synced through the object store")
+        + (f", LoRA rank {view.lora_rank}" if view.lora_rank else "")
+        + ", weights synced through the object store"
+    )
     shape = plan.shape
     learner = next((a for a in plan.actors if a.kind == "learner"), None)
     if shape is None or learner is None:
@@ -118,21 +133,29 @@ def plan_ppo_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory
     while at > 0 and learner.items[at].what != "CUDA context, workspaces":
         at -= 1
     head = value_head_bytes(shape.hidden_size)
-    learner.items.insert(at, Item("value head", head, f"Linear({shape.hidden_size}, 1) fp32: weights, gradient, "
-                                                      f"Adam's 2 moments ({head:,} bytes)"))
+    learner.items.insert(
+        at, Item("value head", head, f"Linear({shape.hidden_size}, 1) fp32: weights, gradient, Adam's 2 moments ({head:,} bytes)")
+    )
     prompt = int(view.max_prompt_tokens)
-    gae = scoring_activation_bytes(shape, view.value_batch_size, prompt, response_tokens=1,
-                                   dtype_bytes=2 if str(view.model_dtype) != "float32" else 4)
+    gae = scoring_activation_bytes(
+        shape, view.value_batch_size, prompt, response_tokens=1, dtype_bytes=2 if str(view.model_dtype) != "float32" else 4
+    )
     update = sum(it.bytes for it in learner.items if it.what in ("activations", "backward working set"))
     if gae > update:
-        learner.items.insert(at + 1, Item("GAE value pass", gae - update,
-                                          f"no-grad prompt pass, value_batch_size {view.value_batch_size} x "
-                                          f"{prompt} tokens, beyond the update's peak"))
+        learner.items.insert(
+            at + 1,
+            Item(
+                "GAE value pass",
+                gae - update,
+                f"no-grad prompt pass, value_batch_size {view.value_batch_size} x {prompt} tokens, beyond the update's peak",
+            ),
+        )
     else:
-        learner.notes.append(f"GAE value pass ({gae / GIB:.2f} GiB: value_batch_size {view.value_batch_size} rows x "
-                             f"{prompt} prompt tokens, no grad) runs before the update and peaks below it")
-    if learner.budget is not None and learner.fits is False and learner.key in (
-            "learner_micro_batch_rows", "learner_micro_batch_tokens"):
+        learner.notes.append(
+            f"GAE value pass ({gae / GIB:.2f} GiB: value_batch_size {view.value_batch_size} rows x "
+            f"{prompt} prompt tokens, no grad) runs before the update and peaks below it"
+        )
+    if learner.budget is not None and learner.fits is False and learner.key in ("learner_micro_batch_rows", "learner_micro_batch_tokens"):
         import re
 
         rows = re.search(r"learner_micro_batch_rows: (\d+) fits", learner.advice)
@@ -140,11 +163,13 @@ def plan_ppo_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory
         width = int(view.max_prompt_tokens) + int(view.max_response_tokens)
         fit = int(rows.group(1)) if rows else (int(tokens.group(1)) // max(1, width) if tokens else 0)
         learner.key = "minibatch_size"
-        learner.advice = (learner.advice.split(" are left")[0] + " are left: under RLlib's PPO a pass is a whole "
-                          "minibatch (learner rows, 2 per completion): "
-                          + (f"minibatch_size: {2 * fit} fits" if fit else "lower minibatch_size"))
+        learner.advice = (
+            learner.advice.split(" are left")[0] + " are left: under RLlib's PPO a pass is a whole "
+            "minibatch (learner rows, 2 per completion): " + (f"minibatch_size: {2 * fit} fits" if fit else "lower minibatch_size")
+        )
     elif learner.fits is False and learner.key in ("learner_backend", "deepspeed_zero_stage"):
         learner.key = "model_config.lora_rank"
-        learner.advice = ("RLlib's PPO has no DeepSpeed learner: the DDP learner's model states do not fit; "
-                          "train LoRA adapters (model_config.lora_rank)")
+        learner.advice = (
+            "RLlib's PPO has no DeepSpeed learner: the DDP learner's model states do not fit; train LoRA adapters (model_config.lora_rank)"
+        )
     return plan

@@ -29,6 +29,7 @@ many times), and divides the CPUs among them: each trial is fitted against its s
 a time while the other GPUs idle). A search that asks for no GPU keeps the rule above: an
 ``"auto"`` trial takes the free CPUs of a node, and the trials run as many at once as fit.
 """
+
 from __future__ import annotations
 
 import logging
@@ -190,9 +191,11 @@ def shared_learner_gpu_problem(config) -> Optional[str]:
     ranks on one device. Fractions are for sharing a GPU between trials (one learner each)."""
     per = float(config.num_gpus_per_learner or 0)
     if config.num_learners > 1 and 0 < per < 1:
-        return (f"num_gpus_per_learner: {per:g} with num_learners: {config.num_learners}: two learners of one "
-                "trial could land on the same GPU, which NCCL refuses (one device per rank); give each learner a "
-                "whole GPU (num_gpus_per_learner: 1), or use num_learners: 1 to let trials share GPUs")
+        return (
+            f"num_gpus_per_learner: {per:g} with num_learners: {config.num_learners}: two learners of one "
+            "trial could land on the same GPU, which NCCL refuses (one device per rank); give each learner a "
+            "whole GPU (num_gpus_per_learner: 1), or use num_learners: 1 to let trials share GPUs"
+        )
     return None
 
 
@@ -277,15 +280,21 @@ def plan_trials(config, trials: int, cluster: Optional[ClusterResources] = None)
         fixed = main_process_cpus(config, cluster) + _remote_cpus(config)
         by_cpus = max(1, math.floor(cluster.cpus / fixed + 1e-9)) if fixed > 0 else concurrent
         if by_cpus < concurrent:
-            limit = (f"the GPUs would hold {concurrent}, but each trial asks for {fixed:g} CPUs "
-                     f"(num_cpus_for_main_process: {float(config.num_cpus_for_main_process):g}; "
-                     "'auto' divides the CPUs among the trials instead)")
+            limit = (
+                f"the GPUs would hold {concurrent}, but each trial asks for {fixed:g} CPUs "
+                f"(num_cpus_for_main_process: {float(config.num_cpus_for_main_process):g}; "
+                "'auto' divides the CPUs among the trials instead)"
+            )
             concurrent = by_cpus
     against = cluster
     if concurrent > 1:
         share = math.floor(100 * cluster.cpus / concurrent) / 100
-        against = ClusterResources(share, cluster.gpus, min(cluster.max_node_cpus, share),
-                                   label=f"each of the {concurrent} trials at once ({cluster.cpus:g} CPUs / {concurrent})")
+        against = ClusterResources(
+            share,
+            cluster.gpus,
+            min(cluster.max_node_cpus, share),
+            label=f"each of the {concurrent} trials at once ({cluster.cpus:g} CPUs / {concurrent})",
+        )
         rest = math.floor(100 * (min(cluster.max_node_cpus, share) - _remote_cpus(config))) / 100
         if config.num_cpus_for_main_process == AUTO and 0.01 <= rest < 1:
             # fewer cores than trials at once: "auto" takes the share left, below one core

@@ -13,6 +13,7 @@ Methods the package *overrides* (``_uncompiled_update``, ``_get_optimizer_state`
 are listed too, with ``kind="override"``: their definitions carry ``@override`` in the
 subclass, and the test checks the base method still exists with the listed signature.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,52 +51,94 @@ class PrivateName:
 
 PRIVATE_NAMES = (
     # --- overridden (definitions carry @override) -----------------------------------------
-    PrivateName(_TORCH_LEARNER, "_uncompiled_update", "override", "(self, batch: Dict, **kwargs)",
-                "the learner's update: micro-batched passes, grad-norm guards, DeepSpeed engine step"),
-    PrivateName(_TORCH_LEARNER, "_make_modules_ddp_if_necessary", "override", "(self) -> None",
-                "DeepSpeed wraps the module in its engine instead of DDP"),
-    PrivateName(_TORCH_LEARNER, "_get_optimizer_state", "override", "(self) -> Dict[str, Any]",
-                "DeepSpeed's sharded optimiser state"),
-    PrivateName(_TORCH_LEARNER, "_set_optimizer_state", "override", "(self, state: Dict[str, Any]) -> None",
-                "DeepSpeed's sharded optimiser state"),
-    PrivateName(_CHECKPOINTABLE, "_restore_all_subcomponents_from_path", "override",
-                "(self, path, filesystem, only_comp_names=None, component=None, **kwargs)",
-                "ZeRO-3 module weights restored partition by partition"),
+    PrivateName(
+        _TORCH_LEARNER,
+        "_uncompiled_update",
+        "override",
+        "(self, batch: Dict, **kwargs)",
+        "the learner's update: micro-batched passes, grad-norm guards, DeepSpeed engine step",
+    ),
+    PrivateName(
+        _TORCH_LEARNER,
+        "_make_modules_ddp_if_necessary",
+        "override",
+        "(self) -> None",
+        "DeepSpeed wraps the module in its engine instead of DDP",
+    ),
+    PrivateName(_TORCH_LEARNER, "_get_optimizer_state", "override", "(self) -> Dict[str, Any]", "DeepSpeed's sharded optimiser state"),
+    PrivateName(
+        _TORCH_LEARNER, "_set_optimizer_state", "override", "(self, state: Dict[str, Any]) -> None", "DeepSpeed's sharded optimiser state"
+    ),
+    PrivateName(
+        _CHECKPOINTABLE,
+        "_restore_all_subcomponents_from_path",
+        "override",
+        "(self, path, filesystem, only_comp_names=None, component=None, **kwargs)",
+        "ZeRO-3 module weights restored partition by partition",
+    ),
     # --- methods called -------------------------------------------------------------------
-    PrivateName(_TORCH_LEARNER, "_compute_off_policyness", "method", "(self, batch)",
-                "RLlib's metric, kept in the update"),
+    PrivateName(_TORCH_LEARNER, "_compute_off_policyness", "method", "(self, batch)", "RLlib's metric, kept in the update"),
     PrivateName(_LEARNER, "_check_is_built", "method", "(self, error: bool = True) -> bool", "state API guard"),
-    PrivateName(_CHECKPOINTABLE, "_check_component", "method", "(self, name, components, not_components) -> bool",
-                "which components a get_state asks for"),
-    PrivateName(_CHECKPOINTABLE, "_get_subcomponents", "method", "(self, name, components)",
-                "the module ids a get_state asks for"),
+    PrivateName(
+        _CHECKPOINTABLE,
+        "_check_component",
+        "method",
+        "(self, name, components, not_components) -> bool",
+        "which components a get_state asks for",
+    ),
+    PrivateName(_CHECKPOINTABLE, "_get_subcomponents", "method", "(self, name, components)", "the module ids a get_state asks for"),
     PrivateName(_CONFIG, "_value_error", "method", "(self, errmsg) -> None", "ExGRPOConfig.validate raises as RLlib does"),
-    PrivateName(_CONFIG, "_translate_special_keys", "method",
-                "(key: str, warn_deprecated: bool = True) -> str", "legacy config keys in the CLI"),
-    PrivateName("ray.rllib.core.rl_module.rl_module:RLModuleSpec", "_get_model_config", "method", "(self)",
-                "a module spec's model config (also a callable one)"),
-    PrivateName("ray.rllib.utils.checkpoints", "_exists_at_fs_path", "module_attribute", None,
-                "a module folder present in a checkpoint"),
+    PrivateName(
+        _CONFIG, "_translate_special_keys", "method", "(key: str, warn_deprecated: bool = True) -> str", "legacy config keys in the CLI"
+    ),
+    PrivateName(
+        "ray.rllib.core.rl_module.rl_module:RLModuleSpec",
+        "_get_model_config",
+        "method",
+        "(self)",
+        "a module spec's model config (also a callable one)",
+    ),
+    PrivateName("ray.rllib.utils.checkpoints", "_exists_at_fs_path", "module_attribute", None, "a module folder present in a checkpoint"),
     PrivateName("ray.tune.registry", "_global_registry", "module_attribute", None, "registered env names"),
-    PrivateName("ray.tune.trainable.metadata", "_TrainingRunMetadata", "module_attribute", None,
-                "iterations recorded in a Tune experiment state (resume)"),
+    PrivateName(
+        "ray.tune.trainable.metadata",
+        "_TrainingRunMetadata",
+        "module_attribute",
+        None,
+        "iterations recorded in a Tune experiment state (resume)",
+    ),
     # --- names in Ray's private modules ---------------------------------------------------
-    PrivateName("ray._private.serialization", "SerializationContext", "module_attribute", None,
-                "count what Ray serialises during a weight sync (benchmarks)"),
-    PrivateName("ray._common.deprecation", "DEPRECATED_VALUE", "module_attribute", None,
-                "config attributes RLlib keeps only to reject"),
-    PrivateName("ray.train._internal.storage", "get_fs_and_path", "module_attribute", None,
-                "the filesystem of an experiment path (resume)"),
+    PrivateName(
+        "ray._private.serialization",
+        "SerializationContext",
+        "module_attribute",
+        None,
+        "count what Ray serialises during a weight sync (benchmarks)",
+    ),
+    PrivateName("ray._common.deprecation", "DEPRECATED_VALUE", "module_attribute", None, "config attributes RLlib keeps only to reject"),
+    PrivateName(
+        "ray.train._internal.storage", "get_fs_and_path", "module_attribute", None, "the filesystem of an experiment path (resume)"
+    ),
     # --- attributes -----------------------------------------------------------------------
     PrivateName(_CONFIG, "_is_frozen", "attribute", None, "fit resources into a config RLlib froze"),
     PrivateName(_CONFIG, "_rl_module_spec", "attribute", None, "the user's RLModuleSpec"),
     PrivateName(_CONFIG, "_learner_connector", "attribute", None, "PPO needs PadLLMEpisodes"),
     PrivateName(_CONFIG, "_torch_grad_scaler_class", "attribute", None, "refused with DeepSpeed"),
     PrivateName(_CONFIG, "_torch_lr_scheduler_classes", "attribute", None, "refused with DeepSpeed"),
-    PrivateName("ray.rllib.utils.metrics.metrics_logger:MetricsLogger", "_threading_lock", "attribute", None,
-                "a real lock while the update runs in a thread (async_rollouts)"),
-    PrivateName("ray.rllib.env.env_runner_group:EnvRunnerGroup", "_worker_manager", "attribute", None,
-                "the runner actors and their health (collective weight sync)"),
+    PrivateName(
+        "ray.rllib.utils.metrics.metrics_logger:MetricsLogger",
+        "_threading_lock",
+        "attribute",
+        None,
+        "a real lock while the update runs in a thread (async_rollouts)",
+    ),
+    PrivateName(
+        "ray.rllib.env.env_runner_group:EnvRunnerGroup",
+        "_worker_manager",
+        "attribute",
+        None,
+        "the runner actors and their health (collective weight sync)",
+    ),
     PrivateName(_LEARNER, "_params", "attribute", None, "the parameters' gradients and device"),
     PrivateName(_LEARNER, "_optimizer_parameters", "attribute", None, "zero grads; the optimiser's parameters"),
     PrivateName(_LEARNER, "_named_optimizers", "attribute", None, "the optimiser a DeepSpeed engine takes over"),
@@ -105,8 +148,13 @@ PRIVATE_NAMES = (
     PrivateName(_TORCH_LEARNER, "_grad_scalers", "attribute", None, "fp16 loss scaling in the passes"),
     # --- Ray AIR's MLflow callback (cli/mlflow_logging.py logs in batches through its client) ----
     PrivateName(_MLFLOW_CALLBACK, "_trial_runs", "attribute", None, "the MLflow run id of each trial"),
-    PrivateName("ray.air._internal.mlflow:_MLflowLoggerUtil", "_get_client", "method",
-                '(self) -> \'MlflowClient\'', "the MLflow client the callback logs through (batched calls)"),
+    PrivateName(
+        "ray.air._internal.mlflow:_MLflowLoggerUtil",
+        "_get_client",
+        "method",
+        "(self) -> 'MlflowClient'",
+        "the MLflow client the callback logs through (batched calls)",
+    ),
 )
 
 PRIVATE_NAMES_BY_NAME: Dict[str, PrivateName] = {p.name: p for p in PRIVATE_NAMES}

@@ -17,6 +17,7 @@
 Nothing here needs an ``Algorithm``: the group, a ``MetricsLogger`` and the restore call
 are handed in.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,23 +50,28 @@ class RolloutCoordinator:
         attempts: sampling rounds before a call gives up.
     """
 
-    def __init__(self, env_runner_group, metrics, restore_failed: Callable[[], Any], *,
-                 attempts: int = SAMPLE_ATTEMPTS):
+    def __init__(self, env_runner_group, metrics, restore_failed: Callable[[], Any], *, attempts: int = SAMPLE_ATTEMPTS):
         self.group = env_runner_group
         self.metrics = metrics
         self.restore_failed = restore_failed
         self.attempts = attempts
 
-    def sample(self, question_ids: Sequence[str], num_samples: Sequence[int],
-               prompt_prefixes: Optional[Sequence[Optional[str]]] = None, **sample_kwargs) -> Tuple[list, list]:
+    def sample(
+        self,
+        question_ids: Sequence[str],
+        num_samples: Sequence[int],
+        prompt_prefixes: Optional[Sequence[Optional[str]]] = None,
+        **sample_kwargs,
+    ) -> Tuple[list, list]:
         """``(episodes, runner metrics)`` of every question, ``num_samples[i]`` completions
         of ``question_ids[i]`` (after ``prompt_prefixes[i]`` when given); ``sample_kwargs``
         go to ``LLMEnvRunner.sample``. Raises ``RuntimeError`` when runners keep dying."""
         prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
         if self.group.num_remote_workers() == 0:
             runner = self.group.local_env_runner
-            episodes = runner.sample(question_ids=list(question_ids), num_samples=list(num_samples),
-                                     prompt_prefixes=prefixes, **sample_kwargs)
+            episodes = runner.sample(
+                question_ids=list(question_ids), num_samples=list(num_samples), prompt_prefixes=prefixes, **sample_kwargs
+            )
             return episodes, [runner.get_metrics()]
         pending = list(zip(question_ids, num_samples, prefixes))
         episodes, metrics = [], []
@@ -78,8 +84,9 @@ class RolloutCoordinator:
             self.metrics.log_value("env_runner_failures", len(failed), reduce="sum")
             self.metrics.log_value("resampled_questions", sum(len(shard) for shard in failed), reduce="sum")
             pending = [item for shard in failed for item in shard]
-            logger.warning("%d env runner(s) failed while sampling; restarting them and sampling their "
-                           "%d question(s) again", len(failed), len(pending))
+            logger.warning(
+                "%d env runner(s) failed while sampling; restarting them and sampling their %d question(s) again", len(failed), len(pending)
+            )
             self.restore_failed()
         raise RuntimeError(
             f"env runners kept failing: {len(pending)} question(s) still unsampled after "
@@ -102,8 +109,7 @@ class RolloutCoordinator:
                 return r.worker_index, eps, r.get_metrics()
 
             funcs.append(call)
-        results = self.group.foreach_env_runner(funcs, remote_worker_ids=[w for w, _ in shards],
-                                                local_env_runner=False)
+        results = self.group.foreach_env_runner(funcs, remote_worker_ids=[w for w, _ in shards], local_env_runner=False)
         returned = set()
         for wid, eps, m in results:
             returned.add(wid)
@@ -134,8 +140,7 @@ class RolloutCoordinator:
         for k, rows in enumerate(shards):
             if k not in scored:  # its runner died mid-call
                 logger.warning("an env runner failed while scoring replay candidates; scoring its shard locally")
-                scored[k] = group.local_env_runner.score_trajectories(
-                    [prompts[i] for i in rows], [completions[i] for i in rows])
+                scored[k] = group.local_env_runner.score_trajectories([prompts[i] for i in rows], [completions[i] for i in rows])
             for j, i in enumerate(rows):
                 logps[i], entropies[i] = scored[k][0][j], scored[k][1][j]
         return logps, entropies
@@ -170,9 +175,7 @@ def score_on_learners(learner_group, prompts, completions, pad_id: int) -> Tuple
         return logps, entropies
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
     completions = [np.asarray(c, dtype=np.int64) for c in completions]
-    results = learner_group.foreach_learner(
-        lambda learner, _p=prompts, _c=completions, _pad=pad_id: learner.score_rows(_p, _c, _pad)
-    )
+    results = learner_group.foreach_learner(lambda learner, _p=prompts, _c=completions, _pad=pad_id: learner.score_rows(_p, _c, _pad))
     for result in results:
         if not getattr(result, "ok", True):
             raise learner_error(result.get(), getattr(result, "actor_id", None), "scoring on the learners")

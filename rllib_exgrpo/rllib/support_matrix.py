@@ -7,6 +7,7 @@ rules a run meets before anything starts -- so the table cannot disagree with th
 the first line a user gets; a supported one names the test that runs the path its most
 specific switch decides (:data:`RUN_BY`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,8 +30,7 @@ SWITCHES: Dict[str, Tuple[Any, ...]] = {
 #: Combinations a test runs end to end (one iteration or more), by the switches that decide
 #: the path: ``(switch values as a dict) -> test``. The first matching entry is named.
 RUN_BY: Tuple[Tuple[Dict[str, Any], str], ...] = (
-    ({"colocate": True, "generation_backend": "vllm", "learner": "ddp"},
-     "tests/test_vllm_colocate_ranks.py, tests/test_colocate_sync.py"),
+    ({"colocate": True, "generation_backend": "vllm", "learner": "ddp"}, "tests/test_vllm_colocate_ranks.py, tests/test_colocate_sync.py"),
     ({"colocate": True, "generation_backend": "vllm", "learner": "zero3"}, "tests/test_colocate_sync.py"),
     ({"colocate": True, "learner": "zero3"}, "tests/test_rehearsal.py (exgrpo_qwen_colocate)"),
     ({"colocate": True, "generation_backend": "hf"}, "tests/test_colocate.py"),
@@ -63,9 +63,11 @@ def training_kwargs(combo: Dict[str, Any]) -> Dict[str, Any]:
 
 def refusal(combo: Dict[str, Any]) -> Optional[str]:
     """The first validation error of a combination, or None when it is accepted."""
-    config = (ExGRPOConfig()
-              .env_runners(num_env_runners=0 if combo["colocate"] else 1, num_gpus_per_env_runner=1)
-              .learners(num_learners=2, num_gpus_per_learner=1))
+    config = (
+        ExGRPOConfig()
+        .env_runners(num_env_runners=0 if combo["colocate"] else 1, num_gpus_per_env_runner=1)
+        .learners(num_learners=2, num_gpus_per_learner=1)
+    )
     try:
         config.training(**training_kwargs(combo)).validate()
     except ValueError as e:

@@ -44,6 +44,7 @@ master weights cast to the compute dtype (bf16 for a bf16 model), a DeepSpeed mo
 dtype it was built in. Bytes on the wire per sync: the model in that dtype, once to each
 runner; nothing in the object store. ``docs/scaling.md`` has the measurements.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,6 +74,7 @@ _END = "_weight_broadcast_end"
 class WeightSyncFailed(RuntimeError):
     """A collective sync (or building its group) failed; ``failed`` are the runner ids at
     fault (empty: the learners' side failed)."""
+
     def __init__(self, message: str, failed: Sequence[int] = ()):
         super().__init__(message)
         self.failed = tuple(failed)
@@ -86,15 +88,20 @@ def chosen_path(config) -> Tuple[str, str]:
     asked = field_value(config, "weight_sync")
     bucket = field_value(config, "weight_sync_bucket_mb")
     if field_value(config, "colocate"):
-        return "none", ("weight sync: none (colocate: each learner generates from its own weights; a vLLM "
-                        "engine takes them in process when it wakes)")
+        return "none", (
+            "weight sync: none (colocate: each learner generates from its own weights; a vLLM engine takes them in process when it wakes)"
+        )
     if asked == "collective" and runners > 0:
-        return "collective", (f"weight sync: collective (broadcast from learner 0 to {runners} env runner(s) in "
-                              f"buckets of {bucket:g} MiB; gloo on CPU, NCCL between GPUs; nothing in Ray's object store)")
+        return "collective", (
+            f"weight sync: collective (broadcast from learner 0 to {runners} env runner(s) in "
+            f"buckets of {bucket:g} MiB; gloo on CPU, NCCL between GPUs; nothing in Ray's object store)"
+        )
     if asked == "collective":
-        return "object_store", ("weight sync: object_store (weight_sync: collective asked for, but there are no "
-                                "remote env runners to broadcast to: the local env runner takes the learner's "
-                                "weights in this process)")
+        return "object_store", (
+            "weight sync: object_store (weight_sync: collective asked for, but there are no "
+            "remote env runners to broadcast to: the local env runner takes the learner's "
+            "weights in this process)"
+        )
     return "object_store", "weight sync: object_store (RLlib's sync_weights through Ray's object store)"
 
 
@@ -103,6 +110,7 @@ def chosen_path(config) -> Tuple[str, str]:
 class Slot:
     """One tensor's place in a bucket: ``buffer[dtype][offset : offset + numel]`` viewed as
     ``shape``."""
+
     name: str
     shape: Tuple[int, ...]
     dtype: torch.dtype
@@ -120,6 +128,7 @@ class Slot:
 class Bucket:
     """What one round of broadcasts carries: one flat buffer per dtype (``sizes``: ``(dtype,
     elements)`` in broadcast order) holding the ``slots``."""
+
     slots: Tuple[Slot, ...]
     sizes: Tuple[Tuple[torch.dtype, int], ...]
 
@@ -132,6 +141,7 @@ class Bucket:
 class Layout:
     """Every bucket of a sync, in order, and the names that share a tensor with an earlier
     one (tied weights: ``(name, first name)``), sent once."""
+
     buckets: Tuple[Bucket, ...]
     aliases: Tuple[Tuple[str, str], ...] = ()
 
@@ -147,8 +157,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def plan_buckets(specs: Sequence[Tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int,
-                 aliases: Sequence[Tuple[str, str]] = ()) -> Layout:
+def plan_buckets(
+    specs: Sequence[Tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int, aliases: Sequence[Tuple[str, str]] = ()
+) -> Layout:
     """Cut ``(name, shape, dtype)`` tensors, in order, into buckets of at most
     ``bucket_bytes`` (a tensor larger than that gets a bucket of its own); within a bucket
     each dtype's tensors lie end to end in one flat buffer."""
@@ -187,6 +198,7 @@ def _bucket(entries) -> Bucket:
 @dataclasses.dataclass(frozen=True)
 class GroupAddress:
     """Where and how to join a generation's group (sent to every runner when it joins)."""
+
     host: str
     port: int
     world_size: int
@@ -205,8 +217,7 @@ def serve_store(host: str) -> "torch.distributed.TCPStore":
     """The root's rendezvous store, on a port the OS picks (``store.port``)."""
     import torch.distributed as dist
 
-    return dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
 def store_client(host: str, port: int) -> "torch.distributed.TCPStore":
@@ -239,8 +250,9 @@ def await_members(store, tag: str, members: int, timeout_s: float = TIMEOUT_S) -
     while store.add(_key(tag, "ready"), 0) < members:
         if store.check([_key(tag, "off")]) or time.monotonic() > deadline:
             store.set(_key(tag, "go"), b"0")
-            raise RoundCalledOff(f"round {tag}: {store.add(_key(tag, 'ready'), 0)} of {members} runner(s) "
-                                 "checked in before it was called off")
+            raise RoundCalledOff(
+                f"round {tag}: {store.add(_key(tag, 'ready'), 0)} of {members} runner(s) checked in before it was called off"
+            )
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
     store.set(_key(tag, "go"), b"1")
@@ -274,8 +286,11 @@ def new_group(store, rank: int, world_size: int, backend: str, host: str, device
     # Bound to this node's address (as Ray knows it), not whatever the host name resolves to
     # (127.0.1.1 on many machines, unreachable from another node); GLOO_SOCKET_IFNAME wins.
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-    device_ = (dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0]) if ifname
-               else dist.ProcessGroupGloo.create_device(hostname=host))
+    device_ = (
+        dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])
+        if ifname
+        else dist.ProcessGroupGloo.create_device(hostname=host)
+    )
     options._devices = [device_]
     options._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, world_size, options)
@@ -309,6 +324,7 @@ def _buffer_device(backend: str, device: torch.device) -> torch.device:
 class _Scratch:
     """One flat buffer per dtype, as large as the largest bucket needs, reused bucket after
     bucket within a sync (so a member holds at most one bucket's worth besides its model)."""
+
     def __init__(self, layout: Layout, device: torch.device):
         need: Dict[torch.dtype, int] = {}
         for bucket in layout.buckets:
@@ -324,6 +340,7 @@ class _Scratch:
 @dataclasses.dataclass
 class _LearnerEnd:
     """What a learner keeps for the current generation."""
+
     generation: int
     layout: Layout
     tensors: Dict[str, torch.Tensor]  # name -> live parameter / buffer (ZeRO-3: partitioned)
@@ -394,8 +411,11 @@ def learner_open(learner, *, generation: int, bucket_bytes: int, module_id: str 
     learner_close(learner)
     specs, tensors, aliases = learner_tensors(learner, module_id)
     end = _LearnerEnd(
-        generation=generation, layout=plan_buckets(specs, bucket_bytes, aliases), tensors=tensors,
-        root=_is_root(), zero3=any(hasattr(t, "ds_id") for t in tensors.values()),
+        generation=generation,
+        layout=plan_buckets(specs, bucket_bytes, aliases),
+        tensors=tensors,
+        root=_is_root(),
+        zero3=any(hasattr(t, "ds_id") for t in tensors.values()),
         device=torch.device(rc.learner_device(learner) or "cpu"),
     )
     setattr(learner, _END, end)
@@ -440,8 +460,7 @@ def learner_send(learner, *, generation: int, sync: int) -> dict:
         try:
             on = _buffer_device(end.backend, end.device)
             scratch = _Scratch(end.layout, on)
-            header = torch.tensor([generation, rc.weights_seq_no(learner)], dtype=torch.int64,
-                                  device=on)
+            header = torch.tensor([generation, rc.weights_seq_no(learner)], dtype=torch.int64, device=on)
         except Exception as e:  # before the runners' go: tell them not to wait
             error = e
             end.store.set(_key(tag, "go"), b"0")
@@ -480,8 +499,7 @@ def learner_close(learner) -> None:
 def _learner_end(learner, generation: int) -> _LearnerEnd:
     end = getattr(learner, _END, None)
     if end is None or end.generation != generation:
-        raise RuntimeError(f"this learner holds no weight group of generation {generation} "
-                           f"(has {getattr(end, 'generation', None)})")
+        raise RuntimeError(f"this learner holds no weight group of generation {generation} (has {getattr(end, 'generation', None)})")
     return end
 
 
@@ -506,7 +524,7 @@ def _send_bucket(end: _LearnerEnd, bucket: Bucket, scratch: _Scratch) -> None:
         for slot in bucket.slots:
             if slot.dtype == dtype:
                 tensor = resolve(end.tensors[slot.name])
-                buf[slot.offset: slot.offset + slot.numel].copy_(tensor.detach().reshape(-1))
+                buf[slot.offset : slot.offset + slot.numel].copy_(tensor.detach().reshape(-1))
         broadcast(end.group, buf)
 
 
@@ -514,6 +532,7 @@ def _send_bucket(end: _LearnerEnd, bucket: Bucket, scratch: _Scratch) -> None:
 @dataclasses.dataclass
 class RunnerEnd:
     """What an env runner keeps for the current generation."""
+
     address: GroupAddress
     rank: int
     device: torch.device
@@ -540,8 +559,7 @@ class RunnerEnd:
         return [n for n in names if n not in have]
 
     @torch.no_grad()
-    def receive(self, sync: int, targets: Optional[Dict[str, torch.Tensor]]
-                ) -> Tuple[int, Optional[Dict[str, torch.Tensor]]]:
+    def receive(self, sync: int, targets: Optional[Dict[str, torch.Tensor]]) -> Tuple[int, Optional[Dict[str, torch.Tensor]]]:
         """Sync number ``sync``'s broadcasts, after checking in. With ``targets`` (name -> the
         module's live tensors) each slice is copied into its tensor and nothing is kept;
         without, every tensor is collected in host memory (a buffer per bucket, each tensor a
@@ -573,7 +591,7 @@ class RunnerEnd:
                 for slot in bucket.slots:
                     if slot.dtype != dtype:
                         continue
-                    view = buf[slot.offset: slot.offset + slot.numel].view(slot.shape)
+                    view = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
                     if collected is not None:
                         collected[slot.name] = view
                     elif slot.name in targets:
@@ -598,6 +616,7 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 class WeightBroadcaster:
     """The driver's side of ``weight_sync: collective``: the group's generation and members,
     and one sync (:meth:`sync`). ``invalidate`` makes the next sync build a new group."""
+
     def __init__(self, bucket_mb: float = 512, timeout_s: float = TIMEOUT_S):
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.timeout_s = float(timeout_s)
@@ -633,29 +652,45 @@ class WeightBroadcaster:
         generation = self.generation + 1
         self._stale, self._store = True, None
         devices = self._runner_devices(runner_group, members)
-        opened = [r.get() for r in learner_group.foreach_learner(
-            functools.partial(learner_open, generation=generation, bucket_bytes=self.bucket_bytes))]
+        opened = [
+            r.get()
+            for r in learner_group.foreach_learner(functools.partial(learner_open, generation=generation, bucket_bytes=self.bucket_bytes))
+        ]
         root = next(o for o in opened if o)
         backend = "nccl" if root["device"] == "cuda" and all(d == "cuda" for d in devices.values()) else "gloo"
         address = GroupAddress(root["host"], root["port"], len(members) + 1, generation, backend, root["layout"])
         self._store = store_client(address.host, address.port)
-        refs = self._launch(runner_group, members,
-                            lambda rank: functools.partial(_runner_join, address=address, rank=rank))
+        refs = self._launch(runner_group, members, lambda rank: functools.partial(_runner_join, address=address, rank=rank))
         join = functools.partial(learner_join, generation=generation, world_size=address.world_size, backend=backend)
-        _, error = self._alongside(runner_group, members, refs, join_tag(generation), "joining the weight group",
-                                   lambda: [r.get() for r in learner_group.foreach_learner(join)])
+        _, error = self._alongside(
+            runner_group,
+            members,
+            refs,
+            join_tag(generation),
+            "joining the weight group",
+            lambda: [r.get() for r in learner_group.foreach_learner(join)],
+        )
         if error is not None:
             raise WeightSyncFailed(f"the root could not build weight group {generation}: {error!r}")
         self.generation, self.members, self.backend, self._stale = generation, members, backend, False
-        logger.info("weight group %d: learner 0 + env runners %s over %s, %d bucket(s), %.1f MB a sync",
-                    generation, list(members), backend, len(address.layout.buckets), address.layout.nbytes / 2**20)
+        logger.info(
+            "weight group %d: learner 0 + env runners %s over %s, %d bucket(s), %.1f MB a sync",
+            generation,
+            list(members),
+            backend,
+            len(address.layout.buckets),
+            address.layout.nbytes / 2**20,
+        )
 
     def _runner_devices(self, runner_group, members) -> Dict[int, str]:
         """Each member's receive device (and its module built); a runner that does not answer
         fails the rebuild."""
         got = runner_group.foreach_env_runner(
-            lambda r: (r.worker_index, r.weight_receive_device()), remote_worker_ids=list(members),
-            local_env_runner=False, timeout_seconds=self.timeout_s)
+            lambda r: (r.worker_index, r.weight_receive_device()),
+            remote_worker_ids=list(members),
+            local_env_runner=False,
+            timeout_seconds=self.timeout_s,
+        )
         devices = dict(got)
         missing = [m for m in members if m not in devices]
         if missing:
@@ -666,12 +701,16 @@ class WeightBroadcaster:
     def _broadcast(self, learner_group, runner_group) -> dict:
         generation, self.syncs = self.generation, self.syncs + 1
         sync = self.syncs
-        refs = self._launch(runner_group, self.members,
-                            lambda rank: functools.partial(_runner_receive, generation=generation, sync=sync))
+        refs = self._launch(runner_group, self.members, lambda rank: functools.partial(_runner_receive, generation=generation, sync=sync))
         send = functools.partial(learner_send, generation=generation, sync=sync)
-        results, error = self._alongside(runner_group, self.members, refs, sync_tag(generation, sync),
-                                         "receiving the weights",
-                                         lambda: [r.get() for r in learner_group.foreach_learner(send)])
+        results, error = self._alongside(
+            runner_group,
+            self.members,
+            refs,
+            sync_tag(generation, sync),
+            "receiving the weights",
+            lambda: [r.get() for r in learner_group.foreach_learner(send)],
+        )
         sent = next((r for r in results or [] if r), {})
         error = error or sent.get("error")
         if error is not None:
@@ -713,14 +752,12 @@ class WeightBroadcaster:
                 results, error = learners.result(), None
             except Exception as e:
                 results, error = None, e
-        failed = [wid for wid, ref in zip(members, refs)
-                  if not statuses[ref].get("ok") and not statuses[ref].get("called_off")]
+        failed = [wid for wid, ref in zip(members, refs) if not statuses[ref].get("ok") and not statuses[ref].get("called_off")]
         if failed:
             self._stale = True
             for wid in failed:
                 rc.runner_actor_manager(runner_group).set_actor_state(wid, healthy=False)
-            reasons = "; ".join(f"runner {wid}: {statuses[ref].get('error')}" for wid, ref in zip(members, refs)
-                                if wid in failed)
+            reasons = "; ".join(f"runner {wid}: {statuses[ref].get('error')}" for wid, ref in zip(members, refs) if wid in failed)
             raise WeightSyncFailed(f"{what} failed on env runner(s) {failed}: {reasons}", failed)
         return results, error
 
@@ -743,8 +780,7 @@ def _runner_receive(runner, *, generation: int, sync: int) -> dict:
     return runner.receive_weights(generation, sync)
 
 
-def runner_join(runner, address: GroupAddress, rank: int, device: torch.device,
-                names: Sequence[str]) -> Tuple[Optional[RunnerEnd], dict]:
+def runner_join(runner, address: GroupAddress, rank: int, device: torch.device, names: Sequence[str]) -> Tuple[Optional[RunnerEnd], dict]:
     """An env runner joins a generation (its old group dropped first); ``names`` are its
     module's state names, which the layout must all carry. Never raises (an exception in a
     runner's call would end its actor): returns ``(end or None, status)``."""
@@ -759,8 +795,10 @@ def runner_join(runner, address: GroupAddress, rank: int, device: torch.device,
     missing = end.missing(names)
     if missing:
         end.close()
-        return None, {"ok": False, "error": f"the learners' weights lack {missing[:5]} ({len(missing)} in all) "
-                                             "of this runner's module: a different architecture?"}
+        return None, {
+            "ok": False,
+            "error": f"the learners' weights lack {missing[:5]} ({len(missing)} in all) of this runner's module: a different architecture?",
+        }
     setattr(runner, _END, end)
     return end, {"ok": True}
 
@@ -769,8 +807,7 @@ def runner_receive(runner, generation: int, sync: int, targets: Optional[Dict[st
     """Sync number ``sync`` on an env runner: ``(seq no, collected, status)``; never raises."""
     end: Optional[RunnerEnd] = getattr(runner, _END, None)
     if end is None or end.generation != generation:
-        return 0, None, {"ok": False, "error": f"not a member of weight group {generation} "
-                                               f"(holds {getattr(end, 'generation', None)})"}
+        return 0, None, {"ok": False, "error": f"not a member of weight group {generation} (holds {getattr(end, 'generation', None)})"}
     try:
         start = time.perf_counter()
         seq_no, collected = end.receive(sync, targets)

@@ -20,6 +20,7 @@ rllib_exgrpo.rllib.zero3_weights CHECKPOINT OUT``) writes the full weights as an
 module folder, as DeepSpeed's ``zero_to_fp32.py`` and verl's model merger do for theirs: for
 evaluation, ``RLModule.from_checkpoint`` or export.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,8 +100,7 @@ def consolidate(checkpoint: PathLike, out: PathLike) -> Dict[str, pathlib.Path]:
         manifest = state[MANIFEST_KEY]
         world = manifest["world_size"]
         ranks = [
-            torch.load(str(rank_file(learner, module_folder.name, r, world)), map_location="cpu", mmap=True,
-                       weights_only=True)
+            torch.load(str(rank_file(learner, module_folder.name, r, world)), map_location="cpu", mmap=True, weights_only=True)
             for r in range(world)
         ]
         full: Dict[str, Any] = dict(manifest["whole"])

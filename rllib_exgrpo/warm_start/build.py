@@ -1,4 +1,5 @@
 """A tiny model folder built from its recipe: tokenizer, model, warm start, report."""
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,7 @@ def build_into(folder: Path, recipe: dict, progress: bool) -> dict:
         if base is None:
             model = new_model(recipe, tokenizer)
             model.config.save_pretrained(str(folder))  # so AutoTokenizer resolves the qwen2 class
-            tokenizer = check_tokenizer_stable(tokenizer, str(folder),
-                                               texts[:200] + [p.question for p in eval_problems[:50]])
+            tokenizer = check_tokenizer_stable(tokenizer, str(folder), texts[:200] + [p.question for p in eval_problems[:50]])
         else:
             from transformers import AutoModelForCausalLM
 
@@ -107,24 +107,22 @@ def _warn_about(report: dict, recipe: dict, run: dict) -> None:
     """Warn when the kernels were not the pinned ones, or the warm start missed its target."""
     import warnings
 
-
     if report["cpu_capability"] != PINNED_CAPABILITY:
         warnings.warn(
             f"tiny model built with {report['cpu_capability']} CPU kernels, not {PINNED_CAPABILITY}: "
-            "its weights will differ from an AVX2 machine's build of the same recipe", RuntimeWarning, stacklevel=3,
+            "its weights will differ from an AVX2 machine's build of the same recipe",
+            RuntimeWarning,
+            stacklevel=3,
         )
     if run["reached"]:
         return
     last_eval = run["last_eval"]
     if "task" in recipe:
-        reached_what = (f"self-consistency {last_eval['operators']['self_consistency']:.3f} < "
-                        f"{recipe['task']['target_consistency']:.3f}")
+        reached_what = f"self-consistency {last_eval['operators']['self_consistency']:.3f} < {recipe['task']['target_consistency']:.3f}"
     else:
-        read = (last_eval["answer_format"]["pass1_any_format"] if "answer_format" in recipe
-                else last_eval["pass1"])
+        read = last_eval["answer_format"]["pass1_any_format"] if "answer_format" in recipe else last_eval["pass1"]
         reached_what = f"held-out pass@1 {read:.3f} < {recipe['target_pass1'] - recipe['eval']['band']:.3f}"
-    warnings.warn(f"tiny model warm start stopped at max_steps={run['steps']} with {reached_what}",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(f"tiny model warm start stopped at max_steps={run['steps']} with {reached_what}", RuntimeWarning, stacklevel=3)
 
 
 def continued_from(folder: Path, recipe: dict) -> Optional[Path]:
@@ -155,7 +153,9 @@ def new_model(recipe: dict, tokenizer):
     )
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
     )
     return model
 

@@ -5,6 +5,7 @@ afresh each time an example is drawn (never the true ones of a family the RL tas
 a format-weak recipe's answers are boxed or written ``Answer: N`` afresh each time: a
 solution fixed per question could be learnt per question.
 """
+
 from __future__ import annotations
 
 import random
@@ -53,15 +54,15 @@ def tokenizer_corpus(problems: Sequence[Any], recipe: dict) -> list:
     import dataclasses
 
     if "task" in recipe:
-
         rng = random.Random(f"tiny-operators-corpus:{recipe['seed']}")
-        problems = [p if shows_true_meanings(p, recipe) else
-                    dataclasses.replace(p, solution=operators.random_meaning_solution(p, rng)) for p in problems]
+        problems = [
+            p if shows_true_meanings(p, recipe) else dataclasses.replace(p, solution=operators.random_meaning_solution(p, rng))
+            for p in problems
+        ]
     if "answer_format" in recipe:
         rng = random.Random(f"tiny-answer-format-corpus:{recipe['seed']}")
         fraction = recipe["answer_format"]["boxed_fraction"]
-        problems = [dataclasses.replace(p, solution=with_answer_format(p.solution, rng.random() < fraction, recipe))
-                    for p in problems]
+        problems = [dataclasses.replace(p, solution=with_answer_format(p.solution, rng.random() < fraction, recipe)) for p in problems]
     return list(problems)
 
 
@@ -136,7 +137,6 @@ def collate(p_ids, c_ids, idx, pad_id):
     """Whole supervised sequences (prompt + completion) right-padded; the loss only on
     completion tokens (labels -100 elsewhere, HF's convention)."""
     import torch
-
 
     seqs = [p_ids[i] + c_ids[i] for i in idx]
     input_ids, mask = right_pad(seqs, pad_id)

@@ -4,6 +4,7 @@ XRPO seeds a question whose completions all failed by putting a few solved quest
 to it before its prompt (``xrpo/icl.py``); a share of the warm-start examples get exactly that
 prefix, chosen by the same retrieval and rendered by the same ``format_examples``.
 """
+
 from __future__ import annotations
 
 import random
@@ -14,6 +15,7 @@ from rllib_exgrpo.warm_start.examples import shows_true_meanings, with_answer_fo
 from rllib_exgrpo.envs import operators
 from rllib_exgrpo.envs.prompting import render_prompt
 from rllib_exgrpo.xrpo.icl import Example, SolvedCorpus, format_examples
+
 
 def icl_prefixes(problems, recipe: dict, chosen: Optional[dict[int, list[int]]] = None) -> list[str]:
     """The in-context prefix of each warm-start example ("" for most): what makes the
@@ -40,11 +42,11 @@ def icl_prefixes(problems, recipe: dict, chosen: Optional[dict[int, list[int]]] 
     chosen = icl_examples(problems, recipe) if chosen is None else chosen
     if "task" in recipe:
         rng = random.Random(f"tiny-operators-icl-prefixes:{recipe['seed']}")
-        return [operators_icl_draw(problems, i, chosen[i], recipe, rng)[0] if i in chosen else ""
-                for i in range(len(problems))]
-    return [format_examples([Example(j, problems[j].question, problems[j].solution) for j in chosen[i]],
-                            icl["template"]) if i in chosen else ""
-            for i in range(len(problems))]
+        return [operators_icl_draw(problems, i, chosen[i], recipe, rng)[0] if i in chosen else "" for i in range(len(problems))]
+    return [
+        format_examples([Example(j, problems[j].question, problems[j].solution) for j in chosen[i]], icl["template"]) if i in chosen else ""
+        for i in range(len(problems))
+    ]
 
 
 def icl_examples(problems, recipe: dict) -> dict[int, list[int]]:
@@ -84,18 +86,15 @@ def operators_icl_draw(problems, i: int, shown: Sequence[int], recipe: dict, rng
             return p.solution
         question = operators.parse_question(p.question)
         table = tables.setdefault(p.extra["family"], {})
-        meanings = tuple(table.setdefault((symbol, k), rng.choice(operators.MEANINGS))
-                         for k, symbol in enumerate(question.symbols))
+        meanings = tuple(table.setdefault((symbol, k), rng.choice(operators.MEANINGS)) for k, symbol in enumerate(question.symbols))
         return operators.worked_solution(question, meanings)
 
     own = solution(problems[i])
-    prefix = format_examples([Example(j, problems[j].question, solution(problems[j])) for j in shown],
-                             recipe["icl"]["template"])
+    prefix = format_examples([Example(j, problems[j].question, solution(problems[j])) for j in shown], recipe["icl"]["template"])
     return prefix, own
 
 
-def operators_icl_resampler(problems: Sequence[Any], tokenizer, recipe: dict,
-                             chosen: Optional[dict[int, list[int]]] = None):
+def operators_icl_resampler(problems: Sequence[Any], tokenizer, recipe: dict, chosen: Optional[dict[int, list[int]]] = None):
     """For an operators recipe with ``icl``: a function giving, for the in-context examples
     among a batch's indices, fresh ``(prompt ids, solution ids)`` drawn together
     (:func:`operators_icl_draw`); ``None`` for any other recipe."""
@@ -113,8 +112,7 @@ def operators_icl_resampler(problems: Sequence[Any], tokenizer, recipe: dict,
             prefix, own = operators_icl_draw(problems, i, chosen[i], recipe, rng)
             if "answer_format" in recipe:
                 own = with_answer_format(own, format_rng.random() < recipe["answer_format"]["boxed_fraction"], recipe)
-            prompts.append(prefix + render_prompt(problems[i].question, tokenizer=tokenizer,
-                                                  instruction=recipe["instruction"]))
+            prompts.append(prefix + render_prompt(problems[i].question, tokenizer=tokenizer, instruction=recipe["instruction"]))
             solutions.append(own + IM_END)
         if not mine:
             return {}

@@ -1,5 +1,6 @@
 """The warm start's held-out checks: sampled pass@1 on the project's sample-and-score path,
 and the figures the operators and format-weak recipes stop on."""
+
 from __future__ import annotations
 
 import re
@@ -37,11 +38,11 @@ def evaluate_pass1(
     the global torch RNG.
     """
     instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
-    env = ReasoningEnv({"problems": list(problems), "tokenizer": tokenizer, "instruction": instruction,
-                        "max_prompt_chars": 10**9})
+    env = ReasoningEnv({"problems": list(problems), "tokenizer": tokenizer, "instruction": instruction, "max_prompt_chars": 10**9})
     try:
-        items, prompt_tokens = _sample_all(model, tokenizer, env, max_new_tokens=max_new_tokens,
-                                           temperature=temperature, batch_size=batch_size, seed=seed)
+        items, prompt_tokens = _sample_all(
+            model, tokenizer, env, max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size, seed=seed
+        )
     finally:
         env.close()
     out = _summary(items, prompt_tokens)
@@ -50,17 +51,15 @@ def evaluate_pass1(
     return out
 
 
-def _sample_all(model, tokenizer, env, *, max_new_tokens: int, temperature: float, batch_size: int,
-                seed: int) -> tuple[list, int]:
+def _sample_all(model, tokenizer, env, *, max_new_tokens: int, temperature: float, batch_size: int, seed: int) -> tuple[list, int]:
     """One completion per problem of ``env``, scored by its verifier, in batches, under a
     forked torch RNG seeded with ``seed``: ``([(problem, item), ...], prompt tokens)``."""
     import torch
 
-
-    backend = HFGenerationBackend(model, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size,
-                                  logprobs_from_generation=True)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                            stop_token_ids=stop_token_ids(model, tokenizer), return_logprobs=True)
+    backend = HFGenerationBackend(model, pad_token_id=tokenizer.pad_token_id, batch_size=batch_size, logprobs_from_generation=True)
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids(model, tokenizer), return_logprobs=True
+    )
     was_training = model.training
     model.eval()
     items = []
@@ -72,8 +71,7 @@ def _sample_all(model, tokenizer, env, *, max_new_tokens: int, temperature: floa
                 chunk = env.problems[start : start + batch_size]
                 prompts = [encode_prompt(tokenizer, env.prompt_for(p.id)) for p in chunk]
                 prompt_tokens += sum(len(x) for x in prompts)
-                batch = sample_and_score(backend, tokenizer, prompts, [1] * len(chunk), params,
-                                         [p.id for p in chunk], env.score)
+                batch = sample_and_score(backend, tokenizer, prompts, [1] * len(chunk), params, [p.id for p in chunk], env.score)
                 items += [(chunk[i.prompt_index], i) for i in batch.items]
     finally:
         model.train(was_training)
@@ -122,8 +120,14 @@ def evaluate_at_step(model, tokenizer, problems, recipe, step):
     operators or format-weak figures when the recipe has them."""
     ev = recipe["eval"]
     out = evaluate_pass1(
-        model, tokenizer, problems, instruction=recipe["instruction"], max_new_tokens=ev["max_new_tokens"],
-        temperature=ev["temperature"], batch_size=ev["batch_size"], seed=recipe["seed"] * 100_003 + step,
+        model,
+        tokenizer,
+        problems,
+        instruction=recipe["instruction"],
+        max_new_tokens=ev["max_new_tokens"],
+        temperature=ev["temperature"],
+        batch_size=ev["batch_size"],
+        seed=recipe["seed"] * 100_003 + step,
         return_texts="task" in recipe or "answer_format" in recipe,
     )
     texts = out.pop("texts", None)
@@ -147,8 +151,11 @@ def answer_format_figures(problems: Sequence[Any], completions: Sequence[str]) -
         boxed += is_boxed
         per_level.setdefault(str(p.difficulty), []).append(int(ok))
     n = max(len(completions), 1)
-    return {"pass1_any_format": right / n, "boxed_share": boxed / n,
-            "per_level_any_format": {k: sum(v) / len(v) for k, v in sorted(per_level.items())}}
+    return {
+        "pass1_any_format": right / n,
+        "boxed_share": boxed / n,
+        "per_level_any_format": {k: sum(v) / len(v) for k, v in sorted(per_level.items())},
+    }
 
 
 def operators_warm_start_figures(problems: Sequence[Any], completions: Sequence[str]) -> dict:

@@ -5,6 +5,7 @@ environment pins the CPU numerics (it names this module on the command line and 
 imports it: the build sits above ``models``); here the child ties its life to the
 parent's and runs the build (``warm_start.build``).
 """
+
 from __future__ import annotations
 
 import json

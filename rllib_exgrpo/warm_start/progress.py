@@ -1,4 +1,5 @@
 """The warm start's progress: a tqdm bar on a terminal, a line per tenth of the steps elsewhere."""
+
 from __future__ import annotations
 
 
@@ -40,8 +41,11 @@ class LineProgress:
         import time
 
         extra = ", ".join(f"{k}={v}" for k, v in self.postfix.items())
-        print(f"{self.desc}: {self.n}/{self.total} steps, {time.perf_counter() - self._start:.0f} s"
-              + (f" ({extra})" if extra else ""), file=sys.stderr, flush=True)
+        print(
+            f"{self.desc}: {self.n}/{self.total} steps, {time.perf_counter() - self._start:.0f} s" + (f" ({extra})" if extra else ""),
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self) -> None:
         if self.n % self._every:

@@ -1,5 +1,6 @@
 """The supervised warm start: AdamW with warmup + cosine decay on prompt + worked solution
 (loss on the completion only), stopping at the first held-out check in the target band."""
+
 from __future__ import annotations
 
 import math
@@ -88,7 +89,9 @@ def _optimizer(model, tr: dict):
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": tr["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=tr["lr"], betas=tuple(tr["betas"]), fused=True,
+        lr=tr["lr"],
+        betas=tuple(tr["betas"]),
+        fused=True,
     )
 
 
@@ -99,8 +102,7 @@ def _batch_feed(tokenizer, train_problems, recipe: dict) -> Callable[[], tuple]:
     # which examples carry a prefix, and what it shows: one retrieval pass (BM25 over the
     # training questions, a few minutes for 20,000), shared by the prefixes and the resampler
     chosen = icl_examples(train_problems, recipe) if recipe.get("icl") else None
-    p_ids, c_ids = encode_examples(tokenizer, train_problems, recipe["instruction"],
-                                   icl_prefixes(train_problems, recipe, chosen))
+    p_ids, c_ids = encode_examples(tokenizer, train_problems, recipe["instruction"], icl_prefixes(train_problems, recipe, chosen))
     batches = batch_indices(train_problems, tr["batch_size"], tr["level_balanced"], recipe["seed"])
     resample = solution_resampler(train_problems, tokenizer, recipe)
     icl_resample = operators_icl_resampler(train_problems, tokenizer, recipe, chosen)
@@ -120,13 +122,19 @@ def _batch_feed(tokenizer, train_problems, recipe: dict) -> Callable[[], tuple]:
     return next_batch
 
 
-def _record_check(last_eval: dict, recipe: dict, step: int, loss: float, t0: float, history: list,
-                  postfix: dict) -> bool:
+def _record_check(last_eval: dict, recipe: dict, step: int, loss: float, t0: float, history: list, postfix: dict) -> bool:
     """Append a held-out check to ``history`` and ``postfix``; whether it meets the stop:
     self-consistency (operators), pass@1 in either format (format-weak), else pass@1."""
-    history.append({"step": step, "loss": round(loss, 4), "pass1": last_eval["pass1"],
-                    "mean_token_entropy": round(last_eval["mean_token_entropy"], 4),
-                    "per_level": last_eval["per_level"], "elapsed_s": round(time.time() - t0, 1)})
+    history.append(
+        {
+            "step": step,
+            "loss": round(loss, 4),
+            "pass1": last_eval["pass1"],
+            "mean_token_entropy": round(last_eval["mean_token_entropy"], 4),
+            "per_level": last_eval["per_level"],
+            "elapsed_s": round(time.time() - t0, 1),
+        }
+    )
     postfix["pass1"] = f"{last_eval['pass1']:.2f}"
     target_low = recipe["target_pass1"] - recipe["eval"]["band"]
     if "task" in recipe:
@@ -157,5 +165,7 @@ def warn_if_busy(num_threads: int) -> None:
             "building the tiny model with %d torch threads while the CPU load is %.1f on %d cores: "
             "expect it to be much slower than the few minutes it takes on idle cores "
             "(OMP_WAIT_POLICY=PASSIVE in the environment of this process softens the contention)",
-            num_threads, load, cores,
+            num_threads,
+            load,
+            cores,
         )

@@ -226,9 +226,7 @@ class SolvedCorpus:
         if not self._bm25_stale:
             return
         self._bm25_ids = list(self._entries)
-        self._bm25_seq = np.fromiter(
-            (seq for seq, _ in self._entries.values()), dtype=np.int64, count=len(self._entries)
-        )
+        self._bm25_seq = np.fromiter((seq for seq, _ in self._entries.values()), dtype=np.int64, count=len(self._entries))
         docs = [self._tokens[qid] for qid in self._bm25_ids]
         if any(docs):  # bm25s needs a positive average length; no tokens at all: nothing matches
             index = bm25s.BM25(k1=self.k1, b=self.b, method="atire", idf_method="lucene", dtype="float64")
@@ -368,10 +366,7 @@ class SolvedCorpus:
                 "k1": self.k1,
                 "b": self.b,
             },
-            "entries": [
-                (seq, ex.question_id, ex.question, ex.completion)
-                for seq, ex in self._entries.values()
-            ],
+            "entries": [(seq, ex.question_id, ex.question, ex.completion) for seq, ex in self._entries.values()],
             "next_seq": self._next_seq,
             "counters": dict(self._counters),
             "rng_state": self._rng.bit_generator.state,
@@ -411,7 +406,4 @@ def format_examples(examples: Iterable[Example], template: str = DEFAULT_TEMPLAT
     completions are trained against the original prompt as off-policy tokens (see the
     module docstring).
     """
-    return "".join(
-        template.format(question=ex.question, completion=ex.completion, question_id=ex.question_id)
-        for ex in examples
-    )
+    return "".join(template.format(question=ex.question, completion=ex.completion, question_id=ex.question_id) for ex in examples)

@@ -154,9 +154,7 @@ def reward_stats(rewards: Sequence[Optional[float]]) -> Tuple[int, float]:
     return n, (float(np.std(vals, ddof=1)) if n >= 2 else float("nan"))
 
 
-def student_t_halfwidth(
-    s_or_rewards: ArrayLike, n: Optional[ArrayLike] = None, alpha: float = 0.05
-) -> Union[float, np.ndarray]:
+def student_t_halfwidth(s_or_rewards: ArrayLike, n: Optional[ArrayLike] = None, alpha: float = 0.05) -> Union[float, np.ndarray]:
     """Student-t half-width ``h(n) = t_{1-alpha/2, n-1} * s / sqrt(n)``.
 
     Two call forms:
@@ -235,9 +233,7 @@ def priority(
     if np.any(n_arr < 0):
         raise ValueError("n must be >= 0")
     if np.any(nb_arr < 1):
-        raise ValueError(
-            "the exploration bonus needs n_bonus >= 1 (a question never sampled has no priority)"
-        )
+        raise ValueError("the exploration bonus needs n_bonus >= 1 (a question never sampled has no priority)")
     known = n_arr >= 2
     s_used = np.where(known, s_arr, unknown_std)
     n_used = np.where(known, n_arr, 2.0)
@@ -253,9 +249,7 @@ def priority(
 # --------------------------------------------------------------------------------------
 
 
-def allocate_proportional(
-    total: int, weights: Sequence[float], caps: Optional[Sequence[int]] = None
-) -> np.ndarray:
+def allocate_proportional(total: int, weights: Sequence[float], caps: Optional[Sequence[int]] = None) -> np.ndarray:
     """Split ``total`` integer units in proportion to ``weights``, exactly.
 
     Shapes: ``weights [Q]`` (finite, ``>= 0``), ``caps [Q]`` (ints ``>= 0``, default no
@@ -356,8 +350,7 @@ class RolloutPlanner:
             raise ValueError(f"n0 must be >= 1 (every question needs a first completion), got {n0}")
         if n0 > budget_per_question:
             raise ValueError(
-                f"n0 ({n0}) must be <= budget_per_question ({budget_per_question}): the first "
-                "phase alone would exceed the step's budget"
+                f"n0 ({n0}) must be <= budget_per_question ({budget_per_question}): the first phase alone would exceed the step's budget"
             )
         if n0 < 2:
             warnings.warn(
@@ -440,8 +433,13 @@ class RolloutPlanner:
 
     def _priority(self, s, n, drawn, T) -> np.ndarray:
         return priority(
-            s, n, T, self.lam, self.alpha,
-            n_bonus=np.maximum(drawn, 1), unknown_std=self.unknown_std,
+            s,
+            n,
+            T,
+            self.lam,
+            self.alpha,
+            n_bonus=np.maximum(drawn, 1),
+            unknown_std=self.unknown_std,
         )
 
     def priorities(self, rewards_so_far: Sequence[Sequence[Optional[float]]]) -> np.ndarray:
@@ -456,9 +454,7 @@ class RolloutPlanner:
 
     # -- rounds ---------------------------------------------------------------------
 
-    def next_round(
-        self, rewards_so_far: Sequence[Sequence[Optional[float]]], round_index: int
-    ) -> List[int]:
+    def next_round(self, rewards_so_far: Sequence[Sequence[Optional[float]]], round_index: int) -> List[int]:
         """Extra completions per question for priority round ``round_index``.
 
         ``rewards_so_far[q]``: rewards of every completion drawn so far for question ``q``

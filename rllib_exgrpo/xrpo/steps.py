@@ -13,6 +13,7 @@
 Generation is passed in as ``sample(question_ids, counts, prefixes) -> [Trajectory]`` so
 this module never touches RLlib.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -136,9 +137,7 @@ def sharpen_advantages(groups: ScoredGroups, *, lambda_nov: float, kappa: float)
     """
     if not groups.trajectories:
         return {}
-    seq_logp = torch.as_tensor(
-        [float(np.mean(t.logp)) if len(t.logp) else 0.0 for t in groups.trajectories], dtype=torch.float32
-    )
+    seq_logp = torch.as_tensor([float(np.mean(t.logp)) if len(t.logp) else 0.0 for t in groups.trajectories], dtype=torch.float32)
     rewards = torch.as_tensor([t.reward for t in groups.trajectories], dtype=torch.float32)
     new_adv, bonus = novelty_sharpened_advantages(
         torch.as_tensor(groups.advantages),
