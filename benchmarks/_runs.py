@@ -159,6 +159,37 @@ def train_run(
     max_iterations = max_iterations or 3 * iterations
     config, algo = build(name, seed, overrides, model, heldout_dataset)
     max_tokens = int(config.model_config.get("max_response_tokens", 0)) if is_ppo(name) else int(config.max_response_tokens)
+    record = _train(
+        algo,
+        max_tokens,
+        iterations,
+        token_budget,
+        eval_interval,
+        max_iterations,
+        extra_eval=extra_eval,
+        step_fields=step_fields,
+        on_eval=on_eval,
+        end_eval=end_eval,
+    )
+    return _write_run(path, {**key, **record})
+
+
+def _train(
+    algo,
+    max_tokens: int,
+    iterations: int,
+    token_budget: Optional[float],
+    eval_interval: int,
+    max_iterations: int,
+    *,
+    extra_eval=None,
+    step_fields=None,
+    on_eval=None,
+    end_eval=None,
+) -> dict:
+    """Train ``algo`` until it has done ``iterations`` steps and sampled ``token_budget``
+    tokens (or ``max_iterations`` steps), evaluating it on the way, then stop it. Returns the
+    run's ``steps``, ``evals``, ``budget_step``, ``wall_s`` (and ``end`` with ``end_eval``)."""
     steps: List[dict] = []
     evals: List[dict] = []
     tokens, crossed_at = 0.0, None
@@ -192,15 +223,13 @@ def train_run(
         end = end_eval(algo) if end_eval else None
     finally:
         algo.stop()
-    record = {
-        **key,
+    return {
         "steps": steps,
         "evals": evals,
         "budget_step": crossed_at,
         "wall_s": time.perf_counter() - t_run,
         **({"end": end} if end_eval else {}),
     }
-    return _write_run(path, record)
 
 
 def _run_key(

@@ -150,6 +150,61 @@ def _parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def _build_algo(args: argparse.Namespace, work: Path):
+    """The ExGRPO algorithm on the model under ``work``, with ``args.learners`` DeepSpeed
+    ZeRO-``args.stage`` learners (Ray already started)."""
+    from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
+
+    overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if args.stage == 3 else {}
+    config = (
+        ExGRPOConfig()
+        .environment("rllib_exgrpo.envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
+        .training(
+            model_name_or_path=str(work / "model"),
+            questions_per_step=2,
+            group_size=2,
+            max_prompt_tokens=32,
+            max_response_tokens=4,
+            minibatch_size=2 * args.learners,
+            lr=1e-4,
+            learner_backend="deepspeed",
+            deepspeed_zero_stage=args.stage,
+            deepspeed=overrides,
+        )
+        .learners(num_learners=args.learners, num_cpus_per_learner=1)
+        .debugging(seed=0)
+    )
+    t0 = time.perf_counter()
+    algo = config.build_algo()
+    print(
+        f"algorithm built ({args.learners} DeepSpeed ZeRO-{args.stage} learners over gloo) in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    return algo
+
+
+def _measure_checkpoints(algo, work: Path, repeats: int):
+    """Save, restore and sync ``repeats`` times under ``work``; returns ``(rows, worst)``, the
+    worst save or restore ratio of any rank."""
+    rows, worst = [], 0.0
+    for i in range(repeats):
+        path = work / f"ckpt_{i}"
+        worst = max(worst, measure(algo, "save", lambda: algo.save_to_path(str(path)), rows))
+        shard_files = sorted(path.glob("learner_group/learner/optimizer_shards/*/*.pt"))
+        print(
+            f"  {len(shard_files)} shard files: " + ", ".join(f"{f.name} {f.stat().st_size / 2**20:.0f} MiB" for f in shard_files),
+            flush=True,
+        )
+        worst = max(worst, measure(algo, "restore", lambda: algo.learner_group.restore_from_path(str(path / "learner_group")), rows))
+        measure(
+            algo,
+            "sync",
+            lambda: algo.env_runner_group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True),
+            rows,
+        )
+    return rows, worst
+
+
 def main() -> None:
     args = _parse_args()
 
@@ -172,33 +227,7 @@ def main() -> None:
             _temp_dir=str(work / "ray"),
             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
         )
-        from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
-
-        overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if args.stage == 3 else {}
-        config = (
-            ExGRPOConfig()
-            .environment("rllib_exgrpo.envs.reasoning_env:ReasoningEnv", env_config={"dataset": "arithmetic"})
-            .training(
-                model_name_or_path=str(work / "model"),
-                questions_per_step=2,
-                group_size=2,
-                max_prompt_tokens=32,
-                max_response_tokens=4,
-                minibatch_size=2 * args.learners,
-                lr=1e-4,
-                learner_backend="deepspeed",
-                deepspeed_zero_stage=args.stage,
-                deepspeed=overrides,
-            )
-            .learners(num_learners=args.learners, num_cpus_per_learner=1)
-            .debugging(seed=0)
-        )
-        t0 = time.perf_counter()
-        algo = config.build_algo()
-        print(
-            f"algorithm built ({args.learners} DeepSpeed ZeRO-{args.stage} learners over gloo) in {time.perf_counter() - t0:.1f} s",
-            flush=True,
-        )
+        algo = _build_algo(args, work)
         vocab = json.loads((work / "model" / "config.json").read_text())["vocab_size"]
         t0 = time.perf_counter()
         algo.learner_group.update(
@@ -206,22 +235,7 @@ def main() -> None:
         )
         print(f"one optimiser step in {time.perf_counter() - t0:.1f} s", flush=True)
 
-        rows, worst = [], 0.0
-        for i in range(args.repeats):
-            path = work / f"ckpt_{i}"
-            worst = max(worst, measure(algo, "save", lambda: algo.save_to_path(str(path)), rows))
-            shard_files = sorted(path.glob("learner_group/learner/optimizer_shards/*/*.pt"))
-            print(
-                f"  {len(shard_files)} shard files: " + ", ".join(f"{f.name} {f.stat().st_size / 2**20:.0f} MiB" for f in shard_files),
-                flush=True,
-            )
-            worst = max(worst, measure(algo, "restore", lambda: algo.learner_group.restore_from_path(str(path / "learner_group")), rows))
-            measure(
-                algo,
-                "sync",
-                lambda: algo.env_runner_group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True),
-                rows,
-            )
+        rows, worst = _measure_checkpoints(algo, work, args.repeats)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"n_params": n_params, "learners": args.learners, "stage": args.stage, "rows": rows}, indent=1))
         algo.stop()

@@ -111,14 +111,39 @@ def measure(fn) -> tuple:
     return peak, time.perf_counter() - t
 
 
-def main(argv=None) -> int:
+def _parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192, help="completion tokens of the packed pass")
     parser.add_argument("--vocab", type=int, default=152064)
     parser.add_argument("--chunk", type=int, default=None, help="logit_chunk_tokens (default: the field's)")
     parser.add_argument("--whole-tokens", type=int, default=1024, help="completion tokens for the whole-logits comparison (0: skip)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "logprob_memory.json")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _compare_whole_logits(model, chunk: int, whole_tokens: int, vocab: int) -> dict:
+    """The whole-logits pass against the chunked one on a packed pass of ``whole_tokens``
+    completion tokens: prints both peaks, returns the result's fields for them."""
+    small = packed_batch(whole_tokens, vocab)
+    small_logits = 4.0 * whole_tokens * vocab
+    peak_c, _ = measure(lambda: chunked_pass(model, small, chunk))
+    peak_w, seconds_w = measure(lambda: whole_logits_pass(model, small))
+    fields = dict(
+        whole_tokens=whole_tokens,
+        whole_peak_bytes=peak_w,
+        whole_peak_over_logits_fp32=peak_w / small_logits,
+        chunked_peak_over_logits_fp32_at_whole_tokens=peak_c / small_logits,
+    )
+    print(
+        f"  at {whole_tokens} completion tokens: whole logits peak {peak_w / GIB:.2f} GiB = "
+        f"{peak_w / small_logits:.2f} x float32 [{whole_tokens} x {vocab}]; chunked "
+        f"{peak_c / small_logits:.3f} x"
+    )
+    return fields
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
 
     import torch
     import transformers
@@ -149,21 +174,7 @@ def main(argv=None) -> int:
         f"[{args.tokens} x {args.vocab}] ({logits_fp32 / GIB:.2f} GiB)  in {seconds:.1f} s"
     )
     if args.whole_tokens:
-        small = packed_batch(args.whole_tokens, args.vocab)
-        small_logits = 4.0 * args.whole_tokens * args.vocab
-        peak_c, _ = measure(lambda: chunked_pass(model, small, chunk))
-        peak_w, seconds_w = measure(lambda: whole_logits_pass(model, small))
-        result.update(
-            whole_tokens=args.whole_tokens,
-            whole_peak_bytes=peak_w,
-            whole_peak_over_logits_fp32=peak_w / small_logits,
-            chunked_peak_over_logits_fp32_at_whole_tokens=peak_c / small_logits,
-        )
-        print(
-            f"  at {args.whole_tokens} completion tokens: whole logits peak {peak_w / GIB:.2f} GiB = "
-            f"{peak_w / small_logits:.2f} x float32 [{args.whole_tokens} x {args.vocab}]; chunked "
-            f"{peak_c / small_logits:.3f} x"
-        )
+        result.update(_compare_whole_logits(model, chunk, args.whole_tokens, args.vocab))
     result.update(
         torch=torch.__version__,
         transformers=transformers.__version__,

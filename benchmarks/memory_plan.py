@@ -185,56 +185,73 @@ def _peak_of(fn) -> int:
     return peak
 
 
-def measure_shape(shape_name: str, configs: list) -> list:
+def _shape_model(shape_name: str, mode: str):
+    """A random-init Qwen2 of ``SHAPES[shape_name]`` (bf16 weights for ``bf16``, fp32 otherwise)
+    and its AdamW optimiser."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_config(
+        Qwen2Config(**SHAPES[shape_name], max_position_embeddings=4096), dtype=dtype, attn_implementation="sdpa"
+    )
+    model.config.use_cache = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+    return model, optimizer
+
+
+def _passes(model, autocast):
+    """``(learner_pass, scoring_pass)`` of ``model``, each ``fn(batch, response_tokens)``: the
+    learner's log-probs, entropy, mixed loss and backward; the runner's scoring under no_grad."""
+    import torch
+
     from rllib_exgrpo.core.losses import mixed_policy_loss
     from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
+
+    def learner_pass(batch, resp):
+        ids, attn, rmask, adv, off = batch
+        with autocast():
+            logp, ent = completion_logprobs_and_entropy(model, ids, attn, resp)
+        loss, _ = mixed_policy_loss(
+            logp,
+            logp.detach(),
+            adv,
+            rmask,
+            off,
+            clip_fresh=False,
+            beta=0.1,
+            agg_mode="seq-mean-token-sum-norm-official",
+            max_len=resp,
+            micro_batch_rows=64,
+            entropy=ent,
+            entropy_coeff=0.001,
+        )
+        loss.backward()
+
+    def scoring_pass(batch, resp):
+        ids, attn = batch[0], batch[1]
+        with torch.no_grad(), autocast():
+            completion_logprobs_and_entropy(model, ids, attn, resp)
+
+    return learner_pass, scoring_pass
+
+
+def measure_shape(shape_name: str, configs: list) -> list:
+    import torch
 
     out = []
     models = {}
     for _, mode, kind, rows, prompt, response, ckpt in configs:
         if mode not in models:
-            torch.manual_seed(0)
-            dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-            model = AutoModelForCausalLM.from_config(
-                Qwen2Config(**SHAPES[shape_name], max_position_embeddings=4096), dtype=dtype, attn_implementation="sdpa"
-            )
-            model.config.use_cache = False
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
-            models[mode] = (model, optimizer)
+            models[mode] = _shape_model(shape_name, mode)
         model, optimizer = models[mode]
         on = "enable" if ckpt else "disable"
         (getattr(model, f"activation_checkpointing_{on}", None) or getattr(model, f"gradient_checkpointing_{on}"))()
         model.train()
         autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if mode == "autocast" else contextlib.nullcontext
         vocab = SHAPES[shape_name]["vocab_size"]
-
-        def learner_pass(batch, resp):
-            ids, attn, rmask, adv, off = batch
-            with autocast():
-                logp, ent = completion_logprobs_and_entropy(model, ids, attn, resp)
-            loss, _ = mixed_policy_loss(
-                logp,
-                logp.detach(),
-                adv,
-                rmask,
-                off,
-                clip_fresh=False,
-                beta=0.1,
-                agg_mode="seq-mean-token-sum-norm-official",
-                max_len=resp,
-                micro_batch_rows=64,
-                entropy=ent,
-                entropy_coeff=0.001,
-            )
-            loss.backward()
-
-        def scoring_pass(batch, resp):
-            ids, attn = batch[0], batch[1]
-            with torch.no_grad(), autocast():
-                completion_logprobs_and_entropy(model, ids, attn, resp)
+        learner_pass, scoring_pass = _passes(model, autocast)
 
         # warm-up: gradients and AdamW state exist before the measured pass
         learner_pass(_batch(2, 8, 8, vocab, 0), 8)
@@ -325,15 +342,13 @@ def planned_packed_step() -> dict:
     return {"planned_bytes": int(beyond), "items": items, "parameters": shape.num_parameters}
 
 
-def measure_packed_step() -> dict:
-    """The steady-state learner step's peak beyond the weights (see the module doc)."""
+def _vocab_model():
+    """The random-init ``qwen2-vocab`` model in float32 with packed (``sdpa_varlen``) attention,
+    in training mode."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rllib_exgrpo.core import columns as C
     from rllib_exgrpo.core.attention import register_kernels
-    from rllib_exgrpo.core.losses import mixed_policy_loss
-    from rllib_exgrpo.core.packing import pack_rows, score_packed
 
     register_kernels()
     torch.manual_seed(0)
@@ -341,6 +356,18 @@ def measure_packed_step() -> dict:
         Qwen2Config(**VOCAB_SHAPE, max_position_embeddings=4096), dtype=torch.float32, attn_implementation="sdpa_varlen"
     )
     model.train()
+    return model
+
+
+def measure_packed_step() -> dict:
+    """The steady-state learner step's peak beyond the weights (see the module doc)."""
+    import torch
+
+    from rllib_exgrpo.core import columns as C
+    from rllib_exgrpo.core.losses import mixed_policy_loss
+    from rllib_exgrpo.core.packing import pack_rows, score_packed
+
+    model = _vocab_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
     chunk = _vocab_config().logit_chunk_tokens
 
@@ -415,53 +442,20 @@ def _parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = _parse_args(argv)
-    if args.child:
-        return _child(args)
+def _run_child(child_args: list, threads: int) -> subprocess.CompletedProcess:
+    """This script in a subprocess with ``child_args`` and ``--threads threads``, output captured."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run(
+        [sys.executable, __file__, *child_args, "--threads", str(threads)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
 
-    t0 = time.perf_counter()
-    configs = [] if args.packed_only else (QUICK if args.quick else CONFIGS)
-    rows = []
-    for shape_name in dict.fromkeys(c[0] for c in configs):
-        mine = [c for c in configs if c[0] == shape_name]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", shape_name, "--child-configs", json.dumps(mine), "--threads", str(args.threads)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        if proc.returncode != 0:
-            print(proc.stdout + proc.stderr, file=sys.stderr)
-            return proc.returncode
-        measured = json.loads(proc.stdout.strip().splitlines()[-1])
-        for m in measured:
-            est = estimate(m["shape"], m["mode"], m["pass"], m["rows"], m["prompt"], m["response"], m["gradient_checkpointing"])
-            m.update(estimated_bytes=est["bytes"], phase=est["phase"], error=est["bytes"] / m["measured_bytes"] - 1.0)
-            rows.append(m)
-            print(f"  measured {m['shape']} {m['mode']} {m['pass']} in {m['seconds']:.1f} s", flush=True)
 
-    packed = None
-    if args.packed:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", "packed", "--threads", str(args.threads)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        if proc.returncode != 0:
-            print(proc.stdout + proc.stderr, file=sys.stderr)
-            return proc.returncode
-        packed = json.loads(proc.stdout.strip().splitlines()[-1])
-        packed.update(planned_packed_step())
-        packed["measured_over_planned"] = packed["measured_bytes"] / packed["planned_bytes"]
-    if not rows:
-        return _report_packed(packed, args, t0)
-
+def _print_table(rows: list) -> None:
+    """Estimate against measured peak, one line per configuration."""
     head = (
         f"{'shape':<12}{'params':>8} {'mode':<9}{'pass':<8}{'rows x (prompt+resp)':<22}{'ckpt':<6}"
         f"{'estimate MiB':>13}{'measured MiB':>14}{'error':>8}  peak phase"
@@ -476,6 +470,42 @@ def main(argv=None) -> int:
             f"{'on' if m['gradient_checkpointing'] else 'off':<6}{m['estimated_bytes'] / MIB:>13.1f}"
             f"{m['measured_bytes'] / MIB:>14.1f}{m['error']:>+8.1%}  {m['phase']}"
         )
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    if args.child:
+        return _child(args)
+
+    t0 = time.perf_counter()
+    configs = [] if args.packed_only else (QUICK if args.quick else CONFIGS)
+    rows = []
+    for shape_name in dict.fromkeys(c[0] for c in configs):
+        mine = [c for c in configs if c[0] == shape_name]
+        proc = _run_child(["--child", shape_name, "--child-configs", json.dumps(mine)], args.threads)
+        if proc.returncode != 0:
+            print(proc.stdout + proc.stderr, file=sys.stderr)
+            return proc.returncode
+        measured = json.loads(proc.stdout.strip().splitlines()[-1])
+        for m in measured:
+            est = estimate(m["shape"], m["mode"], m["pass"], m["rows"], m["prompt"], m["response"], m["gradient_checkpointing"])
+            m.update(estimated_bytes=est["bytes"], phase=est["phase"], error=est["bytes"] / m["measured_bytes"] - 1.0)
+            rows.append(m)
+            print(f"  measured {m['shape']} {m['mode']} {m['pass']} in {m['seconds']:.1f} s", flush=True)
+
+    packed = None
+    if args.packed:
+        proc = _run_child(["--child", "packed"], args.threads)
+        if proc.returncode != 0:
+            print(proc.stdout + proc.stderr, file=sys.stderr)
+            return proc.returncode
+        packed = json.loads(proc.stdout.strip().splitlines()[-1])
+        packed.update(planned_packed_step())
+        packed["measured_over_planned"] = packed["measured_bytes"] / packed["planned_bytes"]
+    if not rows:
+        return _report_packed(packed, args, t0)
+
+    _print_table(rows)
     worst = max(abs(m["error"]) for m in rows)
     print(f"activation_error_max={worst:.3f}")
     return _report_packed(packed, args, t0, configs=rows, activation_error_max=worst)

@@ -185,28 +185,8 @@ def _compare_seed(seed: int, args, out: Path) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    args = _parse_args(argv)
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    from rllib_exgrpo.models import resolve_model_path
-
-    resolve_model_path("tiny")  # build the shared starting model once, before timing anything
-    ensure_trl_venv(verbose=True)
-    start_acc = evaluate("tiny", out / "eval_start.json", args.heldout)
-
-    rows = []
-    for seed in args.seeds:
-        rows.append(_compare_seed(seed, args, out))
-        print(
-            f"seed {seed}: ours {rows[-1]['ours_acc']:.3f} ({rows[-1]['ours_s_it']:.2f} s/it), "
-            f"TRL {rows[-1]['trl_acc']:.3f} ({rows[-1]['trl_s_it']:.2f} s/it)",
-            flush=True,
-        )
-
-    ours_gain = [r["ours_acc"] - start_acc for r in rows]
-    trl_gain = [r["trl_acc"] - start_acc for r in rows]
-    ratio = [r["ours_s_it"] / r["trl_s_it"] for r in rows]
+def _print_report(args, rows, start_acc: float, ours_gain, trl_gain, ratio) -> None:
+    """The per-seed table (accuracy, gain, seconds per iteration) and the ours-over-TRL figures."""
     print(f"\nheld-out greedy accuracy on {args.heldout} arithmetic test questions; start {start_acc:.3f}")
     print(
         "| | held-out after {} it. ({}) | gain (mean +- sd) | median s / iteration |".format(
@@ -232,6 +212,31 @@ def main(argv=None) -> int:
         f"{statistics.median(r['ours_learner_s'] for r in rows):.2f} s; TRL generate "
         f"{statistics.median(r['trl_generate_s'] for r in rows):.2f} s"
     )
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    from rllib_exgrpo.models import resolve_model_path
+
+    resolve_model_path("tiny")  # build the shared starting model once, before timing anything
+    ensure_trl_venv(verbose=True)
+    start_acc = evaluate("tiny", out / "eval_start.json", args.heldout)
+
+    rows = []
+    for seed in args.seeds:
+        rows.append(_compare_seed(seed, args, out))
+        print(
+            f"seed {seed}: ours {rows[-1]['ours_acc']:.3f} ({rows[-1]['ours_s_it']:.2f} s/it), "
+            f"TRL {rows[-1]['trl_acc']:.3f} ({rows[-1]['trl_s_it']:.2f} s/it)",
+            flush=True,
+        )
+
+    ours_gain = [r["ours_acc"] - start_acc for r in rows]
+    trl_gain = [r["trl_acc"] - start_acc for r in rows]
+    ratio = [r["ours_s_it"] / r["trl_s_it"] for r in rows]
+    _print_report(args, rows, start_acc, ours_gain, trl_gain, ratio)
 
     summary = {
         "start_accuracy": start_acc,

@@ -305,6 +305,22 @@ def _check_runner_weights(algo, group, ids) -> tuple:
     return equal, local_holds
 
 
+def _measure_syncs(algo, group, ids, n_params: int, syncs: int) -> tuple:
+    """``syncs`` object-store weight syncs, then ``syncs`` collective ones, each measured:
+    ``(store_rows, store_seconds, coll_rows, coll_seconds, coll_counts)``."""
+    # The size of what each object-store sync puts into the object store (the driver's ray.put).
+    measured_put, put_sizes = _measuring_put()
+
+    def object_store_sync():
+        group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True, timeout_seconds=None)
+
+    store_rows, store_seconds, _ = measure("object_store", object_store_sync, group, ids, n_params, syncs, measured_put, put_sizes)
+    coll_rows, coll_seconds, coll_counts = measure(
+        "collective", algo._sync_runner_weights, group, ids, n_params, syncs, measured_put, put_sizes
+    )
+    return store_rows, store_seconds, coll_rows, coll_seconds, coll_counts
+
+
 def main() -> None:
     args = _parse_args()
     if args.plain_tensors:
@@ -324,17 +340,7 @@ def main() -> None:
         algo = _build_algo(work, args.bucket_mb)
         group = algo.env_runner_group
         ids = group.healthy_worker_ids()
-
-        # The size of what each object-store sync puts into the object store (the driver's ray.put).
-        measured_put, put_sizes = _measuring_put()
-
-        def object_store_sync():
-            group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True, timeout_seconds=None)
-
-        store_rows, store_seconds, _ = measure("object_store", object_store_sync, group, ids, n_params, args.syncs, measured_put, put_sizes)
-        coll_rows, coll_seconds, coll_counts = measure(
-            "collective", algo._sync_runner_weights, group, ids, n_params, args.syncs, measured_put, put_sizes
-        )
+        store_rows, store_seconds, coll_rows, coll_seconds, coll_counts = _measure_syncs(algo, group, ids, n_params, args.syncs)
         equal, local_holds = _check_runner_weights(algo, group, ids)
         bytes_per_param = max(r["shipped"] for r in store_rows) / n_params
         extra_copies = max(r["extra"] for r in store_rows)

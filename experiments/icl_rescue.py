@@ -59,6 +59,26 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple:
     return (centre - half, centre + half)
 
 
+def _rescued(episodes, question_ids) -> dict:
+    """Per question of ``question_ids``: whether any of its ``episodes`` was correct."""
+    out = dict.fromkeys(question_ids, False)
+    for e in episodes:
+        q = e.get_infos()[-1]["question_id"]
+        out[q] = out[q] or e.get_return() >= 1.0
+    return out
+
+
+def _by_level(question_ids, problems: dict, seeded: dict, plain: dict) -> dict:
+    """Per difficulty level: the questions (``n``) and how many were rescued seeded and plain."""
+    by_level: dict = {}
+    for q in question_ids:
+        lv = by_level.setdefault(int(problems[q].difficulty), {"n": 0, "seeded": 0, "plain": 0})
+        lv["n"] += 1
+        lv["seeded"] += seeded[q]
+        lv["plain"] += plain[q]
+    return by_level
+
+
 def measure(model: str, seed: int, questions: int, extra: int, num_examples: int, dataset: str = DEFAULT_DATASET) -> dict:
     from rllib_exgrpo.xrpo.icl import SolvedCorpus, format_examples
 
@@ -89,22 +109,11 @@ def measure(model: str, seed: int, questions: int, extra: int, num_examples: int
             if examples:
                 seeded_ids.append(q)
                 prefixes.append(format_examples(examples))
-
-        def rescued(episodes) -> dict:
-            out = dict.fromkeys(seeded_ids, False)
-            for e in episodes:
-                q = e.get_infos()[-1]["question_id"]
-                out[q] = out[q] or e.get_return() >= 1.0
-            return out
-
-        seeded = rescued(runner.sample(question_ids=seeded_ids, num_samples=extra, prompt_prefixes=prefixes, return_logprobs=False))
-        plain = rescued(runner.sample(question_ids=seeded_ids, num_samples=extra, return_logprobs=False))
-        by_level: dict = {}
-        for q in seeded_ids:
-            lv = by_level.setdefault(int(problems[q].difficulty), {"n": 0, "seeded": 0, "plain": 0})
-            lv["n"] += 1
-            lv["seeded"] += seeded[q]
-            lv["plain"] += plain[q]
+        seeded = _rescued(
+            runner.sample(question_ids=seeded_ids, num_samples=extra, prompt_prefixes=prefixes, return_logprobs=False), seeded_ids
+        )
+        plain = _rescued(runner.sample(question_ids=seeded_ids, num_samples=extra, return_logprobs=False), seeded_ids)
+        by_level = _by_level(seeded_ids, problems, seeded, plain)
         return {
             "model": model,
             "seed": seed,

@@ -660,6 +660,50 @@ def _parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _run_paired(args, backends: Sequence[str]) -> None:
+    """The paired throughput scenario in a child process (every non-stock backend in
+    alternated rounds); prints its median answers per second."""
+    t0 = time.monotonic()
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        ",".join(b for b in backends if not b.endswith(":stock")),
+        "paired",
+        "--throughput-limit",
+        str(args.throughput_limit),
+        "--repeat",
+        str(args.repeat),
+        "--only",
+        args.only,
+    ]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
+    if line is None:
+        print(f"paired: rc={out.returncode} {out.stderr[-400:]}")
+        return
+    print(
+        f"\npaired throughput, answers/s, median of {args.repeat} alternated rounds "
+        f"({time.monotonic() - t0:.0f} s, load now {os.getloadavg()[0]:.1f})"
+    )
+    for name, row in json.loads(line).items():
+        print(f"  {name:42s} " + "  ".join(f"{k}: {v}" for k, v in row.items()))
+
+
+def _print_rounds(scenario: str, runs: dict, rounds: int, backends: Sequence[str]) -> None:
+    """Per metric, each backend's median (and best) answers per second over the rounds."""
+    print(f"\n{scenario}: answers/s over {rounds} interleaved rounds, median (best)")
+    metrics = [k for k in next(iter(v for v in runs.values() if v))[0] if k != "pool start s"]
+    print(f"{'':52s}" + "".join(f"{b:>20s}" for b in backends if runs[b]))
+    for m in metrics:
+        cells = []
+        for b in backends:
+            vals = sorted(x[m] for x in runs[b] if m in x)
+            if vals:
+                cells.append(f"{vals[len(vals) // 2]:>11.0f} ({vals[-1]:>5.0f})")
+        print(f"{m:52s}" + "".join(f"{c:>20s}" for c in cells))
+
+
 def main(argv=None) -> None:
     args = _parse_args(argv)
 
@@ -677,31 +721,7 @@ def main(argv=None) -> None:
     backends = args.backends.split(",")
     for scenario in args.scenarios.split(","):
         if scenario == "paired":
-            t0 = time.monotonic()
-            cmd = [
-                sys.executable,
-                __file__,
-                "--one",
-                ",".join(b for b in backends if not b.endswith(":stock")),
-                "paired",
-                "--throughput-limit",
-                str(args.throughput_limit),
-                "--repeat",
-                str(args.repeat),
-                "--only",
-                args.only,
-            ]
-            out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
-            line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)
-            if line is None:
-                print(f"paired: rc={out.returncode} {out.stderr[-400:]}")
-                continue
-            print(
-                f"\npaired throughput, answers/s, median of {args.repeat} alternated rounds "
-                f"({time.monotonic() - t0:.0f} s, load now {os.getloadavg()[0]:.1f})"
-            )
-            for name, row in json.loads(line).items():
-                print(f"  {name:42s} " + "  ".join(f"{k}: {v}" for k, v in row.items()))
+            _run_paired(args, backends)
             continue
         rounds = args.repeat if scenario == "throughput" else 1
         runs: dict = {b: [] for b in backends}
@@ -717,16 +737,7 @@ def main(argv=None) -> None:
                 load = os.getloadavg()[0]
                 print(f"{scenario:12s} {backend:18s} ({time.monotonic() - t0:5.1f} s, load {load:.1f}) {json.dumps(res)}", flush=True)
         if rounds > 1:
-            print(f"\n{scenario}: answers/s over {rounds} interleaved rounds, median (best)")
-            metrics = [k for k in next(iter(v for v in runs.values() if v))[0] if k != "pool start s"]
-            print(f"{'':52s}" + "".join(f"{b:>20s}" for b in backends if runs[b]))
-            for m in metrics:
-                cells = []
-                for b in backends:
-                    vals = sorted(x[m] for x in runs[b] if m in x)
-                    if vals:
-                        cells.append(f"{vals[len(vals) // 2]:>11.0f} ({vals[-1]:>5.0f})")
-                print(f"{m:52s}" + "".join(f"{c:>20s}" for c in cells))
+            _print_rounds(scenario, runs, rounds, backends)
 
 
 if __name__ == "__main__":

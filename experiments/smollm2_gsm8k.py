@@ -64,6 +64,35 @@ def pretrained_score(args, out: Path) -> dict:
     return before
 
 
+def _config_overrides(args) -> dict:
+    """The recipe's settings for this run: training on the GSM8K rows after the evaluated
+    ones, with the command line's step size, group, response length and learning rate."""
+    return {
+        "env_config": {"dataset": args.data, "skip": args.limit},
+        "questions_per_step": args.questions,
+        "group_size": args.group,
+        "max_response_tokens": args.max_tokens,
+        "lr": args.lr,
+        "minibatch_size": args.questions * args.group // 2,
+        "heldout_dataset": None,
+    }
+
+
+def _step_record(step: int, t0: float, r: dict) -> dict:
+    """One training step (started at ``t0``, result ``r``): its wall time, solve rate,
+    tokens, zero-variance groups and experience-pool figures."""
+    runners, exp = r.get("env_runners", {}), r.get("experience", {})
+    return {
+        "step": step,
+        "wall_s": time.perf_counter() - t0,
+        "solve_rate": float(runners.get("episode_return_mean", float("nan"))),
+        "tokens": float(runners.get("num_response_tokens", 0)),
+        "zero_variance_groups": float(r.get("zero_variance_group_fraction", float("nan"))),
+        "mixed_mode": float(exp.get("mixed_mode", 0.0)),
+        "pool_size": float(exp.get("pool_size", 0.0)),
+    }
+
+
 def main():
     args = _parse_args()
     if not Path(args.data).exists():
@@ -83,15 +112,7 @@ def main():
     start_ray()
     (experiment,) = build_experiments(
         str(ROOT / "tuned_examples" / "exgrpo_smollm2_cpu.yaml"),
-        config_overrides={
-            "env_config": {"dataset": args.data, "skip": args.limit},
-            "questions_per_step": args.questions,
-            "group_size": args.group,
-            "max_response_tokens": args.max_tokens,
-            "lr": args.lr,
-            "minibatch_size": args.questions * args.group // 2,
-            "heldout_dataset": None,
-        },
+        config_overrides=_config_overrides(args),
     )
     algo = experiment.config.build_algo()
     steps = []
@@ -100,18 +121,7 @@ def main():
         for i in range(args.iterations):
             t0 = time.perf_counter()
             r = algo.train()
-            runners, exp = r.get("env_runners", {}), r.get("experience", {})
-            steps.append(
-                {
-                    "step": i + 1,
-                    "wall_s": time.perf_counter() - t0,
-                    "solve_rate": float(runners.get("episode_return_mean", float("nan"))),
-                    "tokens": float(runners.get("num_response_tokens", 0)),
-                    "zero_variance_groups": float(r.get("zero_variance_group_fraction", float("nan"))),
-                    "mixed_mode": float(exp.get("mixed_mode", 0.0)),
-                    "pool_size": float(exp.get("pool_size", 0.0)),
-                }
-            )
+            steps.append(_step_record(i + 1, t0, r))
             print(
                 f"step {i + 1}: solve rate {steps[-1]['solve_rate']:.3f}, "
                 f"zero-variance groups {steps[-1]['zero_variance_groups']:.2f}, "

@@ -501,6 +501,37 @@ def test_end_to_end_ppo_grid_with_mlflow(tmp_path):
         assert "env_runners/episode_return_mean" in r.data.metrics
 
 
+def _train_exgrpo_tiny_from_cli(folder: Path, overrides: dict, db: Path):
+    """One iteration per trial of tuned_examples/exgrpo_tiny.yaml through ``rllib train file`` in a
+    subprocess run in ``folder`` (results under ``folder/results``), logged to MLflow in
+    ``db``; returns the finished process."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rllib_exgrpo.cli.main",
+            "train",
+            "file",
+            str(REPO / "tuned_examples" / "exgrpo_tiny.yaml"),
+            "--stop",
+            json.dumps({"training_iteration": 1}),
+            "--config",
+            json.dumps(overrides),
+            "--storage-path",
+            str(folder / "results"),
+            "--mlflow-uri",
+            f"sqlite:///{db}",
+            "--ray-num-cpus",
+            "2",
+        ],
+        cwd=folder,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
 @pytest.mark.slow
 def test_main_job_yaml_grid_over_two_learning_rates(tmp_path, quick_tiny_model):
     """The embedded default's own file (tuned_examples/exgrpo_tiny.yaml) through the
@@ -516,31 +547,7 @@ def test_main_job_yaml_grid_over_two_learning_rates(tmp_path, quick_tiny_model):
         "heldout_num_questions": 8,
         "lr": {"grid_search": [1e-4, 3e-4]},
     }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rllib_exgrpo.cli.main",
-            "train",
-            "file",
-            str(REPO / "tuned_examples" / "exgrpo_tiny.yaml"),
-            "--stop",
-            json.dumps({"training_iteration": 1}),
-            "--config",
-            json.dumps(overrides),
-            "--storage-path",
-            str(tmp_path / "results"),
-            "--mlflow-uri",
-            f"sqlite:///{db}",
-            "--ray-num-cpus",
-            "2",
-        ],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = _train_exgrpo_tiny_from_cli(tmp_path, overrides, db)
     log = proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]
     assert proc.returncode == 0, log
     trials = sorted(p for p in (tmp_path / "results" / "exgrpo-tiny").iterdir() if p.is_dir() and p.name.startswith("ExGRPO_"))

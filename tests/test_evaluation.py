@@ -341,6 +341,29 @@ def grpo_checkpoint(ray_local, quick_tiny_model, tmp_path_factory):
     return trial, path, learner_state
 
 
+def _evaluate_greedy_from_the_cli(model: Path, out: Path) -> int:
+    """``rllib evaluate --model MODEL`` on 6 arithmetic questions at temperature 0 (asking for
+    ``--k 4``), quiet, its report written to ``out``; returns the exit code."""
+    return cli.main(
+        [
+            "evaluate",
+            "--model",
+            str(model),
+            "--data",
+            "arithmetic",
+            "--limit",
+            "6",
+            "--temperature",
+            "0",
+            "--k",
+            "4",
+            "--output",
+            str(out),
+            "-q",
+        ]
+    )
+
+
 @pytest.mark.slow
 def test_checkpoint_weights_and_cli_evaluate(grpo_checkpoint, quick_tiny_model, tmp_path, capsys):
     import torch
@@ -375,24 +398,7 @@ def test_checkpoint_weights_and_cli_evaluate(grpo_checkpoint, quick_tiny_model, 
     assert any(not torch.equal(base[n], learner_state[n]) for n in learner_state), "training moved no weight"
 
     out = tmp_path / "ckpt.json"
-    rc = cli.main(
-        [
-            "evaluate",
-            "--model",
-            str(trial),
-            "--data",
-            "arithmetic",
-            "--limit",
-            "6",
-            "--temperature",
-            "0",
-            "--k",
-            "4",
-            "--output",
-            str(out),
-            "-q",
-        ]
-    )
+    rc = _evaluate_greedy_from_the_cli(trial, out)
     assert rc == 0
     data = json.loads(out.read_text())
     s = data["settings"]

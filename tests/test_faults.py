@@ -268,6 +268,19 @@ def test_dead_learner_ends_the_run_with_a_clear_message(ray_local, quick_tiny_mo
 HANG_TRUTH = "9^{9^{9^{9^9}}}"  # sympy evaluates it for ever: the verifier hangs on it
 
 
+def _write_faulty_data(data: Path) -> None:
+    """A jsonl training file of 6 good questions, a broken JSON row (line 3), an empty question
+    (line 6) and, last, a question whose verification hangs."""
+    rows = [
+        json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
+        for a, b in [(3, 4), (12, 30), (7, 8), (21, 5), (9, 9), (14, 6)]
+    ]
+    rows.insert(2, '{"problem": "What is 1 + 1?", "answer": ')  # line 3: broken JSON
+    rows.insert(5, json.dumps({"problem": "", "answer": "2"}))  # line 6: empty question
+    rows.append(json.dumps({"problem": "What is 2 + 2?", "answer": HANG_TRUTH}))
+    data.write_text("\n".join(rows) + "\n")
+
+
 @pytest.mark.slow
 def test_malformed_rows_hanging_and_crashing_verifier_do_not_stop_the_step(ray_local, tiny_model, tmp_path, caplog, fault_log):
     """A data file with two malformed rows, a question whose verification hangs, and the
@@ -281,14 +294,7 @@ def test_malformed_rows_hanging_and_crashing_verifier_do_not_stop_the_step(ray_l
     from rllib_exgrpo import ExGRPOConfig
 
     data = tmp_path / "train.jsonl"
-    rows = [
-        json.dumps({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
-        for a, b in [(3, 4), (12, 30), (7, 8), (21, 5), (9, 9), (14, 6)]
-    ]
-    rows.insert(2, '{"problem": "What is 1 + 1?", "answer": ')  # line 3: broken JSON
-    rows.insert(5, json.dumps({"problem": "", "answer": "2"}))  # line 6: empty question
-    rows.append(json.dumps({"problem": "What is 2 + 2?", "answer": HANG_TRUTH}))
-    data.write_text("\n".join(rows) + "\n")
+    _write_faulty_data(data)
 
     cfg = (
         ExGRPOConfig()

@@ -522,10 +522,10 @@ def test_stages_over_budget_are_skipped_with_a_reason(gpu_check, tmp_path):
     assert e["status"] == "skipped" and "predicted" in e["why"] and "measured_bytes" not in e
 
 
-def test_plan_comparison_wiring(gpu_check, monkeypatch):
-    """With a stand-in plan module: the plan's figures sit next to the measured ones, per
-    depth, at full depth, and per GPU as the recipe runs; without one: 'unavailable'."""
-    calls = []
+def _stand_in_plan_modules(calls: list):
+    """Stand-ins for ``planning.memory`` and ``planning.shapes``: per layer, 10 bytes of weights,
+    4 of optimiser state split over the learners, rows x tokens of activations; each
+    ``model_state_bytes`` call is recorded in ``calls``."""
 
     class Shape:
         def __init__(self, layers):
@@ -551,10 +551,11 @@ def test_plan_comparison_wiring(gpu_check, monkeypatch):
     memory.model_state_bytes, memory.learner_activation_bytes = model_state_bytes, learner_activation_bytes
     shapes = types.ModuleType("rllib_exgrpo.planning.shapes")
     shapes.ModelShape = Shape
-    monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning", types.ModuleType("rllib_exgrpo.planning"))
-    monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning.memory", memory)
-    monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning.shapes", shapes)
+    return memory, shapes
 
+
+def _measured_slice() -> dict:
+    """A run_slice result of a 28-layer model measured at 2 and 4 layers and at full depth."""
     cfg = dict(
         hidden_size=32,
         num_hidden_layers=28,
@@ -566,7 +567,7 @@ def test_plan_comparison_wiring(gpu_check, monkeypatch):
         max_position_embeddings=64,
     )
     depth = {"status": "ok", "state_bytes": 20, "peak_bytes": 100, "peak_above_state_bytes": 80}
-    res = {
+    return {
         "model_config": cfg,
         "rows": 2,
         "prompt": 3,
@@ -576,6 +577,18 @@ def test_plan_comparison_wiring(gpu_check, monkeypatch):
         "depths": [{**depth, "layers": 2}, {**depth, "layers": 4}],
         "full_depth": {"status": "ok", "state_bytes": 280, "peak_bytes": 1400, "peak_above_state_bytes": 1120},
     }
+
+
+def test_plan_comparison_wiring(gpu_check, monkeypatch):
+    """With a stand-in plan module: the plan's figures sit next to the measured ones, per
+    depth, at full depth, and per GPU as the recipe runs; without one: 'unavailable'."""
+    calls = []
+    memory, shapes = _stand_in_plan_modules(calls)
+    monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning", types.ModuleType("rllib_exgrpo.planning"))
+    monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning.memory", memory)
+    monkeypatch.setitem(sys.modules, "rllib_exgrpo.planning.shapes", shapes)
+
+    res = _measured_slice()
     recipe = {"learner_backend": "deepspeed", "deepspeed_zero_stage": 2, "num_learners": 4, "model_dtype": "bfloat16"}
     out = gpu_check.plan_comparison(res, recipe)
     assert out["status"] == "ok", out

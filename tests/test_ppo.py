@@ -292,28 +292,9 @@ def _cli_env() -> dict:
     return env
 
 
-@pytest.mark.slow
-def test_rllib_ppo_trains_the_llm_and_its_value_loss_goes_down(tmp_path, quick_tiny_model):
-    from ray.rllib.algorithms.ppo import PPO
-
-    from rllib_exgrpo.cli.experiment import build_experiments
-
-    iterations = 5
-    overrides = {
-        "model_config": {"model": quick_tiny_model, "group_size": 4, "max_prompt_tokens": 128, "max_response_tokens": 12},
-        "train_batch_size_per_learner": 64,  # 16 questions x 4 samples
-        "minibatch_size": 64,  # learner rows, PPO's phantom rows included: 2 steps/iteration
-        "lr": 0.002,
-        # Exercise the distribution's KL under PPO's default KL loss too.
-        "use_kl_loss": True,
-        "kl_coeff": 0.2,
-    }
-    env = "test_ppo:ScriptedRewardEnv"
-    # What `rllib train file` resolves the file to: RLlib's own PPO class, not a subclass or copy.
-    (exp,) = build_experiments(PPO_TINY, config_overrides=overrides)
-    assert exp.algo_cls is PPO and exp.algo_cls.__module__ == "ray.rllib.algorithms.ppo.ppo"
-
-    storage = tmp_path / "results"
+def _train_ppo_tiny_from_cli(cwd: Path, storage: Path, env: str, overrides: dict, iterations: int):
+    """`rllib train file tuned_examples/ppo_tiny.yaml` in a subprocess (in ``cwd``, results
+    under ``storage``) for ``iterations`` iterations; returns the finished process."""
     t0 = time.time()
     proc = subprocess.run(
         [
@@ -334,18 +315,18 @@ def test_rllib_ppo_trains_the_llm_and_its_value_loss_goes_down(tmp_path, quick_t
             "--ray-num-cpus",
             "2",
         ],
-        cwd=tmp_path,
+        cwd=cwd,
         env=_cli_env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
     print(f"ppo run: {time.time() - t0:.1f} s")
-    log = proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-8000:]
-    assert proc.returncode == 0, log
-    (trial,) = [p for p in (storage / "ppo-tiny").iterdir() if p.is_dir() and p.name.startswith("PPO_")]
-    rows = [json.loads(line) for line in (trial / "result.json").read_text().splitlines() if line.strip()]
-    assert [r["training_iteration"] for r in rows] == list(range(1, iterations + 1))
+    return proc
+
+
+def _check_value_loss_goes_down(rows):
+    """The learner's value loss falls, its KL loss is finite and non-negative, returns are 0..1."""
     learner = [r["learners"]["default_policy"] for r in rows]
     vf = [x["vf_loss"] for x in learner]
     kl = [x["mean_kl_loss"] for x in learner]
@@ -369,6 +350,37 @@ def test_rllib_ppo_trains_the_llm_and_its_value_loss_goes_down(tmp_path, quick_t
     assert late < vf[0], vf
     assert late < 0.6 * float(np.mean(ret)), (vf, ret)
     assert all(0.0 <= r <= 1.0 for r in ret)
+
+
+@pytest.mark.slow
+def test_rllib_ppo_trains_the_llm_and_its_value_loss_goes_down(tmp_path, quick_tiny_model):
+    from ray.rllib.algorithms.ppo import PPO
+
+    from rllib_exgrpo.cli.experiment import build_experiments
+
+    iterations = 5
+    overrides = {
+        "model_config": {"model": quick_tiny_model, "group_size": 4, "max_prompt_tokens": 128, "max_response_tokens": 12},
+        "train_batch_size_per_learner": 64,  # 16 questions x 4 samples
+        "minibatch_size": 64,  # learner rows, PPO's phantom rows included: 2 steps/iteration
+        "lr": 0.002,
+        # Exercise the distribution's KL under PPO's default KL loss too.
+        "use_kl_loss": True,
+        "kl_coeff": 0.2,
+    }
+    env = "test_ppo:ScriptedRewardEnv"
+    # What `rllib train file` resolves the file to: RLlib's own PPO class, not a subclass or copy.
+    (exp,) = build_experiments(PPO_TINY, config_overrides=overrides)
+    assert exp.algo_cls is PPO and exp.algo_cls.__module__ == "ray.rllib.algorithms.ppo.ppo"
+
+    storage = tmp_path / "results"
+    proc = _train_ppo_tiny_from_cli(tmp_path, storage, env, overrides, iterations)
+    log = proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-8000:]
+    assert proc.returncode == 0, log
+    (trial,) = [p for p in (storage / "ppo-tiny").iterdir() if p.is_dir() and p.name.startswith("PPO_")]
+    rows = [json.loads(line) for line in (trial / "result.json").read_text().splitlines() if line.strip()]
+    assert [r["training_iteration"] for r in rows] == list(range(1, iterations + 1))
+    _check_value_loss_goes_down(rows)
     assert any(p.name.startswith("checkpoint_") for p in trial.iterdir())  # the file's checkpoint_at_end
 
 

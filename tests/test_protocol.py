@@ -126,14 +126,10 @@ def test_repeated_rows_are_one_question_and_limit_is_per_data_source(hand_made):
     assert [p.data_source for p in limited.problems] == ["aime", "math", "gpqa"]  # first 1 of each source
 
 
-@pytest.mark.slow
-def test_protocol_on_hand_made_files_with_the_tiny_model(hand_made, tmp_path, capsys):
-    from rllib_exgrpo.models import resolve_model_path
-    from rllib_exgrpo.models.loading import load_tokenizer
-
-    parquet, jsonl = hand_made
-    out = tmp_path / "eval.json"
-    rc = cli.main(
+def _evaluate_tiny_with_the_protocol(parquet, jsonl, out) -> int:
+    """``rllib evaluate --protocol exgrpo`` of the tiny model on the two files (4 new tokens at
+    most, the HF backend), its report written to ``out``; returns the exit code."""
+    return cli.main(
         [
             "evaluate",
             "--model",
@@ -152,6 +148,16 @@ def test_protocol_on_hand_made_files_with_the_tiny_model(hand_made, tmp_path, ca
             str(out),
         ]
     )
+
+
+@pytest.mark.slow
+def test_protocol_on_hand_made_files_with_the_tiny_model(hand_made, tmp_path, capsys):
+    from rllib_exgrpo.models import resolve_model_path
+    from rllib_exgrpo.models.loading import load_tokenizer
+
+    parquet, jsonl = hand_made
+    out = tmp_path / "eval.json"
+    rc = _evaluate_tiny_with_the_protocol(parquet, jsonl, out)
     assert rc == 0
     captured = capsys.readouterr()
     data = json.loads(out.read_text())

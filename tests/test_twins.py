@@ -4,8 +4,8 @@
 A twin must train on the same data and model, sample the same token budget (questions x
 group size x max tokens x iterations), and evaluate on the same held-out set with the same
 settings as its ExGRPO recipe, so that the three compare like with like; these tests read the
-files and fail on any drift. Each twin's rehearsal runs 2 iterations on the CPU with at most 2
-learners and 1 env runner (the ExGRPO recipe's rehearsal covers its full actor counts, and
+files and fail on any drift. Each twin's rehearsal runs 2 iterations on the CPU with one
+learner and at most 1 env runner (the ExGRPO recipe's rehearsal covers its full actor counts, and
 checkpoint and resume); their dry runs (memory plan fits the card)
 are in tests/test_memory_plan.py.
 """
@@ -177,8 +177,9 @@ def _smallest(spec: dict) -> dict:
 
 
 def _fewer_actors(spec: dict) -> dict:
-    """At most 2 learners and 1 env runner (and PPO at most 16 optimiser steps). The recipes' full counts (4 vLLM runners and 4
-    learners, or 8 colocated learners) are rehearsed by the ExGRPO recipe's own rehearsal
+    """One learner and at most 1 env runner (and PPO at most 16 optimiser steps). The recipes'
+    full counts (4 vLLM runners and 4 learners, or 8 colocated learners) are rehearsed by the
+    ExGRPO recipe's own rehearsal
     (tests/test_rehearsal.py), which a twin shares apart from the algorithm: starting 4 CPU
     vLLM engines and 4 learners again for each twin cost 3-4 minutes of a 2-core CI run each,
     and two eight-learner runs side by side on its two test workers overran gloo's timeout."""
@@ -191,8 +192,8 @@ def _fewer_actors(spec: dict) -> dict:
         # with its batch; this is the value before that.)
         rows = 2 * int(c["train_batch_size_per_learner"])
         out["minibatch_size"] = max(int(c["minibatch_size"]), rows // 16)
-    if int(c.get("num_learners", 0) or 0) > 2:
-        out["num_learners"] = 2
+    if int(c.get("num_learners", 0) or 0) > 1:
+        out["num_learners"] = 1
     if int(c.get("num_env_runners", 0) or 0) > 1:
         out["num_env_runners"] = 1
     return out

@@ -530,25 +530,16 @@ def test_vllm_requests_sample_the_plain_softmax(tmp_path):
     assert backend.engine_kwargs()["generation_config"] == "vllm"
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_engine_only_runner_with_scoring_on_learners(vllm_module, quick_tiny_model, ray_local):
-    """``scoring_on: learners``: the vLLM runner builds no torch module (the engine holds
-    its only copy of the weights), the learners score every completion (first-step ratio 1),
-    and a weight sync goes straight into the engine."""
-    import torch
-    from ray.rllib.core import COMPONENT_RL_MODULE
-    from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
-
-    from rllib_exgrpo.generation.hf import HFGenerationBackend
-    from rllib_exgrpo.models.loading import load_causal_lm
+def _learner_scored_vllm_algo(model: str):
+    """ExGRPO generating with vLLM on the local env runner, every completion scored on the
+    learners (``scoring_on: learners``)."""
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
-    algo = (
+    return (
         ExGRPOConfig()
         .environment(env_config={"dataset": "arithmetic"})
         .training(
-            model_name_or_path=quick_tiny_model,
+            model_name_or_path=model,
             questions_per_step=4,
             group_size=4,
             max_prompt_tokens=128,
@@ -562,6 +553,22 @@ def test_engine_only_runner_with_scoring_on_learners(vllm_module, quick_tiny_mod
         )
         .build_algo()
     )
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_engine_only_runner_with_scoring_on_learners(vllm_module, quick_tiny_model, ray_local):
+    """``scoring_on: learners``: the vLLM runner builds no torch module (the engine holds
+    its only copy of the weights), the learners score every completion (first-step ratio 1),
+    and a weight sync goes straight into the engine."""
+    import torch
+    from ray.rllib.core import COMPONENT_RL_MODULE
+    from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
+
+    from rllib_exgrpo.generation.hf import HFGenerationBackend
+    from rllib_exgrpo.models.loading import load_causal_lm
+
+    algo = _learner_scored_vllm_algo(quick_tiny_model)
     try:
         result = algo.train()
         runner = algo.env_runner_group.local_env_runner

@@ -331,26 +331,16 @@ def test_zero3_runners_equal_the_learners_on_each_path(ray_local, quick_tiny_mod
         algo.stop()
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_engine_only_vllm_runner_gets_the_broadcast_through_load_weights(ray_local, quick_tiny_model):
-    """``generation_backend: vllm`` with ``scoring_on: learners`` on a remote runner: no torch
-    module there, the broadcast tensors are collected and pushed into the engine in one
-    ``load_weights`` call; its greedy completions are then those of the learner's weights."""
-    pytest.importorskip("vllm", reason="the vLLM CPU build runs this (bash tests/run.sh vllm)")
-    from test_vllm_backend import assert_same_greedy
-
-    from rllib_exgrpo.generation.base import SamplingParams
-    from rllib_exgrpo.generation.hf import HFGenerationBackend
-    from rllib_exgrpo.models.loading import load_causal_lm
+def _engine_only_vllm_algo(model: str):
+    """ExGRPO with one remote env runner generating with vLLM and scoring on the learners (no
+    torch module on the runner), small buckets for the collective sync."""
     from rllib_exgrpo.rllib.algorithm import ExGRPOConfig
 
-    _stop_shared()
-    algo = (
+    return (
         ExGRPOConfig()
         .environment(env_config={"dataset": "arithmetic"})
         .training(
-            model_name_or_path=quick_tiny_model,
+            model_name_or_path=model,
             questions_per_step=4,
             group_size=4,
             max_prompt_tokens=128,
@@ -366,6 +356,23 @@ def test_engine_only_vllm_runner_gets_the_broadcast_through_load_weights(ray_loc
         .env_runners(num_env_runners=1, num_cpus_per_env_runner=1)
         .build_algo()
     )
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_engine_only_vllm_runner_gets_the_broadcast_through_load_weights(ray_local, quick_tiny_model):
+    """``generation_backend: vllm`` with ``scoring_on: learners`` on a remote runner: no torch
+    module there, the broadcast tensors are collected and pushed into the engine in one
+    ``load_weights`` call; its greedy completions are then those of the learner's weights."""
+    pytest.importorskip("vllm", reason="the vLLM CPU build runs this (bash tests/run.sh vllm)")
+    from test_vllm_backend import assert_same_greedy
+
+    from rllib_exgrpo.generation.base import SamplingParams
+    from rllib_exgrpo.generation.hf import HFGenerationBackend
+    from rllib_exgrpo.models.loading import load_causal_lm
+
+    _stop_shared()
+    algo = _engine_only_vllm_algo(quick_tiny_model)
 
     def greedy(runner):
         qids = [runner.env.reset()[1]["question_id"] for _ in range(4)]

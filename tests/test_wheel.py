@@ -169,19 +169,23 @@ def _fresh_venv(root: Path, wheel: Path) -> Path:
     return python
 
 
-@pytest.mark.slow
-def test_installed_wheel_imports_and_trains_outside_the_checkout(wheel, tmp_path):
-    python = _fresh_venv(tmp_path, wheel)
-    work = tmp_path / "work"  # outside the checkout: Ray puts the driver's folder on workers' paths
-    work.mkdir()
+def _user_env(cache: Path) -> dict:
+    """This environment as a user's shell would have it (no ``PYTHONPATH``, no Ray address),
+    with the model cache at ``cache``."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
     if env.get("RAY_AUTH_MODE", "").lower() == "token":
         # Ray sets RAY_AUTH_MODE=token in a process that started a Ray before (this test
         # worker may have): unset, the run decides as a user's shell would, from the token.
         del env["RAY_AUTH_MODE"]
-    env["RLLIB_EXGRPO_CACHE"] = str(tmp_path / "cache")  # empty: the tiny model comes from the wheel
+    env["RLLIB_EXGRPO_CACHE"] = str(cache)  # empty: the tiny model comes from the wheel
+    return env
 
-    probe = f"""
+
+def _import_probe() -> str:
+    """A script that imports the package and its public names and prints, as JSON, where the
+    package and ``rllib_exgrpo.envs`` came from, the public names, whether a top-level
+    ``envs`` is importable and ``sys.path``."""
+    return f"""
 import importlib.util, json, sys
 import rllib_exgrpo
 from rllib_exgrpo import {", ".join(__import__("rllib_exgrpo").__all__)}
@@ -192,6 +196,16 @@ print(json.dumps({{
     "path": sys.path,
 }}))
 """
+
+
+@pytest.mark.slow
+def test_installed_wheel_imports_and_trains_outside_the_checkout(wheel, tmp_path):
+    python = _fresh_venv(tmp_path, wheel)
+    work = tmp_path / "work"  # outside the checkout: Ray puts the driver's folder on workers' paths
+    work.mkdir()
+    env = _user_env(tmp_path / "cache")
+
+    probe = _import_probe()
     proc = subprocess.run([str(python), "-c", probe], cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -183,21 +183,10 @@ def _phase_memory(device, base: int) -> dict:
     }
 
 
-def run_colocate(shape: dict, device, dtype, attn: str, clock: Clock, predicted_s=None) -> dict:
-    """The colocated cycle on one device (module doc, stage 7): learner step, release
-    (gradients dropped, optimizer state to the host with the product's ``OptimizerOffload``),
-    a generation turn from the same model, restore (state reloaded, a second step), each
-    phase's peak and resident memory against the plan; then the optimizer round trip
-    checked: the state bitwise equal after it, the weights untouched by the turn, and the
-    step after the reload equal to the same step from the state as it was before the
-    offload (a reference replay: the same gradients, the same optimizer)."""
-    import torch
-
-    spec, cfg = shape["colocate"], shape["config"]
-    cuda = device.type == "cuda"
-    compute = None if dtype == torch.float32 else dtype  # the DDP learner: fp32 weights, autocast compute
-    model_dtype = str(dtype).replace("torch.", "")
-    res = {
+def _colocate_record(spec: dict, cfg: dict, model_dtype: str, compute, cuda: bool) -> dict:
+    """The colocate stage's result before it runs: its settings (shape, batches, optimizer,
+    offload, where the memory figures come from) and no phases yet."""
+    return {
         "name": "colocate",
         "model_config": cfg,
         "weights_dtype": "float32",
@@ -219,6 +208,23 @@ def run_colocate(shape: dict, device, dtype, attn: str, clock: Clock, predicted_
         ),
         "phases": {},
     }
+
+
+def run_colocate(shape: dict, device, dtype, attn: str, clock: Clock, predicted_s=None) -> dict:
+    """The colocated cycle on one device (module doc, stage 7): learner step, release
+    (gradients dropped, optimizer state to the host with the product's ``OptimizerOffload``),
+    a generation turn from the same model, restore (state reloaded, a second step), each
+    phase's peak and resident memory against the plan; then the optimizer round trip
+    checked: the state bitwise equal after it, the weights untouched by the turn, and the
+    step after the reload equal to the same step from the state as it was before the
+    offload (a reference replay: the same gradients, the same optimizer)."""
+    import torch
+
+    spec, cfg = shape["colocate"], shape["config"]
+    cuda = device.type == "cuda"
+    compute = None if dtype == torch.float32 else dtype  # the DDP learner: fp32 weights, autocast compute
+    model_dtype = str(dtype).replace("torch.", "")
+    res = _colocate_record(spec, cfg, model_dtype, compute, cuda)
     clock.results["colocate"] = res
     t_stage = time.perf_counter()
     if predicted_s is not None:

@@ -47,6 +47,40 @@ def generate_tokens(model, decoder: str, batch: int, max_new: int, ids, attn) ->
     return int(seqs.shape[0] * (seqs.shape[1] - ids.shape[1]))
 
 
+def _timed_decode(model, decoder: str, entry: dict, ids, attn, device, clock: Clock) -> None:
+    """A short warm-up decode of ``ids``; then, when the whole decode of ``entry["new_tokens"]``
+    tokens is predicted to fit in the time left, the timed one. ``entry`` gets its status and
+    figures (or why it was skipped)."""
+    import torch
+
+    batch, new = entry["batch"], entry["new_tokens"]
+    with torch.no_grad():
+        warm_new = max(2, new // 32)
+        reset_peak(device)
+        sync(device)
+        t1 = time.perf_counter()
+        generate_tokens(model, decoder, batch, warm_new, ids, attn)
+        sync(device)
+        warm_s = time.perf_counter() - t1
+        predicted = warm_s * new / warm_new
+        if predicted > clock.left():
+            entry.update(status="skipped", why=f"predicted {predicted:.0f} s > {clock.left():.0f} s left")
+        else:
+            reset_peak(device)
+            t1 = time.perf_counter()
+            n_tokens = generate_tokens(model, decoder, batch, new, ids, attn)
+            sync(device)
+            seconds = time.perf_counter() - t1
+            entry.update(
+                status="ok",
+                seconds=seconds,
+                generated_tokens=n_tokens,
+                tokens_per_s=n_tokens / seconds,
+                warmup_s=warm_s,
+                peak_gib=peak_gib(device),
+            )
+
+
 def run_generation(model, shape, device, clock: Clock) -> list:
     import torch
 
@@ -54,9 +88,6 @@ def run_generation(model, shape, device, clock: Clock) -> list:
     model.eval()
     model.config.use_cache = True
     vocab, prompt, new = shape["config"]["vocab_size"], shape["gen_prompt"], shape["gen_new_tokens"]
-
-    def run(decoder: str, batch: int, max_new: int, ids, attn):
-        return generate_tokens(model, decoder, batch, max_new, ids, attn)
 
     decoders = ["generate"] + (["pruned"] if pruned_decode is not None else [])
     out = []
@@ -71,31 +102,7 @@ def run_generation(model, shape, device, clock: Clock) -> list:
                 g = torch.Generator().manual_seed(batch)
                 ids = torch.randint(1, vocab, (batch, prompt), generator=g).to(device)
                 attn = torch.ones_like(ids)
-                with torch.no_grad():
-                    warm_new = max(2, new // 32)
-                    reset_peak(device)
-                    sync(device)
-                    t1 = time.perf_counter()
-                    run(decoder, batch, warm_new, ids, attn)
-                    sync(device)
-                    warm_s = time.perf_counter() - t1
-                    predicted = warm_s * new / warm_new
-                    if predicted > clock.left():
-                        entry.update(status="skipped", why=f"predicted {predicted:.0f} s > {clock.left():.0f} s left")
-                    else:
-                        reset_peak(device)
-                        t1 = time.perf_counter()
-                        n_tokens = run(decoder, batch, new, ids, attn)
-                        sync(device)
-                        seconds = time.perf_counter() - t1
-                        entry.update(
-                            status="ok",
-                            seconds=seconds,
-                            generated_tokens=n_tokens,
-                            tokens_per_s=n_tokens / seconds,
-                            warmup_s=warm_s,
-                            peak_gib=peak_gib(device),
-                        )
+                _timed_decode(model, decoder, entry, ids, attn, device, clock)
             except Exception as e:
                 if not is_oom(e):
                     raise

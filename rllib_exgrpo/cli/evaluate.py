@@ -96,6 +96,21 @@ def add_evaluate_parser(subparsers: Any) -> None:
         "--best", action="store_true", help="--model is a run or trial folder: evaluate its checkpoint of highest heldout/accuracy"
     )
     p.add_argument("--data", required=True, action="append", metavar="FILE_OR_SPEC", help="benchmark file or arithmetic spec (repeatable)")
+    _add_sampling_arguments(p, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, DEFAULT_BATCH_SIZE)
+    p.add_argument("--output", "-o", default=None, metavar="FILE", help="JSON results file (default: ./eval-<timestamp>.json)")
+    _add_prompt_arguments(p, PROTOCOLS)
+    _add_backend_arguments(p, BACKENDS)
+    p.add_argument("--keep-completions", action="store_true", help="store completion texts in the JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=run_evaluate, _evaluate_parser=p)
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser, default_temperature: float, default_top_p: float, default_batch_size: int) -> None:
+    """Which questions, how many samples of each and how they are drawn: k, temperature, top-p,
+    limits, token budgets, batch size, pass@J, seed.
+
+    The defaults come from :mod:`rllib_exgrpo.evaluation.metrics`, imported lazily by the caller.
+    """
     p.add_argument(
         "--k", type=positive_int, default=None, metavar="K", help="samples per question for every source (default: 32 for aime/amc, else 1)"
     )
@@ -104,9 +119,9 @@ def add_evaluate_parser(subparsers: Any) -> None:
         type=non_negative_float,
         default=None,
         metavar="T",
-        help=f"sampling temperature; 0: greedy (default: {DEFAULT_TEMPERATURE})",
+        help=f"sampling temperature; 0: greedy (default: {default_temperature})",
     )
-    p.add_argument("--top-p", type=float, default=None, metavar="P", help=f"nucleus sampling threshold (default: {DEFAULT_TOP_P})")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help=f"nucleus sampling threshold (default: {default_top_p})")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="first N questions of each benchmark")
     p.add_argument(
         "--max-new-tokens",
@@ -122,7 +137,7 @@ def add_evaluate_parser(subparsers: Any) -> None:
     p.add_argument(
         "--batch-size",
         type=positive_int,
-        default=DEFAULT_BATCH_SIZE,
+        default=default_batch_size,
         metavar="N",
         help="sequences per generate call (default: %(default)s)",
     )
@@ -135,7 +150,13 @@ def add_evaluate_parser(subparsers: Any) -> None:
         help="report pass@J (repeatable; 'k' = each source's k; default: 1 and k)",
     )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default: %(default)s)")
-    p.add_argument("--output", "-o", default=None, metavar="FILE", help="JSON results file (default: ./eval-<timestamp>.json)")
+
+
+def _add_prompt_arguments(p: argparse.ArgumentParser, protocols: tuple) -> None:
+    """How questions are put to the model: instruction, system message, think format, split, protocol.
+
+    ``protocols`` is :data:`rllib_exgrpo.evaluation.protocol.PROTOCOLS`, imported lazily by the caller.
+    """
     p.add_argument(
         "--instruction",
         default=None,
@@ -145,10 +166,17 @@ def add_evaluate_parser(subparsers: Any) -> None:
     p.add_argument("--system-prompt", default=None, metavar="TEXT", help="system message")
     p.add_argument("--think-format", action="store_true", default=None, help="ask for <think>...</think> and verify only the text after it")
     p.add_argument("--split", default="test", help="split of arithmetic specs (default: %(default)s)")
-    p.add_argument("--protocol", choices=PROTOCOLS, default=None, help="a paper's evaluation protocol by name (exgrpo: see below)")
+    p.add_argument("--protocol", choices=protocols, default=None, help="a paper's evaluation protocol by name (exgrpo: see below)")
+
+
+def _add_backend_arguments(p: argparse.ArgumentParser, backends: tuple) -> None:
+    """Where and how completions are generated: backend, vLLM engines and their Ray cluster, dtype, device.
+
+    ``backends`` is :data:`rllib_exgrpo.evaluation.engines.BACKENDS`, imported lazily by the caller.
+    """
     p.add_argument(
         "--backend",
-        choices=BACKENDS,
+        choices=backends,
         default="auto",
         help="generation: vLLM engines or transformers (default: auto: vLLM where vLLM and a GPU are present, else hf)",
     )
@@ -180,9 +208,6 @@ def add_evaluate_parser(subparsers: Any) -> None:
         help="extra vllm.LLM arguments, e.g. '{\"gpu_memory_utilization\": 0.85}'",
     )
     p.add_argument("--device", default=None, help="torch device of the hf backend (default: cuda when available, else cpu)")
-    p.add_argument("--keep-completions", action="store_true", help="store completion texts in the JSON")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
-    p.set_defaults(func=run_evaluate, _evaluate_parser=p)
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
@@ -231,39 +256,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
     except EvalDataError as e:
         return fail(str(e))
 
-    kwargs = {}
-    if args.instruction is not None:
-        kwargs["instruction"] = args.instruction or None
-    if args.system_prompt is not None:
-        kwargs["system_prompt"] = args.system_prompt or None
-    if args.think_format:
-        kwargs["think_format"] = True
     try:
-        report = evaluate(
-            model,
-            args.data,
-            k=args.k,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens,
-            limit=args.limit,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            pass_ks=tuple(args.pass_k) if args.pass_k else DEFAULT_PASS_KS,
-            split=args.split,
-            keep_completions=args.keep_completions,
-            device=args.device,
-            progress=not args.quiet,
-            max_prompt_tokens=args.max_prompt_tokens,
-            backend=args.backend,
-            tensor_parallel_size=args.tensor_parallel_size,
-            num_engines=args.num_engines,
-            ray_address=args.ray_address,
-            dtype=args.dtype,
-            vllm_kwargs=args.vllm_kwargs,
-            protocol=args.protocol,
-            **kwargs,
-        )
+        report = evaluate(model, args.data, **_evaluate_options(args, DEFAULT_PASS_KS))
     except (EvalDataError, PolicyPathError, BackendError) as e:
         return fail(str(e))
     output = args.output or f"eval-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
@@ -271,3 +265,40 @@ def run_evaluate(args: argparse.Namespace) -> int:
     print(report.table())
     print(f"{PROG} evaluate: results written to {path}")
     return 0
+
+
+def _evaluate_options(args: argparse.Namespace, default_pass_ks: tuple) -> dict:
+    """The keyword arguments of :func:`rllib_exgrpo.evaluation.evaluate.evaluate` that the command line sets.
+
+    The prompt options are passed only when given, so that a checkpoint's own prompt settings stay
+    the defaults; ``default_pass_ks`` is ``DEFAULT_PASS_KS``, imported lazily by the caller.
+    """
+    options = dict(
+        k=args.k,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        pass_ks=tuple(args.pass_k) if args.pass_k else default_pass_ks,
+        split=args.split,
+        keep_completions=args.keep_completions,
+        device=args.device,
+        progress=not args.quiet,
+        max_prompt_tokens=args.max_prompt_tokens,
+        backend=args.backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        num_engines=args.num_engines,
+        ray_address=args.ray_address,
+        dtype=args.dtype,
+        vllm_kwargs=args.vllm_kwargs,
+        protocol=args.protocol,
+    )
+    if args.instruction is not None:
+        options["instruction"] = args.instruction or None
+    if args.system_prompt is not None:
+        options["system_prompt"] = args.system_prompt or None
+    if args.think_format:
+        options["think_format"] = True
+    return options

@@ -301,6 +301,13 @@ def build_experiments(
         cluster=_cluster(ray_address, ray_num_gpus),
         dry_run=dry_run,
     )
+    return _build_all(data, experiment_name, shared)
+
+
+def _build_all(data: Dict[str, Any], experiment_name: Optional[str], shared: Dict[str, Any]) -> List[Experiment]:
+    """Every experiment of ``data`` in file order (the one renamed to ``experiment_name`` when
+    given), each built with the ``shared`` options. A failing experiment does not stop the
+    others: the problems of all of them come back together as one :class:`CliConfigError`."""
     experiments: List[Experiment] = []
     problems: List[str] = []
     for name, spec in data.items():
@@ -407,12 +414,7 @@ def _build_checked(
     if not isinstance(spec, dict):
         raise _Invalid([f"expected a mapping with `run`, `env`, `config`, ..., got {type(spec).__name__}."])
     errors: List[str] = _experiment_key_errors(spec)
-    algo_cls = config = algo_name = None
-    if "run" in spec:
-        try:
-            algo_cls, config, algo_name = _default_config(spec["run"])
-        except _Invalid as e:
-            errors += e.errors
+    algo_cls, config, algo_name = _algorithm_of(spec, errors)
     run = _run_settings(
         name,
         spec,
@@ -426,6 +428,47 @@ def _build_checked(
     )
     if algo_cls is None:
         raise _Invalid(errors)
+    config, found, env, notes = _checked_config(
+        spec, config, algo_cls, algo_name, run, config_overrides, env_override, validate, cluster, dry_run, errors
+    )
+    _stop_if(errors)
+    return Experiment(
+        name=name,
+        algo_cls=algo_cls,
+        config=config,
+        stop=run.stop,
+        num_samples=run.num_samples,
+        storage_path=run.storage,
+        checkpoint_config=run.checkpoint_config,
+        callbacks=[make_mlflow_callback(run.mlflow)] if run.mlflow else [],
+        search_space=found,
+        env=env,
+        mlflow=run.mlflow,
+        source=src_name,
+        notes=notes,
+        scheduler=run.scheduler,
+        warnings=preflight.learner_change_warnings(config, spec.get("config"), config_overrides, found),
+    )
+
+
+def _checked_config(
+    spec: Mapping[str, Any],
+    config: Any,
+    algo_cls: type,
+    algo_name: str,
+    run: _RunSettings,
+    config_overrides: Optional[Mapping[str, Any]],
+    env_override: Optional[str],
+    validate: bool,
+    cluster: Optional[preflight.Cluster],
+    dry_run: bool,
+    errors: List[str],
+) -> Tuple[Any, Dict[str, Any], Any, List[str]]:
+    """The config stage of :func:`_build_checked`: the user's config checked key by key
+    (:func:`_checked_user_config`) and applied to a fresh default config, then the preflight of
+    each search-space variant (against the run's metric stop criteria and checkpoint score
+    attribute) and the scheduler's metric. ``(config, search space, env, notes)``; the
+    problems go to ``errors``."""
     ckpt_block = spec.get("checkpoint_config")
     score_attribute = ckpt_block.get("checkpoint_score_attribute") if isinstance(ckpt_block, dict) else None
     metric_names = [k for k in run.stop if isinstance(k, str) and k not in LEGACY_STOP_KEYS]
@@ -445,29 +488,33 @@ def _build_checked(
         dry_run=dry_run,
     )
     errors += variant_errors
-    if run.scheduler and isinstance(run.scheduler.get("metric"), str):
-        msg = preflight.metric_problem(run.scheduler["metric"], algo_cls, config, "scheduler.metric")
-        errors += [msg] if msg else []
-        msg = None if msg else heldout_grace_problem(run.scheduler, config, found)
-        errors += [msg] if msg else []
-    _stop_if(errors)
-    return Experiment(
-        name=name,
-        algo_cls=algo_cls,
-        config=config,
-        stop=run.stop,
-        num_samples=run.num_samples,
-        storage_path=run.storage,
-        checkpoint_config=run.checkpoint_config,
-        callbacks=[make_mlflow_callback(run.mlflow)] if run.mlflow else [],
-        search_space=found,
-        env=env,
-        mlflow=run.mlflow,
-        source=src_name,
-        notes=notes + variant_notes,
-        scheduler=run.scheduler,
-        warnings=preflight.learner_change_warnings(config, spec.get("config"), config_overrides, found),
-    )
+    errors += _scheduler_problems(run.scheduler, algo_cls, config, found)
+    return config, found, env, notes + variant_notes
+
+
+def _algorithm_of(spec: Mapping[str, Any], errors: List[str]) -> Tuple[Optional[type], Any, Optional[str]]:
+    """(algorithm class, its default config, its name as written) for the experiment's ``run:``;
+    ``(None, None, None)`` when ``run:`` is missing (a key error already) or names no usable
+    algorithm, whose problems go to ``errors``."""
+    algo_cls = config = algo_name = None
+    if "run" in spec:
+        try:
+            algo_cls, config, algo_name = _default_config(spec["run"])
+        except _Invalid as e:
+            errors += e.errors
+    return algo_cls, config, algo_name
+
+
+def _scheduler_problems(scheduler: Optional[Mapping[str, Any]], algo_cls: type, config: Any, found: Mapping[str, Any]) -> List[str]:
+    """The problems of the ``scheduler:`` section's metric: one the algorithm does not report,
+    else (only then) ASHA ranking trials on held-out accuracy before it is measured."""
+    problems: List[str] = []
+    if scheduler and isinstance(scheduler.get("metric"), str):
+        msg = preflight.metric_problem(scheduler["metric"], algo_cls, config, "scheduler.metric")
+        problems += [msg] if msg else []
+        msg = None if msg else heldout_grace_problem(scheduler, config, found)
+        problems += [msg] if msg else []
+    return problems
 
 
 #: ASHA's ``grace_period`` when the ``scheduler:`` section leaves it out (``ASHAScheduler``).

@@ -119,6 +119,17 @@ _TRAIN_DEFAULTS = {
 
 
 def _add_train_options(p: argparse.ArgumentParser) -> None:
+    """The options shared by ``rllib train`` and ``rllib train file``, in their two help groups.
+
+    Every default is ``SUPPRESS`` so that an option given before ``file`` is not overwritten by the
+    subparser's default (``_fill_train_defaults`` fills what neither gave).
+    """
+    _add_experiment_overrides(p)
+    _add_running_options(p)
+
+
+def _add_experiment_overrides(p: argparse.ArgumentParser) -> None:
+    """The options that override the experiment file's settings."""
     S = argparse.SUPPRESS
     g = p.add_argument_group("experiment overrides (apply to every experiment in the file)")
     g.add_argument(
@@ -159,6 +170,11 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
         metavar="URI",
         help="log to MLflow at this tracking URI (also for experiments without an `mlflow:` block)",
     )
+
+
+def _add_running_options(p: argparse.ArgumentParser) -> None:
+    """The options of how the command runs: verbosity, dry run / rehearsal / resume, Ray."""
+    S = argparse.SUPPRESS
     r = p.add_argument_group("running")
     r.add_argument(
         "-v",

@@ -577,6 +577,37 @@ def _answer_seen(completion: str, fns: list, think_format: bool) -> tuple[Option
     return last_boxed(part), format_ok
 
 
+def _weighted_results(
+    completions: Sequence[str],
+    fns: list,
+    weights: list[float],
+    terms: _Terms,
+    math_results: Optional[list[RewardResult]],
+    think_format: bool,
+) -> list[RewardResult]:
+    """One :class:`RewardResult` per completion from the functions' ``terms``: the weighted sum,
+    each function's score under its label, and the parsed answer and format check (from the
+    ``"math"`` term when there is one, else read off the completion)."""
+    labels = reward_labels(fns)
+    results = []
+    for i, completion in enumerate(completions):
+        if math_results is not None:
+            parsed, format_ok = math_results[i].parsed, math_results[i].format_ok
+        else:
+            parsed, format_ok = _answer_seen(completion, fns, think_format)
+        results.append(
+            RewardResult(
+                score=float(sum(w * x for w, x in zip(weights, terms.scores[i]))),
+                parsed=parsed,
+                timed_out=terms.timed[i],
+                format_ok=format_ok,
+                error=terms.errors[i],
+                components=dict(zip(labels, terms.scores[i])),
+            )
+        )
+    return results
+
+
 def score_with_fns(
     completions: Sequence[str],
     ground_truths: Sequence[str],
@@ -622,21 +653,4 @@ def score_with_fns(
         _fn_terms(tasks, where, fns, terms, timeout_s, num_workers)
     if math_results is None:
         verifier_pool.count(scored=len(completions))
-    labels = reward_labels(fns)
-    results = []
-    for i, completion in enumerate(completions):
-        if math_results is not None:
-            parsed, format_ok = math_results[i].parsed, math_results[i].format_ok
-        else:
-            parsed, format_ok = _answer_seen(completion, fns, think_format)
-        results.append(
-            RewardResult(
-                score=float(sum(w * x for w, x in zip(weights, terms.scores[i]))),
-                parsed=parsed,
-                timed_out=terms.timed[i],
-                format_ok=format_ok,
-                error=terms.errors[i],
-                components=dict(zip(labels, terms.scores[i])),
-            )
-        )
-    return results
+    return _weighted_results(completions, fns, weights, terms, math_results, think_format)

@@ -115,29 +115,9 @@ def model_state_bytes(
     n = max(1, int(num_learners or 1))
     out = dict(weights=0, gradients=0, optimizer=0, buckets=0, gathered=0, autocast_copies=0, step_extra=0)
     if backend == "ddp":
-        out["weights"] = 4 * p
-        out["gradients"] = 4 * p
-        out["optimizer"] = 8 * p
-        out["buckets"] = 4 * p if (n >= 2 and not ddp_bucket_view) else 0
-        if dtype_bytes(model_dtype) == 2:
-            out["autocast_copies"] = 2 * (shape.num_hidden_layers * shape.layer_linear_parameters + shape.embedding_parameters)
-        out["step_extra"] = 4 * p  # foreach AdamW: one fp32 temporary of every moment
-        comparable_fp32_grads = 0
+        comparable_fp32_grads = _ddp_states(out, shape, p, n, model_dtype, ddp_bucket_view)
     elif backend == "deepspeed":
-        stage = int(zero_stage)
-        if stage not in (1, 2, 3):
-            raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage!r}")
-        bucket = int(reduce_bucket_elements if reduce_bucket_elements is not None else min(DS_DEFAULT_BUCKET, max(p, 1_000_000)))
-        local = p / n
-        out["weights"] = int(2 * local) if stage == 3 else 2 * p
-        out["gradients"] = 2 * p if stage == 1 else int(2 * local)
-        out["optimizer"] = int(12 * local)  # fp32 master 4 + AdamW moments 8, partitioned
-        out["buckets"] = 2 * bucket
-        if stage == 3:
-            out["gathered"] = 4 * shape.largest_module_parameters  # bf16 weight + gradient
-        step_elems = min(local, DS_SUB_GROUP_SIZE) if stage == 3 else local
-        comparable_fp32_grads = int(4 * step_elems)
-        out["step_extra"] = int(8 * step_elems)  # fp32 gradient partition + AdamW temporary
+        comparable_fp32_grads = _deepspeed_states(out, shape, p, n, zero_stage, reduce_bucket_elements)
     else:
         raise ValueError(f"backend must be 'ddp' or 'deepspeed', got {backend!r}")
     resident = ("weights", "gradients", "optimizer", "buckets", "gathered", "autocast_copies")
@@ -145,6 +125,40 @@ def model_state_bytes(
     out["step_total"] = out["total"] - out["autocast_copies"] + out["step_extra"]
     out["deepspeed_comparable"] = out["weights"] + out["gradients"] + out["optimizer"] + comparable_fp32_grads + out["gathered"]
     return {k: int(v) for k, v in out.items()}
+
+
+def _ddp_states(out: Dict[str, int], shape: ModelShape, p: int, n: int, model_dtype: str, ddp_bucket_view: bool) -> int:
+    """:func:`model_state_bytes` of a full (not LoRA) DDP learner of ``p`` parameters among ``n``,
+    filled into ``out``; returns the fp32 gradients DeepSpeed's estimators would count (none)."""
+    out["weights"] = 4 * p
+    out["gradients"] = 4 * p
+    out["optimizer"] = 8 * p
+    out["buckets"] = 4 * p if (n >= 2 and not ddp_bucket_view) else 0
+    if dtype_bytes(model_dtype) == 2:
+        out["autocast_copies"] = 2 * (shape.num_hidden_layers * shape.layer_linear_parameters + shape.embedding_parameters)
+    out["step_extra"] = 4 * p  # foreach AdamW: one fp32 temporary of every moment
+    return 0
+
+
+def _deepspeed_states(
+    out: Dict[str, int], shape: ModelShape, p: int, n: int, zero_stage: int, reduce_bucket_elements: Optional[int]
+) -> int:
+    """:func:`model_state_bytes` of a full (not LoRA) DeepSpeed learner of ``p`` parameters among
+    ``n``, filled into ``out``; returns the fp32 gradient partition DeepSpeed's estimators count."""
+    stage = int(zero_stage)
+    if stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage!r}")
+    bucket = int(reduce_bucket_elements if reduce_bucket_elements is not None else min(DS_DEFAULT_BUCKET, max(p, 1_000_000)))
+    local = p / n
+    out["weights"] = int(2 * local) if stage == 3 else 2 * p
+    out["gradients"] = 2 * p if stage == 1 else int(2 * local)
+    out["optimizer"] = int(12 * local)  # fp32 master 4 + AdamW moments 8, partitioned
+    out["buckets"] = 2 * bucket
+    if stage == 3:
+        out["gathered"] = 4 * shape.largest_module_parameters  # bf16 weight + gradient
+    step_elems = min(local, DS_SUB_GROUP_SIZE) if stage == 3 else local
+    out["step_extra"] = int(8 * step_elems)  # fp32 gradient partition + AdamW temporary
+    return int(4 * step_elems)
 
 
 def _lora_state_bytes(
@@ -353,13 +367,8 @@ def learner_activation_breakdown(
     scored = rows * r  # positions whose logits are computed, a chunk at a time
     c = min(int(chunk_tokens), max(1, scored))
     logits_bwd = _logit_chunk_phase_bytes(shape, scored, c, mode)
-    vh = shape.vocab_size * shape.hidden_size
-    grad_bytes = 2 if mode == "half" else 4
-    if shape.tie_word_embeddings:
-        layer_bwd += vh * grad_bytes
-        embedding_bwd = 3 * vh * grad_bytes
-    else:
-        embedding_bwd = vh * grad_bytes
+    tied_extra, embedding_bwd = _embedding_gradients(shape, mode)
+    layer_bwd += tied_extra
     logits = 0  # nothing vocabulary-sized outlives its chunk
     saved = layers + outside
     peaks = {
@@ -381,6 +390,17 @@ def learner_activation_breakdown(
         peak=int(peak),
         peak_phase=max(peaks, key=peaks.get),
     )
+
+
+def _embedding_gradients(shape: ModelShape, mode: str) -> Tuple[int, int]:
+    """``(added to the layer-backward phase, the embedding-backward phase)``: the ``[V, h]``
+    weight gradients. With tied word embeddings one is live through the layers' backward and
+    the embedding backward holds three; untied, the embedding backward holds one."""
+    vh = shape.vocab_size * shape.hidden_size
+    grad_bytes = 2 if mode == "half" else 4
+    if shape.tie_word_embeddings:
+        return vh * grad_bytes, 3 * vh * grad_bytes
+    return 0, vh * grad_bytes
 
 
 def _saved_activation_bytes(
@@ -1027,17 +1047,8 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     per = float(_get(config, "num_gpus_per_learner", 0))
     model_dtype = config.model_dtype
     ckpt = bool(config.gradient_checkpointing)
-    ddp_kwargs = dict(_get(config, "torch_ddp_kwargs", {}) or {})
     adapters = shape.lora_parameters(config.lora_rank, config.lora_target_modules) if config.lora_rank else 0
-    states = model_state_bytes(
-        shape,
-        backend=backend,
-        zero_stage=stage,
-        num_learners=max(1, n_learners),
-        model_dtype=model_dtype,
-        ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)),
-        lora_parameters=adapters,
-    )
+    states = _learner_model_states(config, shape, adapters, n_learners)
     plan = ActorPlan("learner", max(1, n_learners), per)
     if adapters:
         mode_bytes, autocast = _lora_state_items(
@@ -1073,18 +1084,40 @@ def _learner_plan(config: Any, shape: ModelShape, gpu: Optional[int], prompt: in
     it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
     _learner_sync_items(plan, config, shape, dtype_bytes(model_dtype), max(act["peak"], states["step_extra"] - states["autocast_copies"]))
     if not lp.packed:
-        m = masked_attention_bytes(shape, lp.rows, lp.tokens, lp.tokens, dtype_bytes=2 if autocast else mode_bytes)
-        plan.notes.append(
-            f"padded passes: masked attention with key/value heads matched to the query's (CUDA's "
-            f"memory-efficient kernel, not the math kernel): per layer k and v repeated to "
-            f"{shape.num_attention_heads} heads {_gib(m['repeated_kv'])}, SDPA's additive mask "
-            f"{_gib(m['float_mask'])}, boolean mask {_gib(m['boolean_mask'])}; in the activations above"
-        )
+        _padded_attention_note(plan, shape, lp, mode_bytes, autocast)
     if gpu is not None and per > 0:
         plan.budget = int(min(1.0, per) * usable_memory(gpu))
         if plan.fits is False:
             _learner_advice(plan, config, shape, states, act, lp, mode_bytes, autocast)
     return plan
+
+
+def _learner_model_states(config: Any, shape: ModelShape, adapters: int, n_learners: int) -> Dict[str, int]:
+    """:func:`model_state_bytes` of one of the ``n_learners`` learners' GPUs as ``config`` sets
+    them up (``adapters``: the LoRA parameters, 0 without LoRA); the learner's plan and the
+    colocated generation turn's."""
+    ddp_kwargs = dict(_get(config, "torch_ddp_kwargs", {}) or {})
+    return model_state_bytes(
+        shape,
+        backend=config.learner_backend,
+        zero_stage=int(config.deepspeed_zero_stage),
+        num_learners=max(1, n_learners),
+        model_dtype=config.model_dtype,
+        ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)),
+        lora_parameters=adapters,
+    )
+
+
+def _padded_attention_note(plan: ActorPlan, shape: ModelShape, lp: LearnerPass, mode_bytes: int, autocast: bool) -> None:
+    """A padded (not packed) pass: what its masked attention adds per layer (already counted
+    in the activations), noted on ``plan``."""
+    m = masked_attention_bytes(shape, lp.rows, lp.tokens, lp.tokens, dtype_bytes=2 if autocast else mode_bytes)
+    plan.notes.append(
+        f"padded passes: masked attention with key/value heads matched to the query's (CUDA's "
+        f"memory-efficient kernel, not the math kernel): per layer k and v repeated to "
+        f"{shape.num_attention_heads} heads {_gib(m['repeated_kv'])}, SDPA's additive mask "
+        f"{_gib(m['float_mask'])}, boolean mask {_gib(m['boolean_mask'])}; in the activations above"
+    )
 
 
 def _ddp_state_items(plan: ActorPlan, shape: ModelShape, states: Dict[str, int], model_dtype: str) -> Tuple[int, bool]:
@@ -1559,16 +1592,7 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
     n_learners = int(_get(config, "num_learners", 0))
     per = float(_get(config, "num_gpus_per_learner", 0))
     adapters = shape.lora_parameters(config.lora_rank, config.lora_target_modules) if config.lora_rank else 0
-    ddp_kwargs = dict(_get(config, "torch_ddp_kwargs", {}) or {})
-    states = model_state_bytes(
-        shape,
-        backend=config.learner_backend,
-        zero_stage=int(config.deepspeed_zero_stage),
-        num_learners=max(1, n_learners),
-        model_dtype=config.model_dtype,
-        ddp_bucket_view=bool(ddp_kwargs.get("gradient_as_bucket_view", False)),
-        lora_parameters=adapters,
-    )
+    states = _learner_model_states(config, shape, adapters, n_learners)
     plan = ActorPlan("learner, generation turn (colocate)", max(1, n_learners), per)
     it = plan.items.append
     b = dtype_bytes(config.model_dtype)
@@ -1581,6 +1605,29 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
     zero3 = _zero3(config)
     if config.generation_backend == "vllm" or zero3:
         plan.notes.append(f"optimizer state ({_gib(states['optimizer'])}) and gradients offloaded / dropped while the sampler is awake")
+    _weight_push_items(plan, config, shape, b, zero3)
+    if config.generation_backend == "vllm":
+        vllm_share = _vllm_engine_items(plan, config, shape, gpu, b, chunk, max_len)
+    else:
+        _hf_generation_items(plan, config, shape, states, b, chunk, prompt, response, zero3)
+    if config.scoring_on != "learners" and config.behaviour_logprobs == "recompute":
+        it(
+            Item(
+                "scoring pass",
+                scoring_activation_bytes(shape, chunk, tokens, response_tokens=response, dtype_bytes=b),
+                f"behaviour log-probs: generation_batch_size {chunk} rows x {tokens} tokens, no grad",
+            )
+        )
+    it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
+    _colocated_turn_budget(plan, gpu, per, vllm_share)
+    return plan
+
+
+def _weight_push_items(plan: ActorPlan, config: Any, shape: ModelShape, b: int, zero3: bool) -> None:
+    """``colocate``: what pushing the learner's weights to the sampler holds at a time: under
+    ZeRO-3 a gathered decoder layer; with LoRA (vLLM or ZeRO-3) a merged decoder layer and the
+    merge's temporaries."""
+    it = plan.items.append
     if zero3:
         it(
             Item(
@@ -1608,9 +1655,17 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
                 f"one weight at a time",
             )
         )
-    if config.generation_backend == "vllm":
-        vllm_share = _vllm_engine_items(plan, config, shape, gpu, b, chunk, max_len)
-    elif zero3:
+
+
+def _hf_generation_items(
+    plan: ActorPlan, config: Any, shape: ModelShape, states: Dict[str, int], b: int, chunk: int, prompt: int, response: int, zero3: bool
+) -> None:
+    """``colocate`` with the HF backend: the model that generates and its KV cache. Under ZeRO-3
+    it is a plain copy of the weights; otherwise the learner's own model, whose optimizer state
+    (and autocast's weight copies) stay through the turn."""
+    it = plan.items.append
+    tokens = prompt + response
+    if zero3:
         it(
             Item(
                 "HF generation copy (ZeRO-3)",
@@ -1644,15 +1699,11 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
                 f"generation_batch_size {chunk} x {tokens} tokens x {kv_token / 1024:.0f} KiB",
             )
         )
-    if config.scoring_on != "learners" and config.behaviour_logprobs == "recompute":
-        it(
-            Item(
-                "scoring pass",
-                scoring_activation_bytes(shape, chunk, tokens, response_tokens=response, dtype_bytes=b),
-                f"behaviour log-probs: generation_batch_size {chunk} rows x {tokens} tokens, no grad",
-            )
-        )
-    it(Item("CUDA context, workspaces", PROCESS_OVERHEAD_BYTES, "assumed"))
+
+
+def _colocated_turn_budget(plan: ActorPlan, gpu: Optional[int], per: float, vllm_share: Optional[int]) -> None:
+    """The turn's budget (the learner's share of its GPU) and, when the turn does not fit, the
+    setting to change: vLLM's memory share, else the HF generation chunk."""
     if gpu is not None and per > 0:
         plan.budget = int(min(1.0, per) * usable_memory(gpu))
         if not plan.failed and plan.fits is False:
@@ -1666,7 +1717,6 @@ def _colocated_turn_plan(config: Any, shape: ModelShape, gpu: Optional[int], pro
             else:
                 plan.key = "generation_batch_size"
                 plan.advice = "the HF KV cache and scoring pass of a generation chunk do not fit beside the learner"
-    return plan
 
 
 def plan_problems(config: Any) -> List[str]:

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from rllib_exgrpo.planning.memory import (
     GIB,
+    ActorPlan,
     Item,
     MemoryPlan,
     plan_memory,
@@ -155,6 +156,13 @@ def plan_ppo_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory
             f"GAE value pass ({gae / GIB:.2f} GiB: value_batch_size {view.value_batch_size} rows x "
             f"{prompt} prompt tokens, no grad) runs before the update and peaks below it"
         )
+    _ppo_advice(learner, view)
+    return plan
+
+
+def _ppo_advice(learner: ActorPlan, view: SimpleNamespace) -> None:
+    """The learner's advice in RLlib's PPO's terms: a pass there is a whole minibatch (no micro
+    batches to shrink), and there is no DeepSpeed learner to switch to."""
     if learner.budget is not None and learner.fits is False and learner.key in ("learner_micro_batch_rows", "learner_micro_batch_tokens"):
         import re
 
@@ -172,4 +180,3 @@ def plan_ppo_memory(config: Any, *, gpu_memory: Optional[int] = None, gpu_memory
         learner.advice = (
             "RLlib's PPO has no DeepSpeed learner: the DDP learner's model states do not fit; train LoRA adapters (model_config.lora_rank)"
         )
-    return plan
