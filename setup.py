@@ -1,4 +1,5 @@
 """rllib-exgrpo: experience-driven RL (ExGRPO, XRPO, GRPO) for LLM reasoning on Ray RLlib."""
+
 from pathlib import Path
 
 from setuptools import find_packages, setup
