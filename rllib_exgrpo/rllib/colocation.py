@@ -49,8 +49,6 @@ import torch
 
 from rllib_exgrpo.rllib.optimizer_offload import OptimizerOffload, optimizer_state_tensors  # noqa: F401
 from rllib_exgrpo.models.weight_buckets import plain_weight_buckets
-from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
-from rllib_exgrpo.rllib.rollouts import learner_error, split_evenly
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +152,9 @@ class ColocatedSampler:
         #: ZeRO-3: the learner's weights are partitions, gathered layer by layer for each turn.
         self.partitioned = is_partitioned(module)
         if runner is None:
+            # lazy: the GPU check imports this module (OptimizerOffload) where Ray is not installed
+            from rllib_exgrpo.rllib.env_runner import LLMEnvRunner
+
             runner = LLMEnvRunner(config=config, worker_index=index)
             if self.partitioned and config.generation_backend != "vllm":
                 # The HF backend cannot generate from partitions: a plain copy of the model,
@@ -370,6 +371,9 @@ def sample_on_learners(
     by the learners (``colocate``): the questions cut into one contiguous share per learner
     (a question's group stays on one learner), each learner sampling its own share with its
     :class:`ColocatedSampler`. Episodes come back in question order."""
+    # lazy: the GPU check imports this module (OptimizerOffload) where Ray is not installed
+    from rllib_exgrpo.rllib.rollouts import learner_error, split_evenly
+
     prefixes = list(prompt_prefixes) if prompt_prefixes is not None else [None] * len(question_ids)
     parts = 1 if learner_group.is_local else max(1, len(learner_group))
     items = list(zip(question_ids, num_samples, prefixes))
