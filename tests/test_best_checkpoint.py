@@ -87,9 +87,41 @@ def test_best_checkpoint_is_kept_and_picked(tmp_path, capsys):
     assert main(["export", str(run), str(tmp_path / "model"), "--best"]) == 0
     assert f"best checkpoint by heldout/accuracy: {folder}" in capsys.readouterr().out
     assert (tmp_path / "model" / "config.json").is_file()
+    # Without --best, the run folder of one trial is that trial's latest checkpoint.
+    assert main(["export", str(run), str(tmp_path / "latest")]) == 0
+    assert (tmp_path / "latest" / "config.json").is_file()
 
 
 def test_best_without_a_trial_is_one_line(tmp_path, capsys):
     assert main(["evaluate", "--model", str(tmp_path), "--best", "--data", "arithmetic"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--best" in err[0] and "no Tune run" in err[0]
+
+
+def test_a_run_folder_of_one_trial_is_that_trials_checkpoint_and_of_several_is_refused(tmp_path):
+    """``rllib evaluate --model RUN``, ``rllib compare RUN ...`` and ``rllib export RUN``: a run
+    folder (storage_path/<experiment>) with one trial stands for that trial's latest
+    checkpoint; with several, one line names them and says what to pass."""
+    from rllib_exgrpo.evaluation.checkpoints import RunFolderError, find_checkpoint
+    from rllib_exgrpo.evaluation.paths import PolicyPathError, checkpoint_source, policy_source
+
+    def checkpoint(folder):
+        (folder / "learner_group").mkdir(parents=True)
+        (folder / "rllib_checkpoint.json").write_text("{}")
+
+    run = tmp_path / "grpo-tiny"
+    checkpoint(run / "GRPO_ReasoningEnv_0_00000" / "checkpoint_000001")
+    checkpoint(run / "GRPO_ReasoningEnv_0_00000" / "checkpoint_000003")
+    (run / "basic-variant-state.json").write_text("{}")
+    from rllib_exgrpo.evaluation import checkpoints
+
+    assert checkpoints._single_trial_checkpoint(run) == run / "GRPO_ReasoningEnv_0_00000" / "checkpoint_000003"
+    checkpoint(run / "GRPO_ReasoningEnv_1_00001" / "checkpoint_000002")
+    with pytest.raises(RunFolderError, match="run folder of 2 trials"):
+        find_checkpoint(run)
+    for check in (policy_source, checkpoint_source):
+        with pytest.raises(PolicyPathError) as err:
+            check(str(run))
+        message = str(err.value)
+        assert message.startswith(f"{run} is a run folder of 2 trials (GRPO_ReasoningEnv_0_00000, ")
+        assert "--best" in message and "\n" not in message

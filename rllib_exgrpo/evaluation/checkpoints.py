@@ -86,6 +86,25 @@ def _latest_checkpoint(p: Path) -> Optional[Path]:
     return max(found)[1] if found else None
 
 
+class RunFolderError(FileNotFoundError):
+    """A run folder of several trials where one checkpoint was asked for (one line)."""
+
+
+def _single_trial_checkpoint(p: Path) -> Optional[Path]:
+    """A Tune run folder (``storage_path/<experiment>``) with one trial: that trial's latest
+    checkpoint. None when no subfolder is a trial with checkpoints; several trials raise
+    ``FileNotFoundError`` naming them (which one is the caller's choice: a trial folder, or
+    ``--best`` for the highest ``heldout/accuracy``)."""
+    trials = sorted(child for child in p.iterdir() if child.is_dir() and _latest_checkpoint(child) is not None)
+    if len(trials) > 1:
+        names = ", ".join(t.name for t in trials[:3]) + (", ..." if len(trials) > 3 else "")
+        raise RunFolderError(
+            f"{p} is a run folder of {len(trials)} trials ({names}): name one trial folder, or pass --best "
+            "for the checkpoint of highest heldout/accuracy"
+        )
+    return _latest_checkpoint(trials[0]) if trials else None
+
+
 def _module_dir_of(algo: Path) -> Path:
     """The learner's RLModule folder of an algorithm checkpoint (``default_policy`` first)."""
     from ray.rllib.core import COMPONENT_LEARNER, COMPONENT_LEARNER_GROUP, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
@@ -109,7 +128,7 @@ def find_checkpoint(path: Union[str, os.PathLike]) -> Tuple[Optional[Path], Path
 
     ``path`` may be an algorithm checkpoint (``algo.save_to_path`` / Tune's
     ``checkpoint_*``), a Tune trial folder (its highest-numbered ``checkpoint_*`` is used),
-    or an RLModule folder (``.../learner_group/learner/rl_module/default_policy``); a
+    a run folder of one trial (that trial's), or an RLModule folder (``.../learner_group/learner/rl_module/default_policy``); a
     relative ``path`` is relative to the working directory, and the folders returned are
     absolute. Raises ``FileNotFoundError`` when ``path`` is none of these.
     """
@@ -118,13 +137,14 @@ def find_checkpoint(path: Union[str, os.PathLike]) -> Tuple[Optional[Path], Path
     p = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
     if not p.is_dir():
         raise FileNotFoundError(f"not a checkpoint folder: {p}")
-    algo = p if _is_algo_dir(p) else _latest_checkpoint(p)
+    algo = p if _is_algo_dir(p) else (_latest_checkpoint(p) or _single_trial_checkpoint(p))
     if algo is None:
         if _is_module_dir(p):
             return None, p
         raise FileNotFoundError(
             f"{p} is not an RLlib checkpoint of this project: expected rllib_checkpoint.json and "
-            "learner_group/ (algo.save_to_path), checkpoint_* subfolders (a Tune trial), or a module folder"
+            "learner_group/ (algo.save_to_path), checkpoint_* subfolders (a Tune trial), a run folder of one "
+            "trial, or a module folder"
         )
     return algo, _module_dir_of(algo)
 

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Union
 
-from rllib_exgrpo.evaluation.checkpoints import is_checkpoint
+from rllib_exgrpo.evaluation.checkpoints import RunFolderError, find_checkpoint, is_checkpoint
 from rllib_exgrpo.models.rehearsal import is_rehearsal_spec
 
 #: Model names resolved by :func:`rllib_exgrpo.models.resolve_model_path`, never paths.
@@ -29,12 +29,12 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?"
 #: What a folder given as a policy must be (the end of the one-line errors).
 EXPECTED = (
     "an RLlib checkpoint of this project (rllib_checkpoint.json and learner_group/, a Tune "
-    "trial folder with checkpoint_* subfolders, or a module folder) or a Hugging Face model "
-    "folder (config.json)"
+    "trial folder with checkpoint_* subfolders, a run folder of one trial, or a module folder) or a "
+    "Hugging Face model folder (config.json)"
 )
 EXPECTED_CHECKPOINT = (
     "an RLlib checkpoint of this project (rllib_checkpoint.json and learner_group/, "
-    "a Tune trial folder with checkpoint_* subfolders, or a module folder)"
+    "a Tune trial folder with checkpoint_* subfolders, a run folder of one trial, or a module folder)"
 )
 
 
@@ -79,7 +79,19 @@ def policy_source(text: Union[str, os.PathLike]) -> str:
         raise PolicyPathError(f"{raw} is a file; expected a folder: {EXPECTED}")
     if is_checkpoint(path) or is_hf_model_dir(path):
         return path
+    _run_folder_problem(raw, path)
     raise PolicyPathError(f"{raw} is not a model folder; expected {EXPECTED}")
+
+
+def _run_folder_problem(raw: str, path: str) -> None:
+    """A run folder of several trials: :class:`PolicyPathError` saying so (and what to pass)."""
+    try:
+        find_checkpoint(path)
+    except RunFolderError as e:
+        message = str(e)
+        raise PolicyPathError(raw + message[len(path) :] if message.startswith(path) else message) from None
+    except (FileNotFoundError, OSError):
+        return
 
 
 def checkpoint_source(text: Union[str, os.PathLike]) -> str:
@@ -92,6 +104,7 @@ def checkpoint_source(text: Union[str, os.PathLike]) -> str:
     if not os.path.isdir(path):
         raise PolicyPathError(f"{raw} is a file; expected a folder: {EXPECTED_CHECKPOINT}")
     if not is_checkpoint(path):
+        _run_folder_problem(raw, path)
         hint = " (a Hugging Face model folder already)" if is_hf_model_dir(path) else ""
         raise PolicyPathError(f"{raw} is not a checkpoint{hint}; expected {EXPECTED_CHECKPOINT}")
     return path
