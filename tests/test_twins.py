@@ -177,8 +177,8 @@ def _smallest(spec: dict) -> dict:
 
 
 def _fewer_actors(spec: dict) -> dict:
-    """One learner and at most 1 env runner (and PPO at most 16 optimiser steps). The recipes'
-    full counts (4 vLLM runners and 4 learners, or 8 colocated learners) are rehearsed by the
+    """One learner and at most 1 env runner, GRPO 16 questions a step, PPO at most 16 optimiser
+    steps. The recipes' full counts (4 vLLM runners and 4 learners, or 8 colocated learners) are rehearsed by the
     ExGRPO recipe's own rehearsal
     (tests/test_rehearsal.py), which a twin shares apart from the algorithm: starting 4 CPU
     vLLM engines and 4 learners again for each twin cost 3-4 minutes of a 2-core CI run each,
@@ -192,6 +192,11 @@ def _fewer_actors(spec: dict) -> dict:
         # with its batch; this is the value before that.)
         rows = 2 * int(c["train_batch_size_per_learner"])
         out["minibatch_size"] = max(int(c["minibatch_size"]), rows // 16)
+    else:
+        # 16 questions (128 completions): the rehearsal keeps 62 of the recipes' 128 for two
+        # micro-batch passes per learner, 496 completions of 151,936-wide logits an iteration
+        # (35-45 s each on 2 cores); one pass shows the twin's path as well.
+        out["questions_per_step"] = min(int(c["questions_per_step"]), 16)
     if int(c.get("num_learners", 0) or 0) > 1:
         out["num_learners"] = 1
     if int(c.get("num_env_runners", 0) or 0) > 1:
