@@ -268,37 +268,12 @@ def _measured_peak(shape, rows, prompt, response, ckpt, nograd=False):
     import memory_plan as bench
     import torch
 
-    from rllib_exgrpo.core.losses import mixed_policy_loss
-    from rllib_exgrpo.core.scoring import completion_logprobs_and_entropy
-
     torch.manual_seed(0)
     model = _hf_model(shape, device="cpu")
     on = "enable" if ckpt else "disable"
     (getattr(model, f"activation_checkpointing_{on}", None) or getattr(model, f"gradient_checkpointing_{on}"))()
     model.train()
-
-    def learner(batch, resp):
-        ids, attn, rmask, adv, off = batch
-        logp, ent = completion_logprobs_and_entropy(model, ids, attn, resp)
-        loss, _ = mixed_policy_loss(
-            logp,
-            logp.detach(),
-            adv,
-            rmask,
-            off,
-            clip_fresh=False,
-            beta=0.1,
-            agg_mode="seq-mean-token-sum-norm-official",
-            max_len=resp,
-            micro_batch_rows=64,
-            entropy=ent,
-            entropy_coeff=0.001,
-        )
-        loss.backward()
-
-    def scoring(batch, resp):
-        with torch.no_grad():
-            completion_logprobs_and_entropy(model, batch[0], batch[1], resp)
+    learner, scoring = bench._passes(model, contextlib.nullcontext)  # the benchmark's own passes, fp32
 
     learner(bench._batch(2, 8, 8, shape.vocab_size, 0), 8)  # gradients exist before
     batch = bench._batch(rows, prompt, response, shape.vocab_size, 1)
