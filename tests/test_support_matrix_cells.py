@@ -2,8 +2,8 @@
 iteration as the table lays it out (2 learners, 1 env runner or none when colocated) on the
 tiny model, with HF or vLLM's CPU build (those marked ``vllm``, run in its virtualenv by
 tests/run.sh). Which combinations: ``support_matrix.pairwise_combinations()``, every pair of
-switch values the table accepts together at least once (12 of the 60: each costs 15-30 s of a
-2-core machine, an actor start per learner and runner, all 60 about 12 minutes of CI).
+switch values the table accepts together at least once (12 of the 60: each costs 15-45 s of a
+2-core machine, an actor start per learner and runner, all 60 about 15 minutes of CI).
 
 One iteration at the smallest batch that still gives each learner a minibatch: 4 questions
 x G=4 = 16 completions, one optimiser step of 8 rows on each learner. What is checked is
